@@ -1,0 +1,70 @@
+#include "core/head_config.h"
+
+#include <cmath>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace attnserve::core {
+namespace {
+
+// OK when 1 <= value <= max; INVALID_ARGUMENT naming `field` otherwise.
+absl::Status CheckDimension(absl::string_view field, int64_t value, int64_t max) {
+  if (value < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_config.", field, ": must be positive, got ", value));
+  }
+  if (value > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_config.", field, ": ", value, " exceeds the limit ", max));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<HeadConfig> ResolveHeadConfig(const HeadConfig& config) {
+  HeadConfig resolved = config;
+
+  if (absl::Status s = CheckDimension("d_model", resolved.d_model, kMaxDModel); !s.ok()) return s;
+  if (absl::Status s = CheckDimension("num_heads", resolved.num_heads, kMaxHeads); !s.ok()) {
+    return s;
+  }
+
+  if (resolved.num_kv_heads == 0) resolved.num_kv_heads = resolved.num_heads;
+  if (absl::Status s = CheckDimension("num_kv_heads", resolved.num_kv_heads, kMaxHeads); !s.ok()) {
+    return s;
+  }
+  if (resolved.num_heads % resolved.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("head_config.num_kv_heads: ",
+                                                   resolved.num_kv_heads, " does not divide num_heads ",
+                                                   resolved.num_heads));
+  }
+
+  if (resolved.head_dim == 0) {
+    if (resolved.d_model % resolved.num_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "head_config.head_dim: unset, and the default d_model / num_heads needs num_heads ",
+          resolved.num_heads, " to divide d_model ", resolved.d_model));
+    }
+    resolved.head_dim = resolved.d_model / resolved.num_heads;
+  }
+  if (absl::Status s = CheckDimension("head_dim", resolved.head_dim, kMaxHeadDim); !s.ok()) {
+    return s;
+  }
+
+  if (resolved.scale == 0.0f) {
+    resolved.scale =
+        static_cast<float>(1.0 / std::sqrt(static_cast<double>(resolved.head_dim)));
+  }
+  if (!std::isfinite(resolved.scale) || resolved.scale <= 0.0f) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head_config.scale: must be finite and positive, got ", resolved.scale));
+  }
+  return resolved;
+}
+
+}  // namespace attnserve::core

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages attnserve needs. Idempotent: when everything is
+# present it only checks (a second or two) and installs nothing.
+#
+#   deploy/install_deps.sh            build + test dependencies (default)
+#   deploy/install_deps.sh --runtime  only what the built binaries need at run time
+#   deploy/install_deps.sh --print-runtime  print that list
+set -euo pipefail
+
+BUILD_PKGS=(
+  build-essential cmake ninja-build pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
+  libdnnl-dev ocl-icd-opencl-dev libabsl-dev prometheus-cpp-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+# Real peers the tests talk to (Python gRPC client, NumPy reference).
+TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf)
+# What the built binaries load (deploy/check_runtime_deps.sh proves the list
+# complete against ldd).
+RUNTIME_PKGS=(libgrpc++1.51 libgrpc29 libprotobuf32 libdnnl2 libabsl20220623 libgomp1)
+
+case "${1:-}" in
+  --runtime) PKGS=("${RUNTIME_PKGS[@]}") ;;
+  --print-runtime) echo "${RUNTIME_PKGS[@]}"; exit 0 ;;
+  "" | --all) PKGS=("${BUILD_PKGS[@]}" "${TEST_PKGS[@]}") ;;
+  -h | --help) sed -n '2,8p' "$0"; exit 0 ;;
+  *) echo "install_deps.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+esac
+
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install_deps.sh: all ${#PKGS[@]} packages present"
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+echo "install_deps.sh: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

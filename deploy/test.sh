@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs the whole test suite: unit,
+# integration (the server on a real port) and end-to-end (the real binary
+# called from Python), plus the deployment checks.
+# Extra arguments go to ctest (e.g. -L unit, -R Attention).
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+BUILD_DIR="${BUILD_DIR:-$REPO/build}"
+"$REPO/deploy/install_deps.sh"
+start=$(date +%s)
+"$REPO/deploy/build.sh" "$BUILD_DIR" RelWithDebInfo
+echo "test.sh: built in $(( $(date +%s) - start )) s"
+"$REPO/deploy/check_runtime_deps.sh" "$BUILD_DIR"
+ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -j2 "$@"

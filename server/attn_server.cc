@@ -1,0 +1,140 @@
+#include "server/attn_server.h"
+
+#include <chrono>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "core/status_macros.h"
+#include "server/log.h"
+
+namespace attnserve::server {
+namespace {
+
+absl::Status CheckRange(absl::string_view flag, int64_t value, int64_t min, int64_t max) {
+  if (value >= min && value <= max) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--", flag, ": ", value, " is outside [", min, ", ", max, "]"));
+}
+
+// Runs one small forward pass so OpenMP's threads and oneDNN's kernels exist
+// before the first request.
+absl::Status WarmUp(const Model& model, ComputeExecutor& executor) {
+  const core::AttentionShape shape{.batch = 1, .seq_len = 16};
+  const int64_t elements = shape.batch * shape.seq_len * model.layer->config().d_model;
+  std::vector<float> input(elements, 0.5f), output(elements);
+  absl::Status status;
+  absl::Notification done;
+  ATTNSERVE_RETURN_IF_ERROR(executor.Submit([&] {
+    status = model.layer->Forward(input, shape, {}, {.output = absl::MakeSpan(output), .attention_maps = {}})
+                 .status();
+    done.Notify();
+  }));
+  done.WaitForNotification();
+  return status;
+}
+
+}  // namespace
+
+absl::Status ValidateServerOptions(const ServerOptions& options) {
+  constexpr int64_t kIntMax = std::numeric_limits<int>::max();
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckRange("max_receive_message_bytes", options.max_receive_message_bytes, 1024, kIntMax));
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckRange("max_send_message_bytes", options.max_send_message_bytes, 1024, kIntMax));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("compute_threads", options.compute_threads, 0, 1024));
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckRange("max_queued_requests", options.max_queued_requests, 1, 1 << 20));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_batch", options.limits.max_batch, 1, 1 << 20));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_seq_len", options.limits.max_seq_len, 1, 1 << 20));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_attention_map_bytes",
+                                       options.limits.max_attention_map_bytes, 0, int64_t{1} << 40));
+  if (!(options.drain_timeout_seconds >= 0 && options.drain_timeout_seconds <= 3600)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--drain_timeout_seconds: ", options.drain_timeout_seconds, " is outside [0, 3600]"));
+  }
+  if (options.listen_address.empty()) {
+    return absl::InvalidArgumentError("--listen_address: required (host:port)");
+  }
+  return absl::OkStatus();
+}
+
+AttnServer::AttnServer(const ServerOptions& options) : options_(options) {}
+
+absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptions& options) {
+  ATTNSERVE_RETURN_IF_ERROR(ValidateServerOptions(options));
+  std::unique_ptr<AttnServer> server(new AttnServer(options));
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      server->executor_,
+      ComputeExecutor::Create({.queue_capacity = options.max_queued_requests,
+                               .compute_threads = options.compute_threads}));
+  server->service_ = std::make_unique<AttentionServiceImpl>(options, &server->registry_,
+                                                            server->executor_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
+                           &server->port_);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_receive_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_send_message_bytes));
+  builder.RegisterService(server->service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("--listen_address: cannot listen on '", options.listen_address, "'"));
+  }
+  // gRPC's health service says SERVING from the start; it must not until the
+  // models are loaded and warm.
+  server->SetHealth(false);
+  return server;
+}
+
+AttnServer::~AttnServer() { Shutdown(); }
+
+void AttnServer::SetHealth(bool serving) {
+  grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
+  health->SetServingStatus("", serving);
+  health->SetServingStatus(v1::AttentionService::service_full_name(), serving);
+}
+
+absl::Status AttnServer::LoadModelsAndServe() {
+  const absl::Time start = absl::Now();
+  ATTNSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                             MakeBuiltinModel(options_.builtin_model_seed));
+  ATTNSERVE_RETURN_IF_ERROR(WarmUp(*model, *executor_));
+  ATTNSERVE_RETURN_IF_ERROR(registry_.Add(model));
+  LogLine(absl::StrCat("model '", model->name, "' loaded and warm in ",
+                       absl::FormatDuration(absl::Now() - start), ": ", model->description));
+  service_->set_state(AttentionServiceImpl::State::kServing);
+  SetHealth(true);
+  return absl::OkStatus();
+}
+
+void AttnServer::Shutdown() {
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_) return;
+    shut_down_ = true;
+  }
+  if (server_ != nullptr) {  // null only when Create failed
+    SetHealth(false);
+    service_->set_state(AttentionServiceImpl::State::kDraining);
+    const auto drain_deadline =
+        std::chrono::system_clock::now() +
+        std::chrono::milliseconds(static_cast<int64_t>(options_.drain_timeout_seconds * 1000));
+    server_->Shutdown(drain_deadline);  // returns when every call has finished
+  }
+  if (executor_ != nullptr) executor_->Shutdown();
+}
+
+}  // namespace attnserve::server

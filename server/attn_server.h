@@ -1,0 +1,70 @@
+#ifndef ATTNSERVE_SERVER_ATTN_SERVER_H_
+#define ATTNSERVE_SERVER_ATTN_SERVER_H_
+
+#include <memory>
+
+#include <grpcpp/server.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/attention_service.h"
+#include "server/compute_executor.h"
+#include "server/model_registry.h"
+#include "server/server_options.h"
+
+namespace attnserve::server {
+
+// The whole attnserve server: the gRPC server (AttentionService, standard
+// health, reflection), the model registry and the compute executor.
+//
+// Life: Create (listening, health NOT_SERVING) -> LoadModelsAndServe (health
+// SERVING) -> Shutdown (health NOT_SERVING, drains calls in flight).
+// Health is reported for "" and for "attnserve.v1.AttentionService" alike:
+// SERVING exactly while Attend can be served.
+//
+// Thread-safe.
+class AttnServer {
+ public:
+  // INVALID_ARGUMENT for bad options, UNAVAILABLE when the address cannot be
+  // bound.
+  static absl::StatusOr<std::unique_ptr<AttnServer>> Create(const ServerOptions& options);
+  ~AttnServer();  // Shutdown()
+  AttnServer(const AttnServer&) = delete;
+  AttnServer& operator=(const AttnServer&) = delete;
+
+  // Loads the built-in model, warms it up on the compute executor, then turns
+  // health SERVING. INTERNAL when the model cannot be built.
+  absl::Status LoadModelsAndServe();
+
+  // Turns health NOT_SERVING, refuses new calls (UNAVAILABLE), lets calls in
+  // flight finish (up to options.drain_timeout_seconds, then cancels them),
+  // and stops. Idempotent.
+  void Shutdown();
+
+  // The bound port (the one picked, when options asked for port 0).
+  int port() const { return port_; }
+
+ private:
+  explicit AttnServer(const ServerOptions& options);
+  void SetHealth(bool serving);
+
+  // Constant after Create.
+  const ServerOptions options_;
+  ModelRegistry registry_;
+  std::unique_ptr<ComputeExecutor> executor_;
+  std::unique_ptr<AttentionServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+};
+
+// INVALID_ARGUMENT naming the flag when an option is out of range.
+absl::Status ValidateServerOptions(const ServerOptions& options);
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_ATTN_SERVER_H_

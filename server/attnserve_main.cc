@@ -1,0 +1,91 @@
+// attnserve: the multi-head attention gRPC server.
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "server/attn_server.h"
+#include "server/log.h"
+#include "server/server_options.h"
+
+namespace {
+const attnserve::server::ServerOptions kDefaults;
+}  // namespace
+
+ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
+          "host:port to serve gRPC on (port 0 picks a free port, printed at start-up)");
+ABSL_FLAG(int64_t, max_receive_message_bytes, kDefaults.max_receive_message_bytes,
+          "Largest request message accepted, in bytes");
+ABSL_FLAG(int64_t, max_send_message_bytes, kDefaults.max_send_message_bytes,
+          "Largest response message sent, in bytes; requests whose output and maps would be "
+          "larger are refused before compute (RESOURCE_EXHAUSTED)");
+ABSL_FLAG(int, compute_threads, kDefaults.compute_threads,
+          "Threads the compute executor gives oneDNN (0: one per core)");
+ABSL_FLAG(int64_t, max_queued_requests, kDefaults.max_queued_requests,
+          "Requests that may wait for the compute executor; more are refused "
+          "(RESOURCE_EXHAUSTED)");
+ABSL_FLAG(int64_t, max_batch, kDefaults.limits.max_batch, "Most sequences in one request");
+ABSL_FLAG(int64_t, max_seq_len, kDefaults.limits.max_seq_len, "Longest sequence in a request");
+ABSL_FLAG(int64_t, max_attention_map_bytes, kDefaults.limits.max_attention_map_bytes,
+          "Most bytes of attention maps one request may ask for");
+ABSL_FLAG(double, drain_timeout_seconds, kDefaults.drain_timeout_seconds,
+          "On SIGTERM/SIGINT, how long calls in flight may take to finish");
+ABSL_FLAG(uint64_t, builtin_model_seed, kDefaults.builtin_model_seed,
+          "Seed of the built-in model's weights (docs/seeded_weights.md)");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Serves multi-head attention over gRPC (attnserve.v1.AttentionService, "
+      "grpc.health.v1.Health, server reflection).\n"
+      "Usage: attnserve [--listen_address=0.0.0.0:50051] [flags]\n"
+      "Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish, exit 0.");
+  absl::ParseCommandLine(argc, argv);
+
+  attnserve::server::ServerOptions options;
+  options.listen_address = absl::GetFlag(FLAGS_listen_address);
+  options.max_receive_message_bytes = absl::GetFlag(FLAGS_max_receive_message_bytes);
+  options.max_send_message_bytes = absl::GetFlag(FLAGS_max_send_message_bytes);
+  options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  options.max_queued_requests = absl::GetFlag(FLAGS_max_queued_requests);
+  options.limits.max_batch = absl::GetFlag(FLAGS_max_batch);
+  options.limits.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
+  options.limits.max_attention_map_bytes = absl::GetFlag(FLAGS_max_attention_map_bytes);
+  options.drain_timeout_seconds = absl::GetFlag(FLAGS_drain_timeout_seconds);
+  options.builtin_model_seed = absl::GetFlag(FLAGS_builtin_model_seed);
+
+  // Block the stop signals before any thread starts, so every thread inherits
+  // the mask and only sigwait below receives them.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  using attnserve::server::LogLine;
+  absl::StatusOr<std::unique_ptr<attnserve::server::AttnServer>> server =
+      attnserve::server::AttnServer::Create(options);
+  if (!server.ok()) {
+    LogLine(absl::StrCat("cannot start: ", server.status().ToString()));
+    return 2;
+  }
+  LogLine(absl::StrCat("listening on port ", (*server)->port(), " (", options.listen_address,
+                       "); health NOT_SERVING until the models are loaded"));
+  if (absl::Status loaded = (*server)->LoadModelsAndServe(); !loaded.ok()) {
+    LogLine(absl::StrCat("cannot load models: ", loaded.ToString()));
+    return 1;
+  }
+  LogLine("SERVING");
+
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  LogLine(absl::StrCat("received ", strsignal(signal_number), ": draining calls in flight"));
+  (*server)->Shutdown();
+  LogLine("stopped");
+  return 0;
+}

@@ -1,0 +1,14 @@
+#ifndef ATTNSERVE_SERVER_LOG_H_
+#define ATTNSERVE_SERVER_LOG_H_
+
+#include "absl/strings/string_view.h"
+
+namespace attnserve::server {
+
+// Writes one line "<RFC 3339 time> attnserve: <message>" to stderr.
+// Thread-safe (one write per line). The edges of the server log; core does not.
+void LogLine(absl::string_view message);
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_LOG_H_
