@@ -24,7 +24,7 @@
 #include "core/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
-// The layer runs as five stages of oneDNN primitives (FP32). With
+// The layer runs as four stages of oneDNN primitives (FP32). With
 // N = (Hq + 2 Hkv) * head_dim, G = Hq / Hkv and T = batch * seq_len tokens:
 //
 //  1. qkv = X W_qkv + b_qkv                 matmul  X [T, d_model] -> qkv [T, N],
@@ -91,11 +91,11 @@ Step MakeStep(const typename Primitive::primitive_desc& pd, int64_t* max_scratch
 
 // The sizes (in floats) of one forward shape; all products overflow-checked.
 struct Sizes {
-  int64_t tokens = 0;          // batch * seq_len
-  int64_t qkv = 0;             // tokens * N
-  int64_t chunk = 0;           // sequences per attention chunk
-  int64_t scores = 0;          // chunk * Hq * seq_len * seq_len
-  int64_t context_heads = 0;   // chunk * Hq * seq_len * head_dim
+  int64_t tokens = 0;         // batch * seq_len
+  int64_t qkv = 0;            // tokens * N
+  int64_t chunk = 0;          // sequences per attention chunk
+  int64_t scores = 0;         // chunk * Hq * seq_len * seq_len
+  int64_t context_heads = 0;  // chunk * Hq * seq_len * head_dim
 };
 
 absl::StatusOr<Sizes> ComputeSizes(const HeadConfig& c, AttentionShape shape) {
@@ -106,8 +106,8 @@ absl::StatusOr<Sizes> ComputeSizes(const HeadConfig& c, AttentionShape shape) {
   const std::optional<int64_t> per_sequence =
       CheckedProduct({c.num_heads, shape.seq_len, shape.seq_len});
   if (!tokens || !qkv || !per_sequence || *qkv > INT64_MAX / 4 || *per_sequence > INT64_MAX / 4) {
-    return absl::InvalidArgumentError(absl::StrCat("shape: batch ", shape.batch, ", seq_len ",
-                                                   shape.seq_len, " is too large"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("shape: batch ", shape.batch, ", seq_len ", shape.seq_len, " is too large"));
   }
   sizes.tokens = *tokens;
   sizes.qkv = *qkv;
@@ -173,8 +173,8 @@ ChunkPlan BuildChunkPlan(const dnnl::engine& engine, const HeadConfig& c, int64_
   p.softmax = MakeStep<dnnl::softmax_v2_forward>(
       dnnl::softmax_v2_forward::primitive_desc(
           dnnl::softmax_v2_forward::desc(dnnl::prop_kind::forward_inference,
-                                         dnnl::algorithm::softmax_accurate, p.probs_2d,
-                                         p.probs_2d, /*softmax_axis=*/1),
+                                         dnnl::algorithm::softmax_accurate, p.probs_2d, p.probs_2d,
+                                         /*softmax_axis=*/1),
           plain, engine),
       scratchpad_bytes);
 
@@ -192,14 +192,15 @@ ChunkPlan BuildChunkPlan(const dnnl::engine& engine, const HeadConfig& c, int64_
   // context [n*Hkv, G, S, hd] = P [n*Hkv, G, S, S] x V [n*Hkv, 1, S, hd]
   p.v = Dense({kv_batch, 1, s, hd}, Tag::abcd);
   p.context_heads = Dense({kv_batch, g, s, hd}, Tag::abcd);
-  p.context_mm = MakeStep<dnnl::matmul>(
-      dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.scores, p.v, p.context_heads), plain,
-                                   engine),
-      scratchpad_bytes);
+  p.context_mm =
+      MakeStep<dnnl::matmul>(dnnl::matmul::primitive_desc(
+                                 dnnl::matmul::desc(p.scores, p.v, p.context_heads), plain, engine),
+                             scratchpad_bytes);
 
   // [n, Hq, S, hd] -> token-major [n, S, Hq, hd] (the concatenation of the heads).
   const memory::desc heads_view = Dense({sequences, c.num_heads, s, hd}, Tag::abcd);
-  p.context_tokens = Strided({sequences, c.num_heads, s, hd}, {s * c.q_width(), hd, c.q_width(), 1});
+  p.context_tokens =
+      Strided({sequences, c.num_heads, s, hd}, {s * c.q_width(), hd, c.q_width(), 1});
   p.to_tokens = MakeStep<dnnl::reorder>(
       dnnl::reorder::primitive_desc(engine, heads_view, engine, p.context_tokens, plain),
       scratchpad_bytes);
@@ -265,8 +266,8 @@ std::unique_ptr<Plan> BuildPlan(const dnnl::engine& engine, const HeadConfig& c,
 absl::Status CheckSize(const char* field, size_t actual, int64_t expected,
                        const std::string& layout) {
   if (static_cast<int64_t>(actual) == expected) return absl::OkStatus();
-  return absl::InvalidArgumentError(absl::StrCat(field, ": size ", actual, " does not match ",
-                                                 layout, " = ", expected));
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": size ", actual, " does not match ", layout, " = ", expected));
 }
 
 absl::Status Cancelled() {
@@ -289,10 +290,12 @@ std::optional<int64_t> AttentionMapElements(const HeadConfig& config, AttentionS
   return std::nullopt;
 }
 
+// The layer's state. Thread-safe: Forward holds mu_ for the whole call, since
+// the stream, the plans and the scratch buffers are shared.
 class AttentionLayer::Impl {
  public:
-  Impl(const HeadConfig& config, dnnl::engine engine, dnnl::stream stream,
-       std::vector<float> w_qkv, std::vector<float> b_qkv, AttentionWeights weights)
+  Impl(const HeadConfig& config, dnnl::engine engine, dnnl::stream stream, std::vector<float> w_qkv,
+       std::vector<float> b_qkv, AttentionWeights weights)
       : config_(config),
         engine_(std::move(engine)),
         w_qkv_(std::move(w_qkv)),
@@ -365,14 +368,15 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::Forward(absl::Span<const float
       CheckedProduct({shape.batch, shape.seq_len, config_.d_model});
   if (!tokens_size) {
     return absl::InvalidArgumentError(absl::StrCat("shape: batch ", shape.batch, " * seq_len ",
-                                                   shape.seq_len, " * d_model ",
-                                                   config_.d_model, " overflows int64"));
+                                                   shape.seq_len, " * d_model ", config_.d_model,
+                                                   " overflows int64"));
   }
   const std::string tokens_layout = absl::StrCat("[batch ", shape.batch, ", seq_len ",
                                                  shape.seq_len, ", d_model ", config_.d_model, "]");
   ATTNSERVE_RETURN_IF_ERROR(
       CheckSize("hidden_states", hidden_states.size(), *tokens_size, tokens_layout));
-  ATTNSERVE_RETURN_IF_ERROR(CheckSize("output", outputs.output.size(), *tokens_size, tokens_layout));
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckSize("output", outputs.output.size(), *tokens_size, tokens_layout));
 
   std::string maps_layout;
   switch (options.attention_maps) {
@@ -384,8 +388,8 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::Forward(absl::Span<const float
                                  ", seq_len ", shape.seq_len, ", seq_len ", shape.seq_len, "]");
       break;
     case AttentionMapMode::kMeanOverHeads:
-      maps_layout = absl::StrCat("[batch ", shape.batch, ", seq_len ", shape.seq_len,
-                                 ", seq_len ", shape.seq_len, "]");
+      maps_layout = absl::StrCat("[batch ", shape.batch, ", seq_len ", shape.seq_len, ", seq_len ",
+                                 shape.seq_len, "]");
       break;
     default:
       return absl::InvalidArgumentError(
@@ -486,9 +490,9 @@ absl::StatusOr<Plan*> AttentionLayer::Impl::GetPlan(AttentionShape shape, const 
   auto it = plans_.find(key);
   if (it == plans_.end()) {
     if (plans_.size() >= kMaxCachedPlans) {
-      auto oldest = std::min_element(plans_.begin(), plans_.end(), [](const auto& a, const auto& b) {
-        return a.second->last_use < b.second->last_use;
-      });
+      auto oldest = std::min_element(
+          plans_.begin(), plans_.end(),
+          [](const auto& a, const auto& b) { return a.second->last_use < b.second->last_use; });
       plans_.erase(oldest);
     }
     it = plans_.emplace(key, BuildPlan(engine_, config_, shape, sizes)).first;

@@ -57,7 +57,8 @@ std::optional<int64_t> AttentionMapElements(const HeadConfig& config, AttentionS
 // them on one compute executor, which owns the cores through OpenMP).
 class AttentionLayer {
  public:
-  // INVALID_ARGUMENT when the config or the weights are malformed.
+  // INVALID_ARGUMENT when the config or the weights are malformed, INTERNAL
+  // when oneDNN fails.
   static absl::StatusOr<std::unique_ptr<AttentionLayer>> Create(const HeadConfig& config,
                                                                 AttentionWeights weights);
   ~AttentionLayer();
@@ -70,8 +71,10 @@ class AttentionLayer {
   //   hidden_states: [batch, seq_len, d_model], row-major
   //   outputs.output: [batch, seq_len, d_model]
   //   outputs.attention_maps: per AttentionMapMode (rows sum to 1)
-  // INVALID_ARGUMENT when a span's size does not match `shape`, CANCELLED when
-  // options.should_stop says so, INTERNAL when oneDNN fails.
+  // INVALID_ARGUMENT when a span's size does not match `shape` (or `shape` is
+  // empty or too large), CANCELLED when options.should_stop says so,
+  // RESOURCE_EXHAUSTED when scratch memory cannot be allocated, INTERNAL when
+  // oneDNN fails.
   absl::StatusOr<ForwardInfo> Forward(absl::Span<const float> hidden_states, AttentionShape shape,
                                       const ForwardOptions& options, ForwardOutputs outputs);
 

@@ -18,9 +18,9 @@ namespace {
 // One tensor of AttentionWeights with its expected shape.
 struct TensorSpec {
   absl::string_view name;
-  int64_t rows;     // 1 for biases
+  int64_t rows;  // 1 for biases
   int64_t columns;
-  int64_t fan_in;   // input width of the projection the tensor belongs to
+  int64_t fan_in;  // input width of the projection the tensor belongs to
 };
 
 // The tensors in field order; the index is the SeededUniform stream.
@@ -62,17 +62,15 @@ absl::Status ValidateWeights(const HeadConfig& config, const AttentionWeights& w
     const std::vector<float>& tensor = *tensors[t];
     const std::optional<int64_t> expected = CheckedProduct({spec.rows, spec.columns});
     if (!expected) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(spec.name, ": expected size overflows int64"));
+      return absl::InvalidArgumentError(absl::StrCat(spec.name, ": expected size overflows int64"));
     }
     if (static_cast<int64_t>(tensor.size()) != *expected) {
       return absl::InvalidArgumentError(
           spec.rows == 1
               ? absl::StrCat(spec.name, ": size ", tensor.size(), " does not match the expected ",
                              *expected)
-              : absl::StrCat(spec.name, ": size ", tensor.size(),
-                             " does not match the expected [", spec.rows, ", ", spec.columns,
-                             "] = ", *expected));
+              : absl::StrCat(spec.name, ": size ", tensor.size(), " does not match the expected [",
+                             spec.rows, ", ", spec.columns, "] = ", *expected));
     }
     for (size_t i = 0; i < tensor.size(); ++i) {
       if (!std::isfinite(tensor[i])) {

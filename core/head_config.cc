@@ -39,9 +39,9 @@ absl::StatusOr<HeadConfig> ResolveHeadConfig(const HeadConfig& config) {
     return s;
   }
   if (resolved.num_heads % resolved.num_kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("head_config.num_kv_heads: ",
-                                                   resolved.num_kv_heads, " does not divide num_heads ",
-                                                   resolved.num_heads));
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_config.num_kv_heads: ", resolved.num_kv_heads,
+                     " does not divide num_heads ", resolved.num_heads));
   }
 
   if (resolved.head_dim == 0) {
@@ -57,12 +57,11 @@ absl::StatusOr<HeadConfig> ResolveHeadConfig(const HeadConfig& config) {
   }
 
   if (resolved.scale == 0.0f) {
-    resolved.scale =
-        static_cast<float>(1.0 / std::sqrt(static_cast<double>(resolved.head_dim)));
+    resolved.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(resolved.head_dim)));
   }
   if (!std::isfinite(resolved.scale) || resolved.scale <= 0.0f) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "head_config.scale: must be finite and positive, got ", resolved.scale));
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_config.scale: must be finite and positive, got ", resolved.scale));
   }
   return resolved;
 }

@@ -31,9 +31,8 @@ absl::StatusOr<dnnl::engine> CpuEngine() {
 }
 
 absl::Status StatusFromDnnlError(const dnnl::error& error, absl::string_view what) {
-  return absl::InternalError(
-      absl::StrCat("oneDNN failed ", what, " (dnnl_status ", static_cast<int>(error.status),
-                   "): ", error.what()));
+  return absl::InternalError(absl::StrCat("oneDNN failed ", what, " (dnnl_status ",
+                                          static_cast<int>(error.status), "): ", error.what()));
 }
 
 void ScratchBuffer::Free::operator()(void* p) const { std::free(p); }

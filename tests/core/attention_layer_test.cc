@@ -1,11 +1,16 @@
 #include "core/attention_layer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
+#include <ostream>
 #include <random>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -72,8 +77,7 @@ AttentionWeights RandomWeights(const HeadConfig& config, std::mt19937_64& rng) {
   return w;
 }
 
-HeadConfig MakeConfig(int64_t d_model, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim) {
+HeadConfig MakeConfig(int64_t d_model, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
   HeadConfig config;
   config.d_model = d_model;
   config.num_heads = num_heads;
@@ -98,11 +102,13 @@ Buffers MakeBuffers(const HeadConfig& config, AttentionShape shape, AttentionMap
 }
 
 absl::StatusOr<ForwardInfo> RunLayer(AttentionLayer& layer, const std::vector<float>& hidden,
-                                AttentionShape shape, AttentionMapMode mode, Buffers& buffers) {
+                                     AttentionShape shape, AttentionMapMode mode,
+                                     Buffers& buffers) {
   ForwardOptions options;
   options.attention_maps = mode;
-  return layer.Forward(hidden, shape, options,
-                       ForwardOutputs{absl::MakeSpan(buffers.output), absl::MakeSpan(buffers.maps)});
+  return layer.Forward(
+      hidden, shape, options,
+      ForwardOutputs{absl::MakeSpan(buffers.output), absl::MakeSpan(buffers.maps)});
 }
 
 // Runs `layer` in every map mode on `hidden` and checks each result against the
@@ -140,8 +146,8 @@ void ExpectMatchesReference(AttentionLayer& layer, const AttentionWeights& weigh
   for (int64_t b = 0; b < shape.batch; ++b) {
     for (int64_t h = 0; h < config.num_heads; ++h) {
       for (int64_t e = 0; e < s2; ++e) {
-        mean_of_heads[b * s2 + e] +=
-            per_head.maps[(b * config.num_heads + h) * s2 + e] / static_cast<double>(config.num_heads);
+        mean_of_heads[b * s2 + e] += per_head.maps[(b * config.num_heads + h) * s2 + e] /
+                                     static_cast<double>(config.num_heads);
       }
     }
   }
@@ -157,6 +163,13 @@ struct ShapeCase {
   int64_t num_kv_heads;  // 0: num_heads
   int64_t head_dim;      // 0: d_model / num_heads
 };
+
+// Names the case in test listings instead of dumping its bytes.
+void PrintTo(const ShapeCase& c, std::ostream* os) {
+  *os << c.name << " {batch " << c.batch << ", seq_len " << c.seq_len << ", d_model " << c.d_model
+      << ", num_heads " << c.num_heads << ", num_kv_heads " << c.num_kv_heads << ", head_dim "
+      << c.head_dim << "}";
+}
 
 class AttentionLayerShapes : public ::testing::TestWithParam<ShapeCase> {};
 
@@ -190,29 +203,31 @@ TEST_P(AttentionLayerShapes, AllMapModesMatchReferenceOnSeededWeights) {
   ExpectMatchesReference(**layer, weights, hidden, shape);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, AttentionLayerShapes,
-    ::testing::Values(
-        // name, batch, seq_len, d_model, num_heads, num_kv_heads, head_dim
-        ShapeCase{"OneTokenOneHead", 1, 1, 16, 1, 0, 0},
-        ShapeCase{"OneTokenPerSequenceInABatch", 3, 1, 24, 2, 0, 0},
-        ShapeCase{"OddLengthBatchOfTwo", 2, 7, 32, 2, 0, 16},
-        ShapeCase{"TwelveHeadsOddLength", 3, 33, 48, 12, 0, 4},
-        ShapeCase{"HeadDimOneNarrowerThanDModel", 2, 5, 8, 2, 0, 1},
-        ShapeCase{"HeadDimThreeNarrowerThanDModel", 2, 9, 10, 2, 0, 3},
-        ShapeCase{"HeadDim128WiderThanDModel", 1, 17, 64, 1, 0, 128},
-        ShapeCase{"HeadDim64WiderThanDModel", 2, 16, 96, 2, 0, 64},
-        ShapeCase{"MultiQueryFourHeads", 2, 11, 32, 4, 1, 8},
-        ShapeCase{"MultiQueryEightHeads", 1, 7, 64, 8, 1, 0},
-        ShapeCase{"GroupedEightHeadsTwoKv", 2, 13, 64, 8, 2, 8},
-        ShapeCase{"GroupedFourHeadsTwoKvHeadDim64", 1, 33, 48, 4, 2, 64},
-        ShapeCase{"BertBaseSeq16", 1, 16, 768, 12, 0, 0},
-        ShapeCase{"BertBaseSeq33", 1, 33, 768, 12, 0, 0},
-        ShapeCase{"BertBaseBatch2Seq64", 2, 64, 768, 12, 0, 0},
-        // 12 * 256 * 256 scores per sequence: chunks of 5 sequences, then 2.
-        ShapeCase{"ManySequencesRunInChunks", 7, 256, 48, 12, 0, 0},
-        ShapeCase{"GroupedHeadsRunInChunks", 3, 600, 16, 8, 2, 2}),
-    [](const ::testing::TestParamInfo<ShapeCase>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionLayerShapes,
+                         ::testing::Values(
+                             // name, batch, seq_len, d_model, num_heads, num_kv_heads, head_dim
+                             ShapeCase{"OneTokenOneHead", 1, 1, 16, 1, 0, 0},
+                             ShapeCase{"OneTokenPerSequenceInABatch", 3, 1, 24, 2, 0, 0},
+                             ShapeCase{"OddLengthBatchOfTwo", 2, 7, 32, 2, 0, 16},
+                             ShapeCase{"TwelveHeadsOddLength", 3, 33, 48, 12, 0, 4},
+                             ShapeCase{"HeadDimOneNarrowerThanDModel", 2, 5, 8, 2, 0, 1},
+                             ShapeCase{"HeadDimThreeNarrowerThanDModel", 2, 9, 10, 2, 0, 3},
+                             ShapeCase{"HeadDim128WiderThanDModel", 1, 17, 64, 1, 0, 128},
+                             ShapeCase{"HeadDim64WiderThanDModel", 2, 16, 96, 2, 0, 64},
+                             ShapeCase{"MultiQueryFourHeads", 2, 11, 32, 4, 1, 8},
+                             ShapeCase{"MultiQueryEightHeads", 1, 7, 64, 8, 1, 0},
+                             ShapeCase{"GroupedEightHeadsTwoKv", 2, 13, 64, 8, 2, 8},
+                             ShapeCase{"GroupedFourHeadsTwoKvHeadDim64", 1, 33, 48, 4, 2, 64},
+                             ShapeCase{"BertBaseSeq16", 1, 16, 768, 12, 0, 0},
+                             ShapeCase{"BertBaseSeq33", 1, 33, 768, 12, 0, 0},
+                             ShapeCase{"BertBaseBatch2Seq64", 2, 64, 768, 12, 0, 0},
+                             // 12 * 256 * 256 scores per sequence: chunks of 5 sequences, then 2.
+                             ShapeCase{"ManySequencesRunInChunks", 7, 256, 48, 12, 0, 0},
+                             // 8 * 300 * 300 scores per sequence: chunks of 5 sequences, then 1.
+                             ShapeCase{"GroupedHeadsRunInChunks", 6, 300, 16, 8, 2, 2}),
+                         [](const ::testing::TestParamInfo<ShapeCase>& info) {
+                           return info.param.name;
+                         });
 
 // A small layer with random weights for the tests below.
 struct SmallLayer {
@@ -396,9 +411,9 @@ TEST_F(AttentionLayerErrors, WrongOutputSizeIsInvalidArgument) {
 TEST_F(AttentionLayerErrors, WrongAttentionMapsSizeIsInvalidArgument) {
   EXPECT_THAT(Forward(hidden_, shape_, AttentionMapMode::kPerHead, tokens_size_, mean_size_),
               StatusIs(absl::StatusCode::kInvalidArgument, "attention_maps"));
-  EXPECT_THAT(Forward(hidden_, shape_, AttentionMapMode::kMeanOverHeads, tokens_size_,
-                      per_head_size_),
-              StatusIs(absl::StatusCode::kInvalidArgument, "attention_maps"));
+  EXPECT_THAT(
+      Forward(hidden_, shape_, AttentionMapMode::kMeanOverHeads, tokens_size_, per_head_size_),
+      StatusIs(absl::StatusCode::kInvalidArgument, "attention_maps"));
   EXPECT_THAT(Forward(hidden_, shape_, AttentionMapMode::kPerHead, tokens_size_, 0),
               StatusIs(absl::StatusCode::kInvalidArgument, "attention_maps"));
   // No maps asked for: the span must be empty.
@@ -422,9 +437,9 @@ TEST_F(AttentionLayerErrors, EmptyShapesAreInvalidArgument) {
 
 TEST_F(AttentionLayerErrors, OverflowingShapesAreInvalidArgument) {
   const int64_t huge = int64_t{1} << 40;
-  EXPECT_THAT(Forward(hidden_, AttentionShape{huge, huge}, AttentionMapMode::kNone, tokens_size_,
-                      0),
-              StatusIs(absl::StatusCode::kInvalidArgument, "overflows"));
+  EXPECT_THAT(
+      Forward(hidden_, AttentionShape{huge, huge}, AttentionMapMode::kNone, tokens_size_, 0),
+      StatusIs(absl::StatusCode::kInvalidArgument, "overflows"));
   // hidden_states fits int64 but the per-head maps do not.
   EXPECT_THAT(Forward(hidden_, AttentionShape{1, int64_t{1} << 31}, AttentionMapMode::kPerHead,
                       tokens_size_, 0),

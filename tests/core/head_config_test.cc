@@ -124,9 +124,9 @@ TEST(ResolveHeadConfig, RejectsBadHeadDim) {
 }
 
 TEST(ResolveHeadConfig, RejectsScalesThatAreNotFiniteAndPositive) {
-  for (float scale : {-0.5f, std::numeric_limits<float>::infinity(),
-                      -std::numeric_limits<float>::infinity(),
-                      std::numeric_limits<float>::quiet_NaN()}) {
+  for (float scale :
+       {-0.5f, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+        std::numeric_limits<float>::quiet_NaN()}) {
     SCOPED_TRACE(scale);
     EXPECT_THAT(ResolveHeadConfig(Config(8, 2, 0, 0, scale)),
                 StatusIs(absl::StatusCode::kInvalidArgument, "head_config.scale"));

@@ -112,8 +112,8 @@ double MaxRowSumError(absl::Span<const float> maps, int64_t row_length) {
        start += static_cast<size_t>(row_length)) {
     double sum = 0.0;
     for (int64_t j = 0; j < row_length; ++j) sum += maps[start + j];
-    worst = std::max(worst, std::isfinite(sum) ? std::abs(sum - 1.0)
-                                               : std::numeric_limits<double>::infinity());
+    worst = std::max(
+        worst, std::isfinite(sum) ? std::abs(sum - 1.0) : std::numeric_limits<double>::infinity());
   }
   return worst;
 }
