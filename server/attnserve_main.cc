@@ -10,6 +10,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "server/attn_server.h"
 #include "server/log.h"
 #include "server/server_options.h"
@@ -40,6 +42,7 @@ ABSL_FLAG(uint64_t, builtin_model_seed, kDefaults.builtin_model_seed,
           "Seed of the built-in model's weights (docs/seeded_weights.md)");
 
 int main(int argc, char** argv) {
+  const absl::Time process_start = absl::Now();
   absl::SetProgramUsageMessage(
       "Serves multi-head attention over gRPC (attnserve.v1.AttentionService, "
       "grpc.health.v1.Health, server reflection).\n"
@@ -80,7 +83,8 @@ int main(int argc, char** argv) {
     LogLine(absl::StrCat("cannot load models: ", loaded.ToString()));
     return 1;
   }
-  LogLine("SERVING");
+  LogLine(absl::StrCat("SERVING (", absl::FormatDuration(absl::Now() - process_start),
+                       " after start)"));
 
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);
