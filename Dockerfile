@@ -16,7 +16,8 @@ RUN CMAKE_ARGS="-DATTNSERVE_BUILD_TESTS=OFF" deploy/build.sh /src/build Release 
 FROM debian:12-slim AS runtime
 COPY deploy/install_deps.sh /tmp/install_deps.sh
 RUN /tmp/install_deps.sh --runtime && rm -rf /var/lib/apt/lists/* /tmp/install_deps.sh \
- && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin attnserve
+ && groupadd --system --gid 10001 attnserve \
+ && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin attnserve
 COPY --from=build /opt/attnserve /opt/attnserve
 USER 10001:10001
 EXPOSE 50051

@@ -73,8 +73,8 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> AttentionCl
     absl::string_view service) const {
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(std::string(service));
-  absl::StatusOr<grpc::health::v1::HealthCheckResponse> response =
-      Call(*health_stub_, &grpc::health::v1::Health::Stub::Check, request, options_.timeout_seconds);
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse> response = Call(
+      *health_stub_, &grpc::health::v1::Health::Stub::Check, request, options_.timeout_seconds);
   if (!response.ok()) return response.status();
   return response->status();
 }
@@ -96,27 +96,39 @@ v1::AttendRequest MakeAttendRequest(absl::string_view model, absl::Span<const fl
 }
 
 absl::StatusOr<std::vector<float>> TensorValues(const v1::Tensor& tensor) {
-  if (tensor.dtype() != v1::DATA_TYPE_FP32) {
-    return absl::InvalidArgumentError("tensor: only FP32 tensors are decoded");
+  const bool bf16 = tensor.dtype() == v1::DATA_TYPE_BF16;
+  if (tensor.dtype() != v1::DATA_TYPE_FP32 && !bf16) {
+    return absl::InvalidArgumentError("tensor: only FP32 and BF16 tensors are decoded");
   }
   int64_t elements = 1;
   for (int64_t d : tensor.shape()) {
-    if (d < 0 || (d > 0 && elements > INT64_MAX / d)) {
+    if (d < 0 || (d > 0 && elements > INT64_MAX / 4 / d)) {
       return absl::InvalidArgumentError("tensor.shape: invalid");
     }
     elements *= d;
   }
   if (tensor.float_data_size() > 0) {
+    if (bf16) return absl::InvalidArgumentError("tensor.float_data: BF16 travels as raw_data");
     if (tensor.float_data_size() != elements) {
       return absl::InvalidArgumentError("tensor.float_data: size does not match shape");
     }
     return std::vector<float>(tensor.float_data().begin(), tensor.float_data().end());
   }
-  if (static_cast<int64_t>(tensor.raw_data().size()) != elements * 4) {
+  const int64_t item = bf16 ? 2 : 4;
+  if (static_cast<int64_t>(tensor.raw_data().size()) != elements * item) {
     return absl::InvalidArgumentError("tensor.raw_data: size does not match shape");
   }
   std::vector<float> values(elements);
-  std::memcpy(values.data(), tensor.raw_data().data(), tensor.raw_data().size());
+  if (!bf16) {
+    std::memcpy(values.data(), tensor.raw_data().data(), tensor.raw_data().size());
+    return values;
+  }
+  // A bfloat16 is the upper half of a binary32.
+  const auto* bytes = reinterpret_cast<const unsigned char*>(tensor.raw_data().data());
+  for (int64_t i = 0; i < elements; ++i) {
+    const uint32_t bits = (uint32_t{bytes[2 * i + 1]} << 24) | (uint32_t{bytes[2 * i]} << 16);
+    std::memcpy(&values[i], &bits, sizeof(float));
+  }
   return values;
 }
 

@@ -55,8 +55,9 @@ v1::AttendRequest MakeAttendRequest(absl::string_view model, absl::Span<const fl
                                     int64_t batch, int64_t seq, int64_t d_model,
                                     v1::AttentionMapMode maps = v1::ATTENTION_MAP_MODE_NONE);
 
-// The values of an FP32 tensor (raw_data or float_data). INVALID_ARGUMENT when
-// it is not FP32 or its size does not match its shape.
+// The values of an FP32 tensor (raw_data or float_data) or a BF16 one
+// (raw_data), as floats. INVALID_ARGUMENT for another dtype or a size that
+// does not match the shape.
 absl::StatusOr<std::vector<float>> TensorValues(const v1::Tensor& tensor);
 
 }  // namespace attnserve::client

@@ -6,8 +6,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <random>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -18,35 +19,113 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/attend_report.h"
 #include "client/attention_client.h"
+#include "client/request_builder.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051", "attnserve gRPC address");
 ABSL_FLAG(double, timeout_seconds, 30, "Deadline of each call");
 ABSL_FLAG(std::string, model, "default", "attend/model: the model to use");
-ABSL_FLAG(int64_t, batch, 1, "attend: sequences in the request");
-ABSL_FLAG(int64_t, seq, 16, "attend: tokens per sequence");
-ABSL_FLAG(std::string, maps, "none", "attend: attention maps to return: none, per-head or mean");
-ABSL_FLAG(uint64_t, seed, 1, "attend: seed of the random hidden states (normal, std 1)");
-ABSL_FLAG(int64_t, repeat, 1,
-          "attend: send the request this many times and report latency percentiles");
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (\"\" = the whole server, or "
           "attnserve.v1.AttentionService)");
 
+// attend: the inputs.
+ABSL_FLAG(int64_t, batch, 0,
+          "attend: sequences in the request (0: from --input or --lengths, else 1)");
+ABSL_FLAG(int64_t, seq, 0,
+          "attend: tokens per sequence, padded (0: from --input, else max of --lengths, else 16)");
+ABSL_FLAG(uint64_t, seed, 1,
+          "attend: seed of the random hidden states, context and projected heads (normal, std 1)");
+ABSL_FLAG(
+    std::string, input, "",
+    "attend: .npy file of hidden states ('<f4') instead of random ones: [batch, seq, d_model], "
+    "or packed [tokens, d_model] with --lengths");
+ABSL_FLAG(attnserve::client::Int64List, lengths, {},
+          "attend: per-sequence query lengths, e.g. 3,5,8 (sequence_lengths; ragged batch)");
+ABSL_FLAG(
+    bool, packed, false,
+    "attend: send the hidden states (and context) packed [total tokens, d_model]; needs --lengths");
+ABSL_FLAG(int64_t, context_seq, 0,
+          "attend: cross-attention to random context states of this many tokens per sequence "
+          "(with --projected: the keys' length)");
+ABSL_FLAG(attnserve::client::Int64List, context_lengths, {},
+          "attend: per-sequence context lengths (cross-attention; required with --packed)");
+ABSL_FLAG(bool, projected, false,
+          "attend: send random already-projected q/k/v (the attention core alone) instead of "
+          "hidden states; shapes from the head configuration");
+
+// attend: how attention runs.
+ABSL_FLAG(bool, causal, false, "attend: query i sees only keys j <= i");
+ABSL_FLAG(std::string, mask, "",
+          "attend: .npy mask [batch or 1, seq_q or 1, seq_kv or 1]: '|b1'/'|u1' or '<f4'");
+ABSL_FLAG(std::string, mask_kind, "",
+          "attend: allowed (nonzero = may attend; the default) or additive ('<f4' added to the "
+          "scores, -inf forbids)");
+ABSL_FLAG(attnserve::client::FloatList, head_mask, {},
+          "attend: one gate per head, e.g. 1,0,1,1 (0 removes the head)");
+ABSL_FLAG(attnserve::client::Int64List, position_offsets, {},
+          "attend: RoPE position of each sequence's first token, one per sequence");
+ABSL_FLAG(std::string, precision, "fp32", "attend: compute precision: fp32 or bf16");
+ABSL_FLAG(std::string, output_dtype, "fp32", "attend: dtype of output and maps: fp32 or bf16");
+
+// attend: an ad-hoc layer instead of --model.
+ABSL_FLAG(std::optional<uint64_t>, layer_seed, std::nullopt,
+          "attend: run an ad-hoc layer with the documented seeded weights of this seed instead of "
+          "--model (needs --d_model and --num_heads)");
+ABSL_FLAG(int32_t, d_model, 0, "attend --layer_seed: model width");
+ABSL_FLAG(int32_t, num_heads, 0, "attend --layer_seed: query heads");
+ABSL_FLAG(int32_t, num_kv_heads, 0, "attend --layer_seed: key/value heads (0: num_heads)");
+ABSL_FLAG(int32_t, head_dim, 0, "attend --layer_seed: per-head width (0: d_model / num_heads)");
+ABSL_FLAG(int32_t, rotary_dim, 0, "attend --layer_seed: RoPE dimensions per head (0: no RoPE)");
+ABSL_FLAG(float, rope_theta, 0, "attend --layer_seed: RoPE base (0: 10000)");
+
+// attend: what to return and keep.
+ABSL_FLAG(std::string, maps, "none", "attend: attention maps to return: none, per-head or mean");
+ABSL_FLAG(attnserve::client::Int64List, heads, {},
+          "attend --maps=per-head: only these heads, e.g. 0,3");
+ABSL_FLAG(attnserve::client::Int64List, rows, {},
+          "attend --maps: only these query positions, e.g. 5");
+ABSL_FLAG(bool, stats, false,
+          "attend: per-head statistics (entropy, max weight, contribution), printed as a table");
+ABSL_FLAG(std::string, save_output, "", "attend: write the output to this .npy file ('<f4')");
+ABSL_FLAG(std::string, save_maps, "", "attend: write the maps to this .npy file ('<f4')");
+ABSL_FLAG(std::string, maps_png, "",
+          "attend: draw the maps as a heatmap PNG, one tile per head (one for --maps=mean)");
+ABSL_FLAG(int64_t, png_sequence, 0, "attend --maps_png: the batch entry to draw");
+ABSL_FLAG(int64_t, repeat, 1,
+          "attend: send the request this many times and report latency percentiles");
+
 namespace attnserve::client {
 namespace {
 
-constexpr char kUsage[] = R"(attnctl: talk to an attnserve server.
+constexpr char kUsage[] = R"(the command-line client of attnserve.
 
 Usage: attnctl <command> [--target=host:port] [flags]
 Commands:
   models                  list the loaded models and their head configurations
   model --model=M         describe one model
-  attend --model=M --batch=B --seq=S [--maps=none|per-head|mean] [--repeat=N]
-                          send random hidden states, print shapes, timing, a few
-                          output values and per-head map row sums; with --repeat,
-                          latency percentiles of N calls
+  attend [flags]          run attention once (or --repeat=N times) and print what
+                          ran (model or ad-hoc layer, kernel, the precision that
+                          ran), the inputs, the output's first values, per-head map
+                          row sums, and latency percentiles with --repeat
   health [--service=S]    print the server's health (exit 0 only when SERVING)
+
+attend flags (attnctl --help describes each one):
+  what runs    --model=M | --layer_seed=N --d_model=D --num_heads=H [--num_kv_heads=K]
+               [--head_dim=E] [--rotary_dim=R] [--rope_theta=T]
+  inputs       random (--seed) hidden states [--batch, --seq, d_model], or --input=X.npy;
+               --lengths=3,5,8 (ragged) [--packed]; --context_seq=N [--context_lengths=..]
+               (cross-attention); --projected (random q/k/v, the attention core alone)
+  attention    --causal, --mask=M.npy [--mask_kind=allowed|additive], --head_mask=1,0,..,
+               --position_offsets=.., --precision=fp32|bf16, --output_dtype=fp32|bf16
+  results      --maps=none|per-head|mean [--heads=0,3] [--rows=5], --stats (per-head table),
+               --save_output=O.npy, --save_maps=M.npy, --maps_png=M.png [--png_sequence=b]
+Examples:
+  attnctl attend --batch=2 --seq=8 --maps=per-head --maps_png=/tmp/maps.png
+  attnctl attend --lengths=3,5,8 --packed --causal --stats
+  attnctl attend --layer_seed=7 --d_model=64 --num_heads=4 --num_kv_heads=2 --rotary_dim=16 \
+      --position_offsets=0 --seq=12 --maps=mean
 )";
 
 int Fail(const absl::Status& status) {
@@ -92,47 +171,6 @@ int RunHealth(const AttentionClient& client) {
   return *status == grpc::health::v1::HealthCheckResponse::SERVING ? 0 : 1;
 }
 
-absl::StatusOr<v1::AttentionMapMode> ParseMaps(const std::string& text) {
-  if (text == "none") return v1::ATTENTION_MAP_MODE_NONE;
-  if (text == "per-head") return v1::ATTENTION_MAP_MODE_PER_HEAD;
-  if (text == "mean") return v1::ATTENTION_MAP_MODE_MEAN;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--maps: '", text, "' is not one of none, per-head, mean"));
-}
-
-// Per-head summary of map rows: each row should sum to 1.
-void PrintMapSummary(const v1::Tensor& maps) {
-  absl::StatusOr<std::vector<float>> values = TensorValues(maps);
-  if (!values.ok()) {
-    std::printf("maps: cannot decode: %s\n", values.status().ToString().c_str());
-    return;
-  }
-  const auto& shape = maps.shape();
-  const int64_t seq_kv = shape[shape.size() - 1];
-  const int64_t seq_q = shape[shape.size() - 2];
-  const int64_t heads = shape.size() == 4 ? shape[1] : 1;
-  const int64_t batch = shape[0];
-  std::printf("attention maps [%s]: row sums per %s (min .. max over rows)\n",
-              absl::StrJoin(shape, ", ").c_str(), heads > 1 ? "head" : "map");
-  for (int64_t h = 0; h < heads; ++h) {
-    double lo = INFINITY, hi = -INFINITY, max_weight = 0;
-    for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t i = 0; i < seq_q; ++i) {
-        const float* row = values->data() + ((b * heads + h) * seq_q + i) * seq_kv;
-        double sum = 0;
-        for (int64_t j = 0; j < seq_kv; ++j) {
-          sum += row[j];
-          max_weight = std::max<double>(max_weight, row[j]);
-        }
-        lo = std::min(lo, sum);
-        hi = std::max(hi, sum);
-      }
-    }
-    std::printf("  %s %2lld: %.7f .. %.7f   largest weight %.4f\n",
-                shape.size() == 4 ? "head" : "mean", static_cast<long long>(h), lo, hi, max_weight);
-  }
-}
-
 // A one-line progress bar on stderr, redrawn in place when it is a terminal.
 void ShowProgress(int64_t done, int64_t total) {
   if (!isatty(STDERR_FILENO) || total < 2) return;
@@ -144,51 +182,74 @@ void ShowProgress(int64_t done, int64_t total) {
   if (done == total) std::fprintf(stderr, "\n");
 }
 
-int RunAttend(const AttentionClient& client) {
-  absl::StatusOr<v1::AttentionMapMode> maps = ParseMaps(absl::GetFlag(FLAGS_maps));
-  if (!maps.ok()) return Fail(maps.status());
-  const int64_t batch = absl::GetFlag(FLAGS_batch), seq = absl::GetFlag(FLAGS_seq);
-  const int64_t repeat = absl::GetFlag(FLAGS_repeat);
-  if (batch <= 0 || seq <= 0 || repeat <= 0) {
-    return Fail(absl::InvalidArgumentError("--batch, --seq and --repeat must be positive"));
-  }
-  absl::StatusOr<v1::ModelInfo> model = client.GetModel(absl::GetFlag(FLAGS_model));
-  if (!model.ok()) return Fail(model.status());
-  const int64_t d_model = model->head_config().d_model();
+AttendOptions AttendOptionsFromFlags() {
+  AttendOptions o;
+  o.model = absl::GetFlag(FLAGS_model);
+  o.layer_seed = absl::GetFlag(FLAGS_layer_seed);
+  o.d_model = absl::GetFlag(FLAGS_d_model);
+  o.num_heads = absl::GetFlag(FLAGS_num_heads);
+  o.num_kv_heads = absl::GetFlag(FLAGS_num_kv_heads);
+  o.head_dim = absl::GetFlag(FLAGS_head_dim);
+  o.rotary_dim = absl::GetFlag(FLAGS_rotary_dim);
+  o.rope_theta = absl::GetFlag(FLAGS_rope_theta);
+  o.batch = absl::GetFlag(FLAGS_batch);
+  o.seq = absl::GetFlag(FLAGS_seq);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.input = absl::GetFlag(FLAGS_input);
+  o.packed = absl::GetFlag(FLAGS_packed);
+  o.lengths = absl::GetFlag(FLAGS_lengths).values;
+  o.context_seq = absl::GetFlag(FLAGS_context_seq);
+  o.context_lengths = absl::GetFlag(FLAGS_context_lengths).values;
+  o.causal = absl::GetFlag(FLAGS_causal);
+  o.mask = absl::GetFlag(FLAGS_mask);
+  o.mask_kind = absl::GetFlag(FLAGS_mask_kind);
+  o.head_mask = absl::GetFlag(FLAGS_head_mask).values;
+  o.position_offsets = absl::GetFlag(FLAGS_position_offsets).values;
+  o.precision = absl::GetFlag(FLAGS_precision);
+  o.output_dtype = absl::GetFlag(FLAGS_output_dtype);
+  o.projected = absl::GetFlag(FLAGS_projected);
+  o.maps = absl::GetFlag(FLAGS_maps);
+  o.heads = absl::GetFlag(FLAGS_heads).values;
+  o.rows = absl::GetFlag(FLAGS_rows).values;
+  o.stats = absl::GetFlag(FLAGS_stats);
+  o.save_output = absl::GetFlag(FLAGS_save_output);
+  o.save_maps = absl::GetFlag(FLAGS_save_maps);
+  o.maps_png = absl::GetFlag(FLAGS_maps_png);
+  o.png_sequence = absl::GetFlag(FLAGS_png_sequence);
+  return o;
+}
 
-  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> input(batch * seq * d_model);
-  for (float& x : input) x = normal(rng);
-  const v1::AttendRequest request =
-      MakeAttendRequest(model->name(), input, batch, seq, d_model, *maps);
+int RunAttend(const AttentionClient& client) {
+  const AttendOptions options = AttendOptionsFromFlags();
+  const int64_t repeat = absl::GetFlag(FLAGS_repeat);
+  if (repeat <= 0) return Fail(absl::InvalidArgumentError("--repeat: must be >= 1"));
+  // Flag mistakes first, before any call.
+  if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return Fail(status);
+  std::optional<v1::ModelInfo> model;
+  if (!options.layer_seed.has_value()) {
+    absl::StatusOr<v1::ModelInfo> info = client.GetModel(options.model);
+    if (!info.ok()) return Fail(info.status());
+    model = *std::move(info);
+  }
+  absl::StatusOr<AttendCall> call =
+      BuildAttendRequest(options, model.has_value() ? &model->head_config() : nullptr);
+  if (!call.ok()) return Fail(call.status());
 
   std::vector<double> latencies_ms;
   absl::StatusOr<v1::AttendResponse> response;
   for (int64_t i = 0; i < repeat; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    response = client.Attend(request);
+    response = client.Attend(call->request);
     latencies_ms.push_back(
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+            .count());
     if (!response.ok()) return Fail(response.status());
     ShowProgress(i + 1, repeat);
   }
 
-  std::printf("model %s, kernel %s\n", response->model().c_str(), response->kernel_path().c_str());
-  std::printf("input  [%lld, %lld, %lld] FP32 (seed %llu)\n", static_cast<long long>(batch),
-              static_cast<long long>(seq), static_cast<long long>(d_model),
-              static_cast<unsigned long long>(absl::GetFlag(FLAGS_seed)));
-  std::printf("output [%s] %s\n", absl::StrJoin(response->output().shape(), ", ").c_str(),
-              response->output().dtype() == v1::DATA_TYPE_FP32 ? "FP32" : "?");
-  absl::StatusOr<std::vector<float>> output = TensorValues(response->output());
-  if (!output.ok()) return Fail(output.status());
-  std::printf("output[0, 0, :6] =");
-  for (int64_t j = 0; j < std::min<int64_t>(6, d_model); ++j) std::printf(" %+.5f", (*output)[j]);
-  std::printf("\n");
-  if (response->has_attention_maps()) PrintMapSummary(response->attention_maps());
+  std::printf("%s", FormatAttendSummary(*call, *response).c_str());
   std::printf("server: queue %s, compute %s\n", DurationText(response->timing().queue()).c_str(),
               DurationText(response->timing().compute()).c_str());
-
   std::sort(latencies_ms.begin(), latencies_ms.end());
   auto percentile = [&](double p) {
     const size_t index = static_cast<size_t>(std::ceil(p / 100.0 * latencies_ms.size())) - 1;
@@ -201,6 +262,9 @@ int RunAttend(const AttentionClient& client) {
                 static_cast<long long>(repeat), percentile(50), percentile(90), percentile(99),
                 latencies_ms.back());
   }
+  absl::StatusOr<std::vector<std::string>> written = SaveAttendFiles(options, *call, *response);
+  if (!written.ok()) return Fail(written.status());
+  for (const std::string& line : *written) std::printf("%s\n", line.c_str());
   return 0;
 }
 
@@ -211,7 +275,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(attnserve::client::kUsage);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
-    std::fprintf(stderr, "%s", attnserve::client::kUsage);
+    std::fprintf(stderr, "attnctl: %s", attnserve::client::kUsage);
     return 2;
   }
   const std::string command = args[1];
@@ -224,7 +288,7 @@ int main(int argc, char** argv) {
   if (command == "model") return attnserve::client::RunModel(**client);
   if (command == "attend") return attnserve::client::RunAttend(**client);
   if (command == "health") return attnserve::client::RunHealth(**client);
-  std::fprintf(stderr, "attnctl: unknown command '%s'\n\n%s", command.c_str(),
+  std::fprintf(stderr, "attnctl: unknown command '%s'\n\nattnctl: %s", command.c_str(),
                attnserve::client::kUsage);
   return 2;
 }

@@ -1,13 +1,15 @@
 #include "core/attention_layer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
-#include <map>
+#include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <new>
 #include <optional>
 #include <string>
-#include <unordered_map>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -15,8 +17,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
+#include "core/attention_kernels.h"
 #include "core/attention_weights.h"
 #include "core/checked_math.h"
 #include "core/head_config.h"
@@ -24,258 +28,358 @@
 #include "core/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
-// The layer runs as four stages of oneDNN primitives (FP32). With
-// N = (Hq + 2 Hkv) * head_dim, G = Hq / Hkv and T = batch * seq_len tokens:
+// The layer, with R query rows and Rc key/value rows (Rc = R in
+// self-attention) in their layouts' token-major order:
 //
-//  1. qkv = X W_qkv + b_qkv                 matmul  X [T, d_model] -> qkv [T, N],
-//     W_qkv = [W_q | W_k | W_v] fused at Create time ([d_model, N]).
-//  2. split into head-major Q [B, Hq, S, hd], K, V [B, Hkv, S, hd]    3 reorders.
-//     (brg matmul only takes dense batch dims: reading the heads out of the
-//     token-major qkv through strides runs on the slow gemm:jit path.)
-//  3. per chunk of sequences (the scores are materialized, so their size bounds
-//     the chunk), viewing the heads as [n * Hkv, G, S, hd] so that one K/V head
-//     broadcasts over its G query heads (no copy per query head):
-//       scores = Q K^T * scale   matmul, K^T described by strides, scale as
-//                                output scale -> [n * Hkv, G, S, S] = [n, Hq, S, S]
-//       P = softmax(scores)      softmax_v2 over the last axis (in place)
-//       mean map = (1/Hq) * sum_h P_h      matmul ones[1, Hq] x P[n, Hq, S*S]
-//       context = P V            matmul -> [n, Hq, S, hd]
-//       concat heads             reorder to token-major [n, S, Hq * hd]
-//  4. out = context W_o + b_o                matmul straight into the output.
+//  1. projections over all rows (padding rows too: they are never read), with
+//     W_qkv = [W_q | W_k | W_v] fused once ([d_model, N], N = (Hq + 2 Hkv) hd):
+//       self-attention:  QKV [R, N] = X W_qkv + b_qkv              one matmul
+//       cross-attention: Q [R, Hq hd] = X W_qkv[:, Q] + b_q and
+//                        KV [Rc, 2 Hkv hd] = C W_qkv[:, K|V] + b_kv  two matmuls,
+//       reading column blocks of W_qkv through strides (no second copy of the
+//       weights; oneDNN runs them on gemm:jit, as fast as brg here).
+//  2. per chunk of sequences (the attention's scores are materialized, so their
+//     size bounds the chunk):
+//       stage Q, K, V head-major and padded, [n, H, max_length, hd]: rows past
+//       a sequence's length are 0; RoPE is applied on the way; BF16 converted
+//       here.
+//       SDPA (AttentionKernels::Sdpa) -> context heads [n, Hq, S, hd].
+//       head contributions; concatenate the heads into token-major rows.
+//  3. out [R, d_model] = context W_o + b_o; padding rows set to 0.
 //
-// Every primitive is built once per (batch, seq_len) and cached; all scratch
-// memory (including oneDNN's scratchpads, in user mode) belongs to the layer.
+// Ragged batches (padded with short lengths, or packed) run padded to the
+// longest sequence with a key-padding mask: one set of primitives per
+// (chunk, S, T) however the lengths vary, and batched matmuls over the chunk.
+// The price is the padding's share of the attention FLOPs; the projections
+// never see packing padding.
 
 namespace attnserve::core {
 namespace {
 
-using dnnl::memory;
-using Tag = memory::format_tag;
-using Args = std::unordered_map<int, memory>;
+using internal::AttentionKernels;
+using internal::Bf16;
+using internal::SdpaCall;
 
-constexpr memory::data_type kF32 = memory::data_type::f32;
-constexpr char kKernelPath[] = "fp32/materialized";
+constexpr char kPath[] = "materialized";
 
-// At most this many scores (16 MiB) are materialized at once; the attention
-// stage runs over as many sequences as fit, and at least one.
-constexpr int64_t kScoresBudget = int64_t{1} << 22;
+// RoPE positions are bounded so that position * frequency stays exact enough
+// in double precision.
+constexpr int64_t kMaxPositionOffset = int64_t{1} << 40;
 
-// Plans kept for distinct (batch, seq_len); the least recently used goes.
-constexpr size_t kMaxCachedPlans = 32;
+// Element counts up to this are safe to index and to size in bytes.
+constexpr int64_t kMaxElements = INT64_MAX / 16;
 
-memory::desc Dense(const memory::dims& dims, Tag tag) { return memory::desc(dims, kF32, tag); }
-
-memory::desc Strided(const memory::dims& dims, const memory::dims& strides) {
-  return memory::desc(dims, kF32, strides);
-}
-
-dnnl::primitive_attr UserScratchpad() {
-  dnnl::primitive_attr attr;
-  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-  return attr;
-}
-
-// One primitive and the scratchpad it needs.
-struct Step {
-  dnnl::primitive primitive;
-  memory::desc scratchpad;
-};
-
-template <typename Primitive>
-Step MakeStep(const typename Primitive::primitive_desc& pd, int64_t* max_scratchpad_bytes) {
-  Step step{Primitive(pd), pd.scratchpad_desc()};
-  *max_scratchpad_bytes =
-      std::max(*max_scratchpad_bytes, static_cast<int64_t>(step.scratchpad.get_size()));
-  return step;
-}
-
-// The sizes (in floats) of one forward shape; all products overflow-checked.
-struct Sizes {
-  int64_t tokens = 0;         // batch * seq_len
-  int64_t qkv = 0;            // tokens * N
-  int64_t chunk = 0;          // sequences per attention chunk
-  int64_t scores = 0;         // chunk * Hq * seq_len * seq_len
-  int64_t context_heads = 0;  // chunk * Hq * seq_len * head_dim
-};
-
-absl::StatusOr<Sizes> ComputeSizes(const HeadConfig& c, AttentionShape shape) {
-  const int64_t qkv_width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
-  Sizes sizes;
-  const std::optional<int64_t> tokens = CheckedMul(shape.batch, shape.seq_len);
-  const std::optional<int64_t> qkv = CheckedProduct({shape.batch, shape.seq_len, qkv_width});
-  const std::optional<int64_t> per_sequence =
-      CheckedProduct({c.num_heads, shape.seq_len, shape.seq_len});
-  if (!tokens || !qkv || !per_sequence || *qkv > INT64_MAX / 4 || *per_sequence > INT64_MAX / 4) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shape: batch ", shape.batch, ", seq_len ", shape.seq_len, " is too large"));
-  }
-  sizes.tokens = *tokens;
-  sizes.qkv = *qkv;
-  sizes.chunk = std::clamp<int64_t>(kScoresBudget / *per_sequence, 1, shape.batch);
-  sizes.scores = sizes.chunk * *per_sequence;  // at most max(budget, per_sequence)
-  sizes.context_heads = sizes.chunk * shape.seq_len * c.q_width();  // <= qkv
-  return sizes;
-}
-
-// The primitives of the attention stage for a chunk of `sequences`.
-struct ChunkPlan {
-  int64_t sequences = 0;
-  memory::desc q, k_t, scores, v, context_heads, context_tokens;  // matmul operands
-  memory::desc probs_2d;                                          // softmax
-  memory::desc ones, probs_by_head, mean;                         // mean map
-  Step scores_mm, softmax, mean_mm, context_mm, to_tokens;
-};
-
-// Everything one (batch, seq_len) needs.
-struct Plan {
-  Sizes sizes;
-  memory::desc x, w_qkv, b_qkv, qkv;
-  Step qkv_mm;
-  // Q, K and V: where in qkv and in heads_ they start, the layouts, the copy.
-  struct Split {
-    int64_t qkv_offset = 0;
-    int64_t heads_offset = 0;
-    memory::desc from, to;
-    Step reorder;
-  };
-  Split splits[3];
-  ChunkPlan full;                 // `sizes.chunk` sequences
-  std::optional<ChunkPlan> tail;  // batch % chunk sequences, if any
-  memory::desc context, w_o, b_o, out;
-  Step out_mm;
-  int64_t scratchpad_bytes = 0;
-  uint64_t last_use = 0;
-};
-
-ChunkPlan BuildChunkPlan(const dnnl::engine& engine, const HeadConfig& c, int64_t sequences,
-                         int64_t seq_len, int64_t* scratchpad_bytes) {
-  const int64_t s = seq_len;
-  const int64_t hd = c.head_dim;
-  const int64_t g = c.group_size();
-  const int64_t kv_batch = sequences * c.num_kv_heads;
-  const dnnl::primitive_attr plain = UserScratchpad();
-
-  ChunkPlan p;
-  p.sequences = sequences;
-
-  // scores [n*Hkv, G, S, S] = Q [n*Hkv, G, S, hd] x K^T [n*Hkv, 1, hd, S] * scale
-  p.q = Dense({kv_batch, g, s, hd}, Tag::abcd);
-  p.k_t = Dense({kv_batch, 1, hd, s}, Tag::abdc);  // K [.., S, hd] read transposed
-  p.scores = Dense({kv_batch, g, s, s}, Tag::abcd);
-  dnnl::primitive_attr scaled = UserScratchpad();
-  scaled.set_output_scales(0, {c.scale});
-  p.scores_mm = MakeStep<dnnl::matmul>(
-      dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.q, p.k_t, p.scores), scaled, engine),
-      scratchpad_bytes);
-
-  // P = softmax over the keys, rows of [n*Hq*S, S].
-  p.probs_2d = Dense({sequences * c.num_heads * s, s}, Tag::ab);
-  p.softmax = MakeStep<dnnl::softmax_v2_forward>(
-      dnnl::softmax_v2_forward::primitive_desc(
-          dnnl::softmax_v2_forward::desc(dnnl::prop_kind::forward_inference,
-                                         dnnl::algorithm::softmax_accurate, p.probs_2d, p.probs_2d,
-                                         /*softmax_axis=*/1),
-          plain, engine),
-      scratchpad_bytes);
-
-  // mean [n, 1, S*S] = (ones [1, 1, Hq] x P [n, Hq, S*S]) * (1/Hq)
-  p.ones = Dense({1, 1, c.num_heads}, Tag::abc);
-  p.probs_by_head = Dense({sequences, c.num_heads, s * s}, Tag::abc);
-  p.mean = Dense({sequences, 1, s * s}, Tag::abc);
-  dnnl::primitive_attr averaged = UserScratchpad();
-  averaged.set_output_scales(0, {static_cast<float>(1.0 / static_cast<double>(c.num_heads))});
-  p.mean_mm = MakeStep<dnnl::matmul>(
-      dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.ones, p.probs_by_head, p.mean), averaged,
-                                   engine),
-      scratchpad_bytes);
-
-  // context [n*Hkv, G, S, hd] = P [n*Hkv, G, S, S] x V [n*Hkv, 1, S, hd]
-  p.v = Dense({kv_batch, 1, s, hd}, Tag::abcd);
-  p.context_heads = Dense({kv_batch, g, s, hd}, Tag::abcd);
-  p.context_mm =
-      MakeStep<dnnl::matmul>(dnnl::matmul::primitive_desc(
-                                 dnnl::matmul::desc(p.scores, p.v, p.context_heads), plain, engine),
-                             scratchpad_bytes);
-
-  // [n, Hq, S, hd] -> token-major [n, S, Hq, hd] (the concatenation of the heads).
-  const memory::desc heads_view = Dense({sequences, c.num_heads, s, hd}, Tag::abcd);
-  p.context_tokens =
-      Strided({sequences, c.num_heads, s, hd}, {s * c.q_width(), hd, c.q_width(), 1});
-  p.to_tokens = MakeStep<dnnl::reorder>(
-      dnnl::reorder::primitive_desc(engine, heads_view, engine, p.context_tokens, plain),
-      scratchpad_bytes);
-  return p;
-}
-
-std::unique_ptr<Plan> BuildPlan(const dnnl::engine& engine, const HeadConfig& c,
-                                AttentionShape shape, const Sizes& sizes) {
-  const int64_t b = shape.batch;
-  const int64_t s = shape.seq_len;
-  const int64_t hd = c.head_dim;
-  const int64_t n = (c.num_heads + 2 * c.num_kv_heads) * hd;
-  const dnnl::primitive_attr plain = UserScratchpad();
-
-  auto plan = std::make_unique<Plan>();
-  plan->sizes = sizes;
-
-  // qkv [T, N] = X [T, d_model] x W_qkv [d_model, N] + b_qkv [1, N]
-  plan->x = Dense({sizes.tokens, c.d_model}, Tag::ab);
-  plan->w_qkv = Dense({c.d_model, n}, Tag::ab);
-  plan->b_qkv = Dense({1, n}, Tag::ab);
-  plan->qkv = Dense({sizes.tokens, n}, Tag::ab);
-  plan->qkv_mm = MakeStep<dnnl::matmul>(
-      dnnl::matmul::primitive_desc(dnnl::matmul::desc(plan->x, plan->w_qkv, plan->b_qkv, plan->qkv),
-                                   plain, engine),
-      &plan->scratchpad_bytes);
-
-  // qkv viewed as [B, heads, S, hd] (strides of the token-major layout) ->
-  // dense head-major Q | K | V, one after the other.
-  const int64_t heads[3] = {c.num_heads, c.num_kv_heads, c.num_kv_heads};
-  int64_t column = 0;
-  int64_t heads_offset = 0;
-  for (int i = 0; i < 3; ++i) {
-    Plan::Split& split = plan->splits[i];
-    split.qkv_offset = column;
-    split.heads_offset = heads_offset;
-    split.from = Strided({b, heads[i], s, hd}, {s * n, hd, n, 1});
-    split.to = Dense({b, heads[i], s, hd}, Tag::abcd);
-    split.reorder = MakeStep<dnnl::reorder>(
-        dnnl::reorder::primitive_desc(engine, split.from, engine, split.to, plain),
-        &plan->scratchpad_bytes);
-    column += heads[i] * hd;
-    heads_offset += b * heads[i] * s * hd;
-  }
-
-  plan->full = BuildChunkPlan(engine, c, sizes.chunk, s, &plan->scratchpad_bytes);
-  if (const int64_t rest = b % sizes.chunk; rest != 0) {
-    plan->tail = BuildChunkPlan(engine, c, rest, s, &plan->scratchpad_bytes);
-  }
-
-  // out [T, d_model] = context [T, Hq*hd] x W_o [Hq*hd, d_model] + b_o [1, d_model]
-  plan->context = Dense({sizes.tokens, c.q_width()}, Tag::ab);
-  plan->w_o = Dense({c.q_width(), c.d_model}, Tag::ab);
-  plan->b_o = Dense({1, c.d_model}, Tag::ab);
-  plan->out = Dense({sizes.tokens, c.d_model}, Tag::ab);
-  plan->out_mm = MakeStep<dnnl::matmul>(
-      dnnl::matmul::primitive_desc(
-          dnnl::matmul::desc(plan->context, plan->w_o, plan->b_o, plan->out), plain, engine),
-      &plan->scratchpad_bytes);
-  return plan;
-}
-
-absl::Status CheckSize(const char* field, size_t actual, int64_t expected,
-                       const std::string& layout) {
-  if (static_cast<int64_t>(actual) == expected) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, ": size ", actual, " does not match ", layout, " = ", expected));
+absl::Status Invalid(absl::string_view field, absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
 }
 
 absl::Status Cancelled() {
   return absl::CancelledError("attention forward stopped: should_stop returned true");
 }
 
+std::string Dims(std::initializer_list<std::pair<absl::string_view, int64_t>> dims) {
+  std::string out = "[";
+  for (const auto& [name, value] : dims) {
+    absl::StrAppend(&out, out.size() > 1 ? ", " : "", name, " ", value);
+  }
+  return absl::StrCat(out, "]");
+}
+
+// OK when `actual` elements are the product of `dims`.
+absl::Status CheckSize(absl::string_view field, size_t actual,
+                       std::initializer_list<std::pair<absl::string_view, int64_t>> dims) {
+  std::vector<int64_t> values;
+  for (const auto& dim : dims) values.push_back(dim.second);
+  const std::optional<int64_t> expected = CheckedProduct(values);
+  if (!expected || *expected > kMaxElements) {
+    return Invalid(field, absl::StrCat(Dims(dims), " overflows int64"));
+  }
+  if (static_cast<int64_t>(actual) == *expected) return absl::OkStatus();
+  return Invalid(field,
+                 absl::StrCat("size ", actual, " does not match ", Dims(dims), " = ", *expected));
+}
+
+absl::Status CheckEmpty(absl::string_view field, size_t size, absl::string_view why) {
+  if (size == 0) return absl::OkStatus();
+  return Invalid(field, absl::StrCat("must be empty (", why, "), got ", size, " elements"));
+}
+
+absl::Status ValidateMask(const ExplicitMask& mask, int64_t batch, int64_t q_len, int64_t kv_len) {
+  switch (mask.kind) {
+    case ExplicitMask::Kind::kNone:
+      return CheckEmpty("mask.values", mask.values.size(), "mask.kind is kNone");
+    case ExplicitMask::Kind::kAllowed:
+    case ExplicitMask::Kind::kAdditive:
+      break;
+    default:
+      return Invalid("mask.kind", absl::StrCat("unknown value ", static_cast<int>(mask.kind)));
+  }
+  const struct {
+    absl::string_view field;
+    int64_t value;
+    absl::string_view full_name;
+    int64_t full;
+  } dims[] = {{"mask.batch_dim", mask.batch_dim, "the batch", batch},
+              {"mask.q_dim", mask.q_dim, "the queries' max_length", q_len},
+              {"mask.kv_dim", mask.kv_dim, "the keys' max_length", kv_len}};
+  for (const auto& dim : dims) {
+    if (dim.value != 1 && dim.value != dim.full) {
+      return Invalid(dim.field, absl::StrCat("must be 1 or ", dim.full_name, " ", dim.full,
+                                             ", got ", dim.value));
+    }
+  }
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckSize("mask.values", mask.values.size(),
+                {{"batch_dim", mask.batch_dim}, {"q_dim", mask.q_dim}, {"kv_dim", mask.kv_dim}}));
+  for (size_t i = 0; i < mask.values.size(); ++i) {
+    const float value = mask.values[i];
+    if (std::isnan(value)) return Invalid(absl::StrCat("mask.values[", i, "]"), "NaN");
+    if (mask.kind == ExplicitMask::Kind::kAdditive && value == INFINITY) {
+      return Invalid(absl::StrCat("mask.values[", i, "]"),
+                     "+inf (an additive mask takes finite values, or -inf to forbid a key)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateHeadMask(absl::Span<const float> head_mask, int64_t num_heads) {
+  if (head_mask.empty()) return absl::OkStatus();
+  if (static_cast<int64_t>(head_mask.size()) != num_heads) {
+    return Invalid("head_mask",
+                   absl::StrCat(head_mask.size(), " values for num_heads ", num_heads));
+  }
+  for (size_t h = 0; h < head_mask.size(); ++h) {
+    if (!std::isfinite(head_mask[h]) || head_mask[h] < 0.0f) {
+      return Invalid(absl::StrCat("head_mask[", h, "]"),
+                     absl::StrCat("must be finite and >= 0, got ", head_mask[h]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The checks shared by the layer and the core: sizes of the attention itself,
+// masks, maps and statistics. `layer`: whether head_contribution is produced.
+absl::Status ValidateAttention(const HeadConfig& config, const SequenceLayout& queries,
+                               const SequenceLayout& keys, const ExplicitMask& mask,
+                               absl::Span<const float> head_mask, const ForwardOptions& options,
+                               const ForwardOutputs& outputs, bool layer) {
+  const int64_t batch = queries.batch();
+  const int64_t s = queries.max_length();
+  const int64_t t = keys.max_length();
+  const std::optional<int64_t> scores = CheckedProduct({config.num_heads, s, t});
+  if (!scores || *scores > kMaxElements) {
+    return Invalid("layout", absl::StrCat("num_heads ", config.num_heads, " * max_length ", s,
+                                          " * keys' max_length ", t, " is too large"));
+  }
+  if (options.precision != Precision::kFp32 && options.precision != Precision::kBf16) {
+    return Invalid("precision",
+                   absl::StrCat("unknown value ", static_cast<int>(options.precision)));
+  }
+  ATTNSERVE_RETURN_IF_ERROR(ValidateMask(mask, batch, s, t));
+  ATTNSERVE_RETURN_IF_ERROR(ValidateHeadMask(head_mask, config.num_heads));
+
+  const MapSelection& maps = options.maps;
+  switch (maps.mode) {
+    case AttentionMapMode::kNone:
+      ATTNSERVE_RETURN_IF_ERROR(CheckEmpty("maps.heads", maps.heads.size(), "no maps asked for"));
+      ATTNSERVE_RETURN_IF_ERROR(
+          CheckEmpty("maps.query_rows", maps.query_rows.size(), "no maps asked for"));
+      break;
+    case AttentionMapMode::kMeanOverHeads:
+      ATTNSERVE_RETURN_IF_ERROR(
+          CheckEmpty("maps.heads", maps.heads.size(), "kMeanOverHeads averages over all heads"));
+      break;
+    case AttentionMapMode::kPerHead:
+      break;
+    default:
+      return Invalid("maps.mode", absl::StrCat("unknown value ", static_cast<int>(maps.mode)));
+  }
+  for (size_t i = 0; i < maps.heads.size(); ++i) {
+    if (maps.heads[i] < 0 || maps.heads[i] >= config.num_heads) {
+      return Invalid(
+          absl::StrCat("maps.heads[", i, "]"),
+          absl::StrCat(maps.heads[i], " is outside [0, num_heads ", config.num_heads, ")"));
+    }
+  }
+  for (size_t i = 0; i < maps.query_rows.size(); ++i) {
+    if (maps.query_rows[i] < 0 || maps.query_rows[i] >= s) {
+      return Invalid(absl::StrCat("maps.query_rows[", i, "]"),
+                     absl::StrCat(maps.query_rows[i], " is outside [0, max_length ", s, ")"));
+    }
+  }
+  const std::optional<int64_t> map_elements = AttentionMapElements(config, queries, keys, maps);
+  if (!map_elements || *map_elements > kMaxElements) {
+    return Invalid("attention_maps", "the maps asked for overflow int64");
+  }
+  if (static_cast<int64_t>(outputs.attention_maps.size()) != *map_elements) {
+    return Invalid(
+        "attention_maps",
+        absl::StrCat("size ", outputs.attention_maps.size(), " does not match the maps asked for (",
+                     *map_elements, maps.mode == AttentionMapMode::kNone ? ", none" : "",
+                     " elements; see AttentionMapElements)"));
+  }
+
+  const struct {
+    absl::string_view field;
+    size_t size;
+    bool wanted;
+  } statistics[] = {
+      {"head_entropy", outputs.head_entropy.size(), options.head_statistics},
+      {"head_max_weight", outputs.head_max_weight.size(), options.head_statistics},
+      {"head_contribution", outputs.head_contribution.size(), layer && options.head_statistics},
+  };
+  for (const auto& statistic : statistics) {
+    if (statistic.wanted) {
+      ATTNSERVE_RETURN_IF_ERROR(CheckSize(statistic.field, statistic.size,
+                                          {{"batch", batch}, {"num_heads", config.num_heads}}));
+    } else {
+      ATTNSERVE_RETURN_IF_ERROR(CheckEmpty(statistic.field, statistic.size,
+                                           options.head_statistics
+                                               ? "AttentionCore has no output projection"
+                                               : "options.head_statistics is false"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> Lengths(const SequenceLayout& layout) {
+  std::vector<int64_t> lengths(static_cast<size_t>(layout.batch()));
+  for (int64_t b = 0; b < layout.batch(); ++b) lengths[b] = layout.length(b);
+  return lengths;
+}
+
+SdpaCall MakeCall(const SequenceLayout& queries, const SequenceLayout& keys, bool causal,
+                  const ExplicitMask& mask, absl::Span<const float> head_mask,
+                  const ForwardOptions& options, const ForwardOutputs& outputs, bool bf16) {
+  SdpaCall call;
+  call.batch = queries.batch();
+  call.q_len = queries.max_length();
+  call.kv_len = keys.max_length();
+  call.q_lengths = Lengths(queries);
+  call.kv_lengths = Lengths(keys);
+  call.causal = causal;
+  call.mask = mask;
+  call.head_mask = head_mask;
+  call.maps = &options.maps;
+  call.statistics = options.head_statistics;
+  call.bf16 = bf16;
+  call.attention_maps = outputs.attention_maps;
+  call.head_entropy = outputs.head_entropy;
+  call.head_max_weight = outputs.head_max_weight;
+  return call;
+}
+
+ForwardInfo MakeInfo(bool bf16) {
+  ForwardInfo info;
+  info.precision = bf16 ? Precision::kBf16 : Precision::kFp32;
+  info.kernel_path = absl::StrCat(PrecisionName(info.precision), "/", kPath);
+  return info;
+}
+
+// --- Staging: token-major or head-major FP32 rows into the kernels' padded,
+// head-major operands (FP32 or BF16), with RoPE on the way.
+
+template <typename T>
+void Store(const float* from, int64_t count, T* to) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(to, from, static_cast<size_t>(count) * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < count; ++i) to[i] = internal::FloatToBf16(from[i]);
+  }
+}
+
+template <typename T>
+T FromFloat(float value) {
+  if constexpr (std::is_same_v<T, float>) {
+    return value;
+  } else {
+    return internal::FloatToBf16(value);
+  }
+}
+
+// Where one head's row comes from: `values` (nullptr: padding, zeros) and,
+// with RoPE, the cos/sin of its position ([rotary_dim / 2] each).
+struct HeadRow {
+  const float* values = nullptr;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+};
+
+// out [n, heads, len, hd] (row (c, h, pos) from row_of(c, h, pos)), with the
+// Llama "rotate half" RoPE on the first 2 * half dimensions:
+//   out[i] = x[i] cos - x[i + half] sin, out[i + half] = x[i + half] cos + x[i] sin.
+template <typename T, typename RowOf>
+void StageHeads(int64_t n, int64_t heads, int64_t len, int64_t hd, int64_t half, RowOf row_of,
+                T* out) {
+#pragma omp parallel for schedule(static) if (n * heads * len * hd > (int64_t{1} << 14))
+  for (int64_t item = 0; item < n * heads * len; ++item) {
+    const int64_t c = item / (heads * len);
+    const int64_t h = item / len % heads;
+    const int64_t pos = item % len;
+    T* const to = out + item * hd;
+    const HeadRow row = row_of(c, h, pos);
+    if (row.values == nullptr) {
+      std::memset(to, 0, static_cast<size_t>(hd) * sizeof(T));
+    } else if (row.cos == nullptr) {
+      Store(row.values, hd, to);
+    } else {
+      const float* const x = row.values;
+      for (int64_t i = 0; i < half; ++i) {
+        to[i] = FromFloat<T>(x[i] * row.cos[i] - x[i + half] * row.sin[i]);
+        to[i + half] = FromFloat<T>(x[i + half] * row.cos[i] + x[i] * row.sin[i]);
+      }
+      Store(x + 2 * half, hd - 2 * half, to + 2 * half);
+    }
+  }
+}
+
+// RoPE's cos and sin, [layout.rows(), rotary_dim / 2] each, for the token at
+// row_offset(b) + i at position first_positions[b] + i (0 when empty).
+void RotaryTables(const SequenceLayout& layout, absl::Span<const int64_t> first_positions,
+                  const std::vector<double>& inverse_frequencies, std::vector<float>& cos,
+                  std::vector<float>& sin) {
+  const int64_t half = static_cast<int64_t>(inverse_frequencies.size());
+  cos.resize(static_cast<size_t>(layout.rows() * half));
+  sin.resize(cos.size());
+  for (int64_t b = 0; b < layout.batch(); ++b) {
+    const int64_t first_position = first_positions.empty() ? 0 : first_positions[b];
+    const int64_t offset = layout.row_offset(b);
+    const int64_t length = layout.length(b);
+#pragma omp parallel for schedule(static) if (length * half > 4096)
+    for (int64_t i = 0; i < length; ++i) {
+      const double position = static_cast<double>(first_position + i);
+      float* const c = cos.data() + (offset + i) * half;
+      float* const s = sin.data() + (offset + i) * half;
+      for (int64_t k = 0; k < half; ++k) {
+        const double angle = position * inverse_frequencies[k];
+        c[k] = static_cast<float>(std::cos(angle));
+        s[k] = static_cast<float>(std::sin(angle));
+      }
+    }
+  }
+}
+
 }  // namespace
 
+std::optional<int64_t> AttentionMapElements(const HeadConfig& config, const SequenceLayout& queries,
+                                            const SequenceLayout& keys, const MapSelection& maps) {
+  const int64_t rows =
+      maps.query_rows.empty() ? queries.max_length() : static_cast<int64_t>(maps.query_rows.size());
+  switch (maps.mode) {
+    case AttentionMapMode::kNone:
+      return 0;
+    case AttentionMapMode::kPerHead:
+      return CheckedProduct(
+          {queries.batch(),
+           maps.heads.empty() ? config.num_heads : static_cast<int64_t>(maps.heads.size()), rows,
+           keys.max_length()});
+    case AttentionMapMode::kMeanOverHeads:
+      return CheckedProduct({queries.batch(), rows, keys.max_length()});
+  }
+  return std::nullopt;
+}
+
+// Transitional: removed when the server moves to LayerInputs.
 std::optional<int64_t> AttentionMapElements(const HeadConfig& config, AttentionShape shape,
                                             AttentionMapMode mode) {
   switch (mode) {
@@ -290,123 +394,183 @@ std::optional<int64_t> AttentionMapElements(const HeadConfig& config, AttentionS
   return std::nullopt;
 }
 
+// ---------------------------------------------------------------------------
+// AttentionLayer
+
 // The layer's state. Thread-safe: Forward holds mu_ for the whole call, since
-// the stream, the plans and the scratch buffers are shared.
+// the stream, the primitives and the scratch buffers are shared.
 class AttentionLayer::Impl {
  public:
-  Impl(const HeadConfig& config, dnnl::engine engine, dnnl::stream stream, std::vector<float> w_qkv,
-       std::vector<float> b_qkv, AttentionWeights weights)
+  Impl(const HeadConfig& config, dnnl::engine engine, AttentionWeights weights)
       : config_(config),
-        engine_(std::move(engine)),
-        w_qkv_(std::move(w_qkv)),
-        b_qkv_(std::move(b_qkv)),
+        w_qkv_(FuseColumns({&weights.w_q, &weights.w_k, &weights.w_v}, config.d_model,
+                           {config.q_width(), config.kv_width(), config.kv_width()})),
+        b_qkv_(FuseColumns({&weights.b_q, &weights.b_k, &weights.b_v}, 1,
+                           {config.q_width(), config.kv_width(), config.kv_width()})),
         w_o_(std::move(weights.w_o)),
         b_o_(std::move(weights.b_o)),
-        ones_(static_cast<size_t>(config.num_heads), 1.0f),
-        stream_(std::move(stream)) {}
+        inverse_frequencies_(InverseFrequencies(config.rotary)),
+        kernels_(config, std::move(engine)) {}
 
   const HeadConfig& config() const { return config_; }
 
-  absl::StatusOr<ForwardInfo> Forward(absl::Span<const float> hidden_states, AttentionShape shape,
-                                      const ForwardOptions& options, ForwardOutputs outputs);
+  absl::StatusOr<ForwardInfo> Forward(const LayerInputs& inputs, const ForwardOptions& options,
+                                      ForwardOutputs outputs);
 
  private:
-  absl::StatusOr<ForwardInfo> ForwardLocked(absl::Span<const float> hidden_states,
-                                            AttentionShape shape, const ForwardOptions& options,
-                                            ForwardOutputs outputs)
+  // [rows, parts[0] | parts[1] | ...]: row r of the result is row r of each
+  // part ([rows, widths[i]]) in turn.
+  static std::vector<float> FuseColumns(std::initializer_list<const std::vector<float>*> parts,
+                                        int64_t rows, std::initializer_list<int64_t> widths);
+  // theta^(-2k / rotary_dim) for k < rotary_dim / 2.
+  static std::vector<double> InverseFrequencies(const RotaryConfig& rotary);
+
+  absl::Status Validate(const LayerInputs& inputs, const ForwardOptions& options,
+                        const ForwardOutputs& outputs) const;
+  absl::StatusOr<ForwardInfo> ForwardLocked(const LayerInputs& inputs,
+                                            const ForwardOptions& options, ForwardOutputs outputs)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<Plan*> GetPlan(AttentionShape shape, const Sizes& sizes)
+  // Where the projected rows of Q, K or V are: row r of head h starts at
+  // base + r * stride + h * head_dim.
+  struct Projected {
+    const float* base = nullptr;
+    int64_t stride = 0;
+  };
+  // Stages the chunk's Q, K, V (see AttentionKernels::q_stage) from the
+  // projections, applying RoPE.
+  template <typename T>
+  void Stage(const LayerInputs& inputs, const SequenceLayout& keys, const Projected (&qkv)[3],
+             const SdpaCall& call, int64_t first, int64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Concatenates the chunk's heads into token-major rows of context_tokens_.
+  template <typename T>
+  void ConcatHeads(const SequenceLayout& layout, const SdpaCall& call, int64_t first, int64_t n)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ReserveScratch(const Plan& plan) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Run(const Step& step, Args args) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Polls options.should_stop once the work queued so far is done.
+  // ||head_h W^O_h||_F over each of the chunk's sequences' rows.
+  void Contributions(const SdpaCall& call, int64_t first, int64_t n, absl::Span<float> out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MakeBf16Weights() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool ShouldStop(const ForwardOptions& options) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!options.should_stop) return false;
-    stream_.wait();
+    kernels_.Wait();
     return options.should_stop();
-  }
-  memory Memory(const memory::desc& desc, const float* data) const {
-    // oneDNN takes non-const handles; inputs are only read.
-    return memory(desc, engine_, const_cast<float*>(data));
   }
 
   // Constant after construction.
-  const HeadConfig config_;  // resolved
-  const dnnl::engine engine_;
-  const std::vector<float> w_qkv_;  // [d_model, N] = [w_q | w_k | w_v]
-  const std::vector<float> b_qkv_;  // [N] = [b_q | b_k | b_v]
-  const std::vector<float> w_o_;    // [Hq * hd, d_model]
-  const std::vector<float> b_o_;    // [d_model]
-  const std::vector<float> ones_;   // [Hq], the mean map's left operand
+  const HeadConfig config_;                        // resolved
+  const std::vector<float> w_qkv_;                 // [d_model, N] = [w_q | w_k | w_v]
+  const std::vector<float> b_qkv_;                 // [N] = [b_q | b_k | b_v]
+  const std::vector<float> w_o_;                   // [Hq * hd, d_model]
+  const std::vector<float> b_o_;                   // [d_model]
+  const std::vector<double> inverse_frequencies_;  // [rotary_dim / 2]
 
   absl::Mutex mu_;
-  dnnl::stream stream_ ABSL_GUARDED_BY(mu_);
-  std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Plan>> plans_ ABSL_GUARDED_BY(mu_);
-  uint64_t use_counter_ ABSL_GUARDED_BY(mu_) = 0;
-  // qkv [T, N]; after the split it holds the token-major context [T, Hq*hd].
-  internal::ScratchBuffer qkv_ ABSL_GUARDED_BY(mu_);
-  // Head-major Q [B, Hq, S, hd] | K [B, Hkv, S, hd] | V [B, Hkv, S, hd].
-  internal::ScratchBuffer heads_ ABSL_GUARDED_BY(mu_);
-  internal::ScratchBuffer scores_ ABSL_GUARDED_BY(mu_);         // [chunk, Hq, S, S]
-  internal::ScratchBuffer context_heads_ ABSL_GUARDED_BY(mu_);  // [chunk, Hq, S, hd]
-  internal::ScratchBuffer scratchpad_ ABSL_GUARDED_BY(mu_);     // oneDNN's
+  AttentionKernels kernels_ ABSL_GUARDED_BY(mu_);
+  // Made on first use.
+  std::vector<Bf16> w_qkv_bf16_ ABSL_GUARDED_BY(mu_);
+  std::vector<Bf16> w_o_bf16_ ABSL_GUARDED_BY(mu_);
+  // W^O_h (W^O_h)^T, [Hq, hd, hd], when hd <= d_model (else the contribution
+  // multiplies by W^O_h directly, which is then cheaper).
+  std::vector<double> w_o_gram_ ABSL_GUARDED_BY(mu_);
+  // Scratch, reused across calls.
+  internal::ScratchBuffer x_bf16_ ABSL_GUARDED_BY(mu_);  // [R, d_model]
+  internal::ScratchBuffer c_bf16_ ABSL_GUARDED_BY(mu_);  // [Rc, d_model]
+  // Self-attention: QKV [R, N]. Cross-attention: Q [R, Hq * hd], then
+  // KV [Rc, 2 * Hkv * hd].
+  internal::ScratchBuffer projected_ ABSL_GUARDED_BY(mu_);
+  internal::ScratchBuffer context_heads_ ABSL_GUARDED_BY(mu_);   // [chunk, Hq, S, hd]
+  internal::ScratchBuffer context_tokens_ ABSL_GUARDED_BY(mu_);  // [R, Hq * hd]
+  std::vector<float> q_cos_ ABSL_GUARDED_BY(mu_), q_sin_ ABSL_GUARDED_BY(mu_);
+  std::vector<float> k_cos_ ABSL_GUARDED_BY(mu_), k_sin_ ABSL_GUARDED_BY(mu_);
 };
 
-absl::StatusOr<ForwardInfo> AttentionLayer::Impl::Forward(absl::Span<const float> hidden_states,
-                                                          AttentionShape shape,
+std::vector<float> AttentionLayer::Impl::FuseColumns(
+    std::initializer_list<const std::vector<float>*> parts, int64_t rows,
+    std::initializer_list<int64_t> widths) {
+  int64_t total = 0;
+  for (int64_t width : widths) total += width;
+  std::vector<float> fused(static_cast<size_t>(rows * total));
+  for (int64_t r = 0; r < rows; ++r) {
+    float* out = fused.data() + r * total;
+    auto width = widths.begin();
+    for (const std::vector<float>* part : parts) {
+      out = std::copy_n(part->data() + r * *width, *width, out);
+      ++width;
+    }
+  }
+  return fused;
+}
+
+std::vector<double> AttentionLayer::Impl::InverseFrequencies(const RotaryConfig& rotary) {
+  std::vector<double> frequencies(static_cast<size_t>(rotary.rotary_dim / 2));
+  for (size_t k = 0; k < frequencies.size(); ++k) {
+    frequencies[k] =
+        std::pow(static_cast<double>(rotary.theta),
+                 -2.0 * static_cast<double>(k) / static_cast<double>(rotary.rotary_dim));
+  }
+  return frequencies;
+}
+
+absl::Status AttentionLayer::Impl::Validate(const LayerInputs& inputs,
+                                            const ForwardOptions& options,
+                                            const ForwardOutputs& outputs) const {
+  const SequenceLayout& layout = inputs.layout;
+  if (layout.batch() < 1) {
+    return Invalid("layout", "no sequences (make it with SequenceLayout::Padded or Packed)");
+  }
+  const int64_t d = config_.d_model;
+  ATTNSERVE_RETURN_IF_ERROR(CheckSize("hidden_states", inputs.hidden_states.size(),
+                                      {{"layout.rows", layout.rows()}, {"d_model", d}}));
+  // The projections and the context must fit too.
+  const int64_t width = std::max(d, config_.q_width() + 2 * config_.kv_width());
+  const std::optional<int64_t> projected = CheckedProduct({layout.rows(), width});
+  if (!projected || *projected > kMaxElements) {
+    return Invalid("layout", "too many rows for this layer's projections");
+  }
+
+  const SequenceLayout* keys = &layout;
+  if (inputs.context_layout.has_value()) {
+    keys = &*inputs.context_layout;
+    if (keys->batch() != layout.batch()) {
+      return Invalid(
+          "context_layout",
+          absl::StrCat("batch ", keys->batch(), " does not match layout's batch ", layout.batch()));
+    }
+    ATTNSERVE_RETURN_IF_ERROR(CheckSize("context", inputs.context.size(),
+                                        {{"context_layout.rows", keys->rows()}, {"d_model", d}}));
+    const std::optional<int64_t> kv_size = CheckedProduct({keys->rows(), width});
+    if (!kv_size || *kv_size > kMaxElements) {
+      return Invalid("context_layout", "too many rows for this layer's projections");
+    }
+  } else if (!inputs.context.empty()) {
+    return Invalid("context_layout", "required with context (cross-attention)");
+  }
+
+  if (config_.rotary.rotary_dim > 0 && !inputs.position_offsets.empty()) {
+    if (static_cast<int64_t>(inputs.position_offsets.size()) != layout.batch()) {
+      return Invalid("position_offsets", absl::StrCat(inputs.position_offsets.size(),
+                                                      " offsets for a batch of ", layout.batch()));
+    }
+    for (size_t b = 0; b < inputs.position_offsets.size(); ++b) {
+      const int64_t offset = inputs.position_offsets[b];
+      if (offset < 0 || offset > kMaxPositionOffset) {
+        return Invalid(absl::StrCat("position_offsets[", b, "]"),
+                       absl::StrCat(offset, " is outside [0, ", kMaxPositionOffset, "]"));
+      }
+    }
+  }
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckSize("output", outputs.output.size(), {{"layout.rows", layout.rows()}, {"d_model", d}}));
+  return ValidateAttention(config_, layout, *keys, inputs.mask, inputs.head_mask, options, outputs,
+                           /*layer=*/true);
+}
+
+absl::StatusOr<ForwardInfo> AttentionLayer::Impl::Forward(const LayerInputs& inputs,
                                                           const ForwardOptions& options,
                                                           ForwardOutputs outputs) {
-  if (shape.batch < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shape.batch: must be at least 1, got ", shape.batch));
-  }
-  if (shape.seq_len < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("shape.seq_len: must be at least 1, got ", shape.seq_len));
-  }
-  const std::optional<int64_t> tokens_size =
-      CheckedProduct({shape.batch, shape.seq_len, config_.d_model});
-  if (!tokens_size) {
-    return absl::InvalidArgumentError(absl::StrCat("shape: batch ", shape.batch, " * seq_len ",
-                                                   shape.seq_len, " * d_model ", config_.d_model,
-                                                   " overflows int64"));
-  }
-  const std::string tokens_layout = absl::StrCat("[batch ", shape.batch, ", seq_len ",
-                                                 shape.seq_len, ", d_model ", config_.d_model, "]");
-  ATTNSERVE_RETURN_IF_ERROR(
-      CheckSize("hidden_states", hidden_states.size(), *tokens_size, tokens_layout));
-  ATTNSERVE_RETURN_IF_ERROR(
-      CheckSize("output", outputs.output.size(), *tokens_size, tokens_layout));
-
-  std::string maps_layout;
-  switch (options.attention_maps) {
-    case AttentionMapMode::kNone:
-      maps_layout = "nothing (no attention maps asked for)";
-      break;
-    case AttentionMapMode::kPerHead:
-      maps_layout = absl::StrCat("[batch ", shape.batch, ", num_heads ", config_.num_heads,
-                                 ", seq_len ", shape.seq_len, ", seq_len ", shape.seq_len, "]");
-      break;
-    case AttentionMapMode::kMeanOverHeads:
-      maps_layout = absl::StrCat("[batch ", shape.batch, ", seq_len ", shape.seq_len, ", seq_len ",
-                                 shape.seq_len, "]");
-      break;
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat("attention_maps: unknown mode ", static_cast<int>(options.attention_maps)));
-  }
-  const std::optional<int64_t> maps_size =
-      AttentionMapElements(config_, shape, options.attention_maps);
-  if (!maps_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("attention_maps: ", maps_layout, " overflows int64"));
-  }
-  ATTNSERVE_RETURN_IF_ERROR(
-      CheckSize("attention_maps", outputs.attention_maps.size(), *maps_size, maps_layout));
-
+  ATTNSERVE_RETURN_IF_ERROR(Validate(inputs, options, outputs));
   absl::MutexLock lock(&mu_);
   try {
-    return ForwardLocked(hidden_states, shape, options, outputs);
+    return ForwardLocked(inputs, options, outputs);
   } catch (const dnnl::error& e) {
     return internal::StatusFromDnnlError(e, "running the attention layer");
   } catch (const std::bad_alloc&) {
@@ -414,109 +578,251 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::Forward(absl::Span<const float
   }
 }
 
-absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(
-    absl::Span<const float> hidden_states, AttentionShape shape, const ForwardOptions& options,
-    ForwardOutputs outputs) {
+absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInputs& inputs,
+                                                                const ForwardOptions& options,
+                                                                ForwardOutputs outputs) {
   if (ShouldStop(options)) return Cancelled();
-  ATTNSERVE_ASSIGN_OR_RETURN(const Sizes sizes, ComputeSizes(config_, shape));
-  ATTNSERVE_ASSIGN_OR_RETURN(const Plan* plan, GetPlan(shape, sizes));
-  ATTNSERVE_RETURN_IF_ERROR(ReserveScratch(*plan));
+  const bool bf16 = options.precision == Precision::kBf16 && Bf16Supported();
+  const bool cross = inputs.context_layout.has_value();
+  const SequenceLayout& layout = inputs.layout;
+  const SequenceLayout& keys = cross ? *inputs.context_layout : layout;
+  const int64_t d = config_.d_model;
+  const int64_t q_width = config_.q_width();
+  const int64_t kv_width = 2 * config_.kv_width();
+  const int64_t n_width = q_width + kv_width;  // N
+  const int64_t rows = layout.rows();
+  const int64_t kv_rows = keys.rows();
+  const int64_t element = bf16 ? sizeof(Bf16) : sizeof(float);
 
-  const int64_t s = shape.seq_len;
-  const int64_t hd = config_.head_dim;
-  float* const qkv = qkv_.floats();
-  float* const heads = heads_.floats();
+  // Sizes below were checked by Validate.
+  ATTNSERVE_RETURN_IF_ERROR(
+      projected_.Reserve((cross ? rows * q_width + kv_rows * kv_width : rows * n_width) * 4));
+  ATTNSERVE_RETURN_IF_ERROR(context_tokens_.Reserve(rows * q_width * element));
 
-  // Stage 1: the fused Q/K/V projection over all tokens.
-  Run(plan->qkv_mm, {{DNNL_ARG_SRC, Memory(plan->x, hidden_states.data())},
-                     {DNNL_ARG_WEIGHTS, Memory(plan->w_qkv, w_qkv_.data())},
-                     {DNNL_ARG_BIAS, Memory(plan->b_qkv, b_qkv_.data())},
-                     {DNNL_ARG_DST, Memory(plan->qkv, qkv)}});
-  // Stage 2: head-major Q, K, V.
-  for (const Plan::Split& split : plan->splits) {
-    Run(split.reorder, {{DNNL_ARG_FROM, Memory(split.from, qkv + split.qkv_offset)},
-                        {DNNL_ARG_TO, Memory(split.to, heads + split.heads_offset)}});
+  // Stage 1: projections.
+  const void* x = inputs.hidden_states.data();
+  const void* c = cross ? inputs.context.data() : x;
+  const void* w_qkv = w_qkv_.data();
+  const void* w_o = w_o_.data();
+  if (bf16) {
+    MakeBf16Weights();
+    ATTNSERVE_RETURN_IF_ERROR(x_bf16_.Reserve(rows * d * 2));
+    internal::ConvertToBf16(inputs.hidden_states.data(), rows * d,
+                            static_cast<Bf16*>(x_bf16_.data()));
+    x = c = x_bf16_.data();
+    if (cross) {
+      ATTNSERVE_RETURN_IF_ERROR(c_bf16_.Reserve(kv_rows * d * 2));
+      internal::ConvertToBf16(inputs.context.data(), kv_rows * d,
+                              static_cast<Bf16*>(c_bf16_.data()));
+      c = c_bf16_.data();
+    }
+    w_qkv = w_qkv_bf16_.data();
+    w_o = w_o_bf16_.data();
   }
-  const float* const q = heads + plan->splits[0].heads_offset;
-  const float* const k = heads + plan->splits[1].heads_offset;
-  const float* const v = heads + plan->splits[2].heads_offset;
-  float* const context = qkv;  // qkv is consumed; the context takes its place
+  float* const projected = projected_.floats();
+  Projected qkv[3];  // Q, K, V
+  if (cross) {
+    float* const kv = projected + rows * q_width;
+    const char* const w_kv = static_cast<const char*>(w_qkv) + q_width * element;
+    ATTNSERVE_RETURN_IF_ERROR(
+        kernels_.Linear(rows, d, q_width, n_width, bf16, x, w_qkv, b_qkv_.data(), projected));
+    ATTNSERVE_RETURN_IF_ERROR(
+        kernels_.Linear(kv_rows, d, kv_width, n_width, bf16, c, w_kv, b_qkv_.data() + q_width, kv));
+    qkv[0] = {projected, q_width};
+    qkv[1] = {kv, kv_width};
+    qkv[2] = {kv + config_.kv_width(), kv_width};
+  } else {
+    ATTNSERVE_RETURN_IF_ERROR(
+        kernels_.Linear(rows, d, n_width, n_width, bf16, x, w_qkv, b_qkv_.data(), projected));
+    qkv[0] = {projected, n_width};
+    qkv[1] = {projected + q_width, n_width};
+    qkv[2] = {projected + q_width + config_.kv_width(), n_width};
+  }
+  if (config_.rotary.rotary_dim > 0) {
+    // Queries at position_offsets[b] + i. Keys: the same positions in
+    // self-attention; the context's own positions from 0 in cross-attention.
+    RotaryTables(layout, inputs.position_offsets, inverse_frequencies_, q_cos_, q_sin_);
+    if (cross) RotaryTables(keys, {}, inverse_frequencies_, k_cos_, k_sin_);
+  }
 
-  // Stage 3: attention, a chunk of sequences at a time.
-  const AttentionMapMode mode = options.attention_maps;
-  for (int64_t first = 0; first < shape.batch;) {
+  // Stage 2: attention, a chunk of sequences at a time.
+  const SdpaCall call =
+      MakeCall(layout, keys, inputs.causal, inputs.mask, inputs.head_mask, options, outputs, bf16);
+  const int64_t chunk = kernels_.ChunkSequences(call);
+  ATTNSERVE_RETURN_IF_ERROR(kernels_.ReserveChunk(call, chunk));
+  ATTNSERVE_RETURN_IF_ERROR(
+      context_heads_.Reserve(chunk * config_.num_heads * call.q_len * config_.head_dim * 4));
+  for (int64_t first = 0; first < call.batch; first += chunk) {
     if (ShouldStop(options)) return Cancelled();
-    const ChunkPlan& chunk = shape.batch - first >= plan->full.sequences ? plan->full : *plan->tail;
-    // With per-head maps the probabilities go straight to the caller's buffer.
-    float* const probs = mode == AttentionMapMode::kPerHead
-                             ? outputs.attention_maps.data() + first * config_.num_heads * s * s
-                             : scores_.floats();
-    const memory probs_memory = Memory(chunk.scores, probs);
-    Run(chunk.scores_mm,
-        {{DNNL_ARG_SRC, Memory(chunk.q, q + first * config_.num_heads * s * hd)},
-         {DNNL_ARG_WEIGHTS, Memory(chunk.k_t, k + first * config_.num_kv_heads * s * hd)},
-         {DNNL_ARG_DST, probs_memory}});
-    const memory probs_rows = Memory(chunk.probs_2d, probs);
-    Run(chunk.softmax, {{DNNL_ARG_SRC, probs_rows}, {DNNL_ARG_DST, probs_rows}});
-    if (mode == AttentionMapMode::kMeanOverHeads) {
-      Run(chunk.mean_mm,
-          {{DNNL_ARG_SRC, Memory(chunk.ones, ones_.data())},
-           {DNNL_ARG_WEIGHTS, Memory(chunk.probs_by_head, probs)},
-           {DNNL_ARG_DST, Memory(chunk.mean, outputs.attention_maps.data() + first * s * s)}});
+    const int64_t n = std::min(chunk, call.batch - first);
+    if (bf16) {
+      Stage<Bf16>(inputs, keys, qkv, call, first, n);
+    } else {
+      Stage<float>(inputs, keys, qkv, call, first, n);
     }
-    const memory context_heads = Memory(chunk.context_heads, context_heads_.floats());
-    Run(chunk.context_mm,
-        {{DNNL_ARG_SRC, probs_memory},
-         {DNNL_ARG_WEIGHTS, Memory(chunk.v, v + first * config_.num_kv_heads * s * hd)},
-         {DNNL_ARG_DST, context_heads}});
-    Run(chunk.to_tokens,
-        {{DNNL_ARG_FROM, context_heads},
-         {DNNL_ARG_TO, Memory(chunk.context_tokens, context + first * s * config_.q_width())}});
-    first += chunk.sequences;
+    ATTNSERVE_RETURN_IF_ERROR(kernels_.Sdpa(call, first, n, kernels_.q_stage(), kernels_.k_stage(),
+                                            kernels_.v_stage(), context_heads_.floats()));
+    if (options.head_statistics) Contributions(call, first, n, outputs.head_contribution);
+    if (bf16) {
+      ConcatHeads<Bf16>(layout, call, first, n);
+    } else {
+      ConcatHeads<float>(layout, call, first, n);
+    }
   }
 
-  // Stage 4: the output projection.
+  // Stage 3: the output projection; padding rows are 0.
   if (ShouldStop(options)) return Cancelled();
-  Run(plan->out_mm, {{DNNL_ARG_SRC, Memory(plan->context, context)},
-                     {DNNL_ARG_WEIGHTS, Memory(plan->w_o, w_o_.data())},
-                     {DNNL_ARG_BIAS, Memory(plan->b_o, b_o_.data())},
-                     {DNNL_ARG_DST, Memory(plan->out, outputs.output.data())}});
-  stream_.wait();
-  return ForwardInfo{kKernelPath};
-}
-
-absl::StatusOr<Plan*> AttentionLayer::Impl::GetPlan(AttentionShape shape, const Sizes& sizes) {
-  const std::pair<int64_t, int64_t> key(shape.batch, shape.seq_len);
-  auto it = plans_.find(key);
-  if (it == plans_.end()) {
-    if (plans_.size() >= kMaxCachedPlans) {
-      auto oldest = std::min_element(
-          plans_.begin(), plans_.end(),
-          [](const auto& a, const auto& b) { return a.second->last_use < b.second->last_use; });
-      plans_.erase(oldest);
+  std::vector<std::pair<int64_t, int64_t>> padding;  // [begin, end) rows
+  if (layout.is_padded()) {
+    for (int64_t b = 0; b < layout.batch(); ++b) {
+      if (layout.length(b) < layout.max_length()) {
+        padding.emplace_back(layout.row_offset(b) + layout.length(b),
+                             layout.row_offset(b) + layout.max_length());
+      }
     }
-    it = plans_.emplace(key, BuildPlan(engine_, config_, shape, sizes)).first;
   }
-  it->second->last_use = ++use_counter_;
-  return it->second.get();
+  for (const auto& [begin, end] : padding) {
+    std::memset(static_cast<char*>(context_tokens_.data()) + begin * q_width * element, 0,
+                static_cast<size_t>((end - begin) * q_width * element));
+  }
+  ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(rows, q_width, d, d, bf16, context_tokens_.data(), w_o,
+                                            b_o_.data(), outputs.output.data()));
+  kernels_.Wait();
+  for (const auto& [begin, end] : padding) {
+    std::fill(outputs.output.begin() + begin * d, outputs.output.begin() + end * d, 0.0f);
+  }
+  return MakeInfo(bf16);
 }
 
-absl::Status AttentionLayer::Impl::ReserveScratch(const Plan& plan) {
-  constexpr int64_t kFloat = sizeof(float);
-  // Sizes bounded by ComputeSizes: none of these products overflow.
-  ATTNSERVE_RETURN_IF_ERROR(qkv_.Reserve(plan.sizes.qkv * kFloat));
-  ATTNSERVE_RETURN_IF_ERROR(heads_.Reserve(plan.sizes.qkv * kFloat));
-  ATTNSERVE_RETURN_IF_ERROR(scores_.Reserve(plan.sizes.scores * kFloat));
-  ATTNSERVE_RETURN_IF_ERROR(context_heads_.Reserve(plan.sizes.context_heads * kFloat));
-  ATTNSERVE_RETURN_IF_ERROR(scratchpad_.Reserve(plan.scratchpad_bytes));
-  return absl::OkStatus();
+template <typename T>
+void AttentionLayer::Impl::Stage(const LayerInputs& inputs, const SequenceLayout& keys,
+                                 const Projected (&qkv)[3], const SdpaCall& call, int64_t first,
+                                 int64_t n) {
+  const SequenceLayout& layout = inputs.layout;
+  const bool cross = inputs.context_layout.has_value();
+  const int64_t hd = config_.head_dim;
+  const int64_t half = config_.rotary.rotary_dim / 2;
+  const std::vector<float>& k_cos = cross ? k_cos_ : q_cos_;
+  const std::vector<float>& k_sin = cross ? k_sin_ : q_sin_;
+
+  StageHeads(
+      n, config_.num_heads, call.q_len, hd, half,
+      [&](int64_t c, int64_t h, int64_t pos) {
+        const int64_t b = first + c;
+        HeadRow row;
+        if (pos >= layout.length(b)) return row;
+        const int64_t r = layout.row_offset(b) + pos;
+        row.values = qkv[0].base + r * qkv[0].stride + h * hd;
+        if (half > 0) {
+          row.cos = q_cos_.data() + r * half;
+          row.sin = q_sin_.data() + r * half;
+        }
+        return row;
+      },
+      static_cast<T*>(kernels_.q_stage()));
+  for (int which = 0; which < 2; ++which) {  // K, then V
+    const bool rotate = which == 0 && half > 0;
+    StageHeads(
+        n, config_.num_kv_heads, call.kv_len, hd, rotate ? half : 0,
+        [&](int64_t c, int64_t g, int64_t pos) {
+          const int64_t b = first + c;
+          HeadRow row;
+          if (pos >= keys.length(b)) return row;
+          const int64_t r = keys.row_offset(b) + pos;
+          row.values = qkv[1 + which].base + r * qkv[1 + which].stride + g * hd;
+          if (rotate) {
+            row.cos = k_cos.data() + r * half;
+            row.sin = k_sin.data() + r * half;
+          }
+          return row;
+        },
+        static_cast<T*>(which == 0 ? kernels_.k_stage() : kernels_.v_stage()));
+  }
 }
 
-void AttentionLayer::Impl::Run(const Step& step, Args args) {
-  if (step.scratchpad.get_size() != 0) {
-    args.emplace(DNNL_ARG_SCRATCHPAD, memory(step.scratchpad, engine_, scratchpad_.data()));
+template <typename T>
+void AttentionLayer::Impl::ConcatHeads(const SequenceLayout& layout, const SdpaCall& call,
+                                       int64_t first, int64_t n) {
+  const int64_t heads = config_.num_heads;
+  const int64_t hd = config_.head_dim;
+  const int64_t s = call.q_len;
+  const int64_t q_width = config_.q_width();
+  const float* const context = context_heads_.floats();
+  T* const out = static_cast<T*>(context_tokens_.data());
+#pragma omp parallel for schedule(static) if (n * s * q_width > (int64_t{1} << 14))
+  for (int64_t item = 0; item < n * s; ++item) {
+    const int64_t c = item / s;
+    const int64_t pos = item % s;
+    const int64_t b = first + c;
+    if (pos >= layout.length(b)) continue;
+    T* const row = out + (layout.row_offset(b) + pos) * q_width;
+    for (int64_t h = 0; h < heads; ++h) {
+      Store(context + ((c * heads + h) * s + pos) * hd, hd, row + h * hd);
+    }
   }
-  step.primitive.execute(stream_, args);
+}
+
+void AttentionLayer::Impl::Contributions(const SdpaCall& call, int64_t first, int64_t n,
+                                         absl::Span<float> out) {
+  const int64_t heads = config_.num_heads;
+  const int64_t hd = config_.head_dim;
+  const int64_t d = config_.d_model;
+  const int64_t s = call.q_len;
+  const bool use_gram = hd <= d;
+  if (use_gram && w_o_gram_.empty()) {
+    // Once per layer: Gram_h[a][b] = sum_k W_o[h*hd + a][k] W_o[h*hd + b][k].
+    w_o_gram_.resize(static_cast<size_t>(heads * hd * hd));
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < heads * hd; ++row) {
+      const int64_t h = row / hd;
+      const float* const wa = w_o_.data() + row * d;
+      for (int64_t bcol = 0; bcol < hd; ++bcol) {
+        const float* const wb = w_o_.data() + (h * hd + bcol) * d;
+        double sum = 0.0;
+        for (int64_t k = 0; k < d; ++k) sum += static_cast<double>(wa[k]) * wb[k];
+        w_o_gram_[row * hd + bcol] = sum;
+      }
+    }
+  }
+  const float* const context = context_heads_.floats();
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < n * heads; ++item) {
+    const int64_t c = item / heads;
+    const int64_t h = item % heads;
+    const int64_t b = first + c;
+    double sum = 0.0;
+    for (int64_t pos = 0; pos < call.q_lengths[b]; ++pos) {
+      const float* const x = context + (item * s + pos) * hd;
+      if (use_gram) {
+        // ||x W^O_h||^2 = x Gram_h x^T.
+        const double* const gram = w_o_gram_.data() + h * hd * hd;
+        for (int64_t a = 0; a < hd; ++a) {
+          double row = 0.0;
+          for (int64_t k = 0; k < hd; ++k) row += gram[a * hd + k] * x[k];
+          sum += row * x[a];
+        }
+      } else {
+        // ||x W^O_h||^2 column by column (cheaper than the Gram matrix here).
+        const float* const w = w_o_.data() + h * hd * d;
+        for (int64_t k = 0; k < d; ++k) {
+          double y = 0.0;
+          for (int64_t a = 0; a < hd; ++a) y += static_cast<double>(x[a]) * w[a * d + k];
+          sum += y * y;
+        }
+      }
+    }
+    out[b * heads + h] = static_cast<float>(std::sqrt(std::max(sum, 0.0)));
+  }
+}
+
+void AttentionLayer::Impl::MakeBf16Weights() {
+  if (!w_qkv_bf16_.empty()) return;
+  auto convert = [](const std::vector<float>& from, std::vector<Bf16>& to) {
+    to.resize(from.size());
+    internal::ConvertToBf16(from.data(), static_cast<int64_t>(from.size()), to.data());
+  };
+  convert(w_qkv_, w_qkv_bf16_);
+  convert(w_o_, w_o_bf16_);
 }
 
 absl::StatusOr<std::unique_ptr<AttentionLayer>> AttentionLayer::Create(const HeadConfig& config,
@@ -524,31 +830,9 @@ absl::StatusOr<std::unique_ptr<AttentionLayer>> AttentionLayer::Create(const Hea
   ATTNSERVE_ASSIGN_OR_RETURN(const HeadConfig resolved, ResolveHeadConfig(config));
   ATTNSERVE_RETURN_IF_ERROR(ValidateWeights(resolved, weights));
   ATTNSERVE_ASSIGN_OR_RETURN(dnnl::engine engine, internal::CpuEngine());
-
   try {
-    // Fuse the three input projections: row r of W_qkv is
-    // [w_q row r | w_k row r | w_v row r].
-    const size_t d = static_cast<size_t>(resolved.d_model);
-    const size_t q_width = static_cast<size_t>(resolved.q_width());
-    const size_t kv_width = static_cast<size_t>(resolved.kv_width());
-    const size_t n = q_width + 2 * kv_width;
-    std::vector<float> w_qkv(d * n);
-    for (size_t r = 0; r < d; ++r) {
-      float* row = w_qkv.data() + r * n;
-      row = std::copy_n(weights.w_q.data() + r * q_width, q_width, row);
-      row = std::copy_n(weights.w_k.data() + r * kv_width, kv_width, row);
-      std::copy_n(weights.w_v.data() + r * kv_width, kv_width, row);
-    }
-    std::vector<float> b_qkv;
-    b_qkv.reserve(n);
-    b_qkv.insert(b_qkv.end(), weights.b_q.begin(), weights.b_q.end());
-    b_qkv.insert(b_qkv.end(), weights.b_k.begin(), weights.b_k.end());
-    b_qkv.insert(b_qkv.end(), weights.b_v.begin(), weights.b_v.end());
-
-    dnnl::stream stream(engine);
     return std::unique_ptr<AttentionLayer>(new AttentionLayer(
-        std::make_unique<Impl>(resolved, std::move(engine), std::move(stream), std::move(w_qkv),
-                               std::move(b_qkv), std::move(weights))));
+        std::make_unique<Impl>(resolved, std::move(engine), std::move(weights))));
   } catch (const dnnl::error& e) {
     return internal::StatusFromDnnlError(e, "creating an attention layer");
   } catch (const std::bad_alloc&) {
@@ -562,11 +846,232 @@ AttentionLayer::~AttentionLayer() = default;
 
 const HeadConfig& AttentionLayer::config() const { return impl_->config(); }
 
+absl::StatusOr<ForwardInfo> AttentionLayer::Forward(const LayerInputs& inputs,
+                                                    const ForwardOptions& options,
+                                                    ForwardOutputs outputs) {
+  return impl_->Forward(inputs, options, outputs);
+}
+
+// Transitional: removed when the server moves to LayerInputs.
 absl::StatusOr<ForwardInfo> AttentionLayer::Forward(absl::Span<const float> hidden_states,
                                                     AttentionShape shape,
                                                     const ForwardOptions& options,
                                                     ForwardOutputs outputs) {
-  return impl_->Forward(hidden_states, shape, options, outputs);
+  if (shape.batch < 1) {
+    return Invalid("shape.batch", absl::StrCat("must be at least 1, got ", shape.batch));
+  }
+  if (shape.seq_len < 1) {
+    return Invalid("shape.seq_len", absl::StrCat("must be at least 1, got ", shape.seq_len));
+  }
+  if (!CheckedProduct({shape.batch, shape.seq_len, config().d_model})) {
+    return Invalid("shape", absl::StrCat("batch ", shape.batch, " * seq_len ", shape.seq_len,
+                                         " * d_model ", config().d_model, " overflows int64"));
+  }
+  LayerInputs inputs;
+  inputs.hidden_states = hidden_states;
+  ATTNSERVE_ASSIGN_OR_RETURN(inputs.layout, SequenceLayout::Padded(shape.batch, shape.seq_len));
+  return Forward(inputs, options, outputs);
+}
+
+// ---------------------------------------------------------------------------
+// AttentionCore
+
+// Thread-safe like the layer: Run holds mu_ for the whole call.
+class AttentionCore::Impl {
+ public:
+  Impl(const HeadConfig& config, dnnl::engine engine)
+      : config_(config), kernels_(config, std::move(engine)) {}
+
+  const HeadConfig& config() const { return config_; }
+
+  absl::StatusOr<ForwardInfo> Run(const CoreInputs& inputs, const ForwardOptions& options,
+                                  ForwardOutputs outputs);
+
+ private:
+  absl::StatusOr<ForwardInfo> RunLocked(const CoreInputs& inputs, const SequenceLayout& queries,
+                                        const SequenceLayout& keys, const ForwardOptions& options,
+                                        ForwardOutputs outputs) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  template <typename T>
+  void Stage(const CoreInputs& inputs, const SdpaCall& call, int64_t first, int64_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ShouldStop(const ForwardOptions& options) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!options.should_stop) return false;
+    kernels_.Wait();
+    return options.should_stop();
+  }
+
+  // Constant after construction.
+  const HeadConfig config_;  // resolved
+
+  absl::Mutex mu_;
+  AttentionKernels kernels_ ABSL_GUARDED_BY(mu_);
+};
+
+namespace {
+
+// A core input's lengths: empty (all `len`) or [batch] values in [1, len].
+absl::StatusOr<std::vector<int64_t>> CoreLengths(absl::string_view field,
+                                                 absl::Span<const int64_t> lengths, int64_t batch,
+                                                 absl::string_view len_name, int64_t len) {
+  if (lengths.empty()) return std::vector<int64_t>(static_cast<size_t>(batch), len);
+  if (static_cast<int64_t>(lengths.size()) != batch) {
+    return Invalid(field, absl::StrCat(lengths.size(), " lengths for a batch of ", batch));
+  }
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    if (lengths[b] < 1 || lengths[b] > len) {
+      return Invalid(absl::StrCat(field, "[", b, "]"),
+                     absl::StrCat(lengths[b], " is outside [1, ", len_name, " ", len, "]"));
+    }
+  }
+  return std::vector<int64_t>(lengths.begin(), lengths.end());
+}
+
+}  // namespace
+
+absl::StatusOr<ForwardInfo> AttentionCore::Impl::Run(const CoreInputs& inputs,
+                                                     const ForwardOptions& options,
+                                                     ForwardOutputs outputs) {
+  const struct {
+    absl::string_view field;
+    int64_t value;
+  } dims[] = {{"batch", inputs.batch}, {"q_len", inputs.q_len}, {"kv_len", inputs.kv_len}};
+  for (const auto& dim : dims) {
+    if (dim.value < 1)
+      return Invalid(dim.field, absl::StrCat("must be at least 1, got ", dim.value));
+  }
+  const int64_t hd = config_.head_dim;
+  ATTNSERVE_RETURN_IF_ERROR(CheckSize("q", inputs.q.size(),
+                                      {{"batch", inputs.batch},
+                                       {"num_heads", config_.num_heads},
+                                       {"q_len", inputs.q_len},
+                                       {"head_dim", hd}}));
+  for (const auto& [field, span] :
+       {std::pair<absl::string_view, absl::Span<const float>>{"k", inputs.k}, {"v", inputs.v}}) {
+    ATTNSERVE_RETURN_IF_ERROR(CheckSize(field, span.size(),
+                                        {{"batch", inputs.batch},
+                                         {"num_kv_heads", config_.num_kv_heads},
+                                         {"kv_len", inputs.kv_len},
+                                         {"head_dim", hd}}));
+  }
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      std::vector<int64_t> q_lengths,
+      CoreLengths("q_lengths", inputs.q_lengths, inputs.batch, "q_len", inputs.q_len));
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      std::vector<int64_t> kv_lengths,
+      CoreLengths("kv_lengths", inputs.kv_lengths, inputs.batch, "kv_len", inputs.kv_len));
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      const SequenceLayout queries,
+      SequenceLayout::Padded(inputs.batch, inputs.q_len, std::move(q_lengths)));
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      const SequenceLayout keys,
+      SequenceLayout::Padded(inputs.batch, inputs.kv_len, std::move(kv_lengths)));
+  ATTNSERVE_RETURN_IF_ERROR(CheckSize("output", outputs.output.size(),
+                                      {{"batch", inputs.batch},
+                                       {"num_heads", config_.num_heads},
+                                       {"q_len", inputs.q_len},
+                                       {"head_dim", hd}}));
+  ATTNSERVE_RETURN_IF_ERROR(ValidateAttention(config_, queries, keys, inputs.mask, inputs.head_mask,
+                                              options, outputs,
+                                              /*layer=*/false));
+  absl::MutexLock lock(&mu_);
+  try {
+    return RunLocked(inputs, queries, keys, options, outputs);
+  } catch (const dnnl::error& e) {
+    return internal::StatusFromDnnlError(e, "running scaled dot-product attention");
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("out of memory running scaled dot-product attention");
+  }
+}
+
+absl::StatusOr<ForwardInfo> AttentionCore::Impl::RunLocked(const CoreInputs& inputs,
+                                                           const SequenceLayout& queries,
+                                                           const SequenceLayout& keys,
+                                                           const ForwardOptions& options,
+                                                           ForwardOutputs outputs) {
+  if (ShouldStop(options)) return Cancelled();
+  const bool bf16 = options.precision == Precision::kBf16 && Bf16Supported();
+  const SdpaCall call =
+      MakeCall(queries, keys, inputs.causal, inputs.mask, inputs.head_mask, options, outputs, bf16);
+  const int64_t chunk = kernels_.ChunkSequences(call);
+  ATTNSERVE_RETURN_IF_ERROR(kernels_.ReserveChunk(call, chunk));
+  // Padding may hold anything (NaN too): operands with padding are copied with
+  // zeros there, so that masked keys multiply finite values.
+  const bool stage = bf16 || !queries.is_uniform() || !keys.is_uniform();
+  const int64_t q_block = config_.num_heads * call.q_len * config_.head_dim;
+  const int64_t kv_block = config_.num_kv_heads * call.kv_len * config_.head_dim;
+  for (int64_t first = 0; first < call.batch; first += chunk) {
+    if (ShouldStop(options)) return Cancelled();
+    const int64_t n = std::min(chunk, call.batch - first);
+    const void* q = inputs.q.data() + first * q_block;
+    const void* k = inputs.k.data() + first * kv_block;
+    const void* v = inputs.v.data() + first * kv_block;
+    if (stage) {
+      if (bf16) {
+        Stage<Bf16>(inputs, call, first, n);
+      } else {
+        Stage<float>(inputs, call, first, n);
+      }
+      q = kernels_.q_stage();
+      k = kernels_.k_stage();
+      v = kernels_.v_stage();
+    }
+    ATTNSERVE_RETURN_IF_ERROR(
+        kernels_.Sdpa(call, first, n, q, k, v, outputs.output.data() + first * q_block));
+  }
+  kernels_.Wait();
+  return MakeInfo(bf16);
+}
+
+template <typename T>
+void AttentionCore::Impl::Stage(const CoreInputs& inputs, const SdpaCall& call, int64_t first,
+                                int64_t n) {
+  const int64_t hd = config_.head_dim;
+  auto stage = [&](absl::Span<const float> from, int64_t heads, int64_t len,
+                   const std::vector<int64_t>& lengths, void* to) {
+    StageHeads(
+        n, heads, len, hd, /*half=*/0,
+        [&](int64_t c, int64_t h, int64_t pos) {
+          HeadRow row;
+          const int64_t b = first + c;
+          if (pos < lengths[b]) row.values = from.data() + ((b * heads + h) * len + pos) * hd;
+          return row;
+        },
+        static_cast<T*>(to));
+  };
+  stage(inputs.q, config_.num_heads, call.q_len, call.q_lengths, kernels_.q_stage());
+  stage(inputs.k, config_.num_kv_heads, call.kv_len, call.kv_lengths, kernels_.k_stage());
+  stage(inputs.v, config_.num_kv_heads, call.kv_len, call.kv_lengths, kernels_.v_stage());
+}
+
+absl::StatusOr<std::unique_ptr<AttentionCore>> AttentionCore::Create(const HeadConfig& config) {
+  HeadConfig to_resolve = config;
+  // d_model is not used: without one, take the heads' width.
+  if (to_resolve.d_model == 0 && to_resolve.head_dim > 0 && to_resolve.num_heads > 0 &&
+      to_resolve.head_dim <= kMaxHeadDim && to_resolve.num_heads <= kMaxHeads) {
+    to_resolve.d_model = std::min(kMaxDModel, to_resolve.num_heads * to_resolve.head_dim);
+  }
+  ATTNSERVE_ASSIGN_OR_RETURN(const HeadConfig resolved, ResolveHeadConfig(to_resolve));
+  ATTNSERVE_ASSIGN_OR_RETURN(dnnl::engine engine, internal::CpuEngine());
+  try {
+    return std::unique_ptr<AttentionCore>(
+        new AttentionCore(std::make_unique<Impl>(resolved, std::move(engine))));
+  } catch (const dnnl::error& e) {
+    return internal::StatusFromDnnlError(e, "creating an attention core");
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError("out of memory creating an attention core");
+  }
+}
+
+AttentionCore::AttentionCore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+AttentionCore::~AttentionCore() = default;
+
+const HeadConfig& AttentionCore::config() const { return impl_->config(); }
+
+absl::StatusOr<ForwardInfo> AttentionCore::Run(const CoreInputs& inputs,
+                                               const ForwardOptions& options,
+                                               ForwardOutputs outputs) {
+  return impl_->Run(inputs, options, outputs);
 }
 
 }  // namespace attnserve::core

@@ -10,48 +10,60 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "core/attention_inputs.h"
 #include "core/attention_weights.h"
 #include "core/head_config.h"
 
 namespace attnserve::core {
 
-enum class AttentionMapMode {
-  kNone,
-  kPerHead,        // [batch, num_heads, seq_len, seq_len]
-  kMeanOverHeads,  // [batch, seq_len, seq_len]
-};
-
 // The sizes of one forward call: `batch` sequences of `seq_len` tokens each.
+// (Issue-2 API, kept until the server moves to LayerInputs.)
 struct AttentionShape {
   int64_t batch = 0;
   int64_t seq_len = 0;
 };
 
-struct ForwardOptions {
-  AttentionMapMode attention_maps = AttentionMapMode::kNone;
-  // Polled before each stage; when it returns true the call stops with
-  // CANCELLED. Empty: never stops early.
-  std::function<bool()> should_stop;
+// The inputs of AttentionLayer::Forward.
+struct LayerInputs {
+  // The queries' hidden states, [layout.rows(), d_model] row-major.
+  absl::Span<const float> hidden_states;
+  SequenceLayout layout;
+  // Cross-attention: keys and values come from `context`
+  // [context_layout.rows(), d_model] (encoder states), with the same batch as
+  // `layout`. Empty: self-attention (keys and values from hidden_states).
+  absl::Span<const float> context;
+  std::optional<SequenceLayout> context_layout;
+  // Query i of a sequence sees only keys j <= i (top-left aligned, also in
+  // cross-attention).
+  bool causal = false;
+  ExplicitMask mask;
+  // [num_heads]: head h's attention weights are multiplied by head_mask[h]
+  // (0 removes the head, as in head pruning); each finite and >= 0. Empty: all 1.
+  absl::Span<const float> head_mask;
+  // [batch]: the RoPE position of each sequence's first query token (and of
+  // its first key, in self-attention), each in [0, 2^40]. Empty: 0. Ignored
+  // without RoPE. In cross-attention the context's keys are rotated at their
+  // own positions 0, 1, ... (the encoder's), whatever the offsets.
+  absl::Span<const int64_t> position_offsets;
 };
 
-// Buffers the caller owns and the layer fills.
-struct ForwardOutputs {
-  absl::Span<float> output;          // [batch, seq_len, d_model]
-  absl::Span<float> attention_maps;  // see AttentionMapMode; empty for kNone
-};
+// Elements of the attention maps `maps` asks for, for queries in `queries`
+// and keys in `keys` (the queries' layout again in self-attention), or
+// nullopt on int64 overflow.
+std::optional<int64_t> AttentionMapElements(const HeadConfig& config, const SequenceLayout& queries,
+                                            const SequenceLayout& keys, const MapSelection& maps);
 
-struct ForwardInfo {
-  // How the layer ran, "<precision>/<attention path>", e.g. "fp32/materialized".
-  std::string kernel_path;
-};
-
-// Elements of the attention maps `mode` asks for, or nullopt on int64 overflow.
+// Transitional: removed when the server moves to LayerInputs.
+// Elements of the maps `mode` asks for with `shape.batch` sequences of
+// `shape.seq_len` tokens (all heads, all rows), or nullopt on overflow.
 std::optional<int64_t> AttentionMapElements(const HeadConfig& config, AttentionShape shape,
                                             AttentionMapMode mode);
 
-// One multi-head attention layer (self-attention, bidirectional) on oneDNN,
-// FP32. Its primitives are built once per shape and cached; its scratch
-// buffers are reused across calls.
+// One multi-head attention layer on oneDNN (the seeds' definition, see
+// HeadConfig): self- or cross-attention, bidirectional or causal, padded or
+// packed ragged batches, explicit masks, head mask, RoPE, GQA/MQA, maps,
+// per-head statistics, FP32 or BF16. Primitives are built once per shape and
+// cached; scratch buffers are reused across calls.
 //
 // Thread-safe: calls to Forward are serialized internally (the server runs
 // them on one compute executor, which owns the cores through OpenMP).
@@ -67,20 +79,71 @@ class AttentionLayer {
 
   const HeadConfig& config() const;
 
-  // Runs the layer:
-  //   hidden_states: [batch, seq_len, d_model], row-major
-  //   outputs.output: [batch, seq_len, d_model]
-  //   outputs.attention_maps: per AttentionMapMode (rows sum to 1)
-  // INVALID_ARGUMENT when a span's size does not match `shape` (or `shape` is
-  // empty or too large), CANCELLED when options.should_stop says so,
-  // RESOURCE_EXHAUSTED when scratch memory cannot be allocated, INTERNAL when
-  // oneDNN fails.
+  // Runs the layer (see LayerInputs, ForwardOptions and ForwardOutputs for
+  // layouts). A query row whose keys are all masked gets attention weights of
+  // 0 (its map row is 0 and the head adds nothing for it), never NaN.
+  // INVALID_ARGUMENT naming the input when a span's size or a layout does not
+  // match (the server validates first; this is the core's own guard),
+  // CANCELLED when options.should_stop says so, RESOURCE_EXHAUSTED when
+  // scratch memory cannot be allocated, INTERNAL when oneDNN fails.
+  absl::StatusOr<ForwardInfo> Forward(const LayerInputs& inputs, const ForwardOptions& options,
+                                      ForwardOutputs outputs);
+
+  // Transitional: removed when the server moves to LayerInputs.
+  // Forward on `shape.batch` sequences of `shape.seq_len` tokens each
+  // (hidden_states [batch, seq_len, d_model]; a Padded layout, full lengths).
   absl::StatusOr<ForwardInfo> Forward(absl::Span<const float> hidden_states, AttentionShape shape,
                                       const ForwardOptions& options, ForwardOutputs outputs);
 
  private:
   class Impl;
   explicit AttentionLayer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// The inputs of AttentionCore::Run: heads already projected (and rotated, if
+// the model uses RoPE), dense row-major. Positions past the lengths are padding:
+// they may hold anything (NaN too) and never reach a result.
+struct CoreInputs {
+  absl::Span<const float> q;  // [batch, num_heads, q_len, head_dim]
+  absl::Span<const float> k;  // [batch, num_kv_heads, kv_len, head_dim]
+  absl::Span<const float> v;  // [batch, num_kv_heads, kv_len, head_dim]
+  int64_t batch = 0;
+  int64_t q_len = 0;
+  int64_t kv_len = 0;
+  // [batch] valid lengths (padding after them); empty: q_len / kv_len.
+  absl::Span<const int64_t> q_lengths;
+  absl::Span<const int64_t> kv_lengths;
+  bool causal = false;
+  ExplicitMask mask;
+  absl::Span<const float> head_mask;  // [num_heads]; empty: all 1
+};
+
+// Scaled dot-product attention alone, per head:
+//   out_h = softmax(Q_h K_g^T * scale + mask) V_g, g = h / (num_heads / num_kv_heads)
+// for clients that project themselves. Uses config's num_heads, num_kv_heads,
+// head_dim and scale (d_model and rotary are not used). Outputs:
+// output [batch, num_heads, q_len, head_dim]; maps and head_entropy /
+// head_max_weight as for the layer (no head_contribution).
+// Thread-safe like AttentionLayer.
+class AttentionCore {
+ public:
+  // INVALID_ARGUMENT when the config is malformed. d_model may be 0 (with
+  // head_dim set): it is then taken as num_heads * head_dim.
+  static absl::StatusOr<std::unique_ptr<AttentionCore>> Create(const HeadConfig& config);
+  ~AttentionCore();
+  AttentionCore(const AttentionCore&) = delete;
+  AttentionCore& operator=(const AttentionCore&) = delete;
+
+  const HeadConfig& config() const;
+  // Errors as AttentionLayer::Forward (the spans of CoreInputs named "q", "k",
+  // "v", "q_lengths", "kv_lengths"; "head_contribution" when it is not empty).
+  absl::StatusOr<ForwardInfo> Run(const CoreInputs& inputs, const ForwardOptions& options,
+                                  ForwardOutputs outputs);
+
+ private:
+  class Impl;
+  explicit AttentionCore(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -45,10 +45,11 @@ absl::StatusOr<HeadConfig> ResolveHeadConfig(const HeadConfig& config) {
   }
 
   if (resolved.head_dim == 0) {
+    // The default head_dim is d_model / num_heads.
     if (resolved.d_model % resolved.num_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "head_config.head_dim: unset, and the default d_model / num_heads needs num_heads ",
-          resolved.num_heads, " to divide d_model ", resolved.d_model));
+      return absl::InvalidArgumentError(absl::StrCat("head_config.num_heads: ", resolved.num_heads,
+                                                     " does not divide d_model ", resolved.d_model,
+                                                     " (head_dim unset, so d_model / num_heads)"));
     }
     resolved.head_dim = resolved.d_model / resolved.num_heads;
   }
@@ -62,6 +63,21 @@ absl::StatusOr<HeadConfig> ResolveHeadConfig(const HeadConfig& config) {
   if (!std::isfinite(resolved.scale) || resolved.scale <= 0.0f) {
     return absl::InvalidArgumentError(
         absl::StrCat("head_config.scale: must be finite and positive, got ", resolved.scale));
+  }
+
+  const RotaryConfig& rotary = resolved.rotary;
+  if (rotary.rotary_dim < 0 || rotary.rotary_dim > resolved.head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("head_config.rotary.rotary_dim: ", rotary.rotary_dim,
+                     " is outside [0, head_dim ", resolved.head_dim, "]"));
+  }
+  if (rotary.rotary_dim % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head_config.rotary.rotary_dim: must be even (it rotates pairs), got ", rotary.rotary_dim));
+  }
+  if (!std::isfinite(rotary.theta) || !(rotary.theta > 1.0f)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "head_config.rotary.theta: must be finite and greater than 1, got ", rotary.theta));
   }
   return resolved;
 }

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
+#include "core/attention_inputs.h"
 
 namespace attnserve::core {
 
@@ -17,6 +18,7 @@ struct HeadConfig {
   int64_t num_kv_heads = 0;  // 0: same as num_heads
   int64_t head_dim = 0;      // 0: d_model / num_heads
   float scale = 0.0f;        // 0: 1 / sqrt(head_dim)
+  RotaryConfig rotary;       // rotary_dim 0: no RoPE
 
   int64_t q_width() const { return num_heads * head_dim; }
   int64_t kv_width() const { return num_kv_heads * head_dim; }
@@ -31,8 +33,10 @@ inline constexpr int64_t kMaxHeads = 1 << 10;
 inline constexpr int64_t kMaxHeadDim = 1 << 12;
 
 // Fills the defaults (see the fields) and checks the result: every dimension
-// positive and within the bounds above, num_kv_heads divides num_heads, scale
-// finite and positive. INVALID_ARGUMENT naming the field otherwise.
+// positive and within the bounds above, num_heads divides d_model when
+// head_dim is 0, num_kv_heads divides num_heads, scale finite and positive,
+// rotary.rotary_dim even and in [0, head_dim], rotary.theta finite and > 1.
+// INVALID_ARGUMENT naming the field ("head_config.<field>") otherwise.
 absl::StatusOr<HeadConfig> ResolveHeadConfig(const HeadConfig& config);
 
 }  // namespace attnserve::core

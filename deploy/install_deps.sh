@@ -11,13 +11,19 @@ BUILD_PKGS=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev prometheus-cpp-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev
 )
-# Real peers the tests talk to (Python gRPC client, NumPy reference).
-TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf)
+# Real peers the tests talk to: Python's gRPC client, NumPy and PyTorch as
+# references (torch with OpenBLAS: without it torch falls back to the
+# reference BLAS, 20x slower).
+# Prometheus' own server and promtool check the metrics, the scrape config and
+# the alert rules (python3-yaml derives the test's scrape config).
+TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-torch libopenblas0
+  prometheus python3-yaml)
 # What the built binaries load (deploy/check_runtime_deps.sh proves the list
 # complete against ldd).
-RUNTIME_PKGS=(libgrpc++1.51 libgrpc29 libprotobuf32 libdnnl2 libabsl20220623 libgomp1)
+RUNTIME_PKGS=(libgrpc++1.51 libgrpc29 libprotobuf32 libdnnl2 libabsl20220623 libgomp1
+  libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)
 
 case "${1:-}" in
   --runtime) PKGS=("${RUNTIME_PKGS[@]}") ;;

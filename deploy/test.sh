@@ -11,4 +11,9 @@ start=$(date +%s)
 "$REPO/deploy/build.sh" "$BUILD_DIR" RelWithDebInfo
 echo "test.sh: built in $(( $(date +%s) - start )) s"
 "$REPO/deploy/check_runtime_deps.sh" "$BUILD_DIR"
+# core/ must build and pass its tests without gRPC, protobuf or Prometheus.
+CMAKE_ARGS="-DATTNSERVE_BUILD_SERVER=OFF" "$REPO/deploy/build.sh" "$BUILD_DIR-core-only" RelWithDebInfo
+ctest --test-dir "$BUILD_DIR-core-only" --output-on-failure --timeout 600 -j2 > "$BUILD_DIR-core-only.ctest.log" \
+  || { cat "$BUILD_DIR-core-only.ctest.log"; exit 1; }
+echo "test.sh: core-only build: $(grep 'tests passed' "$BUILD_DIR-core-only.ctest.log")"
 ctest --test-dir "$BUILD_DIR" --output-on-failure --timeout 600 -j2 "$@"

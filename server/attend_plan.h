@@ -3,32 +3,73 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
-#include "core/attention_layer.h"
+#include "core/attention_inputs.h"
+#include "core/head_config.h"
 #include "server/model_registry.h"
 #include "server/server_options.h"
 #include "server/tensor_codec.h"
 
 namespace attnserve::server {
 
+// An ad-hoc layer a request carries (AttendRequest.layer).
+struct AdHocLayer {
+  core::HeadConfig config;  // resolved
+  // Seeded weights, or the validated inline weight tensors (in the order of
+  // core::AttentionWeights' fields); neither for projected requests.
+  std::optional<uint64_t> seed;
+  std::vector<TensorSpec> inline_weights;
+};
+
+// A validated explicit mask.
+struct MaskPlan {
+  core::ExplicitMask::Kind kind = core::ExplicitMask::Kind::kNone;
+  TensorSpec values;  // [batch_dim, q_dim, kv_dim]
+};
+
 // An Attend request that passed validation: every size it implies is known,
-// within int64 and within the limits.
+// within int64 and within the limits. Points into the request it was made
+// from (which must outlive it).
 struct AttendPlan {
+  // What runs: a loaded model, or an ad-hoc layer (exactly one).
   std::shared_ptr<const Model> model;
-  TensorSpec hidden_states;
-  core::AttentionShape shape;
-  core::AttentionMapMode attention_maps = core::AttentionMapMode::kNone;
+  std::optional<AdHocLayer> adhoc;
+  core::HeadConfig config;  // of the model or the ad-hoc layer
+
+  // The inputs: hidden states (and maybe context), or projected heads.
+  bool projected = false;
+  TensorSpec hidden_states;           // !projected
+  std::optional<TensorSpec> context;  // cross-attention
+  TensorSpec q, k, v;                 // projected
+  core::SequenceLayout queries;
+  core::SequenceLayout keys;  // the context's layout, or the queries' again
+
+  bool causal = false;
+  MaskPlan mask;
+  std::vector<float> head_mask;           // [num_heads] or empty
+  std::vector<int64_t> position_offsets;  // [batch] or empty
+  core::MapSelection maps;
+  bool head_statistics = false;
+  core::Precision precision = core::Precision::kFp32;
+  v1::DataType output_dtype = v1::DATA_TYPE_FP32;
+  bool float_data_response = false;  // the request used float_data
+
+  std::vector<int64_t> output_shape;
+  std::vector<int64_t> map_shape;  // empty when no maps
   int64_t output_elements = 0;
-  int64_t attention_map_elements = 0;
+  int64_t map_elements = 0;
 };
 
 // Validates `request` against the registry and the limits before anything is
 // allocated from its sizes:
-//   INVALID_ARGUMENT   a malformed field (the message names it)
+//   INVALID_ARGUMENT   a malformed field, or fields that do not fit together
+//                      (the message names the field)
 //   NOT_FOUND          the model is not loaded
-//   RESOURCE_EXHAUSTED a size over `limits` or a response over
+//   RESOURCE_EXHAUSTED a size over `limits`, or a response over
 //                      max_response_bytes (the message says what to ask for)
 absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
                                       const ModelRegistry& registry, const RequestLimits& limits,

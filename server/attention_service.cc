@@ -8,7 +8,10 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/status_macros.h"
+#include "server/access_log.h"
 #include "server/attend_plan.h"
+#include "server/attend_runner.h"
+#include "server/observed_reactor.h"
 #include "server/status_util.h"
 #include "server/tensor_codec.h"
 
@@ -37,6 +40,8 @@ void FillModelInfo(const Model& model, const RequestLimits& limits, v1::ModelInf
   head->set_num_kv_heads(static_cast<int32_t>(config.num_kv_heads));
   head->set_head_dim(static_cast<int32_t>(config.head_dim));
   head->set_scale(config.scale);
+  head->mutable_rotary()->set_rotary_dim(static_cast<int32_t>(config.rotary.rotary_dim));
+  if (config.rotary.rotary_dim > 0) head->mutable_rotary()->set_theta(config.rotary.theta);
   v1::ModelLimits* model_limits = info->mutable_limits();
   model_limits->set_max_batch(limits.max_batch);
   model_limits->set_max_seq_len(limits.max_seq_len);
@@ -49,7 +54,8 @@ void FillModelInfo(const Model& model, const RequestLimits& limits, v1::ModelInf
 // `response`. DEADLINE_EXCEEDED / CANCELLED when the call ended before or
 // between the layer's stages.
 absl::Status RunAttend(grpc::CallbackServerContext* context, const v1::AttendRequest& request,
-                       const AttendPlan& plan, absl::Time arrival, v1::AttendResponse* response) {
+                       const AttendPlan& plan, absl::Time arrival, LayerCache& cache,
+                       v1::AttendResponse* response) {
   const absl::Time deadline = DeadlineOf(*context);
   const absl::Time start = absl::Now();
   if (start >= deadline) {
@@ -57,29 +63,9 @@ absl::Status RunAttend(grpc::CallbackServerContext* context, const v1::AttendReq
   }
   if (context->IsCancelled()) return absl::CancelledError("the client cancelled the call");
 
-  FloatValues input(request.hidden_states(), plan.hidden_states);
-  const bool use_float_data = plan.hidden_states.uses_float_data;
-  core::ForwardOutputs outputs;
-  outputs.output =
-      PrepareFloatTensor(plan.hidden_states.shape, use_float_data, response->mutable_output());
-  if (plan.attention_maps != core::AttentionMapMode::kNone) {
-    std::vector<int64_t> map_shape = {plan.shape.batch};
-    if (plan.attention_maps == core::AttentionMapMode::kPerHead) {
-      map_shape.push_back(plan.model->layer->config().num_heads);
-    }
-    map_shape.push_back(plan.shape.seq_len);
-    map_shape.push_back(plan.shape.seq_len);
-    outputs.attention_maps =
-        PrepareFloatTensor(map_shape, use_float_data, response->mutable_attention_maps());
-  }
-
-  core::ForwardOptions options;
-  options.attention_maps = plan.attention_maps;
-  options.should_stop = [context, deadline] {
-    return context->IsCancelled() || absl::Now() >= deadline;
-  };
-  absl::StatusOr<core::ForwardInfo> info =
-      plan.model->layer->Forward(input.values(), plan.shape, options, outputs);
+  absl::StatusOr<core::ForwardInfo> info = RunAttendPlan(
+      request, plan, cache,
+      [context, deadline] { return context->IsCancelled() || absl::Now() >= deadline; }, response);
   if (!info.ok()) {
     response->Clear();
     if (absl::IsCancelled(info.status()) && absl::Now() >= deadline) {
@@ -87,81 +73,133 @@ absl::Status RunAttend(grpc::CallbackServerContext* context, const v1::AttendReq
     }
     return info.status();
   }
-  const absl::Time end = absl::Now();
-
-  response->set_model(plan.model->name);
-  response->set_kernel_path(info->kernel_path);
   v1::Timing* timing = response->mutable_timing();
   SetDuration(start - arrival, timing->mutable_queue());
-  SetDuration(end - start, timing->mutable_compute());
+  SetDuration(absl::Now() - start, timing->mutable_compute());
   timing->set_batch_size(1);
   return absl::OkStatus();
+}
+
+// Reports a successful compute of `plan`: its time, batch, tokens and the map
+// bytes in `response`.
+void ObserveCompute(const AttendPlan& plan, const v1::AttendResponse& response,
+                    absl::Duration compute, ObservedReactor& reactor, Metrics& metrics) {
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < plan.queries.batch(); ++b) tokens += plan.queries.length(b);
+  const v1::Tensor& maps = response.attention_maps();
+  const auto map_bytes = static_cast<int64_t>(maps.raw_data().size() +
+                                              maps.float_data_size() * sizeof(float));
+  metrics.OnComputed(reactor.model_label(), response.kernel_path(),
+                     {.duration = compute,
+                      .sequences = plan.queries.batch(),
+                      .tokens = tokens,
+                      .attention_map_bytes = map_bytes});
+  reactor.set_compute(compute);
 }
 
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options,
                                            const ModelRegistry* registry,
-                                           ComputeExecutor* executor)
-    : options_(options), registry_(registry), executor_(executor) {}
+                                           ComputeExecutor* executor, Metrics* metrics)
+    : options_(options), registry_(registry), executor_(executor), metrics_(metrics) {}
+
+void AttentionServiceImpl::set_state(State state) {
+  absl::MutexLock lock(&mu_);
+  state_ = state;
+}
+
+absl::Status AttentionServiceImpl::BeginCall() {
+  absl::MutexLock lock(&mu_);
+  switch (state_) {
+    case State::kStarting:
+      return absl::UnavailableError("the server is starting: models are loading; retry");
+    case State::kDraining:
+      return absl::UnavailableError("the server is shutting down; retry on another replica");
+    case State::kServing:
+      break;
+  }
+  ++in_flight_;
+  return absl::OkStatus();
+}
+
+void AttentionServiceImpl::EndCall() {
+  absl::MutexLock lock(&mu_);
+  --in_flight_;
+}
+
+bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+  return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+}
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
                                                        const v1::AttendRequest* request,
                                                        v1::AttendResponse* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto* reactor = new ObservedReactor(context, RpcMethod::kAttend, request->model(), metrics_,
+                                      options_.access_log);
+  if (reactor->access_log()) reactor->set_shapes(AttendShapes(*request));
   const absl::Time arrival = absl::Now();
-  switch (state_.load()) {
-    case State::kStarting:
-      reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                                   "the server is starting: models are loading; retry"));
-      return reactor;
-    case State::kDraining:
-      reactor->Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the server is shutting down"));
-      return reactor;
-    case State::kServing:
-      break;
+  if (absl::Status admitted = BeginCall(); !admitted.ok()) {
+    reactor->FinishCall(ToGrpcStatus(admitted));
+    return reactor;
   }
   absl::StatusOr<AttendPlan> plan =
       PlanAttend(*request, *registry_, options_.limits, options_.max_send_message_bytes);
   if (!plan.ok()) {
-    reactor->Finish(ToGrpcStatus(plan.status()));
+    reactor->FinishCall(ToGrpcStatus(plan.status()));
+    EndCall();
     return reactor;
   }
-  absl::Status submitted =
-      executor_->Submit([context, request, response, reactor, arrival, plan = *std::move(plan)] {
-        reactor->Finish(ToGrpcStatus(RunAttend(context, *request, plan, arrival, response)));
+  metrics_->OnQueued();
+  const absl::Time queued = absl::Now();
+  absl::Status submitted = executor_->Submit(
+      [this, context, request, response, reactor, arrival, queued, plan = *std::move(plan)] {
+        const absl::Time start = absl::Now();
+        reactor->Dequeued(start - queued);
+        const absl::Status status = RunAttend(context, *request, plan, arrival, layer_cache_, response);
+        if (status.ok()) ObserveCompute(plan, *response, absl::Now() - start, *reactor, *metrics_);
+        reactor->FinishCall(ToGrpcStatus(status));
+        EndCall();
       });
-  if (!submitted.ok()) reactor->Finish(ToGrpcStatus(submitted));
+  if (!submitted.ok()) {
+    metrics_->OnQueueRefused();
+    reactor->FinishCall(ToGrpcStatus(submitted));
+    EndCall();
+  }
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
                                                            const v1::ListModelsRequest* /*request*/,
                                                            v1::ListModelsResponse* response) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kListModels, "", metrics_, options_.access_log);
   for (const auto& model : registry_->List()) {
     FillModelInfo(*model, options_.limits, response->add_models());
   }
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  reactor->Finish(grpc::Status::OK);
+  reactor->FinishCall(grpc::Status::OK);
   return reactor;
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
                                                          const v1::GetModelRequest* request,
                                                          v1::ModelInfo* response) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto* reactor = new ObservedReactor(context, RpcMethod::kGetModel, request->name(), metrics_,
+                                      options_.access_log);
   if (request->name().empty()) {
-    reactor->Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "name: required"));
+    reactor->FinishCall(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "name: required"));
     return reactor;
   }
   absl::StatusOr<std::shared_ptr<const Model>> model = registry_->Find(request->name());
   if (!model.ok()) {
-    reactor->Finish(ToGrpcStatus(
+    reactor->FinishCall(ToGrpcStatus(
         absl::Status(model.status().code(), absl::StrCat("name: ", model.status().message()))));
     return reactor;
   }
   FillModelInfo(**model, options_.limits, response);
-  reactor->Finish(grpc::Status::OK);
+  reactor->FinishCall(grpc::Status::OK);
   return reactor;
 }
 

@@ -1,11 +1,16 @@
 #ifndef ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 #define ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 
-#include <atomic>
 #include <cstdint>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/compute_executor.h"
+#include "server/layer_cache.h"
+#include "server/metrics.h"
 #include "server/model_registry.h"
 #include "server/server_options.h"
 
@@ -15,16 +20,23 @@ namespace attnserve::server {
 // convert and enqueue on the compute executor; the executor runs the layer
 // and finishes the call. No attention math runs on a gRPC thread.
 //
-// Thread-safe. `registry` and `executor` must outlive the service.
+// Every call is reported to Metrics (and, with options.access_log, to the
+// access log) when it arrives and when it finishes.
+//
+// Thread-safe. `registry`, `executor` and `metrics` must outlive the service.
 class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
  public:
   enum class State { kStarting, kServing, kDraining };
 
   AttentionServiceImpl(const ServerOptions& options, const ModelRegistry* registry,
-                       ComputeExecutor* executor);
+                       ComputeExecutor* executor, Metrics* metrics);
 
   // Attend answers UNAVAILABLE unless the state is kServing.
-  void set_state(State state) { state_.store(state); }
+  void set_state(State state);
+
+  // Waits until no admitted Attend call is unfinished, or until `deadline`.
+  // True when idle.
+  bool WaitForIdle(absl::Time deadline);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
@@ -41,8 +53,18 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   const ServerOptions options_;
   const ModelRegistry* const registry_;
   ComputeExecutor* const executor_;
+  Metrics* const metrics_;
 
-  std::atomic<State> state_{State::kStarting};
+  // Admits a call: false unless serving; otherwise counts it in flight until
+  // EndCall.
+  absl::Status BeginCall();
+  void EndCall();
+
+  absl::Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  // Used only on the compute executor.
+  LayerCache layer_cache_;
 };
 
 }  // namespace attnserve::server

@@ -29,14 +29,18 @@ absl::Status CheckRange(absl::string_view flag, int64_t value, int64_t min, int6
 // Runs one small forward pass so OpenMP's threads and oneDNN's kernels exist
 // before the first request.
 absl::Status WarmUp(const Model& model, ComputeExecutor& executor) {
-  const core::AttentionShape shape{.batch = 1, .seq_len = 16};
-  const int64_t elements = shape.batch * shape.seq_len * model.layer->config().d_model;
-  std::vector<float> input(elements, 0.5f), output(elements);
+  ATTNSERVE_ASSIGN_OR_RETURN(core::SequenceLayout layout, core::SequenceLayout::Padded(1, 16));
+  const int64_t d_model = model.layer->config().d_model;
+  std::vector<float> input(layout.rows() * d_model, 0.5f), output(input.size());
+  core::LayerInputs inputs;
+  inputs.hidden_states = input;
+  inputs.layout = layout;
+  core::ForwardOutputs outputs;
+  outputs.output = absl::MakeSpan(output);
   absl::Status status;
   absl::Notification done;
   ATTNSERVE_RETURN_IF_ERROR(executor.Submit([&] {
-    status = model.layer->Forward(input, shape, {}, {.output = absl::MakeSpan(output), .attention_maps = {}})
-                 .status();
+    status = model.layer->Forward(inputs, {}, outputs).status();
     done.Notify();
   }));
   done.WaitForNotification();
@@ -58,6 +62,12 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_seq_len", options.limits.max_seq_len, 1, 1 << 20));
   ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_attention_map_bytes",
                                        options.limits.max_attention_map_bytes, 0, int64_t{1} << 40));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_adhoc_weight_bytes",
+                                       options.limits.max_adhoc_weight_bytes, 0, int64_t{1} << 40));
+  if (!(options.lame_duck_seconds >= 0 && options.lame_duck_seconds <= 600)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lame_duck_seconds: ", options.lame_duck_seconds, " is outside [0, 600]"));
+  }
   if (!(options.drain_timeout_seconds >= 0 && options.drain_timeout_seconds <= 3600)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--drain_timeout_seconds: ", options.drain_timeout_seconds, " is outside [0, 3600]"));
@@ -77,8 +87,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
       server->executor_,
       ComputeExecutor::Create({.queue_capacity = options.max_queued_requests,
                                .compute_threads = options.compute_threads}));
-  server->service_ = std::make_unique<AttentionServiceImpl>(options, &server->registry_,
-                                                            server->executor_.get());
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      server->metrics_, Metrics::Create({.address = options.metrics_address,
+                                         .queue_capacity = options.max_queued_requests}));
+  server->service_ = std::make_unique<AttentionServiceImpl>(
+      options, &server->registry_, server->executor_.get(), server->metrics_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -113,6 +126,7 @@ absl::Status AttnServer::LoadModelsAndServe() {
                              MakeBuiltinModel(options_.builtin_model_seed));
   ATTNSERVE_RETURN_IF_ERROR(WarmUp(*model, *executor_));
   ATTNSERVE_RETURN_IF_ERROR(registry_.Add(model));
+  metrics_->AddModel(model->name, model->layer->config());
   LogLine(absl::StrCat("model '", model->name, "' loaded and warm in ",
                        absl::FormatDuration(absl::Now() - start), ": ", model->description));
   service_->set_state(AttentionServiceImpl::State::kServing);
@@ -127,12 +141,19 @@ void AttnServer::Shutdown() {
     shut_down_ = true;
   }
   if (server_ != nullptr) {  // null only when Create failed
+    // 1. Lame duck: still listening, health NOT_SERVING and new Attend calls
+    //    UNAVAILABLE, so health checkers and load balancers move away.
     SetHealth(false);
     service_->set_state(AttentionServiceImpl::State::kDraining);
-    const auto drain_deadline =
-        std::chrono::system_clock::now() +
-        std::chrono::milliseconds(static_cast<int64_t>(options_.drain_timeout_seconds * 1000));
-    server_->Shutdown(drain_deadline);  // returns when every call has finished
+    const absl::Time drain_deadline = absl::Now() + absl::Seconds(options_.drain_timeout_seconds);
+    absl::SleepFor(absl::Seconds(options_.lame_duck_seconds));
+    // 2. Calls in flight finish (up to the drain timeout).
+    if (!service_->WaitForIdle(drain_deadline)) {
+      LogLine("drain timeout: cancelling the calls still in flight");
+    }
+    // 3. Stop: a moment to flush finished calls' responses, then streams still
+    //    open (health Watch) and anything left are cancelled.
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   }
   if (executor_ != nullptr) executor_->Shutdown();
 }

@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/attention_service.h"
 #include "server/compute_executor.h"
+#include "server/metrics.h"
 #include "server/model_registry.h"
 #include "server/server_options.h"
 
@@ -38,13 +39,17 @@ class AttnServer {
   // health SERVING. INTERNAL when the model cannot be built.
   absl::Status LoadModelsAndServe();
 
-  // Turns health NOT_SERVING, refuses new calls (UNAVAILABLE), lets calls in
-  // flight finish (up to options.drain_timeout_seconds, then cancels them),
-  // and stops. Idempotent.
+  // Turns health NOT_SERVING and refuses new calls (UNAVAILABLE) while still
+  // listening for options.lame_duck_seconds, lets calls in flight finish (up
+  // to options.drain_timeout_seconds from the start, then cancels them), and
+  // stops (open health Watch streams end). Idempotent.
   void Shutdown();
 
   // The bound port (the one picked, when options asked for port 0).
   int port() const { return port_; }
+  // The port serving /metrics (the one picked for port 0); 0 when
+  // options.metrics_address is empty.
+  int metrics_port() const { return metrics_->port(); }
 
  private:
   explicit AttnServer(const ServerOptions& options);
@@ -53,6 +58,9 @@ class AttnServer {
   // Constant after Create.
   const ServerOptions options_;
   ModelRegistry registry_;
+  // Before the executor and the service: their calls report to it until the
+  // last one finishes.
+  std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ComputeExecutor> executor_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;

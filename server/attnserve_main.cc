@@ -1,15 +1,18 @@
 // attnserve: the multi-head attention gRPC server.
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/attn_server.h"
@@ -36,10 +39,21 @@ ABSL_FLAG(int64_t, max_batch, kDefaults.limits.max_batch, "Most sequences in one
 ABSL_FLAG(int64_t, max_seq_len, kDefaults.limits.max_seq_len, "Longest sequence in a request");
 ABSL_FLAG(int64_t, max_attention_map_bytes, kDefaults.limits.max_attention_map_bytes,
           "Most bytes of attention maps one request may ask for");
+ABSL_FLAG(int64_t, max_adhoc_weight_bytes, kDefaults.limits.max_adhoc_weight_bytes,
+          "Most weight bytes (as FP32) of an ad-hoc layer a request may carry or ask to be seeded");
+ABSL_FLAG(double, lame_duck_seconds, kDefaults.lame_duck_seconds,
+          "On SIGTERM/SIGINT, how long health says NOT_SERVING while the server still listens");
 ABSL_FLAG(double, drain_timeout_seconds, kDefaults.drain_timeout_seconds,
-          "On SIGTERM/SIGINT, how long calls in flight may take to finish");
+          "On SIGTERM/SIGINT, how long calls in flight may take to finish (from the signal); a "
+          "second signal stops at once");
 ABSL_FLAG(uint64_t, builtin_model_seed, kDefaults.builtin_model_seed,
           "Seed of the built-in model's weights (docs/seeded_weights.md)");
+ABSL_FLAG(std::string, metrics_address, attnserve::server::kDefaultMetricsAddress,
+          "host:port serving Prometheus metrics at /metrics (port 0 picks a free port, printed "
+          "at start-up); empty: no metrics endpoint");
+ABSL_FLAG(bool, access_log, kDefaults.access_log,
+          "Log one JSON line per call to stderr (request id, method, model, shapes, status, "
+          "queue and compute time)");
 
 int main(int argc, char** argv) {
   const absl::Time process_start = absl::Now();
@@ -59,8 +73,12 @@ int main(int argc, char** argv) {
   options.limits.max_batch = absl::GetFlag(FLAGS_max_batch);
   options.limits.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
   options.limits.max_attention_map_bytes = absl::GetFlag(FLAGS_max_attention_map_bytes);
+  options.limits.max_adhoc_weight_bytes = absl::GetFlag(FLAGS_max_adhoc_weight_bytes);
+  options.lame_duck_seconds = absl::GetFlag(FLAGS_lame_duck_seconds);
   options.drain_timeout_seconds = absl::GetFlag(FLAGS_drain_timeout_seconds);
   options.builtin_model_seed = absl::GetFlag(FLAGS_builtin_model_seed);
+  options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.access_log = absl::GetFlag(FLAGS_access_log);
 
   // Block the stop signals before any thread starts, so every thread inherits
   // the mask and only sigwait below receives them.
@@ -79,6 +97,12 @@ int main(int argc, char** argv) {
   }
   LogLine(absl::StrCat("listening on port ", (*server)->port(), " (", options.listen_address,
                        "); health NOT_SERVING until the models are loaded"));
+  if (options.metrics_address.empty()) {
+    LogLine("metrics endpoint off (--metrics_address is empty)");
+  } else {
+    LogLine(absl::StrCat("metrics on port ", (*server)->metrics_port(), " (",
+                         options.metrics_address, "), path /metrics"));
+  }
   if (absl::Status loaded = (*server)->LoadModelsAndServe(); !loaded.ok()) {
     LogLine(absl::StrCat("cannot load models: ", loaded.ToString()));
     return 1;
@@ -88,8 +112,21 @@ int main(int argc, char** argv) {
 
   int signal_number = 0;
   sigwait(&stop_signals, &signal_number);
-  LogLine(absl::StrCat("received ", strsignal(signal_number), ": draining calls in flight"));
-  (*server)->Shutdown();
+  LogLine(absl::StrCat("received ", strsignal(signal_number),
+                       ": NOT_SERVING, draining calls in flight (a second signal stops at once)"));
+  absl::Notification stopped;
+  std::thread drain([&] {
+    (*server)->Shutdown();
+    stopped.Notify();
+  });
+  const timespec poll = {.tv_sec = 0, .tv_nsec = 100 * 1000 * 1000};
+  while (!stopped.HasBeenNotified()) {
+    if (sigtimedwait(&stop_signals, nullptr, &poll) > 0) {
+      LogLine("second stop signal: exiting without draining");
+      _exit(1);
+    }
+  }
+  drain.join();
   LogLine("stopped");
   return 0;
 }

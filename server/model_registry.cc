@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "server/status_util.h"
 
 namespace attnserve::server {
 
@@ -36,7 +37,7 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRegistry::Find(absl::string_vi
   auto it = models_.find(name);
   if (it == models_.end()) {
     return absl::NotFoundError(
-        absl::StrCat("no model named '", name, "' is loaded (ListModels shows the loaded models)"));
+        absl::StrCat("no model named '", Abbreviate(name), "' is loaded (ListModels shows the loaded models)"));
   }
   return it->second;
 }

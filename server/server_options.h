@@ -13,6 +13,9 @@ struct RequestLimits {
   // for the built-in model at 2048.
   int64_t max_seq_len = 2048;
   int64_t max_attention_map_bytes = int64_t{64} << 20;
+  // The most weight bytes (as FP32) of an ad-hoc layer a request may carry or
+  // ask to be seeded: 64 MiB holds a d_model 2048 layer.
+  int64_t max_adhoc_weight_bytes = int64_t{64} << 20;
 };
 
 struct ServerOptions {
@@ -24,13 +27,28 @@ struct ServerOptions {
   int compute_threads = 0;
   // Requests admitted and waiting for the compute executor.
   int64_t max_queued_requests = 64;
+  // On shutdown, how long health says NOT_SERVING while the server still
+  // listens (new calls get UNAVAILABLE), so checkers and balancers notice.
+  double lame_duck_seconds = 1;
   // On shutdown, how long calls in flight may take to finish before they are
-  // cancelled.
-  double drain_timeout_seconds = 30;
+  // cancelled, counted from the signal. Below Kubernetes' default 30 s grace.
+  double drain_timeout_seconds = 25;
   // Seed of the built-in model's weights (see docs/seeded_weights.md).
   uint64_t builtin_model_seed = 0;
+  // host:port serving Prometheus metrics at /metrics; port 0 picks a free
+  // port (see AttnServer::metrics_port). Empty: no endpoint. Off here, so an
+  // embedding program or a test opens no port it did not ask for; the
+  // attnserve binary's --metrics_address defaults to kDefaultMetricsAddress.
+  std::string metrics_address;
+  // One JSON line per call on stderr (server/access_log.h).
+  bool access_log = false;
   RequestLimits limits;
 };
+
+// The attnserve binary's default --metrics_address. Not Prometheus' own 9090:
+// a Prometheus server on the same host (Debian's package starts one) would
+// take it.
+inline constexpr char kDefaultMetricsAddress[] = "0.0.0.0:9464";
 
 }  // namespace attnserve::server
 

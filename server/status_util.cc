@@ -2,12 +2,27 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
 namespace attnserve::server {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl::StatusCode and grpc::StatusCode both follow google.rpc.Code.
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+std::string Abbreviate(absl::string_view text, size_t max_chars) {
+  if (text.size() <= max_chars) return std::string(text);
+  return absl::StrCat(text.substr(0, max_chars), "...");
+}
+
+std::string ShapeText(absl::Span<const int64_t> shape) {
+  constexpr size_t kShown = 6;
+  if (shape.size() <= kShown) return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+  return absl::StrCat("[", absl::StrJoin(shape.subspan(0, kShown), ", "), ", ... (", shape.size(),
+                      " dims)]");
 }
 
 }  // namespace attnserve::server

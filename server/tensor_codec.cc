@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/checked_math.h"
+#include "server/status_util.h"
 
 namespace attnserve::server {
 namespace {
@@ -27,6 +28,8 @@ std::string DataTypeName(v1::DataType dtype) {
       return "FP32";
     case v1::DATA_TYPE_BF16:
       return "BF16";
+    case v1::DATA_TYPE_BOOL:
+      return "BOOL";
     case v1::DATA_TYPE_UNSPECIFIED:
       return "UNSPECIFIED";
     default:
@@ -40,6 +43,8 @@ int64_t DataTypeSize(v1::DataType dtype) {
       return 4;
     case v1::DATA_TYPE_BF16:
       return 2;
+    case v1::DATA_TYPE_BOOL:
+      return 1;
     default:
       return 0;
   }
@@ -52,7 +57,7 @@ absl::StatusOr<TensorSpec> ValidateTensor(const v1::Tensor& tensor, absl::string
   if (static_cast<size_t>(tensor.shape_size()) != rank) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ".shape: expected rank ", rank, " [", absl::StrJoin(dim_names, ", "), "], got rank ",
-        tensor.shape_size(), " [", absl::StrJoin(tensor.shape(), ", "), "]"));
+        tensor.shape_size(), " ", ShapeText(tensor.shape())));
   }
   for (size_t i = 0; i < rank; ++i) {
     if (tensor.shape(i) <= 0) {
@@ -81,7 +86,7 @@ absl::StatusOr<TensorSpec> ValidateTensor(const v1::Tensor& tensor, absl::string
     }
   } else if (DataTypeSize(spec.dtype) == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        field, ".dtype: must be FP32 or BF16 with raw_data, got ", DataTypeName(spec.dtype)));
+        field, ".dtype: must be FP32, BF16 or BOOL with raw_data, got ", DataTypeName(spec.dtype)));
   }
 
   const int64_t element_size = DataTypeSize(spec.dtype);
@@ -122,6 +127,9 @@ FloatValues::FloatValues(const v1::Tensor& tensor, const TensorSpec& spec) {
     }
     storage_.resize(n);
     std::memcpy(storage_.data(), bytes, n * sizeof(float));
+  } else if (spec.dtype == v1::DATA_TYPE_BOOL) {
+    storage_.resize(n);
+    for (size_t i = 0; i < n; ++i) storage_[i] = bytes[i] != 0 ? 1.0f : 0.0f;
   } else {  // BF16: the upper 16 bits of an FP32.
     storage_.resize(n);
     for (size_t i = 0; i < n; ++i) {
@@ -134,24 +142,49 @@ FloatValues::FloatValues(const v1::Tensor& tensor, const TensorSpec& spec) {
   values_ = absl::MakeConstSpan(storage_);
 }
 
-absl::Span<float> PrepareFloatTensor(absl::Span<const int64_t> shape, bool use_float_data,
-                                     v1::Tensor* tensor) {
+OutputTensor::OutputTensor(absl::Span<const int64_t> shape, v1::DataType dtype,
+                           bool use_float_data, v1::Tensor* tensor)
+    : tensor_(tensor), dtype_(dtype) {
   tensor->Clear();
-  tensor->set_dtype(v1::DATA_TYPE_FP32);
+  tensor->set_dtype(dtype);
   int64_t elements = 1;
   for (int64_t d : shape) {
     tensor->add_shape(d);
     elements *= d;  // shapes here come from validated requests
   }
-  if (use_float_data) {
+  if (dtype == v1::DATA_TYPE_BF16) {
+    scratch_.resize(elements);
+    values_ = absl::MakeSpan(scratch_);
+  } else if (use_float_data) {
     tensor->mutable_float_data()->Resize(static_cast<int>(elements), 0.0f);
-    return absl::MakeSpan(tensor->mutable_float_data()->mutable_data(), elements);
+    values_ = absl::MakeSpan(tensor->mutable_float_data()->mutable_data(), elements);
+  } else {
+    std::string* raw = tensor->mutable_raw_data();
+    raw->resize(static_cast<size_t>(elements) * sizeof(float));
+    // std::string storage is allocated by operator new (16-byte aligned) or, for
+    // a few bytes, inside the string object (8-byte aligned): float-aligned.
+    values_ = absl::MakeSpan(reinterpret_cast<float*>(raw->data()), elements);
   }
-  std::string* raw = tensor->mutable_raw_data();
-  raw->resize(static_cast<size_t>(elements) * sizeof(float));
-  // std::string storage is allocated by operator new (16-byte aligned) or, for
-  // a few bytes, inside the string object (8-byte aligned): float-aligned.
-  return absl::MakeSpan(reinterpret_cast<float*>(raw->data()), elements);
+}
+
+void OutputTensor::Commit() {
+  if (dtype_ != v1::DATA_TYPE_BF16) return;
+  std::string* raw = tensor_->mutable_raw_data();
+  raw->resize(scratch_.size() * 2);
+  for (size_t i = 0; i < scratch_.size(); ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &scratch_[i], sizeof(bits));
+    uint16_t half;
+    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0) {
+      half = static_cast<uint16_t>((bits >> 16) | 0x0040u);  // NaN stays a (quiet) NaN
+    } else {
+      bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
+      half = static_cast<uint16_t>(bits >> 16);
+    }
+    std::memcpy(&(*raw)[2 * i], &half, sizeof(half));
+  }
+  std::vector<float>().swap(scratch_);
+  values_ = {};
 }
 
 }  // namespace attnserve::server

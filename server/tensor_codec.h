@@ -42,10 +42,27 @@ class FloatValues {
   absl::Span<const float> values_;
 };
 
-// Makes `tensor` an FP32 tensor of `shape` (in float_data when
-// `use_float_data`, else in raw_data) and returns its elements to fill.
-absl::Span<float> PrepareFloatTensor(absl::Span<const int64_t> shape, bool use_float_data,
-                                     v1::Tensor* tensor);
+// A response tensor being filled: values() is FP32 to compute into (the
+// message's own bytes when the wire form is FP32, a scratch buffer for BF16);
+// Commit() writes the wire form. `tensor` must outlive it.
+class OutputTensor {
+ public:
+  // dtype FP32 or BF16; use_float_data only with FP32.
+  OutputTensor(absl::Span<const int64_t> shape, v1::DataType dtype, bool use_float_data,
+               v1::Tensor* tensor);
+  OutputTensor(const OutputTensor&) = delete;
+  OutputTensor& operator=(const OutputTensor&) = delete;
+
+  absl::Span<float> values() { return values_; }
+  // BF16: rounds the values to nearest even into raw_data. FP32: nothing left to do.
+  void Commit();
+
+ private:
+  v1::Tensor* tensor_;
+  v1::DataType dtype_;
+  std::vector<float> scratch_;
+  absl::Span<float> values_;
+};
 
 // "FP32", "BF16", or the number of an unknown value.
 std::string DataTypeName(v1::DataType dtype);

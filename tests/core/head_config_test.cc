@@ -109,11 +109,48 @@ TEST(ResolveHeadConfig, RejectsNegativeNumKvHeads) {
 }
 
 TEST(ResolveHeadConfig, RejectsADefaultHeadDimThatDoesNotDivide) {
-  EXPECT_THAT(ResolveHeadConfig(Config(10, 3)),
-              StatusIs(absl::StatusCode::kInvalidArgument, "head_config.head_dim"));
+  EXPECT_THAT(ResolveHeadConfig(Config(768, 5)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "head_config.num_heads: 5 does not divide d_model 768"));
   // d_model < num_heads would give head_dim 0.
   EXPECT_THAT(ResolveHeadConfig(Config(2, 4)),
-              StatusIs(absl::StatusCode::kInvalidArgument, "head_config.head_dim"));
+              StatusIs(absl::StatusCode::kInvalidArgument, "head_config.num_heads"));
+  // An explicit head_dim needs no division.
+  EXPECT_THAT(ResolveHeadConfig(Config(768, 5, 0, 64)), IsOk());
+}
+
+HeadConfig Rotary(int64_t rotary_dim, float theta = 10000.0f) {
+  HeadConfig config = Config(64, 4);  // head_dim 16
+  config.rotary.rotary_dim = rotary_dim;
+  config.rotary.theta = theta;
+  return config;
+}
+
+TEST(ResolveHeadConfig, AcceptsRotaryDimsUpToHeadDim) {
+  for (int64_t rotary_dim : {0, 2, 8, 16}) {
+    SCOPED_TRACE(rotary_dim);
+    const absl::StatusOr<HeadConfig> resolved = ResolveHeadConfig(Rotary(rotary_dim, 500000.0f));
+    ASSERT_THAT(resolved, IsOk());
+    EXPECT_EQ(resolved->rotary.rotary_dim, rotary_dim);
+    EXPECT_EQ(resolved->rotary.theta, 500000.0f);
+  }
+}
+
+TEST(ResolveHeadConfig, RejectsBadRotaryDims) {
+  for (int64_t rotary_dim : {-2, 3, 15, 18}) {
+    SCOPED_TRACE(rotary_dim);
+    EXPECT_THAT(ResolveHeadConfig(Rotary(rotary_dim)),
+                StatusIs(absl::StatusCode::kInvalidArgument, "head_config.rotary.rotary_dim"));
+  }
+}
+
+TEST(ResolveHeadConfig, RejectsBadRotaryTheta) {
+  for (float theta : {1.0f, 0.5f, 0.0f, -10000.0f, std::numeric_limits<float>::infinity(),
+                      std::numeric_limits<float>::quiet_NaN()}) {
+    SCOPED_TRACE(theta);
+    EXPECT_THAT(ResolveHeadConfig(Rotary(8, theta)),
+                StatusIs(absl::StatusCode::kInvalidArgument, "head_config.rotary.theta"));
+  }
 }
 
 TEST(ResolveHeadConfig, RejectsBadHeadDim) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/types/span.h"
+#include "core/attention_inputs.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
 #include "core/head_config.h"
@@ -14,8 +15,10 @@
 namespace attnserve::testing {
 namespace {
 
-// y [rows, out] = x [rows, in] w [in, out] + b [out], all row-major.
-std::vector<double> Linear(const std::vector<double>& x, int64_t rows, int64_t in,
+constexpr double kMinusInfinity = -std::numeric_limits<double>::infinity();
+
+// y [rows, out] = x [rows, in] w [in, out] + b [out], row-major, in double.
+std::vector<double> Linear(absl::Span<const float> x, int64_t rows, int64_t in,
                            const std::vector<float>& w, const std::vector<float>& b, int64_t out) {
   std::vector<double> y(static_cast<size_t>(rows * out));
   for (int64_t r = 0; r < rows; ++r) {
@@ -30,67 +33,270 @@ std::vector<double> Linear(const std::vector<double>& x, int64_t rows, int64_t i
   return y;
 }
 
+// Rows of a layout's projections, padded and head-major: [batch, heads, len, hd],
+// optionally rotated (Llama "rotate half") at first_positions[b] + i.
+std::vector<double> HeadMajor(const std::vector<double>& projected,
+                              const core::SequenceLayout& layout, int64_t heads, int64_t hd,
+                              const core::RotaryConfig& rotary,
+                              absl::Span<const int64_t> first_positions) {
+  const int64_t batch = layout.batch();
+  const int64_t len = layout.max_length();
+  const int64_t width = heads * hd;
+  const int64_t half = rotary.rotary_dim / 2;
+  std::vector<double> out(static_cast<size_t>(batch * heads * len * hd), 0.0);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < layout.length(b); ++i) {
+      const double* row = &projected[(layout.row_offset(b) + i) * width];
+      const double position =
+          static_cast<double>((first_positions.empty() ? 0 : first_positions[b]) + i);
+      for (int64_t h = 0; h < heads; ++h) {
+        const double* x = row + h * hd;
+        double* y = &out[((b * heads + h) * len + i) * hd];
+        for (int64_t e = 0; e < hd; ++e) y[e] = x[e];
+        for (int64_t e = 0; e < half; ++e) {
+          // theta^(-2e / rotary_dim), written as an exponential.
+          const double frequency =
+              std::exp(-2.0 * static_cast<double>(e) / static_cast<double>(rotary.rotary_dim) *
+                       std::log(static_cast<double>(rotary.theta)));
+          const double angle = position * frequency;
+          y[e] = x[e] * std::cos(angle) - x[e + half] * std::sin(angle);
+          y[e + half] = x[e + half] * std::cos(angle) + x[e] * std::sin(angle);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// Everything the attention needs, in per-sequence coordinates.
+struct Attention {
+  int64_t batch = 0;
+  int64_t s = 0;
+  int64_t t = 0;
+  std::vector<int64_t> q_lengths;
+  std::vector<int64_t> kv_lengths;
+  bool causal = false;
+  core::ExplicitMask mask;
+  absl::Span<const float> head_mask;
+};
+
+// Fills maps, statistics (not contribution) and context_heads from r.q, r.k, r.v.
+void Attend(const core::HeadConfig& config, const Attention& a, ReferenceResult& r) {
+  const int64_t heads = config.num_heads;
+  const int64_t kv_heads = config.num_kv_heads;
+  const int64_t group = heads / kv_heads;
+  const int64_t hd = config.head_dim;
+  const int64_t s = a.s;
+  const int64_t t = a.t;
+  r.per_head_maps.assign(static_cast<size_t>(a.batch * heads * s * t), 0.0);
+  r.mean_maps.assign(static_cast<size_t>(a.batch * s * t), 0.0);
+  r.entropy.assign(static_cast<size_t>(a.batch * heads), 0.0);
+  r.max_weight.assign(static_cast<size_t>(a.batch * heads), 0.0);
+  r.context_heads.assign(static_cast<size_t>(a.batch * heads * s * hd), 0.0);
+  std::vector<double> scores(static_cast<size_t>(t));
+  for (int64_t b = 0; b < a.batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t g = h / group;
+      const double weight = a.head_mask.empty() ? 1.0 : a.head_mask[h];
+      for (int64_t i = 0; i < a.q_lengths[b]; ++i) {
+        const double* q_i = &r.q[((b * heads + h) * s + i) * hd];
+        double max_score = kMinusInfinity;
+        for (int64_t j = 0; j < t; ++j) {
+          scores[j] = kMinusInfinity;
+          if (j >= a.kv_lengths[b] || (a.causal && j > i)) continue;
+          double extra = 0.0;
+          if (a.mask.kind != core::ExplicitMask::Kind::kNone) {
+            const int64_t mb = a.mask.batch_dim == 1 ? 0 : b;
+            const int64_t mi = a.mask.q_dim == 1 ? 0 : i;
+            const int64_t mj = a.mask.kv_dim == 1 ? 0 : j;
+            const double m = a.mask.values[(mb * a.mask.q_dim + mi) * a.mask.kv_dim + mj];
+            if (a.mask.kind == core::ExplicitMask::Kind::kAllowed) {
+              if (m == 0.0) continue;
+            } else {
+              extra = m;
+            }
+          }
+          const double* k_j = &r.k[((b * kv_heads + g) * t + j) * hd];
+          double dot = 0.0;
+          for (int64_t e = 0; e < hd; ++e) dot += q_i[e] * k_j[e];
+          scores[j] = dot * config.scale + extra;
+          max_score = std::max(max_score, scores[j]);
+        }
+        if (max_score == kMinusInfinity) continue;  // every key masked: weights 0
+        double sum = 0.0;
+        for (int64_t j = 0; j < t; ++j) {
+          scores[j] = scores[j] == kMinusInfinity ? 0.0 : std::exp(scores[j] - max_score);
+          sum += scores[j];
+        }
+        double* p_row = &r.per_head_maps[((b * heads + h) * s + i) * t];
+        double* mean_row = &r.mean_maps[(b * s + i) * t];
+        double* context_i = &r.context_heads[((b * heads + h) * s + i) * hd];
+        double entropy = 0.0;
+        double max_p = 0.0;
+        for (int64_t j = 0; j < t; ++j) {
+          const double p = scores[j] / sum * weight;
+          p_row[j] = p;
+          mean_row[j] += p / static_cast<double>(heads);
+          if (p > 0.0) entropy -= p * std::log(p);
+          max_p = std::max(max_p, p);
+          const double* v_j = &r.v[((b * kv_heads + g) * t + j) * hd];
+          for (int64_t e = 0; e < hd; ++e) context_i[e] += p * v_j[e];
+        }
+        r.entropy[b * heads + h] += entropy / static_cast<double>(a.q_lengths[b]);
+        r.max_weight[b * heads + h] += max_p / static_cast<double>(a.q_lengths[b]);
+      }
+    }
+  }
+}
+
+std::vector<int64_t> Lengths(const core::SequenceLayout& layout) {
+  std::vector<int64_t> lengths;
+  for (int64_t b = 0; b < layout.batch(); ++b) lengths.push_back(layout.length(b));
+  return lengths;
+}
+
 }  // namespace
+
+ReferenceResult ReferenceLayer(const core::HeadConfig& config,
+                               const core::AttentionWeights& weights,
+                               const core::LayerInputs& inputs) {
+  const core::SequenceLayout& layout = inputs.layout;
+  const bool cross = inputs.context_layout.has_value();
+  const core::SequenceLayout& keys = cross ? *inputs.context_layout : layout;
+  const absl::Span<const float> c = cross ? inputs.context : inputs.hidden_states;
+  const int64_t d = config.d_model;
+  const int64_t heads = config.num_heads;
+  const int64_t hd = config.head_dim;
+  const int64_t kv_width = config.kv_width();
+
+  // Every row is projected, padding too (NaN there stays there, unused).
+  const std::vector<double> q =
+      Linear(inputs.hidden_states, layout.rows(), d, weights.w_q, weights.b_q, config.q_width());
+  const std::vector<double> k = Linear(c, keys.rows(), d, weights.w_k, weights.b_k, kv_width);
+  const std::vector<double> v = Linear(c, keys.rows(), d, weights.w_v, weights.b_v, kv_width);
+
+  ReferenceResult r;
+  core::RotaryConfig no_rotary;
+  no_rotary.rotary_dim = 0;
+  r.q = HeadMajor(q, layout, heads, hd, config.rotary, inputs.position_offsets);
+  r.k = HeadMajor(k, keys, config.num_kv_heads, hd, config.rotary,
+                  cross ? absl::Span<const int64_t>() : inputs.position_offsets);
+  r.v = HeadMajor(v, keys, config.num_kv_heads, hd, no_rotary, {});
+
+  Attention a;
+  a.batch = layout.batch();
+  a.s = layout.max_length();
+  a.t = keys.max_length();
+  a.q_lengths = Lengths(layout);
+  a.kv_lengths = Lengths(keys);
+  a.causal = inputs.causal;
+  a.mask = inputs.mask;
+  a.head_mask = inputs.head_mask;
+  Attend(config, a, r);
+
+  // Concatenate the heads into token-major rows, project, and the
+  // contribution of each head: ||head_h W^O_h||_F over a sequence's rows.
+  r.output.assign(static_cast<size_t>(layout.rows() * d), 0.0);
+  r.contribution.assign(static_cast<size_t>(a.batch * heads), 0.0);
+  for (int64_t b = 0; b < a.batch; ++b) {
+    for (int64_t i = 0; i < layout.length(b); ++i) {
+      double* out = &r.output[(layout.row_offset(b) + i) * d];
+      for (int64_t e = 0; e < d; ++e) out[e] = weights.b_o[e];
+      for (int64_t h = 0; h < heads; ++h) {
+        const double* x = &r.context_heads[((b * heads + h) * a.s + i) * hd];
+        std::vector<double> y(static_cast<size_t>(d), 0.0);
+        for (int64_t f = 0; f < hd; ++f) {
+          const float* w = &weights.w_o[(h * hd + f) * d];
+          for (int64_t e = 0; e < d; ++e) y[e] += x[f] * static_cast<double>(w[e]);
+        }
+        for (int64_t e = 0; e < d; ++e) {
+          out[e] += y[e];
+          r.contribution[b * heads + h] += y[e] * y[e];
+        }
+      }
+    }
+  }
+  for (double& value : r.contribution) value = std::sqrt(value);
+  return r;
+}
+
+ReferenceResult ReferenceCore(const core::HeadConfig& config, const core::CoreInputs& inputs) {
+  ReferenceResult r;
+  r.q.assign(inputs.q.begin(), inputs.q.end());
+  r.k.assign(inputs.k.begin(), inputs.k.end());
+  r.v.assign(inputs.v.begin(), inputs.v.end());
+  Attention a;
+  a.batch = inputs.batch;
+  a.s = inputs.q_len;
+  a.t = inputs.kv_len;
+  a.q_lengths.assign(static_cast<size_t>(a.batch), a.s);
+  a.kv_lengths.assign(static_cast<size_t>(a.batch), a.t);
+  if (!inputs.q_lengths.empty())
+    a.q_lengths.assign(inputs.q_lengths.begin(), inputs.q_lengths.end());
+  if (!inputs.kv_lengths.empty()) {
+    a.kv_lengths.assign(inputs.kv_lengths.begin(), inputs.kv_lengths.end());
+  }
+  // Padding never enters a result: clear it (it may hold NaN).
+  const int64_t hd = config.head_dim;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    for (int64_t h = 0; h < config.num_heads; ++h) {
+      for (int64_t i = a.q_lengths[b]; i < a.s; ++i) {
+        std::fill_n(&r.q[((b * config.num_heads + h) * a.s + i) * hd], hd, 0.0);
+      }
+    }
+    for (int64_t g = 0; g < config.num_kv_heads; ++g) {
+      for (int64_t j = a.kv_lengths[b]; j < a.t; ++j) {
+        std::fill_n(&r.k[((b * config.num_kv_heads + g) * a.t + j) * hd], hd, 0.0);
+        std::fill_n(&r.v[((b * config.num_kv_heads + g) * a.t + j) * hd], hd, 0.0);
+      }
+    }
+  }
+  a.causal = inputs.causal;
+  a.mask = inputs.mask;
+  a.head_mask = inputs.head_mask;
+  Attend(config, a, r);
+  r.output = r.context_heads;
+  return r;
+}
+
+std::vector<double> SelectMaps(const ReferenceResult& result, const core::HeadConfig& config,
+                               int64_t batch, int64_t s, int64_t t,
+                               const core::MapSelection& maps) {
+  std::vector<int64_t> rows = maps.query_rows;
+  if (rows.empty()) {
+    for (int64_t i = 0; i < s; ++i) rows.push_back(i);
+  }
+  std::vector<int64_t> heads = maps.heads;
+  if (heads.empty()) {
+    for (int64_t h = 0; h < config.num_heads; ++h) heads.push_back(h);
+  }
+  std::vector<double> out;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (maps.mode == core::AttentionMapMode::kPerHead) {
+      for (int64_t h : heads) {
+        for (int64_t i : rows) {
+          const double* row = &result.per_head_maps[((b * config.num_heads + h) * s + i) * t];
+          out.insert(out.end(), row, row + t);
+        }
+      }
+    } else if (maps.mode == core::AttentionMapMode::kMeanOverHeads) {
+      for (int64_t i : rows) {
+        const double* row = &result.mean_maps[(b * s + i) * t];
+        out.insert(out.end(), row, row + t);
+      }
+    }
+  }
+  return out;
+}
 
 ReferenceResult ReferenceAttention(const core::HeadConfig& config,
                                    const core::AttentionWeights& weights,
                                    absl::Span<const float> hidden_states,
                                    core::AttentionShape shape) {
-  const int64_t batch = shape.batch;
-  const int64_t seq = shape.seq_len;
-  const int64_t d_model = config.d_model;
-  const int64_t heads = config.num_heads;
-  const int64_t head_dim = config.head_dim;
-  const int64_t group = config.num_heads / config.num_kv_heads;
-  const int64_t q_width = heads * head_dim;
-  const int64_t kv_width = config.num_kv_heads * head_dim;
-  const int64_t tokens = batch * seq;
-  const double scale = config.scale;
-
-  const std::vector<double> x(hidden_states.begin(), hidden_states.end());
-  const std::vector<double> q = Linear(x, tokens, d_model, weights.w_q, weights.b_q, q_width);
-  const std::vector<double> k = Linear(x, tokens, d_model, weights.w_k, weights.b_k, kv_width);
-  const std::vector<double> v = Linear(x, tokens, d_model, weights.w_v, weights.b_v, kv_width);
-
-  ReferenceResult result;
-  result.per_head_maps.assign(static_cast<size_t>(batch * heads * seq * seq), 0.0);
-  result.mean_maps.assign(static_cast<size_t>(batch * seq * seq), 0.0);
-  std::vector<double> context(static_cast<size_t>(tokens * q_width), 0.0);
-  std::vector<double> scores(static_cast<size_t>(seq));
-
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t g = h / group;
-      for (int64_t i = 0; i < seq; ++i) {
-        const double* q_i = &q[(b * seq + i) * q_width + h * head_dim];
-        double max_score = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < seq; ++j) {
-          const double* k_j = &k[(b * seq + j) * kv_width + g * head_dim];
-          double dot = 0.0;
-          for (int64_t d = 0; d < head_dim; ++d) dot += q_i[d] * k_j[d];
-          scores[j] = dot * scale;
-          max_score = std::max(max_score, scores[j]);
-        }
-        double sum = 0.0;
-        for (int64_t j = 0; j < seq; ++j) {
-          scores[j] = std::exp(scores[j] - max_score);
-          sum += scores[j];
-        }
-        double* p_row = &result.per_head_maps[((b * heads + h) * seq + i) * seq];
-        double* mean_row = &result.mean_maps[(b * seq + i) * seq];
-        double* context_i = &context[(b * seq + i) * q_width + h * head_dim];
-        for (int64_t j = 0; j < seq; ++j) {
-          const double p = scores[j] / sum;
-          p_row[j] = p;
-          mean_row[j] += p / static_cast<double>(heads);
-          const double* v_j = &v[(b * seq + j) * kv_width + g * head_dim];
-          for (int64_t d = 0; d < head_dim; ++d) context_i[d] += p * v_j[d];
-        }
-      }
-    }
-  }
-  result.output = Linear(context, tokens, q_width, weights.w_o, weights.b_o, d_model);
-  return result;
+  core::LayerInputs inputs;
+  inputs.hidden_states = hidden_states;
+  inputs.layout = core::SequenceLayout::Padded(shape.batch, shape.seq_len).value();
+  return ReferenceLayer(config, weights, inputs);
 }
 
 double RelativeFrobeniusError(absl::Span<const float> actual, absl::Span<const double> expected) {

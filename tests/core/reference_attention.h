@@ -1,29 +1,62 @@
 #ifndef ATTNSERVE_TESTS_CORE_REFERENCE_ATTENTION_H_
 #define ATTNSERVE_TESTS_CORE_REFERENCE_ATTENTION_H_
 
+#include <cstdint>
 #include <vector>
 
 #include "absl/types/span.h"
+#include "core/attention_inputs.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
 #include "core/head_config.h"
 
 namespace attnserve::testing {
 
-// What the layer computes, in double precision.
+// What the layer (or the core) computes, in double precision, with S the
+// queries' and T the keys' max_length.
 struct ReferenceResult {
-  std::vector<double> output;         // [batch, seq_len, d_model]
-  std::vector<double> per_head_maps;  // [batch, num_heads, seq_len, seq_len]
-  std::vector<double> mean_maps;      // [batch, seq_len, seq_len]
+  // Layer: [layout.rows(), d_model], padding rows 0. Core: [batch, num_heads,
+  // S, head_dim] (the same as context_heads).
+  std::vector<double> output;
+  std::vector<double> per_head_maps;  // [batch, num_heads, S, T]
+  std::vector<double> mean_maps;      // [batch, S, T]
+  std::vector<double> entropy;        // [batch, num_heads]
+  std::vector<double> max_weight;     // [batch, num_heads]
+  std::vector<double> contribution;   // [batch, num_heads]; layer only
+  // The heads the attention works on (after the projections and RoPE), padded
+  // and head-major, 0 past each sequence's length:
+  std::vector<double> q;              // [batch, num_heads, S, head_dim]
+  std::vector<double> k;              // [batch, num_kv_heads, T, head_dim]
+  std::vector<double> v;              // [batch, num_kv_heads, T, head_dim]
+  std::vector<double> context_heads;  // [batch, num_heads, S, head_dim], 0 past lengths
 };
 
-// A naive double-precision implementation of the attention layer, straight
-// from the math (bidirectional self-attention):
-//   Q = X w_q + b_q, K = X w_k + b_k, V = X w_v + b_v
-//   P_h = softmax(Q_h K_g^T * scale) over the keys, g = h / (num_heads / num_kv_heads)
+// A naive double-precision attention layer, straight from the math; inputs
+// as core::LayerInputs (all features: padded/packed layouts, cross-attention,
+// causal, explicit masks, head mask, RoPE). Per sequence b and head h,
+// g = h / (num_heads / num_kv_heads):
+//   Q = X w_q + b_q, K = C w_k + b_k, V = C w_v + b_v   (C = X in self-attention)
+//   RoPE (rotate half) on Q at position_offsets[b] + i and on K at the same
+//   positions (self) or at i (cross)
+//   s_ij = Q_i K_j^T * scale (+ additive mask), -inf where j is past the keys'
+//   length, j > i (causal) or the mask forbids it
+//   P_i = softmax(s_i) (0 when every s_ij is -inf), times head_mask[h]
 //   out = concat_h(P_h V_g) w_o + b_o
-// `config` must be resolved and `weights` valid for it; hidden_states is
-// [batch, seq_len, d_model], row-major. Meant for small shapes in tests.
+// `config` must be resolved and `weights` valid for it. Meant for small shapes.
+ReferenceResult ReferenceLayer(const core::HeadConfig& config,
+                               const core::AttentionWeights& weights,
+                               const core::LayerInputs& inputs);
+
+// The same attention on heads given already projected (core::CoreInputs).
+ReferenceResult ReferenceCore(const core::HeadConfig& config, const core::CoreInputs& inputs);
+
+// The maps `maps` selects out of a result's full maps (batch sequences of S
+// queries and T keys), in the layout of core::MapSelection.
+std::vector<double> SelectMaps(const ReferenceResult& result, const core::HeadConfig& config,
+                               int64_t batch, int64_t s, int64_t t, const core::MapSelection& maps);
+
+// The issue-2 reference: bidirectional self-attention on `shape.batch`
+// sequences of `shape.seq_len` tokens (hidden_states [batch, seq_len, d_model]).
 ReferenceResult ReferenceAttention(const core::HeadConfig& config,
                                    const core::AttentionWeights& weights,
                                    absl::Span<const float> hidden_states,

@@ -6,45 +6,22 @@ grpc-proto files, with protoc and grpc_python_plugin. The Attend result is
 checked against a NumPy float64 reference built from the documented seeded
 weights (docs/seeded_weights.md), on fresh random inputs.
 
-Usage: e2e_test.py --server PATH/attnserve --proto_dir REPO/proto
+Usage: e2e_test.py --server PATH/attnserve --attnctl PATH/attnctl --proto_dir REPO/proto
 """
 import argparse
 import os
-import re
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import unittest
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Server, generate_stubs, rel_error, wait_serving  # noqa: E402
+
 ARGS = None
-GRPC_PROTO_DIR = "/usr/share/grpc-proto"
-
-
-def generate_stubs(out_dir):
-    def protoc(include, proto):
-        subprocess.run(
-            ["protoc", f"-I{include}", f"--python_out={out_dir}", f"--grpc_out={out_dir}",
-             "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin", os.path.join(include, proto)],
-            check=True)
-
-    protoc(ARGS.proto_dir, "attnserve/v1/attention.proto")
-    open(os.path.join(out_dir, "attnserve", "__init__.py"), "a").close()
-    open(os.path.join(out_dir, "attnserve", "v1", "__init__.py"), "a").close()
-    # The standard protos are compiled as top-level modules (health_pb2,
-    # reflection_pb2): a "grpc/" package here would hide grpcio's own.
-    for proto in ["grpc/health/v1/health.proto", "grpc/reflection/v1alpha/reflection.proto"]:
-        flat = os.path.join(out_dir, "flat")
-        os.makedirs(flat, exist_ok=True)
-        with open(os.path.join(GRPC_PROTO_DIR, proto)) as src, \
-                open(os.path.join(flat, os.path.basename(proto)), "w") as dst:
-            dst.write(src.read())
-        protoc(flat, os.path.basename(proto))
-    sys.path.insert(0, out_dir)
 
 
 # --- The reference: docs/seeded_weights.md, reimplemented independently ---
@@ -91,43 +68,6 @@ def reference_attention(x, weights, num_heads, num_kv_heads, head_dim, scale):
     return ctx @ w_o + b_o, p
 
 
-def rel_error(actual, expected):
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
-
-
-class Server:
-    """The attnserve binary on a free loopback port."""
-
-    def __init__(self, *flags):
-        self.seed = int(np.random.default_rng().integers(0, 2**63))
-        self.proc = subprocess.Popen(
-            [ARGS.server, "--listen_address=127.0.0.1:0", f"--builtin_model_seed={self.seed}", *flags],
-            stderr=subprocess.PIPE, text=True)
-        self.log = []
-        port_seen = threading.Event()
-
-        def pump():
-            for line in self.proc.stderr:
-                self.log.append(line)
-                sys.stderr.write("  [attnserve] " + line)
-                m = re.search(r"listening on port (\d+)", line)
-                if m:
-                    self.port = int(m.group(1))
-                    port_seen.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not port_seen.wait(60):
-            self.proc.kill()
-            raise RuntimeError("attnserve did not report its port")
-        self.target = f"127.0.0.1:{self.port}"
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stderr.close()
-
-
 class EndToEnd(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -136,30 +76,17 @@ class EndToEnd(unittest.TestCase):
         import health_pb2, health_pb2_grpc
         cls.grpc, cls.pb, cls.pb_grpc = grpc, attention_pb2, attention_pb2_grpc
         cls.health_pb, cls.health_grpc = health_pb2, health_pb2_grpc
-        cls.server = Server()
+        cls.server = Server(ARGS.server)
         cls.channel = grpc.insecure_channel(cls.server.target, options=[
             ("grpc.max_receive_message_length", 256 << 20)])
         cls.stub = attention_pb2_grpc.AttentionServiceStub(cls.channel)
         cls.health = health_pb2_grpc.HealthStub(cls.channel)
-        cls.wait_serving(cls.health, cls.health_pb)
+        wait_serving(cls.health, cls.health_pb)
 
     @classmethod
     def tearDownClass(cls):
         cls.channel.close()
         cls.server.stop()
-
-    @staticmethod
-    def wait_serving(health, health_pb, timeout=60):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                r = health.Check(health_pb.HealthCheckRequest(service=""), timeout=2)
-                if r.status == health_pb.HealthCheckResponse.SERVING:
-                    return
-            except Exception:  # not listening yet
-                pass
-            time.sleep(0.05)
-        raise AssertionError("attnserve never became SERVING")
 
     def request(self, x, maps):
         t = self.pb.Tensor(dtype=self.pb.DATA_TYPE_FP32, shape=list(x.shape),
@@ -226,32 +153,77 @@ class EndToEnd(unittest.TestCase):
         self.assertEqual(list(ok.output.shape), [1, 4, 768])
 
 
+class Attnctl(unittest.TestCase):
+    """The README's attnctl commands against the real server."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server(ARGS.server)
+        import grpc
+        import health_pb2
+        import health_pb2_grpc
+        with grpc.insecure_channel(cls.server.target) as channel:
+            wait_serving(health_pb2_grpc.HealthStub(channel), health_pb2)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.server.stop()
+
+    def attnctl(self, *args):
+        import subprocess
+        done = subprocess.run([ARGS.attnctl, f"--target={self.server.target}", *args],
+                              capture_output=True, text=True, timeout=60)
+        return done.returncode, done.stdout + done.stderr
+
+    def test_health_models_and_attend_print_what_the_readme_says(self):
+        code, out = self.attnctl("health")
+        self.assertEqual((code, out.strip()), (0, "SERVING"))
+        code, out = self.attnctl("models")
+        self.assertEqual(code, 0, out)
+        self.assertIn("d_model 768, heads 12, kv heads 12, head_dim 64", out)
+        with tempfile.TemporaryDirectory() as tmp:
+            png = os.path.join(tmp, "maps.png")
+            code, out = self.attnctl("attend", "--model=default", "--batch=2", "--seq=8",
+                                     "--maps=per-head", f"--maps_png={png}")
+            self.assertEqual(code, 0, out)
+            self.assertIn("output [2, 8, 768]", out)
+            self.assertIn("attention maps [2, 12, 8, 8]", out)
+            with open(png, "rb") as f:
+                self.assertEqual(f.read(8), b"\x89PNG\r\n\x1a\n")
+        code, out = self.attnctl("attend", "--model=no-such-model")
+        self.assertNotEqual(code, 0)
+        self.assertIn("NOT_FOUND", out)
+
+
 class Shutdown(unittest.TestCase):
     def test_sigterm_drains_calls_in_flight_refuses_new_ones_and_exits_zero(self):
         import grpc
         from attnserve.v1 import attention_pb2 as pb, attention_pb2_grpc as pb_grpc
-        import health_pb2, health_pb2_grpc
-        server = Server()
+        import health_pb2
+        import health_pb2_grpc
+        server = Server(ARGS.server, "--lame_duck_seconds=1")
         try:
             channel = grpc.insecure_channel(server.target, options=[
                 ("grpc.max_receive_message_length", 64 << 20)])
             stub = pb_grpc.AttentionServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
-            EndToEnd.wait_serving(health, health_pb2)
+            wait_serving(health, health_pb2)
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            self.assertEqual(next(watch).status, health_pb2.HealthCheckResponse.SERVING)
             x = np.random.default_rng().standard_normal((8, 256, 768)).astype(np.float32)
             request = pb.AttendRequest(model="default", hidden_states=pb.Tensor(
                 dtype=pb.DATA_TYPE_FP32, shape=list(x.shape), raw_data=x.tobytes()))
-            # Enough queued work that calls are still in flight when the signal lands.
+            # The compute executor runs one request at a time: once the first
+            # answer is back, the other seven are queued or running.
             futures = [stub.Attend.future(request, timeout=120) for _ in range(8)]
-            time.sleep(0.3)
+            futures[0].result()
             in_flight = sum(not f.done() for f in futures)
             server.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.1)
-            try:
-                status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
-                self.assertNotEqual(status, health_pb2.HealthCheckResponse.SERVING)
-            except grpc.RpcError as e:
-                self.assertEqual(e.code(), grpc.StatusCode.UNAVAILABLE)
+            # Health turns NOT_SERVING while the server still listens (lame duck
+            # and drain), for Watch streams and for new Checks.
+            self.assertEqual(next(watch).status, health_pb2.HealthCheckResponse.NOT_SERVING)
+            status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+            self.assertEqual(status, health_pb2.HealthCheckResponse.NOT_SERVING)
             with self.assertRaises(grpc.RpcError) as refused:
                 stub.Attend(request, timeout=10)
             self.assertEqual(refused.exception.code(), grpc.StatusCode.UNAVAILABLE)
@@ -263,15 +235,36 @@ class Shutdown(unittest.TestCase):
         finally:
             server.stop()
 
+    def test_idle_server_with_an_open_watch_stops_promptly(self):
+        import grpc
+        import health_pb2
+        import health_pb2_grpc
+        server = Server(ARGS.server, "--lame_duck_seconds=0.2")
+        try:
+            channel = grpc.insecure_channel(server.target)
+            health = health_pb2_grpc.HealthStub(channel)
+            wait_serving(health, health_pb2)
+            watch = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+            next(watch)
+            start = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            self.assertEqual(server.proc.wait(timeout=30), 0)
+            # lame duck 0.2 s + flush 0.5 s; the open Watch must not hold it.
+            self.assertLess(time.monotonic() - start, 5.0)
+            channel.close()
+        finally:
+            server.stop()
+
 
 def main():
     global ARGS
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--server", required=True)
     parser.add_argument("--proto_dir", required=True)
+    parser.add_argument("--attnctl", required=True)
     ARGS, rest = parser.parse_known_args()
     with tempfile.TemporaryDirectory() as stubs:
-        generate_stubs(stubs)
+        generate_stubs(stubs, ARGS.proto_dir)
         unittest.main(argv=[sys.argv[0], "-v", *rest])
 
 

@@ -116,11 +116,12 @@ TEST_F(AttendPlanTest, AcceptedPlanKnowsEverySize) {
   v1::AttendRequest request = Bomb(2, 5, 2 * 5 * 768 * 4, v1::ATTENTION_MAP_MODE_PER_HEAD);
   absl::StatusOr<AttendPlan> plan = PlanAttend(request, registry_, RequestLimits{}, 1 << 30);
   ASSERT_TRUE(plan.ok()) << plan.status();
-  EXPECT_EQ(plan->shape.batch, 2);
-  EXPECT_EQ(plan->shape.seq_len, 5);
+  EXPECT_EQ(plan->queries.batch(), 2);
+  EXPECT_EQ(plan->queries.max_length(), 5);
   EXPECT_EQ(plan->output_elements, 2 * 5 * 768);
-  EXPECT_EQ(plan->attention_map_elements, 2 * 12 * 5 * 5);
-  EXPECT_EQ(plan->attention_maps, core::AttentionMapMode::kPerHead);
+  EXPECT_EQ(plan->map_elements, 2 * 12 * 5 * 5);
+  EXPECT_EQ(plan->map_shape, (std::vector<int64_t>{2, 12, 5, 5}));
+  EXPECT_EQ(plan->maps.mode, core::AttentionMapMode::kPerHead);
 }
 
 }  // namespace

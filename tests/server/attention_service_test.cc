@@ -3,14 +3,17 @@
 #include <grpcpp/security/credentials.h>
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
@@ -32,9 +35,10 @@ ServerOptions TestOptions() {
   options.limits.max_batch = 4;
   options.limits.max_seq_len = 64;
   options.limits.max_attention_map_bytes = 256 << 10;
-  // 800 KiB: the output of a [4, 64] request (768 KiB) fits, with its mean
-  // maps (64 KiB, under the map limit) it does not.
+  // 800 KiB: the output of a [4, 64] request (768 KiB, plus framing) fits,
+  // with its mean maps (64 KiB, under the map limit) it does not.
   options.max_send_message_bytes = 800 << 10;
+  options.lame_duck_seconds = 0;
   options.drain_timeout_seconds = 5;
   return options;
 }
@@ -102,7 +106,10 @@ class AttentionServiceTest : public ::testing::Test {
 
   // The same layer as the server's model, run in this process.
   static std::unique_ptr<core::AttentionLayer> InProcessLayer() {
-    core::HeadConfig config = *core::ResolveHeadConfig({.d_model = 768, .num_heads = 12});
+    core::HeadConfig requested;
+    requested.d_model = 768;
+    requested.num_heads = 12;
+    core::HeadConfig config = *core::ResolveHeadConfig(requested);
     return *core::AttentionLayer::Create(config, core::SeededWeights(config, kSeed));
   }
 
@@ -173,14 +180,17 @@ TEST_F(AttentionServiceTest, RoundTripEqualsInProcessCoreBitForBit) {
     ASSERT_TRUE(status.ok()) << status.error_message();
 
     std::vector<float> output(input.size());
-    const int64_t map_elements =
-        *core::AttentionMapElements(layer->config(), {c.batch, c.seq}, c.core_maps);
-    std::vector<float> maps(map_elements);
+    core::LayerInputs inputs;
+    inputs.hidden_states = input;
+    inputs.layout = *core::SequenceLayout::Padded(c.batch, c.seq);
     core::ForwardOptions options;
-    options.attention_maps = c.core_maps;
-    ASSERT_TRUE(
-        layer->Forward(input, {c.batch, c.seq}, options, {absl::MakeSpan(output), absl::MakeSpan(maps)})
-            .ok());
+    options.maps.mode = c.core_maps;
+    std::vector<float> maps(
+        *core::AttentionMapElements(layer->config(), inputs.layout, inputs.layout, options.maps));
+    core::ForwardOutputs outputs;
+    outputs.output = absl::MakeSpan(output);
+    outputs.attention_maps = absl::MakeSpan(maps);
+    ASSERT_TRUE(layer->Forward(inputs, options, outputs).ok());
     EXPECT_EQ(response.model(), "default");
     EXPECT_EQ(response.kernel_path(), "fp32/materialized");
     EXPECT_EQ(response.output().dtype(), v1::DATA_TYPE_FP32);
@@ -238,6 +248,47 @@ TEST_F(AttentionServiceTest, Bf16InputEqualsFp32InputOfTheSameValues) {
   EXPECT_TRUE(BitEqual(Floats(a.output()), Floats(b.output())));
 }
 
+v1::Tensor BoolTensor(std::vector<int64_t> shape) {
+  v1::Tensor t;
+  t.set_dtype(v1::DATA_TYPE_BOOL);
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    t.add_shape(d);
+    n *= d;
+  }
+  t.set_raw_data(std::string(n, '\1'));
+  return t;
+}
+
+v1::Tensor FloatTensor(std::vector<int64_t> shape, const std::vector<float>& values) {
+  v1::Tensor t;
+  t.set_dtype(v1::DATA_TYPE_FP32);
+  for (int64_t d : shape) t.add_shape(d);
+  t.set_raw_data(values.data(), values.size() * sizeof(float));
+  return t;
+}
+
+// Replaces the model with a seeded ad-hoc layer.
+void SetAdHoc(v1::AttendRequest& r, int d_model, int heads, int kv_heads, int head_dim, int rotary_dim) {
+  r.clear_model();
+  v1::HeadConfig* c = r.mutable_layer()->mutable_head_config();
+  c->set_d_model(d_model);
+  c->set_num_heads(heads);
+  c->set_num_kv_heads(kv_heads);
+  c->set_head_dim(head_dim);
+  c->mutable_rotary()->set_rotary_dim(rotary_dim);
+  r.mutable_layer()->set_seed(3);
+}
+
+// Random projected q [b, h, sq, d], k and v [b, kvh, skv(v: skv_v), d].
+void SetProjected(v1::AttendRequest& r, int64_t b, int64_t h, int64_t sq, int64_t d, int64_t kvh,
+                  int64_t skv_v, int64_t skv = 5) {
+  v1::ProjectedHeads* p = r.mutable_projected();
+  *p->mutable_q() = FloatTensor({b, h, sq, d}, RandomValues(b * h * sq * d, 11));
+  *p->mutable_k() = FloatTensor({b, kvh, skv, d}, RandomValues(b * kvh * skv * d, 12));
+  *p->mutable_v() = FloatTensor({b, kvh, skv_v, d}, RandomValues(b * kvh * skv_v * d, 13));
+}
+
 struct BadRequest {
   std::string name;
   std::function<void(v1::AttendRequest&)> corrupt;
@@ -257,10 +308,176 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
       {"no model", [](auto& r) { r.clear_model(); }, grpc::StatusCode::INVALID_ARGUMENT, "model"},
       {"unknown model", [](auto& r) { r.set_model("bert-large"); }, grpc::StatusCode::NOT_FOUND,
        "model: no model named 'bert-large'"},
+      {"huge unknown model name", [](auto& r) { r.set_model(std::string(20000, 'm')); },
+       grpc::StatusCode::NOT_FOUND, "model: no model named 'mmm"},
+      {"thousands of dimensions",
+       [&](auto& r) { set_shape(r, std::vector<int64_t>(5000, 1)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "hidden_states.shape"},
       {"no hidden states", [](auto& r) { r.clear_hidden_states(); },
        grpc::StatusCode::INVALID_ARGUMENT, "hidden_states"},
-      {"rank 2", [&](auto& r) { set_shape(r, {8, 768}); }, grpc::StatusCode::INVALID_ARGUMENT,
+      {"rank 1", [&](auto& r) { set_shape(r, {8 * 768}); }, grpc::StatusCode::INVALID_ARGUMENT,
        "hidden_states.shape: expected rank 3"},
+      {"packed without lengths", [&](auto& r) { set_shape(r, {8, 768}); },
+       grpc::StatusCode::INVALID_ARGUMENT, "sequence_lengths: required with packed"},
+      {"packed lengths do not sum to tokens",
+       [&](auto& r) {
+         set_shape(r, {8, 768});
+         for (int64_t n : {3, 4}) r.add_sequence_lengths(n);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "sequence_lengths"},
+      {"padded lengths count", [](auto& r) { r.add_sequence_lengths(2); },
+       grpc::StatusCode::INVALID_ARGUMENT, "sequence_lengths"},
+      {"length beyond the tensor",
+       [](auto& r) {
+         r.add_sequence_lengths(2);
+         r.add_sequence_lengths(5);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "sequence_lengths"},
+      {"length zero",
+       [](auto& r) {
+         r.add_sequence_lengths(0);
+         r.add_sequence_lengths(4);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "sequence_lengths"},
+      {"context d_model",
+       [&](auto& r) {
+         *r.mutable_context() = r.hidden_states();
+         r.mutable_context()->clear_shape();
+         for (int64_t d : {2, 6, 512}) r.mutable_context()->add_shape(d);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "context.shape[2] (d_model)"},
+      {"context batch",
+       [&](auto& r) {
+         *r.mutable_context() = r.hidden_states();
+         r.mutable_context()->clear_shape();
+         for (int64_t d : {1, 8, 768}) r.mutable_context()->add_shape(d);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "context"},
+      {"context_lengths without context", [](auto& r) { r.add_context_lengths(1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "context_lengths"},
+      {"mask without kind",
+       [&](auto& r) { *r.mutable_mask()->mutable_values() = BoolTensor({2, 4, 4}); },
+       grpc::StatusCode::INVALID_ARGUMENT, "mask.kind"},
+      {"mask of the wrong shape",
+       [&](auto& r) {
+         r.mutable_mask()->set_kind(v1::AttentionMask::KIND_ALLOWED);
+         *r.mutable_mask()->mutable_values() = BoolTensor({2, 3, 4});
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "mask.values.shape[1] (seq_q)"},
+      {"mask of the wrong rank",
+       [&](auto& r) {
+         r.mutable_mask()->set_kind(v1::AttentionMask::KIND_ALLOWED);
+         *r.mutable_mask()->mutable_values() = BoolTensor({4, 4});
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "mask.values.shape"},
+      {"additive mask of booleans",
+       [&](auto& r) {
+         r.mutable_mask()->set_kind(v1::AttentionMask::KIND_ADDITIVE);
+         *r.mutable_mask()->mutable_values() = BoolTensor({1, 4, 4});
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "mask.values.dtype"},
+      {"head mask length", [](auto& r) { r.add_head_mask(1.0f); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "head_mask"},
+      {"head mask NaN",
+       [](auto& r) {
+         for (int h = 0; h < 12; ++h) r.add_head_mask(h == 3 ? NAN : 1.0f);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "head_mask"},
+      {"position offsets without RoPE",
+       [](auto& r) {
+         r.add_position_offsets(0);
+         r.add_position_offsets(0);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "position_offsets"},
+      {"unknown precision", [](auto& r) { r.set_precision(static_cast<v1::Precision>(5)); },
+       grpc::StatusCode::INVALID_ARGUMENT, "precision"},
+      {"bool output", [](auto& r) { r.set_output_dtype(v1::DATA_TYPE_BOOL); },
+       grpc::StatusCode::INVALID_ARGUMENT, "output_dtype"},
+      {"heads with mean maps",
+       [](auto& r) {
+         r.mutable_attention_maps()->set_mode(v1::ATTENTION_MAP_MODE_MEAN);
+         r.mutable_attention_maps()->add_heads(0);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "attention_maps.heads"},
+      {"head out of range",
+       [](auto& r) {
+         r.mutable_attention_maps()->set_mode(v1::ATTENTION_MAP_MODE_PER_HEAD);
+         r.mutable_attention_maps()->add_heads(12);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "attention_maps.heads"},
+      {"query row out of range",
+       [](auto& r) {
+         r.mutable_attention_maps()->set_mode(v1::ATTENTION_MAP_MODE_PER_HEAD);
+         r.mutable_attention_maps()->add_query_rows(4);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "attention_maps.query_rows"},
+      {"model and layer", [](auto& r) { r.mutable_layer()->set_seed(1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "model: set model or layer"},
+      {"layer without head config",
+       [](auto& r) {
+         r.clear_model();
+         r.mutable_layer()->set_seed(1);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "layer.head_config"},
+      {"heads not dividing d_model",
+       [](auto& r) { SetAdHoc(r, 768, 5, 0, 0, 0); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "layer.head_config.num_heads"},
+      {"kv heads not dividing heads",
+       [](auto& r) { SetAdHoc(r, 768, 12, 5, 0, 0); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "layer.head_config.num_kv_heads"},
+      {"rotary dim odd", [](auto& r) { SetAdHoc(r, 768, 12, 0, 0, 7); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layer.head_config.rotary"},
+      {"rotary dim too large", [](auto& r) { SetAdHoc(r, 768, 12, 0, 0, 66); },
+       grpc::StatusCode::INVALID_ARGUMENT, "layer.head_config.rotary"},
+      {"layer without weights",
+       [](auto& r) {
+         SetAdHoc(r, 768, 12, 0, 0, 0);
+         r.mutable_layer()->clear_seed();
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "layer.weights"},
+      {"inline weight of the wrong shape",
+       [](auto& r) {
+         SetAdHoc(r, 768, 12, 0, 0, 0);
+         v1::LayerWeights* w = r.mutable_layer()->mutable_inline_weights();
+         for (v1::Tensor* t : {w->mutable_w_q(), w->mutable_b_q(), w->mutable_w_k(), w->mutable_b_k(),
+                               w->mutable_w_v(), w->mutable_b_v(), w->mutable_w_o(), w->mutable_b_o()}) {
+           t->add_shape(1);
+           t->add_float_data(0.0f);
+         }
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "layer.inline_weights.w_q"},
+      {"seeded layer over the weight limit",
+       [](auto& r) { SetAdHoc(r, 8192, 64, 0, 0, 0); }, grpc::StatusCode::RESOURCE_EXHAUSTED,
+       "layer"},
+      {"hidden states and projected heads",
+       [](auto& r) { r.mutable_projected()->mutable_q()->add_shape(1); },
+       grpc::StatusCode::INVALID_ARGUMENT, "hidden_states: set hidden_states or projected"},
+      {"projected q of the wrong head count",
+       [&](auto& r) {
+         r.clear_hidden_states();
+         SetProjected(r, 2, 6, 5, 64, 12, 5);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "projected.q.shape[1] (num_heads)"},
+      {"projected v unlike k",
+       [&](auto& r) {
+         r.clear_hidden_states();
+         SetProjected(r, 2, 12, 5, 64, 12, 6);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "projected.v.shape[2] (seq_kv)"},
+      {"projected with position offsets",
+       [&](auto& r) {
+         r.clear_hidden_states();
+         SetProjected(r, 2, 12, 5, 64, 12, 5);
+         r.add_position_offsets(1);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "position_offsets"},
+      {"projected with context",
+       [&](auto& r) {
+         *r.mutable_context() = r.hidden_states();
+         r.clear_hidden_states();
+         SetProjected(r, 2, 12, 5, 64, 12, 5);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "context"},
       {"rank 4", [&](auto& r) { set_shape(r, {1, 2, 4, 768}); }, grpc::StatusCode::INVALID_ARGUMENT,
        "hidden_states.shape: expected rank 3"},
       {"zero seq", [&](auto& r) { set_shape(r, {2, 0, 768}); }, grpc::StatusCode::INVALID_ARGUMENT,
@@ -348,10 +565,341 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
     EXPECT_EQ(status.error_code(), c.code) << status.error_message();
     EXPECT_NE(status.error_message().find(c.field), std::string::npos)
         << "message '" << status.error_message() << "' does not name " << c.field;
+    // Echoed input is abbreviated: a message never grows with the request.
+    EXPECT_LT(status.error_message().size(), 600u);
     v1::AttendResponse after;
     ASSERT_TRUE(Attend(good, &after).ok());
     EXPECT_EQ(after.output().raw_data(), expected.output().raw_data());
   }
+}
+
+TEST(AttentionServiceQueue, FullQueueAnswersResourceExhaustedAndAdmittedCallsSucceed) {
+  ServerOptions options = TestOptions();
+  options.max_queued_requests = 1;
+  options.limits.max_seq_len = 512;
+  options.max_send_message_bytes = 64 << 20;
+  auto server = AttnServer::Create(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->LoadModelsAndServe().ok());
+  auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", (*server)->port()), grpc::InsecureChannelCredentials()));
+  // Eight calls of tens of milliseconds each, at once: one runs, one waits,
+  // the others find the queue full.
+  // 3 MiB responses: under the client's default 4 MiB receive limit.
+  const v1::AttendRequest request = RawRequest(2, 512, RandomValues(2 * 512 * 768, 1));
+  std::vector<grpc::Status> statuses(8);
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < statuses.size(); ++i) {
+    clients.emplace_back([&, i] {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      v1::AttendResponse response;
+      statuses[i] = stub->Attend(&context, request, &response);
+    });
+  }
+  for (auto& t : clients) t.join();
+  int ok = 0, exhausted = 0;
+  for (const grpc::Status& status : statuses) {
+    if (status.ok()) ++ok;
+    if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++exhausted;
+      EXPECT_NE(status.error_message().find("queue is full"), std::string::npos);
+    }
+  }
+  EXPECT_EQ(ok + exhausted, 8);
+  EXPECT_GE(ok, 1);
+  EXPECT_GE(exhausted, 1);
+}
+
+TEST(AttentionServiceShutdown, DrainingRefusesNewCallsWithUnavailableWhileHealthSaysNotServing) {
+  ServerOptions options = TestOptions();
+  options.lame_duck_seconds = 1;
+  auto server = AttnServer::Create(options);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE((*server)->LoadModelsAndServe().ok());
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*server)->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = v1::AttentionService::NewStub(channel);
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  std::thread stopper([&] { (*server)->Shutdown(); });
+  // During the lame-duck second the server listens, says NOT_SERVING and
+  // refuses Attend.
+  absl::SleepFor(absl::Milliseconds(200));
+  grpc::ClientContext health_context;
+  grpc::health::v1::HealthCheckRequest check;
+  HealthCheckResponse health_response;
+  ASSERT_TRUE(health->Check(&health_context, check, &health_response).ok());
+  EXPECT_EQ(health_response.status(), HealthCheckResponse::NOT_SERVING);
+  grpc::ClientContext context;
+  v1::AttendResponse response;
+  grpc::Status status = stub->Attend(&context, RawRequest(1, 2, RandomValues(2 * 768, 1)), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(status.error_message().find("shutting down"), std::string::npos);
+  stopper.join();
+}
+
+// The wire form of every attention option reaches the core as the in-process
+// call below (bit for bit). The core's math is proven against the reference in
+// tests/core and against PyTorch in tests/parity.
+class AttentionOptionsTest : public AttentionServiceTest {
+ protected:
+  struct Expected {
+    std::vector<float> output, maps, entropy, max_weight, contribution;
+  };
+
+  // Runs `layer` in process like the server should for these inputs.
+  static Expected RunLayer(core::AttentionLayer& layer, const core::LayerInputs& inputs,
+                           const core::ForwardOptions& options, bool stats) {
+    Expected e;
+    const int64_t rows = inputs.layout.rows();
+    e.output.resize(rows * layer.config().d_model);
+    const core::SequenceLayout& keys = inputs.context_layout ? *inputs.context_layout : inputs.layout;
+    e.maps.resize(*core::AttentionMapElements(layer.config(), inputs.layout, keys, options.maps));
+    core::ForwardOutputs out;
+    out.output = absl::MakeSpan(e.output);
+    out.attention_maps = absl::MakeSpan(e.maps);
+    if (stats) {
+      for (auto* v : {&e.entropy, &e.max_weight, &e.contribution}) {
+        v->resize(inputs.layout.batch() * layer.config().num_heads);
+      }
+      out.head_entropy = absl::MakeSpan(e.entropy);
+      out.head_max_weight = absl::MakeSpan(e.max_weight);
+      out.head_contribution = absl::MakeSpan(e.contribution);
+    }
+    absl::StatusOr<core::ForwardInfo> info = layer.Forward(inputs, options, out);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return e;
+  }
+};
+
+TEST_F(AttentionOptionsTest, PackedCausalMaskedHeadGatedRequestEqualsTheCore) {
+  Serve();
+  const std::vector<int64_t> lengths = {3, 6, 1};
+  const std::vector<float> input = RandomValues(10 * 768, std::random_device{}());
+  v1::AttendRequest request;
+  request.set_model("default");
+  *request.mutable_hidden_states() = FloatTensor({10, 768}, input);
+  for (int64_t n : lengths) request.add_sequence_lengths(n);
+  request.set_causal(true);
+  // Allowed mask [1, 1, 6]: key 4 is hidden from every query.
+  v1::Tensor mask = BoolTensor({1, 1, 6});
+  (*mask.mutable_raw_data())[4] = 0;
+  request.mutable_mask()->set_kind(v1::AttentionMask::KIND_ALLOWED);
+  *request.mutable_mask()->mutable_values() = mask;
+  std::vector<float> head_mask(12, 1.0f);
+  head_mask[2] = 0.0f;
+  head_mask[7] = 0.5f;
+  for (float g : head_mask) request.add_head_mask(g);
+  request.mutable_attention_maps()->set_mode(v1::ATTENTION_MAP_MODE_PER_HEAD);
+  for (int h : {7, 2, 0}) request.mutable_attention_maps()->add_heads(h);
+  for (int row : {5, 0}) request.mutable_attention_maps()->add_query_rows(row);
+  request.mutable_attention_maps()->set_head_statistics(true);
+
+  v1::AttendResponse response;
+  grpc::Status status = Attend(request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+
+  auto layer = InProcessLayer();
+  core::LayerInputs inputs;
+  inputs.hidden_states = input;
+  inputs.layout = *core::SequenceLayout::Packed(lengths);
+  inputs.causal = true;
+  const std::vector<float> mask_values = {1, 1, 1, 1, 0, 1};
+  inputs.mask = {.kind = core::ExplicitMask::Kind::kAllowed, .values = mask_values,
+                 .batch_dim = 1, .q_dim = 1, .kv_dim = 6};
+  inputs.head_mask = head_mask;
+  core::ForwardOptions options;
+  options.maps = {.mode = core::AttentionMapMode::kPerHead, .heads = {7, 2, 0}, .query_rows = {5, 0}};
+  options.head_statistics = true;
+  const Expected e = RunLayer(*layer, inputs, options, /*stats=*/true);
+
+  EXPECT_EQ(std::vector<int64_t>(response.output().shape().begin(), response.output().shape().end()),
+            (std::vector<int64_t>{10, 768}));
+  EXPECT_EQ(std::vector<int64_t>(response.attention_maps().shape().begin(),
+                                 response.attention_maps().shape().end()),
+            (std::vector<int64_t>{3, 3, 2, 6}));
+  EXPECT_TRUE(BitEqual(Floats(response.output()), e.output));
+  EXPECT_TRUE(BitEqual(Floats(response.attention_maps()), e.maps));
+  EXPECT_TRUE(BitEqual(Floats(response.head_statistics().entropy()), e.entropy));
+  EXPECT_TRUE(BitEqual(Floats(response.head_statistics().max_weight()), e.max_weight));
+  EXPECT_TRUE(BitEqual(Floats(response.head_statistics().contribution()), e.contribution));
+  EXPECT_EQ(response.precision(), v1::PRECISION_FP32);
+}
+
+TEST_F(AttentionOptionsTest, CrossAttentionWithPaddingAndBf16OutputEqualsTheCore) {
+  Serve();
+  const uint32_t seed = std::random_device{}();
+  const std::vector<float> queries = RandomValues(2 * 3 * 768, seed);
+  const std::vector<float> context = RandomValues(2 * 5 * 768, seed + 1);
+  v1::AttendRequest request;
+  request.set_model("default");
+  *request.mutable_hidden_states() = FloatTensor({2, 3, 768}, queries);
+  for (int64_t n : {3, 2}) request.add_sequence_lengths(n);
+  *request.mutable_context() = FloatTensor({2, 5, 768}, context);
+  for (int64_t n : {5, 4}) request.add_context_lengths(n);
+  request.mutable_attention_maps()->set_mode(v1::ATTENTION_MAP_MODE_MEAN);
+  request.set_output_dtype(v1::DATA_TYPE_BF16);
+
+  v1::AttendResponse response;
+  grpc::Status status = Attend(request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+
+  auto layer = InProcessLayer();
+  core::LayerInputs inputs;
+  inputs.hidden_states = queries;
+  inputs.layout = *core::SequenceLayout::Padded(2, 3, {3, 2});
+  inputs.context = context;
+  inputs.context_layout = *core::SequenceLayout::Padded(2, 5, {5, 4});
+  core::ForwardOptions options;
+  options.maps.mode = core::AttentionMapMode::kMeanOverHeads;
+  const Expected e = RunLayer(*layer, inputs, options, /*stats=*/false);
+
+  // BF16 on the wire: each value is the FP32 result rounded to nearest even.
+  auto bf16 = [](const v1::Tensor& t) {
+    std::vector<float> values(t.raw_data().size() / 2);
+    for (size_t i = 0; i < values.size(); ++i) {
+      uint16_t half;
+      std::memcpy(&half, &t.raw_data()[2 * i], 2);
+      const uint32_t bits = static_cast<uint32_t>(half) << 16;
+      std::memcpy(&values[i], &bits, 4);
+    }
+    return values;
+  };
+  auto round_bf16 = [](std::vector<float> values) {
+    for (float& v : values) {
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+      std::memcpy(&v, &bits, 4);
+    }
+    return values;
+  };
+  EXPECT_EQ(response.output().dtype(), v1::DATA_TYPE_BF16);
+  EXPECT_TRUE(BitEqual(bf16(response.output()), round_bf16(e.output)));
+  EXPECT_TRUE(BitEqual(bf16(response.attention_maps()), round_bf16(e.maps)));
+  EXPECT_EQ(response.attention_maps().shape_size(), 3);
+  EXPECT_EQ(response.attention_maps().shape(2), 5);
+}
+
+TEST_F(AttentionOptionsTest, ProjectedHeadsRunTheAttentionCoreAlone) {
+  Serve();
+  v1::AttendRequest request;
+  request.set_model("default");
+  SetProjected(request, 2, 12, 4, 64, 12, 6, 6);
+  for (int64_t n : {6, 3}) request.add_context_lengths(n);
+  request.set_causal(true);
+  request.mutable_attention_maps()->set_mode(v1::ATTENTION_MAP_MODE_PER_HEAD);
+  request.mutable_attention_maps()->set_head_statistics(true);
+
+  v1::AttendResponse response;
+  grpc::Status status = Attend(request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+
+  const std::vector<float> q = RandomValues(2 * 12 * 4 * 64, 11), k = RandomValues(2 * 12 * 6 * 64, 12),
+                           v = RandomValues(2 * 12 * 6 * 64, 13);
+  auto core = *core::AttentionCore::Create(InProcessLayer()->config());
+  core::CoreInputs inputs;
+  inputs.q = q;
+  inputs.k = k;
+  inputs.v = v;
+  inputs.batch = 2;
+  inputs.q_len = 4;
+  inputs.kv_len = 6;
+  const std::vector<int64_t> q_lengths = {4, 4}, kv_lengths = {6, 3};
+  inputs.q_lengths = q_lengths;
+  inputs.kv_lengths = kv_lengths;
+  inputs.causal = true;
+  core::ForwardOptions options;
+  options.maps.mode = core::AttentionMapMode::kPerHead;
+  options.head_statistics = true;
+  std::vector<float> output(q.size()), maps(2 * 12 * 4 * 6), entropy(24), max_weight(24);
+  core::ForwardOutputs outputs;
+  outputs.output = absl::MakeSpan(output);
+  outputs.attention_maps = absl::MakeSpan(maps);
+  outputs.head_entropy = absl::MakeSpan(entropy);
+  outputs.head_max_weight = absl::MakeSpan(max_weight);
+  ASSERT_TRUE(core->Run(inputs, options, outputs).ok());
+
+  EXPECT_EQ(response.output().shape_size(), 4);
+  EXPECT_TRUE(BitEqual(Floats(response.output()), output));
+  EXPECT_TRUE(BitEqual(Floats(response.attention_maps()), maps));
+  EXPECT_TRUE(BitEqual(Floats(response.head_statistics().entropy()), entropy));
+  EXPECT_TRUE(BitEqual(Floats(response.head_statistics().max_weight()), max_weight));
+  EXPECT_FALSE(response.head_statistics().has_contribution());
+}
+
+TEST_F(AttentionOptionsTest, SeededAdHocGroupedRotaryLayerEqualsTheCoreAndInlineWeightsAgree) {
+  Serve();
+  core::HeadConfig requested;
+  requested.d_model = 64;
+  requested.num_heads = 8;
+  requested.num_kv_heads = 2;
+  requested.rotary = {.rotary_dim = 4, .theta = 500.0f};
+  const core::HeadConfig config = *core::ResolveHeadConfig(requested);
+  const std::vector<float> input = RandomValues(8 * 64, std::random_device{}());
+  v1::AttendRequest request;
+  v1::HeadConfig* wire = request.mutable_layer()->mutable_head_config();
+  wire->set_d_model(64);
+  wire->set_num_heads(8);
+  wire->set_num_kv_heads(2);
+  wire->mutable_rotary()->set_rotary_dim(4);
+  wire->mutable_rotary()->set_theta(500.0f);
+  request.mutable_layer()->set_seed(99);
+  *request.mutable_hidden_states() = FloatTensor({8, 64}, input);
+  for (int64_t n : {3, 5}) request.add_sequence_lengths(n);
+  for (int64_t p : {7, 0}) request.add_position_offsets(p);
+  request.set_causal(true);
+
+  v1::AttendResponse seeded;
+  grpc::Status status = Attend(request, &seeded);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+
+  const core::AttentionWeights weights = core::SeededWeights(config, 99);
+  auto layer = *core::AttentionLayer::Create(config, weights);
+  core::LayerInputs inputs;
+  inputs.hidden_states = input;
+  inputs.layout = *core::SequenceLayout::Packed({3, 5});
+  inputs.causal = true;
+  const std::vector<int64_t> offsets = {7, 0};
+  inputs.position_offsets = offsets;
+  const Expected e = RunLayer(*layer, inputs, {}, /*stats=*/false);
+  EXPECT_TRUE(BitEqual(Floats(seeded.output()), e.output));
+  EXPECT_EQ(seeded.model(), "");
+
+  // The same weights sent inline give the same result.
+  v1::LayerWeights* w = request.mutable_layer()->mutable_inline_weights();
+  const int64_t q = 8 * 8, kv = 2 * 8;
+  *w->mutable_w_q() = FloatTensor({64, q}, weights.w_q);
+  *w->mutable_b_q() = FloatTensor({q}, weights.b_q);
+  *w->mutable_w_k() = FloatTensor({64, kv}, weights.w_k);
+  *w->mutable_b_k() = FloatTensor({kv}, weights.b_k);
+  *w->mutable_w_v() = FloatTensor({64, kv}, weights.w_v);
+  *w->mutable_b_v() = FloatTensor({kv}, weights.b_v);
+  *w->mutable_w_o() = FloatTensor({q, 64}, weights.w_o);
+  *w->mutable_b_o() = FloatTensor({64}, weights.b_o);
+  v1::AttendResponse inline_response;
+  status = Attend(request, &inline_response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(BitEqual(Floats(inline_response.output()), e.output));
+}
+
+TEST_F(AttentionOptionsTest, Bf16PrecisionRunsWhereSupportedAndSaysWhichRan) {
+  Serve();
+  const std::vector<float> input = RandomValues(2 * 16 * 768, std::random_device{}());
+  v1::AttendRequest request = RawRequest(2, 16, input);
+  v1::AttendResponse fp32, bf16;
+  ASSERT_TRUE(Attend(request, &fp32).ok());
+  request.set_precision(v1::PRECISION_BF16);
+  ASSERT_TRUE(Attend(request, &bf16).ok());
+  EXPECT_EQ(bf16.precision(), core::Bf16Supported() ? v1::PRECISION_BF16 : v1::PRECISION_FP32);
+  EXPECT_EQ(bf16.kernel_path().substr(0, 4), core::Bf16Supported() ? "bf16" : "fp32");
+  const std::vector<float> a = Floats(fp32.output()), b = Floats(bf16.output());
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff += (a[i] - b[i]) * double(a[i] - b[i]);
+    norm += a[i] * double(a[i]);
+  }
+  EXPECT_LE(std::sqrt(diff / norm), 2e-2);
 }
 
 }  // namespace

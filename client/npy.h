@@ -1,0 +1,67 @@
+#ifndef ATTNSERVE_CLIENT_NPY_H_
+#define ATTNSERVE_CLIENT_NPY_H_
+
+// Reading and writing NumPy's .npy files (format versions 1.0 and 2.0), the
+// subset attnctl needs: C-order little-endian float32 ('<f4') both ways, and
+// booleans ('|b1') or bytes ('|u1') on read, for masks. The format:
+// https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+
+namespace attnserve::client {
+
+enum class NpyDtype {
+  kFloat32,  // '<f4'
+  kBool,     // '|b1'
+  kUint8,    // '|u1'
+};
+
+// "<f4", "|b1" or "|u1".
+absl::string_view NpyDtypeName(NpyDtype dtype);
+
+// A C-order (row-major) array read from a .npy file.
+struct NpyArray {
+  NpyDtype dtype = NpyDtype::kFloat32;
+  std::vector<int64_t> shape;  // () for a scalar
+  // The elements' little-endian bytes, row-major: product(shape) x item size.
+  std::string data;
+
+  int64_t num_elements() const;
+  // The values as floats: float32 as they are, booleans and bytes as their
+  // numeric values (0/1 for booleans, 0..255 for bytes).
+  std::vector<float> ToFloats() const;
+};
+
+// Parses the bytes of a .npy file. Every error names `name` (the file's path)
+// and says what is wrong. INVALID_ARGUMENT for: no magic string, a version
+// other than 1.0/2.0, a header that runs past the end or is not a dict with
+// exactly 'descr', 'fortran_order' and 'shape', a dtype other than '<f4',
+// '|b1' and '|u1', fortran_order True, a negative or overflowing shape, and a
+// data size other than product(shape) x item size (truncated or trailing).
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes, absl::string_view name);
+
+// Reads and parses the file at `path`. NOT_FOUND (or another errno-derived
+// code) when it cannot be read; ParseNpy's errors otherwise.
+absl::StatusOr<NpyArray> ReadNpyFile(const std::string& path);
+
+// The bytes of a version 1.0 .npy file of '<f4' values with `shape` (the
+// header padded to a multiple of 64 bytes, as NumPy writes it). Requires
+// values.size() == product(shape).
+std::string EncodeNpyFloat32(absl::Span<const int64_t> shape, absl::Span<const float> values);
+
+// Writes EncodeNpyFloat32(shape, values) to `path`. INVALID_ARGUMENT when
+// values.size() != product(shape); an errno-derived code when the file cannot
+// be written.
+absl::Status WriteNpyFile(const std::string& path, absl::Span<const int64_t> shape,
+                          absl::Span<const float> values);
+
+}  // namespace attnserve::client
+
+#endif  // ATTNSERVE_CLIENT_NPY_H_

@@ -1,0 +1,406 @@
+#include "core/attention_kernels.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "core/checked_math.h"
+#include "core/onednn_util.h"
+#include "core/status_macros.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+// The attention of a chunk of n sequences, S queries and T keys each, with
+// G = Hq / Hkv query heads per key/value head, viewed GQA-style so that one
+// K/V head serves its G query heads without a copy:
+//
+//   scores [n, Hkv, G*S, T] = Q [n, Hkv, G*S, hd] x K^T [n, Hkv, hd, T] * scale
+//                             (+ mask [n, 1, G*S, T], a binary add post-op)
+//   P = softmax(scores)       softmax_v2 over the last axis, in place, FP32
+//   fix-ups                   rows with every key masked -> 0 (softmax gives
+//                             NaN there), rows past a query length -> 0,
+//                             P_h *= head_mask[h], statistics
+//   context [n, Hkv, G*S, hd] = P x V [n, Hkv, T, hd]
+//
+// K^T is K read through strides (no copy; stays on brg). The mask is built
+// per chunk in the one 4-D layout oneDNN 2.6 keeps on its brg kernels
+// ([B, 1, M, N]; other broadcasts fall back to ref:any). Output scales apply
+// before post-ops, so scores = Q K^T * scale + mask. Without anything masked
+// the scores matmul has no post-op at all.
+
+namespace attnserve::core::internal {
+namespace {
+
+using dnnl::memory;
+using Tag = memory::format_tag;
+
+constexpr memory::data_type kF32 = memory::data_type::f32;
+constexpr memory::data_type kBf16 = memory::data_type::bf16;
+
+// At most this many scores (16 MiB) are materialized at once; a chunk holds as
+// many sequences as fit, and at least one.
+constexpr int64_t kScoresBudget = int64_t{1} << 22;
+
+// Primitives kept per layer; the least recently used goes. oneDNN's own
+// primitive cache makes rebuilding an evicted one cheap.
+constexpr size_t kMaxCachedSteps = 256;
+
+// Below this many elements a loop runs on one thread (forking costs more).
+constexpr int64_t kParallelGrain = int64_t{1} << 14;
+
+constexpr float kMasked = -std::numeric_limits<float>::infinity();
+
+// Cache key kinds.
+enum StepKind : int64_t { kLinear, kScores, kSoftmax, kToBf16, kContext };
+
+dnnl::primitive_attr UserScratchpad() {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
+memory::data_type OperandType(bool bf16) { return bf16 ? kBf16 : kF32; }
+
+bool AnyShorter(absl::Span<const int64_t> lengths, int64_t first, int64_t n, int64_t full) {
+  for (int64_t b = first; b < first + n; ++b) {
+    if (lengths[b] < full) return true;
+  }
+  return false;
+}
+
+// The explicit mask's value for (sequence b, query i, key j), broadcasting.
+float ExplicitValue(const ExplicitMask& mask, int64_t b, int64_t i, int64_t j) {
+  const int64_t mb = mask.batch_dim == 1 ? 0 : b;
+  const int64_t mi = mask.q_dim == 1 ? 0 : i;
+  const int64_t mj = mask.kv_dim == 1 ? 0 : j;
+  return mask.values[(mb * mask.q_dim + mi) * mask.kv_dim + mj];
+}
+
+// Whether the maps of a full selection are the chunk's probabilities as they
+// are: per head, every head and every row in order.
+bool MapsAreProbabilities(const MapSelection& maps, int64_t num_heads, int64_t q_len) {
+  if (maps.mode != AttentionMapMode::kPerHead) return false;
+  auto identity = [](const std::vector<int64_t>& selection, int64_t size) {
+    if (selection.empty()) return true;
+    if (static_cast<int64_t>(selection.size()) != size) return false;
+    for (int64_t i = 0; i < size; ++i) {
+      if (selection[i] != i) return false;
+    }
+    return true;
+  };
+  return identity(maps.heads, num_heads) && identity(maps.query_rows, q_len);
+}
+
+absl::Status Reserve(ScratchBuffer& buffer, std::initializer_list<int64_t> dims,
+                     int64_t element_bytes) {
+  const std::optional<int64_t> elements = CheckedProduct(dims);
+  const std::optional<int64_t> bytes =
+      elements ? CheckedMul(*elements, element_bytes) : std::nullopt;
+  if (!bytes) return absl::ResourceExhaustedError("attention scratch memory overflows int64");
+  return buffer.Reserve(*bytes);
+}
+
+}  // namespace
+
+void ConvertToBf16(const float* from, int64_t n, Bf16* to) {
+#pragma omp parallel for schedule(static) if (n > kParallelGrain)
+  for (int64_t i = 0; i < n; ++i) to[i] = FloatToBf16(from[i]);
+}
+
+AttentionKernels::AttentionKernels(const HeadConfig& config, dnnl::engine engine)
+    : config_(config), engine_(std::move(engine)), stream_(engine_) {}
+
+template <typename Primitive, typename MakeDesc>
+AttentionKernels::Step AttentionKernels::GetStep(const Key& key, MakeDesc make) {
+  auto it = steps_.find(key);
+  if (it == steps_.end()) {
+    if (steps_.size() >= kMaxCachedSteps) {
+      steps_.erase(std::min_element(steps_.begin(), steps_.end(), [](const auto& a, const auto& b) {
+        return a.second.last_use < b.second.last_use;
+      }));
+    }
+    const typename Primitive::primitive_desc pd = make();
+    it = steps_.emplace(key, CacheEntry{Step{Primitive(pd), pd.scratchpad_desc()}, 0}).first;
+  }
+  it->second.last_use = ++clock_;
+  return it->second.step;
+}
+
+absl::Status AttentionKernels::Run(const Step& step, Args args) {
+  if (const size_t bytes = step.scratchpad.get_size(); bytes != 0) {
+    ATTNSERVE_RETURN_IF_ERROR(scratchpad_.Reserve(static_cast<int64_t>(bytes)));
+    args.emplace(DNNL_ARG_SCRATCHPAD, memory(step.scratchpad, engine_, scratchpad_.data()));
+  }
+  step.primitive.execute(stream_, args);
+  return absl::OkStatus();
+}
+
+memory AttentionKernels::Memory(const memory::desc& desc, const void* data) const {
+  // oneDNN takes non-const handles; inputs are only read.
+  return memory(desc, engine_, const_cast<void*>(data));
+}
+
+absl::Status AttentionKernels::Linear(int64_t rows, int64_t in, int64_t out, int64_t w_stride,
+                                      bool bf16, const void* x, const void* w, const float* b,
+                                      float* y) {
+  const memory::desc x_desc({rows, in}, OperandType(bf16), Tag::ab);
+  const memory::desc w_desc({in, out}, OperandType(bf16), memory::dims{w_stride, 1});
+  const memory::desc b_desc({1, out}, kF32, Tag::ab);
+  const memory::desc y_desc({rows, out}, kF32, Tag::ab);
+  const Step step = GetStep<dnnl::matmul>({kLinear, rows, in, out, w_stride, bf16}, [&] {
+    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(x_desc, w_desc, b_desc, y_desc),
+                                        UserScratchpad(), engine_);
+  });
+  return Run(step, {{DNNL_ARG_SRC, Memory(x_desc, x)},
+                    {DNNL_ARG_WEIGHTS, Memory(w_desc, w)},
+                    {DNNL_ARG_BIAS, Memory(b_desc, b)},
+                    {DNNL_ARG_DST, Memory(y_desc, y)}});
+}
+
+int64_t AttentionKernels::ChunkSequences(const SdpaCall& call) const {
+  const int64_t per_sequence = config_.num_heads * call.q_len * call.kv_len;  // validated
+  return std::clamp<int64_t>(kScoresBudget / per_sequence, 1, call.batch);
+}
+
+absl::Status AttentionKernels::ReserveChunk(const SdpaCall& call, int64_t chunk) {
+  const int64_t operand_bytes = call.bf16 ? 2 : 4;
+  const int64_t s = call.q_len;
+  const int64_t t = call.kv_len;
+  const int64_t hd = config_.head_dim;
+  ATTNSERVE_RETURN_IF_ERROR(Reserve(q_stage_, {chunk, config_.num_heads, s, hd}, operand_bytes));
+  ATTNSERVE_RETURN_IF_ERROR(Reserve(k_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
+  ATTNSERVE_RETURN_IF_ERROR(Reserve(v_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
+  ATTNSERVE_RETURN_IF_ERROR(Reserve(scores_, {chunk, config_.num_heads, s, t}, 4));
+  if (call.bf16) {
+    ATTNSERVE_RETURN_IF_ERROR(Reserve(probs_bf16_, {chunk, config_.num_heads, s, t}, 2));
+  }
+  const bool may_mask = call.causal || call.mask.kind != ExplicitMask::Kind::kNone ||
+                        AnyShorter(call.kv_lengths, 0, call.batch, t);
+  if (may_mask) {
+    ATTNSERVE_RETURN_IF_ERROR(Reserve(mask_, {chunk, config_.group_size(), s, t}, 4));
+    dead_rows_.resize(static_cast<size_t>(chunk * s));
+  }
+  return absl::OkStatus();
+}
+
+bool AttentionKernels::BuildMask(const SdpaCall& call, int64_t first, int64_t n) {
+  const int64_t s = call.q_len;
+  const int64_t t = call.kv_len;
+  const int64_t g = config_.group_size();
+  const ExplicitMask& explicit_mask = call.mask;
+  float* const mask = mask_.floats();
+  uint8_t* const dead = dead_rows_.data();
+#pragma omp parallel for schedule(static) if (n * s * t * g > kParallelGrain)
+  for (int64_t row = 0; row < n * s; ++row) {
+    const int64_t c = row / s;
+    const int64_t i = row % s;
+    const int64_t b = first + c;
+    const int64_t kv_length = call.kv_lengths[b];
+    const int64_t visible = call.causal ? std::min(kv_length, i + 1) : kv_length;
+    float* const out = mask + (c * g * s + i) * t;
+    bool alive = false;
+    for (int64_t j = 0; j < t; ++j) {
+      float value = j < visible ? 0.0f : kMasked;
+      if (j < visible) {
+        switch (explicit_mask.kind) {
+          case ExplicitMask::Kind::kNone:
+            break;
+          case ExplicitMask::Kind::kAllowed:
+            if (ExplicitValue(explicit_mask, b, i, j) == 0.0f) value = kMasked;
+            break;
+          case ExplicitMask::Kind::kAdditive:
+            value = ExplicitValue(explicit_mask, b, i, j);
+            break;
+        }
+      }
+      out[j] = value;
+      alive = alive || value != kMasked;
+    }
+    // Rows past the query length are never read into a result.
+    dead[row] = !alive && i < call.q_lengths[b];
+    for (int64_t group = 1; group < g; ++group) {
+      std::memcpy(out + group * s * t, out, static_cast<size_t>(t) * sizeof(float));
+    }
+  }
+  return std::any_of(dead, dead + n * s, [](uint8_t d) { return d != 0; });
+}
+
+void AttentionKernels::FinishProbabilities(const SdpaCall& call, int64_t first, int64_t n,
+                                           bool dead_rows, float* probs) {
+  const int64_t heads = config_.num_heads;
+  const int64_t s = call.q_len;
+  const int64_t t = call.kv_len;
+  const uint8_t* const dead = dead_rows ? dead_rows_.data() : nullptr;
+#pragma omp parallel for schedule(static) if (n * heads * s * t > kParallelGrain)
+  for (int64_t item = 0; item < n * heads; ++item) {
+    const int64_t c = item / heads;
+    const int64_t h = item % heads;
+    const int64_t b = first + c;
+    const int64_t q_length = call.q_lengths[b];
+    const int64_t kv_length = call.kv_lengths[b];
+    const float weight = call.head_mask.empty() ? 1.0f : call.head_mask[h];
+    double entropy_sum = 0.0;
+    double max_sum = 0.0;
+    for (int64_t i = 0; i < s; ++i) {
+      float* const row = probs + (item * s + i) * t;
+      if (i >= q_length || (dead != nullptr && dead[c * s + i] != 0)) {
+        std::fill(row, row + t, 0.0f);  // a fully masked row counts 0 in the statistics
+        continue;
+      }
+      if (weight != 1.0f) {
+        for (int64_t j = 0; j < t; ++j) row[j] *= weight;
+      }
+      if (call.statistics) {
+        double entropy = 0.0;
+        float max_weight = 0.0f;
+        for (int64_t j = 0; j < kv_length; ++j) {  // masked keys are 0
+          const float p = row[j];
+          if (p > 0.0f) entropy -= static_cast<double>(p) * std::log(static_cast<double>(p));
+          max_weight = std::max(max_weight, p);
+        }
+        entropy_sum += entropy;
+        max_sum += max_weight;
+      }
+    }
+    if (call.statistics) {
+      call.head_entropy[b * heads + h] = static_cast<float>(entropy_sum / q_length);
+      call.head_max_weight[b * heads + h] = static_cast<float>(max_sum / q_length);
+    }
+  }
+}
+
+void AttentionKernels::GatherMaps(const SdpaCall& call, int64_t first, int64_t n,
+                                  const float* probs) {
+  const MapSelection& maps = *call.maps;
+  const int64_t heads = config_.num_heads;
+  const int64_t s = call.q_len;
+  const int64_t t = call.kv_len;
+  const int64_t rows = maps.query_rows.empty() ? s : static_cast<int64_t>(maps.query_rows.size());
+  auto query_row = [&maps](int64_t r) { return maps.query_rows.empty() ? r : maps.query_rows[r]; };
+  float* const out = call.attention_maps.data();
+  if (maps.mode == AttentionMapMode::kPerHead) {
+    const int64_t selected = maps.heads.empty() ? heads : static_cast<int64_t>(maps.heads.size());
+#pragma omp parallel for schedule(static) if (n * selected * rows * t > kParallelGrain)
+    for (int64_t item = 0; item < n * selected * rows; ++item) {
+      const int64_t c = item / (selected * rows);
+      const int64_t sh = item / rows % selected;
+      const int64_t r = item % rows;
+      const int64_t h = maps.heads.empty() ? sh : maps.heads[sh];
+      const float* const from = probs + ((c * heads + h) * s + query_row(r)) * t;
+      std::memcpy(out + ((first + c) * selected * rows + sh * rows + r) * t, from,
+                  static_cast<size_t>(t) * sizeof(float));
+    }
+  } else if (maps.mode == AttentionMapMode::kMeanOverHeads) {
+    const float inverse_heads = static_cast<float>(1.0 / static_cast<double>(heads));
+#pragma omp parallel for schedule(static) if (n * rows * heads * t > kParallelGrain)
+    for (int64_t item = 0; item < n * rows; ++item) {
+      const int64_t c = item / rows;
+      const int64_t r = item % rows;
+      float* const to = out + ((first + c) * rows + r) * t;
+      std::fill(to, to + t, 0.0f);
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* const from = probs + ((c * heads + h) * s + query_row(r)) * t;
+        for (int64_t j = 0; j < t; ++j) to[j] += from[j];
+      }
+      for (int64_t j = 0; j < t; ++j) to[j] *= inverse_heads;
+    }
+  }
+}
+
+absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t n, const void* q,
+                                    const void* k, const void* v, float* context) {
+  const int64_t heads = config_.num_heads;
+  const int64_t kv_heads = config_.num_kv_heads;
+  const int64_t g = config_.group_size();
+  const int64_t s = call.q_len;
+  const int64_t t = call.kv_len;
+  const int64_t hd = config_.head_dim;
+  const memory::data_type operand = OperandType(call.bf16);
+
+  const bool masked = call.causal || call.mask.kind != ExplicitMask::Kind::kNone ||
+                      AnyShorter(call.kv_lengths, first, n, t);
+  const bool dead_rows = masked && BuildMask(call, first, n);
+
+  // With all per-head maps asked for, the probabilities go straight to the
+  // caller's buffer.
+  const bool direct_maps = MapsAreProbabilities(*call.maps, heads, s);
+  float* const probs =
+      direct_maps ? call.attention_maps.data() + first * heads * s * t : scores_.floats();
+
+  // scores = Q K^T * scale (+ mask)
+  const memory::desc q_desc({n, kv_heads, g * s, hd}, operand, Tag::abcd);
+  const memory::desc k_t_desc({n, kv_heads, hd, t}, operand, Tag::abdc);
+  const memory::desc scores_desc({n, kv_heads, g * s, t}, kF32, Tag::abcd);
+  const memory::desc mask_desc({n, 1, g * s, t}, kF32, Tag::abcd);
+  const Step scores = GetStep<dnnl::matmul>({kScores, n, s, t, call.bf16, masked}, [&] {
+    dnnl::primitive_attr attr = UserScratchpad();
+    attr.set_output_scales(0, {config_.scale});
+    if (masked) {
+      dnnl::post_ops post_ops;
+      post_ops.append_binary(dnnl::algorithm::binary_add, mask_desc);
+      attr.set_post_ops(post_ops);
+    }
+    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(q_desc, k_t_desc, scores_desc), attr,
+                                        engine_);
+  });
+  Args scores_args = {{DNNL_ARG_SRC, Memory(q_desc, q)},
+                      {DNNL_ARG_WEIGHTS, Memory(k_t_desc, k)},
+                      {DNNL_ARG_DST, Memory(scores_desc, probs)}};
+  if (masked) {
+    scores_args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
+                        Memory(mask_desc, mask_.data()));
+  }
+  ATTNSERVE_RETURN_IF_ERROR(Run(scores, std::move(scores_args)));
+
+  // P = softmax(scores), rows of [n * Hq * S, T], in place.
+  const memory::desc rows_desc({n * heads * s, t}, kF32, Tag::ab);
+  const Step softmax = GetStep<dnnl::softmax_v2_forward>({kSoftmax, n * heads * s, t}, [&] {
+    return dnnl::softmax_v2_forward::primitive_desc(
+        dnnl::softmax_v2_forward::desc(dnnl::prop_kind::forward_inference,
+                                       dnnl::algorithm::softmax_accurate, rows_desc, rows_desc,
+                                       /*softmax_axis=*/1),
+        UserScratchpad(), engine_);
+  });
+  const memory probs_rows = Memory(rows_desc, probs);
+  ATTNSERVE_RETURN_IF_ERROR(Run(softmax, {{DNNL_ARG_SRC, probs_rows}, {DNNL_ARG_DST, probs_rows}}));
+
+  const bool reweighted =
+      std::any_of(call.head_mask.begin(), call.head_mask.end(), [](float w) { return w != 1.0f; });
+  if (dead_rows || reweighted || call.statistics || AnyShorter(call.q_lengths, first, n, s)) {
+    FinishProbabilities(call, first, n, dead_rows, probs);
+  }
+  if (!direct_maps) GatherMaps(call, first, n, probs);
+
+  // context = P V
+  const void* p = probs;
+  if (call.bf16) {
+    const memory::desc bf16_rows_desc({n * heads * s, t}, kBf16, Tag::ab);
+    const Step to_bf16 = GetStep<dnnl::reorder>({kToBf16, n * heads * s, t}, [&] {
+      return dnnl::reorder::primitive_desc(engine_, rows_desc, engine_, bf16_rows_desc,
+                                           UserScratchpad());
+    });
+    ATTNSERVE_RETURN_IF_ERROR(Run(
+        to_bf16,
+        {{DNNL_ARG_FROM, probs_rows}, {DNNL_ARG_TO, Memory(bf16_rows_desc, probs_bf16_.data())}}));
+    p = probs_bf16_.data();
+  }
+  const memory::desc p_desc({n, kv_heads, g * s, t}, operand, Tag::abcd);
+  const memory::desc v_desc({n, kv_heads, t, hd}, operand, Tag::abcd);
+  const memory::desc context_desc({n, kv_heads, g * s, hd}, kF32, Tag::abcd);
+  const Step context_mm = GetStep<dnnl::matmul>({kContext, n, s, t, call.bf16}, [&] {
+    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(p_desc, v_desc, context_desc),
+                                        UserScratchpad(), engine_);
+  });
+  return Run(context_mm, {{DNNL_ARG_SRC, Memory(p_desc, p)},
+                          {DNNL_ARG_WEIGHTS, Memory(v_desc, v)},
+                          {DNNL_ARG_DST, Memory(context_desc, context)}});
+}
+
+}  // namespace attnserve::core::internal

@@ -1,0 +1,153 @@
+#ifndef ATTNSERVE_CORE_ATTENTION_KERNELS_H_
+#define ATTNSERVE_CORE_ATTENTION_KERNELS_H_
+
+// Private to core/: the oneDNN kernels shared by AttentionLayer and
+// AttentionCore. The scaled dot-product attention lives here, once.
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "core/attention_inputs.h"
+#include "core/head_config.h"
+#include "core/onednn_util.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace attnserve::core::internal {
+
+// A bfloat16 value: the upper 16 bits of an IEEE float32.
+using Bf16 = uint16_t;
+
+// Round to nearest even; NaN stays NaN.
+inline Bf16 FloatToBf16(float value) {
+  uint32_t bits = 0;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<Bf16>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<Bf16>(bits >> 16);
+}
+
+// to[i] = FloatToBf16(from[i]) for i < n, on the OpenMP threads.
+void ConvertToBf16(const float* from, int64_t n, Bf16* to);
+
+// One attention call over a batch, validated, in per-sequence coordinates:
+// queries of sequence b are rows [0, q_lengths[b]) of a [q_len, ...] block,
+// its keys rows [0, kv_lengths[b]) of a [kv_len, ...] block.
+struct SdpaCall {
+  int64_t batch = 0;
+  int64_t q_len = 0;                // S, the queries' max_length
+  int64_t kv_len = 0;               // T, the keys' max_length
+  std::vector<int64_t> q_lengths;   // [batch]
+  std::vector<int64_t> kv_lengths;  // [batch]
+  bool causal = false;
+  ExplicitMask mask;
+  absl::Span<const float> head_mask;  // empty or [num_heads]
+  const MapSelection* maps = nullptr;
+  bool statistics = false;
+  bool bf16 = false;  // operands of the matmuls in BF16 (softmax stays FP32)
+  // The caller's buffers (sizes validated): maps as MapSelection says,
+  // statistics [batch, num_heads].
+  absl::Span<float> attention_maps;
+  absl::Span<float> head_entropy;
+  absl::Span<float> head_max_weight;
+};
+
+// The oneDNN primitives of one layer (or core), cached by shape, with the
+// stream and the scratch memory they run in. Not thread-safe: the owner
+// serializes calls.
+class AttentionKernels {
+ public:
+  // `config` must be resolved.
+  AttentionKernels(const HeadConfig& config, dnnl::engine engine);
+  AttentionKernels(const AttentionKernels&) = delete;
+  AttentionKernels& operator=(const AttentionKernels&) = delete;
+
+  const dnnl::engine& engine() const { return engine_; }
+  void Wait() { stream_.wait(); }
+
+  // y [rows, out] = x [rows, in] w [in, out] + b [out], row-major, w with a
+  // row stride of w_stride >= out elements (a column block of a wider
+  // matrix); x and w are FP32 or (bf16) BF16, b and y FP32.
+  absl::Status Linear(int64_t rows, int64_t in, int64_t out, int64_t w_stride, bool bf16,
+                      const void* x, const void* w, const float* b, float* y);
+
+  // How many sequences one SDPA chunk takes: as many as keep the
+  // materialized scores within a budget, at least one.
+  int64_t ChunkSequences(const SdpaCall& call) const;
+
+  // Makes the scratch memory ready for chunks of up to `chunk` sequences:
+  // the staging buffers below and the scores. RESOURCE_EXHAUSTED when the
+  // memory is not available.
+  absl::Status ReserveChunk(const SdpaCall& call, int64_t chunk);
+
+  // Staging for a chunk's operands, dense row-major, FP32 or (call.bf16) BF16:
+  // q [chunk, num_heads, q_len, head_dim], k and v [chunk, num_kv_heads,
+  // kv_len, head_dim]. Valid after ReserveChunk.
+  void* q_stage() const { return q_stage_.data(); }
+  void* k_stage() const { return k_stage_.data(); }
+  void* v_stage() const { return v_stage_.data(); }
+
+  // Attention for sequences [first, first + n) of `call`, per head h with
+  // g = h / G (G = num_heads / num_kv_heads):
+  //   P_h = softmax(Q_h K_g^T * scale + mask)   (rows with every key masked: 0)
+  //   P_h *= head_mask[h]
+  //   context_h = P_h V_g
+  // q: [n, num_heads, S, head_dim], k, v: [n, num_kv_heads, T, head_dim],
+  // dense, FP32 or BF16 as call.bf16, padding positions finite (zero).
+  // context: [n, num_heads, S, head_dim] FP32; rows past a query length are 0.
+  // Fills the chunk's part of call's maps and statistics.
+  absl::Status Sdpa(const SdpaCall& call, int64_t first, int64_t n, const void* q, const void* k,
+                    const void* v, float* context);
+
+ private:
+  using Args = std::unordered_map<int, dnnl::memory>;
+  using Key = std::vector<int64_t>;
+  // One primitive and the scratchpad it needs.
+  struct Step {
+    dnnl::primitive primitive;
+    dnnl::memory::desc scratchpad;
+  };
+  struct CacheEntry {
+    Step step;
+    uint64_t last_use = 0;
+  };
+
+  // The cached step for `key`, made by make() (a primitive_desc) on a miss.
+  template <typename Primitive, typename MakeDesc>
+  Step GetStep(const Key& key, MakeDesc make);
+  absl::Status Run(const Step& step, Args args);
+  dnnl::memory Memory(const dnnl::memory::desc& desc, const void* data) const;
+
+  // Writes the additive mask of the chunk, [n, 1, G * S, T] (0 or -inf plus
+  // the explicit mask; one [S, T] block per sequence, repeated G times), and
+  // returns whether a valid query row has every key masked.
+  bool BuildMask(const SdpaCall& call, int64_t first, int64_t n);
+  // Zeroes rows past the query lengths and fully masked rows, applies the
+  // head mask, accumulates the statistics. probs: [n, num_heads, S, T].
+  void FinishProbabilities(const SdpaCall& call, int64_t first, int64_t n, bool dead_rows,
+                           float* probs);
+  // Copies the selected maps of the chunk out of probs.
+  void GatherMaps(const SdpaCall& call, int64_t first, int64_t n, const float* probs);
+
+  // Constant after construction.
+  const HeadConfig config_;
+  const dnnl::engine engine_;
+
+  dnnl::stream stream_;
+  std::map<Key, CacheEntry> steps_;
+  uint64_t clock_ = 0;
+  ScratchBuffer q_stage_, k_stage_, v_stage_;
+  ScratchBuffer scores_;            // [chunk, num_heads, S, T] FP32
+  ScratchBuffer probs_bf16_;        // the same in BF16, for the BF16 context matmul
+  ScratchBuffer mask_;              // [chunk, G * S, T]
+  std::vector<uint8_t> dead_rows_;  // [chunk, S]: every key of the row is masked
+  ScratchBuffer scratchpad_;        // oneDNN's
+};
+
+}  // namespace attnserve::core::internal
+
+#endif  // ATTNSERVE_CORE_ATTENTION_KERNELS_H_

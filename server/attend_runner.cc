@@ -1,0 +1,151 @@
+#include "server/attend_runner.h"
+
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "core/attention_layer.h"
+#include "core/attention_weights.h"
+#include "core/status_macros.h"
+#include "server/tensor_codec.h"
+
+namespace attnserve::server {
+namespace {
+
+std::vector<int64_t> Lengths(const core::SequenceLayout& layout) {
+  std::vector<int64_t> lengths(layout.batch());
+  for (int64_t b = 0; b < layout.batch(); ++b) lengths[b] = layout.length(b);
+  return lengths;
+}
+
+// The ad-hoc layer's weights from the request's inline tensors.
+core::AttentionWeights InlineWeights(const v1::LayerWeights& wire, const AdHocLayer& adhoc) {
+  const v1::Tensor* tensors[] = {&wire.w_q(), &wire.b_q(), &wire.w_k(), &wire.b_k(),
+                                 &wire.w_v(), &wire.b_v(), &wire.w_o(), &wire.b_o()};
+  core::AttentionWeights weights;
+  std::vector<float>* fields[] = {&weights.w_q, &weights.b_q, &weights.w_k, &weights.b_k,
+                                  &weights.w_v, &weights.b_v, &weights.w_o, &weights.b_o};
+  for (size_t i = 0; i < 8; ++i) {
+    FloatValues values(*tensors[i], adhoc.inline_weights[i]);
+    fields[i]->assign(values.values().begin(), values.values().end());
+  }
+  return weights;
+}
+
+absl::StatusOr<std::shared_ptr<core::AttentionLayer>> LayerFor(const v1::AttendRequest& request,
+                                                               const AttendPlan& plan,
+                                                               LayerCache& cache) {
+  if (plan.model != nullptr) {
+    // Shares the model's lifetime: the plan holds the model.
+    return std::shared_ptr<core::AttentionLayer>(plan.model, plan.model->layer.get());
+  }
+  if (plan.adhoc->seed.has_value()) return cache.SeededLayer(plan.config, *plan.adhoc->seed);
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      std::unique_ptr<core::AttentionLayer> layer,
+      core::AttentionLayer::Create(plan.config, InlineWeights(request.layer().inline_weights(), *plan.adhoc)));
+  return std::shared_ptr<core::AttentionLayer>(std::move(layer));
+}
+
+v1::Precision ToWirePrecision(core::Precision precision) {
+  return precision == core::Precision::kBf16 ? v1::PRECISION_BF16 : v1::PRECISION_FP32;
+}
+
+}  // namespace
+
+absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request,
+                                                const AttendPlan& plan, LayerCache& cache,
+                                                std::function<bool()> should_stop,
+                                                v1::AttendResponse* response) {
+  core::ForwardOptions options;
+  options.maps = plan.maps;
+  options.head_statistics = plan.head_statistics;
+  options.precision = plan.precision;
+  options.should_stop = std::move(should_stop);
+
+  // Outputs go straight into the response's buffers.
+  OutputTensor output(plan.output_shape, plan.output_dtype, plan.float_data_response,
+                      response->mutable_output());
+  std::optional<OutputTensor> maps;
+  if (!plan.map_shape.empty()) {
+    maps.emplace(plan.map_shape, plan.output_dtype, plan.float_data_response,
+                 response->mutable_attention_maps());
+  }
+  std::optional<OutputTensor> entropy, max_weight, contribution;
+  if (plan.head_statistics) {
+    const int64_t shape[] = {plan.queries.batch(), plan.config.num_heads};
+    v1::HeadStatistics* stats = response->mutable_head_statistics();
+    entropy.emplace(shape, v1::DATA_TYPE_FP32, false, stats->mutable_entropy());
+    max_weight.emplace(shape, v1::DATA_TYPE_FP32, false, stats->mutable_max_weight());
+    if (!plan.projected) {
+      contribution.emplace(shape, v1::DATA_TYPE_FP32, false, stats->mutable_contribution());
+    }
+  }
+  core::ForwardOutputs outputs;
+  outputs.output = output.values();
+  if (maps) outputs.attention_maps = maps->values();
+  if (entropy) outputs.head_entropy = entropy->values();
+  if (max_weight) outputs.head_max_weight = max_weight->values();
+  if (contribution) outputs.head_contribution = contribution->values();
+
+  // Inputs: views of the request's bytes where possible.
+  std::optional<FloatValues> mask_values;
+  core::ExplicitMask mask;
+  if (plan.mask.kind != core::ExplicitMask::Kind::kNone) {
+    mask_values.emplace(request.mask().values(), plan.mask.values);
+    mask.kind = plan.mask.kind;
+    mask.values = mask_values->values();
+    mask.batch_dim = plan.mask.values.shape[0];
+    mask.q_dim = plan.mask.values.shape[1];
+    mask.kv_dim = plan.mask.values.shape[2];
+  }
+
+  absl::StatusOr<core::ForwardInfo> info;
+  if (plan.projected) {
+    FloatValues q(request.projected().q(), plan.q), k(request.projected().k(), plan.k),
+        v(request.projected().v(), plan.v);
+    const std::vector<int64_t> q_lengths = Lengths(plan.queries), kv_lengths = Lengths(plan.keys);
+    core::CoreInputs inputs;
+    inputs.q = q.values();
+    inputs.k = k.values();
+    inputs.v = v.values();
+    inputs.batch = plan.queries.batch();
+    inputs.q_len = plan.queries.max_length();
+    inputs.kv_len = plan.keys.max_length();
+    inputs.q_lengths = q_lengths;
+    inputs.kv_lengths = kv_lengths;
+    inputs.causal = plan.causal;
+    inputs.mask = mask;
+    inputs.head_mask = plan.head_mask;
+    ATTNSERVE_ASSIGN_OR_RETURN(std::shared_ptr<core::AttentionCore> attention, cache.Core(plan.config));
+    info = attention->Run(inputs, options, outputs);
+  } else {
+    FloatValues hidden(request.hidden_states(), plan.hidden_states);
+    std::optional<FloatValues> context;
+    core::LayerInputs inputs;
+    inputs.hidden_states = hidden.values();
+    inputs.layout = plan.queries;
+    if (plan.context) {
+      context.emplace(request.context(), *plan.context);
+      inputs.context = context->values();
+      inputs.context_layout = plan.keys;
+    }
+    inputs.causal = plan.causal;
+    inputs.mask = mask;
+    inputs.head_mask = plan.head_mask;
+    inputs.position_offsets = plan.position_offsets;
+    ATTNSERVE_ASSIGN_OR_RETURN(std::shared_ptr<core::AttentionLayer> layer,
+                               LayerFor(request, plan, cache));
+    info = layer->Forward(inputs, options, outputs);
+  }
+  if (!info.ok()) return info.status();
+
+  output.Commit();
+  if (maps) maps->Commit();
+  response->set_kernel_path(info->kernel_path);
+  response->set_precision(ToWirePrecision(info->precision));
+  response->set_model(plan.model != nullptr ? plan.model->name : "");
+  return info;
+}
+
+}  // namespace attnserve::server

@@ -1,0 +1,111 @@
+"""Shared by the Python end-to-end tests: stubs generated at test time, the
+real attnserve binary on a free loopback port, tensor helpers."""
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+GRPC_PROTO_DIR = "/usr/share/grpc-proto"
+
+
+def generate_stubs(out_dir, proto_dir):
+    """Compiles attnserve's proto and the standard health and reflection protos
+    into out_dir with protoc and grpc_python_plugin, and puts out_dir on sys.path."""
+    def protoc(include, proto):
+        subprocess.run(
+            ["/usr/bin/protoc", f"-I{include}", f"--python_out={out_dir}", f"--grpc_out={out_dir}",
+             "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin", os.path.join(include, proto)],
+            check=True)
+
+    protoc(proto_dir, "attnserve/v1/attention.proto")
+    open(os.path.join(out_dir, "attnserve", "__init__.py"), "a").close()
+    open(os.path.join(out_dir, "attnserve", "v1", "__init__.py"), "a").close()
+    # The standard protos are compiled as top-level modules (health_pb2,
+    # reflection_pb2): a "grpc/" package here would hide grpcio's own.
+    for proto in ["grpc/health/v1/health.proto", "grpc/reflection/v1alpha/reflection.proto"]:
+        flat = os.path.join(out_dir, "flat")
+        os.makedirs(flat, exist_ok=True)
+        with open(os.path.join(GRPC_PROTO_DIR, proto)) as src, \
+                open(os.path.join(flat, os.path.basename(proto)), "w") as dst:
+            dst.write(src.read())
+        protoc(flat, os.path.basename(proto))
+    sys.path.insert(0, out_dir)
+
+
+def rel_error(actual, expected):
+    """Relative Frobenius error ||actual - expected|| / ||expected||."""
+    return float(np.linalg.norm(np.asarray(actual, np.float64) - expected) / np.linalg.norm(expected))
+
+
+class Server:
+    """The attnserve binary on a free loopback port (port 0, read from its log)."""
+
+    def __init__(self, binary, *flags):
+        self.seed = int(np.random.default_rng().integers(0, 2**63))
+        self.proc = subprocess.Popen(
+            # Metrics on a free loopback port too: the default 0.0.0.0:9464
+            # would clash between tests running side by side.
+            [binary, "--listen_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+             f"--builtin_model_seed={self.seed}", *flags],
+            stderr=subprocess.PIPE, text=True)
+        self.log = []
+        port_seen = threading.Event()
+
+        def pump():
+            for line in self.proc.stderr:
+                self.log.append(line)
+                sys.stderr.write("  [attnserve] " + line)
+                m = re.search(r"listening on port (\d+)", line)
+                if m:
+                    self.port = int(m.group(1))
+                    port_seen.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not port_seen.wait(60):
+            self.proc.kill()
+            raise RuntimeError("attnserve did not report its port")
+        self.target = f"127.0.0.1:{self.port}"
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def wait_serving(health_stub, health_pb, timeout=60):
+    """Polls grpc.health.v1 Check("") until SERVING."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            r = health_stub.Check(health_pb.HealthCheckRequest(service=""), timeout=2)
+            if r.status == health_pb.HealthCheckResponse.SERVING:
+                return
+        except Exception:  # not listening yet
+            pass
+        time.sleep(0.05)
+    raise AssertionError("attnserve never became SERVING")
+
+
+def to_tensor(pb, array, dtype=None):
+    """A numpy array as an attnserve Tensor (raw little-endian bytes)."""
+    array = np.asarray(array)
+    if array.dtype == np.bool_:
+        return pb.Tensor(dtype=pb.DATA_TYPE_BOOL, shape=list(array.shape),
+                         raw_data=array.astype(np.uint8).tobytes())
+    return pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=list(array.shape),
+                     raw_data=np.ascontiguousarray(array, dtype="<f4").tobytes())
+
+
+def from_tensor(pb, tensor):
+    """An attnserve Tensor (FP32 or BF16, raw or float_data) as a float32 array."""
+    shape = tuple(tensor.shape)
+    if tensor.float_data:
+        return np.asarray(tensor.float_data, np.float32).reshape(shape)
+    if tensor.dtype == pb.DATA_TYPE_BF16:
+        halves = np.frombuffer(tensor.raw_data, dtype="<u2").astype(np.uint32) << 16
+        return halves.view(np.float32).reshape(shape)
+    return np.frombuffer(tensor.raw_data, dtype="<f4").reshape(shape)
