@@ -3,7 +3,7 @@
 # deploy/check_runtime_deps.sh), since no Docker engine runs there.
 #
 #   docker build -t attnserve .
-#   docker run -p 50051:50051 attnserve
+#   docker run -p 50051:50051 -p 9464:9464 attnserve
 
 FROM debian:12 AS build
 WORKDIR /src
@@ -20,7 +20,8 @@ RUN /tmp/install_deps.sh --runtime && rm -rf /var/lib/apt/lists/* /tmp/install_d
  && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin attnserve
 COPY --from=build /opt/attnserve /opt/attnserve
 USER 10001:10001
-EXPOSE 50051
+# gRPC, and Prometheus metrics (--metrics_address)
+EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=30s \
   CMD ["/opt/attnserve/bin/attnctl", "health", "--target=127.0.0.1:50051", "--timeout_seconds=2"]
 STOPSIGNAL SIGTERM

@@ -31,13 +31,17 @@
 // The layer, with R query rows and Rc key/value rows (Rc = R in
 // self-attention) in their layouts' token-major order:
 //
-//  1. projections over all rows (padding rows too: they are never read), with
-//     W_qkv = [W_q | W_k | W_v] fused once ([d_model, N], N = (Hq + 2 Hkv) hd):
+//  1. projections over all rows (padding rows too: they are never read).
+//     When context_dim == d_model, W_qkv = [W_q | W_k | W_v] is fused once
+//     ([d_model, N], N = (Hq + 2 Hkv) hd):
 //       self-attention:  QKV [R, N] = X W_qkv + b_qkv              one matmul
 //       cross-attention: Q [R, Hq hd] = X W_qkv[:, Q] + b_q and
 //                        KV [Rc, 2 Hkv hd] = C W_qkv[:, K|V] + b_kv  two matmuls,
 //       reading column blocks of W_qkv through strides (no second copy of the
 //       weights; oneDNN runs them on gemm:jit, as fast as brg here).
+//     Otherwise (cross-attention only: the context is context_dim wide) W_q
+//     [d_model, Hq hd] and W_kv = [W_k | W_v] [context_dim, 2 Hkv hd] are kept
+//     apart, dense, and the same two matmuls read them (on brg).
 //  2. per chunk of sequences (the attention's scores are materialized, so their
 //     size bounds the chunk):
 //       stage Q, K, V head-major and padded, [n, H, max_length, hd]: rows past
@@ -379,21 +383,6 @@ std::optional<int64_t> AttentionMapElements(const HeadConfig& config, const Sequ
   return std::nullopt;
 }
 
-// Transitional: removed when the server moves to LayerInputs.
-std::optional<int64_t> AttentionMapElements(const HeadConfig& config, AttentionShape shape,
-                                            AttentionMapMode mode) {
-  switch (mode) {
-    case AttentionMapMode::kNone:
-      if (shape.batch < 0 || shape.seq_len < 0) return std::nullopt;
-      return 0;
-    case AttentionMapMode::kPerHead:
-      return CheckedProduct({shape.batch, config.num_heads, shape.seq_len, shape.seq_len});
-    case AttentionMapMode::kMeanOverHeads:
-      return CheckedProduct({shape.batch, shape.seq_len, shape.seq_len});
-  }
-  return std::nullopt;
-}
-
 // ---------------------------------------------------------------------------
 // AttentionLayer
 
@@ -403,8 +392,14 @@ class AttentionLayer::Impl {
  public:
   Impl(const HeadConfig& config, dnnl::engine engine, AttentionWeights weights)
       : config_(config),
-        w_qkv_(FuseColumns({&weights.w_q, &weights.w_k, &weights.w_v}, config.d_model,
-                           {config.q_width(), config.kv_width(), config.kv_width()})),
+        fused_(config.context_dim == config.d_model),
+        w_qkv_(fused_ ? FuseColumns({&weights.w_q, &weights.w_k, &weights.w_v}, config.d_model,
+                                    {config.q_width(), config.kv_width(), config.kv_width()})
+                      : std::vector<float>()),
+        w_q_(fused_ ? std::vector<float>() : std::move(weights.w_q)),
+        w_kv_(fused_ ? std::vector<float>()
+                     : FuseColumns({&weights.w_k, &weights.w_v}, config.context_dim,
+                                   {config.kv_width(), config.kv_width()})),
         b_qkv_(FuseColumns({&weights.b_q, &weights.b_k, &weights.b_v}, 1,
                            {config.q_width(), config.kv_width(), config.kv_width()})),
         w_o_(std::move(weights.w_o)),
@@ -455,9 +450,26 @@ class AttentionLayer::Impl {
     return options.should_stop();
   }
 
+  // Where the input projections' weights are, FP32 or BF16: W_q is columns
+  // [0, Hq hd) of `q` (row stride q_stride), [W_k | W_v] columns [0, 2 Hkv hd)
+  // of `kv` (row stride kv_stride). Fused: both inside W_qkv.
+  struct InputWeights {
+    const void* q = nullptr;
+    int64_t q_stride = 0;
+    const void* kv = nullptr;
+    int64_t kv_stride = 0;
+  };
+  InputWeights GetInputWeights(bool bf16) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   // Constant after construction.
-  const HeadConfig config_;                        // resolved
+  const HeadConfig config_;  // resolved
+  // context_dim == d_model: W_q, W_k and W_v fused into w_qkv_ (w_q_ and w_kv_
+  // empty). Otherwise w_q_ and w_kv_ (w_qkv_ empty): their inputs differ in
+  // width.
+  const bool fused_;
   const std::vector<float> w_qkv_;                 // [d_model, N] = [w_q | w_k | w_v]
+  const std::vector<float> w_q_;                   // [d_model, Hq * hd]
+  const std::vector<float> w_kv_;                  // [context_dim, 2 * Hkv * hd] = [w_k | w_v]
   const std::vector<float> b_qkv_;                 // [N] = [b_q | b_k | b_v]
   const std::vector<float> w_o_;                   // [Hq * hd, d_model]
   const std::vector<float> b_o_;                   // [d_model]
@@ -465,15 +477,17 @@ class AttentionLayer::Impl {
 
   absl::Mutex mu_;
   AttentionKernels kernels_ ABSL_GUARDED_BY(mu_);
-  // Made on first use.
+  // Made on first use (those of the FP32 weights that are not empty).
   std::vector<Bf16> w_qkv_bf16_ ABSL_GUARDED_BY(mu_);
+  std::vector<Bf16> w_q_bf16_ ABSL_GUARDED_BY(mu_);
+  std::vector<Bf16> w_kv_bf16_ ABSL_GUARDED_BY(mu_);
   std::vector<Bf16> w_o_bf16_ ABSL_GUARDED_BY(mu_);
   // W^O_h (W^O_h)^T, [Hq, hd, hd], when hd <= d_model (else the contribution
   // multiplies by W^O_h directly, which is then cheaper).
   std::vector<double> w_o_gram_ ABSL_GUARDED_BY(mu_);
   // Scratch, reused across calls.
   internal::ScratchBuffer x_bf16_ ABSL_GUARDED_BY(mu_);  // [R, d_model]
-  internal::ScratchBuffer c_bf16_ ABSL_GUARDED_BY(mu_);  // [Rc, d_model]
+  internal::ScratchBuffer c_bf16_ ABSL_GUARDED_BY(mu_);  // [Rc, context_dim]
   // Self-attention: QKV [R, N]. Cross-attention: Q [R, Hq * hd], then
   // KV [Rc, 2 * Hkv * hd].
   internal::ScratchBuffer projected_ ABSL_GUARDED_BY(mu_);
@@ -518,10 +532,11 @@ absl::Status AttentionLayer::Impl::Validate(const LayerInputs& inputs,
     return Invalid("layout", "no sequences (make it with SequenceLayout::Padded or Packed)");
   }
   const int64_t d = config_.d_model;
+  const int64_t context_dim = config_.context_dim;
   ATTNSERVE_RETURN_IF_ERROR(CheckSize("hidden_states", inputs.hidden_states.size(),
                                       {{"layout.rows", layout.rows()}, {"d_model", d}}));
   // The projections and the context must fit too.
-  const int64_t width = std::max(d, config_.q_width() + 2 * config_.kv_width());
+  const int64_t width = std::max({d, context_dim, config_.q_width() + 2 * config_.kv_width()});
   const std::optional<int64_t> projected = CheckedProduct({layout.rows(), width});
   if (!projected || *projected > kMaxElements) {
     return Invalid("layout", "too many rows for this layer's projections");
@@ -535,14 +550,19 @@ absl::Status AttentionLayer::Impl::Validate(const LayerInputs& inputs,
           "context_layout",
           absl::StrCat("batch ", keys->batch(), " does not match layout's batch ", layout.batch()));
     }
-    ATTNSERVE_RETURN_IF_ERROR(CheckSize("context", inputs.context.size(),
-                                        {{"context_layout.rows", keys->rows()}, {"d_model", d}}));
+    ATTNSERVE_RETURN_IF_ERROR(
+        CheckSize("context", inputs.context.size(),
+                  {{"context_layout.rows", keys->rows()}, {"context_dim", context_dim}}));
     const std::optional<int64_t> kv_size = CheckedProduct({keys->rows(), width});
     if (!kv_size || *kv_size > kMaxElements) {
       return Invalid("context_layout", "too many rows for this layer's projections");
     }
   } else if (!inputs.context.empty()) {
     return Invalid("context_layout", "required with context (cross-attention)");
+  } else if (context_dim != d) {
+    return Invalid("context", absl::StrCat("a layer with context_dim ", context_dim,
+                                           " needs context states (self-attention needs "
+                                           "context_dim == d_model)"));
   }
 
   if (config_.rotary.rotary_dim > 0 && !inputs.position_offsets.empty()) {
@@ -587,6 +607,7 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
   const SequenceLayout& layout = inputs.layout;
   const SequenceLayout& keys = cross ? *inputs.context_layout : layout;
   const int64_t d = config_.d_model;
+  const int64_t context_dim = config_.context_dim;  // == d in self-attention (validated)
   const int64_t q_width = config_.q_width();
   const int64_t kv_width = 2 * config_.kv_width();
   const int64_t n_width = q_width + kv_width;  // N
@@ -602,7 +623,6 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
   // Stage 1: projections.
   const void* x = inputs.hidden_states.data();
   const void* c = cross ? inputs.context.data() : x;
-  const void* w_qkv = w_qkv_.data();
   const void* w_o = w_o_.data();
   if (bf16) {
     MakeBf16Weights();
@@ -611,29 +631,29 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
                             static_cast<Bf16*>(x_bf16_.data()));
     x = c = x_bf16_.data();
     if (cross) {
-      ATTNSERVE_RETURN_IF_ERROR(c_bf16_.Reserve(kv_rows * d * 2));
-      internal::ConvertToBf16(inputs.context.data(), kv_rows * d,
+      ATTNSERVE_RETURN_IF_ERROR(c_bf16_.Reserve(kv_rows * context_dim * 2));
+      internal::ConvertToBf16(inputs.context.data(), kv_rows * context_dim,
                               static_cast<Bf16*>(c_bf16_.data()));
       c = c_bf16_.data();
     }
-    w_qkv = w_qkv_bf16_.data();
     w_o = w_o_bf16_.data();
   }
+  const InputWeights w_in = GetInputWeights(bf16);
   float* const projected = projected_.floats();
   Projected qkv[3];  // Q, K, V
   if (cross) {
     float* const kv = projected + rows * q_width;
-    const char* const w_kv = static_cast<const char*>(w_qkv) + q_width * element;
-    ATTNSERVE_RETURN_IF_ERROR(
-        kernels_.Linear(rows, d, q_width, n_width, bf16, x, w_qkv, b_qkv_.data(), projected));
-    ATTNSERVE_RETURN_IF_ERROR(
-        kernels_.Linear(kv_rows, d, kv_width, n_width, bf16, c, w_kv, b_qkv_.data() + q_width, kv));
+    ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(rows, d, q_width, w_in.q_stride, bf16, x, w_in.q,
+                                              b_qkv_.data(), projected));
+    ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(kv_rows, context_dim, kv_width, w_in.kv_stride, bf16,
+                                              c, w_in.kv, b_qkv_.data() + q_width, kv));
     qkv[0] = {projected, q_width};
     qkv[1] = {kv, kv_width};
     qkv[2] = {kv + config_.kv_width(), kv_width};
   } else {
+    // Fused (Validate checked context_dim == d_model).
     ATTNSERVE_RETURN_IF_ERROR(
-        kernels_.Linear(rows, d, n_width, n_width, bf16, x, w_qkv, b_qkv_.data(), projected));
+        kernels_.Linear(rows, d, n_width, n_width, bf16, x, w_in.q, b_qkv_.data(), projected));
     qkv[0] = {projected, n_width};
     qkv[1] = {projected + q_width, n_width};
     qkv[2] = {projected + q_width + config_.kv_width(), n_width};
@@ -816,13 +836,34 @@ void AttentionLayer::Impl::Contributions(const SdpaCall& call, int64_t first, in
 }
 
 void AttentionLayer::Impl::MakeBf16Weights() {
-  if (!w_qkv_bf16_.empty()) return;
+  if (!w_o_bf16_.empty()) return;
   auto convert = [](const std::vector<float>& from, std::vector<Bf16>& to) {
     to.resize(from.size());
     internal::ConvertToBf16(from.data(), static_cast<int64_t>(from.size()), to.data());
   };
   convert(w_qkv_, w_qkv_bf16_);
+  convert(w_q_, w_q_bf16_);
+  convert(w_kv_, w_kv_bf16_);
   convert(w_o_, w_o_bf16_);
+}
+
+AttentionLayer::Impl::InputWeights AttentionLayer::Impl::GetInputWeights(bool bf16) const {
+  const int64_t q_width = config_.q_width();
+  const int64_t kv_width = 2 * config_.kv_width();
+  InputWeights w;
+  if (fused_) {
+    const int64_t n_width = q_width + kv_width;
+    w.q = bf16 ? static_cast<const void*>(w_qkv_bf16_.data()) : w_qkv_.data();
+    w.q_stride = n_width;
+    w.kv = bf16 ? static_cast<const void*>(w_qkv_bf16_.data() + q_width) : w_qkv_.data() + q_width;
+    w.kv_stride = n_width;
+  } else {
+    w.q = bf16 ? static_cast<const void*>(w_q_bf16_.data()) : w_q_.data();
+    w.q_stride = q_width;
+    w.kv = bf16 ? static_cast<const void*>(w_kv_bf16_.data()) : w_kv_.data();
+    w.kv_stride = kv_width;
+  }
+  return w;
 }
 
 absl::StatusOr<std::unique_ptr<AttentionLayer>> AttentionLayer::Create(const HeadConfig& config,
@@ -850,27 +891,6 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Forward(const LayerInputs& inputs,
                                                     const ForwardOptions& options,
                                                     ForwardOutputs outputs) {
   return impl_->Forward(inputs, options, outputs);
-}
-
-// Transitional: removed when the server moves to LayerInputs.
-absl::StatusOr<ForwardInfo> AttentionLayer::Forward(absl::Span<const float> hidden_states,
-                                                    AttentionShape shape,
-                                                    const ForwardOptions& options,
-                                                    ForwardOutputs outputs) {
-  if (shape.batch < 1) {
-    return Invalid("shape.batch", absl::StrCat("must be at least 1, got ", shape.batch));
-  }
-  if (shape.seq_len < 1) {
-    return Invalid("shape.seq_len", absl::StrCat("must be at least 1, got ", shape.seq_len));
-  }
-  if (!CheckedProduct({shape.batch, shape.seq_len, config().d_model})) {
-    return Invalid("shape", absl::StrCat("batch ", shape.batch, " * seq_len ", shape.seq_len,
-                                         " * d_model ", config().d_model, " overflows int64"));
-  }
-  LayerInputs inputs;
-  inputs.hidden_states = hidden_states;
-  ATTNSERVE_ASSIGN_OR_RETURN(inputs.layout, SequenceLayout::Padded(shape.batch, shape.seq_len));
-  return Forward(inputs, options, outputs);
 }
 
 // ---------------------------------------------------------------------------

@@ -16,21 +16,15 @@
 
 namespace attnserve::core {
 
-// The sizes of one forward call: `batch` sequences of `seq_len` tokens each.
-// (Issue-2 API, kept until the server moves to LayerInputs.)
-struct AttentionShape {
-  int64_t batch = 0;
-  int64_t seq_len = 0;
-};
-
 // The inputs of AttentionLayer::Forward.
 struct LayerInputs {
   // The queries' hidden states, [layout.rows(), d_model] row-major.
   absl::Span<const float> hidden_states;
   SequenceLayout layout;
   // Cross-attention: keys and values come from `context`
-  // [context_layout.rows(), d_model] (encoder states), with the same batch as
-  // `layout`. Empty: self-attention (keys and values from hidden_states).
+  // [context_layout.rows(), context_dim] (encoder states), with the same batch
+  // as `layout`. Empty: self-attention (keys and values from hidden_states),
+  // which needs a layer whose context_dim is d_model.
   absl::Span<const float> context;
   std::optional<SequenceLayout> context_layout;
   // Query i of a sequence sees only keys j <= i (top-left aligned, also in
@@ -52,12 +46,6 @@ struct LayerInputs {
 // nullopt on int64 overflow.
 std::optional<int64_t> AttentionMapElements(const HeadConfig& config, const SequenceLayout& queries,
                                             const SequenceLayout& keys, const MapSelection& maps);
-
-// Transitional: removed when the server moves to LayerInputs.
-// Elements of the maps `mode` asks for with `shape.batch` sequences of
-// `shape.seq_len` tokens (all heads, all rows), or nullopt on overflow.
-std::optional<int64_t> AttentionMapElements(const HeadConfig& config, AttentionShape shape,
-                                            AttentionMapMode mode);
 
 // One multi-head attention layer on oneDNN (the seeds' definition, see
 // HeadConfig): self- or cross-attention, bidirectional or causal, padded or
@@ -83,17 +71,12 @@ class AttentionLayer {
   // layouts). A query row whose keys are all masked gets attention weights of
   // 0 (its map row is 0 and the head adds nothing for it), never NaN.
   // INVALID_ARGUMENT naming the input when a span's size or a layout does not
-  // match (the server validates first; this is the core's own guard),
+  // match, or when self-attention is asked of a layer whose context_dim is
+  // not d_model (the server validates first; this is the core's own guard),
   // CANCELLED when options.should_stop says so, RESOURCE_EXHAUSTED when
   // scratch memory cannot be allocated, INTERNAL when oneDNN fails.
   absl::StatusOr<ForwardInfo> Forward(const LayerInputs& inputs, const ForwardOptions& options,
                                       ForwardOutputs outputs);
-
-  // Transitional: removed when the server moves to LayerInputs.
-  // Forward on `shape.batch` sequences of `shape.seq_len` tokens each
-  // (hidden_states [batch, seq_len, d_model]; a Padded layout, full lengths).
-  absl::StatusOr<ForwardInfo> Forward(absl::Span<const float> hidden_states, AttentionShape shape,
-                                      const ForwardOptions& options, ForwardOutputs outputs);
 
  private:
   class Impl;
@@ -122,7 +105,7 @@ struct CoreInputs {
 // Scaled dot-product attention alone, per head:
 //   out_h = softmax(Q_h K_g^T * scale + mask) V_g, g = h / (num_heads / num_kv_heads)
 // for clients that project themselves. Uses config's num_heads, num_kv_heads,
-// head_dim and scale (d_model and rotary are not used). Outputs:
+// head_dim and scale (d_model, context_dim and rotary are not used). Outputs:
 // output [batch, num_heads, q_len, head_dim]; maps and head_entropy /
 // head_max_weight as for the layer (no head_contribution).
 // Thread-safe like AttentionLayer.

@@ -26,11 +26,12 @@ struct TensorSpec {
 // The tensors in field order; the index is the SeededUniform stream.
 std::vector<TensorSpec> TensorSpecs(const HeadConfig& config) {
   const int64_t d = config.d_model;
+  const int64_t c = config.context_dim;
   const int64_t q = config.num_heads * config.head_dim;
   const int64_t kv = config.num_kv_heads * config.head_dim;
   return {
-      {"w_q", d, q, d},  {"b_q", 1, q, d},  {"w_k", d, kv, d}, {"b_k", 1, kv, d},
-      {"w_v", d, kv, d}, {"b_v", 1, kv, d}, {"w_o", q, d, q},  {"b_o", 1, d, q},
+      {"w_q", d, q, d},  {"b_q", 1, q, d},  {"w_k", c, kv, c}, {"b_k", 1, kv, c},
+      {"w_v", c, kv, c}, {"b_v", 1, kv, c}, {"w_o", q, d, q},  {"b_o", 1, d, q},
   };
 }
 

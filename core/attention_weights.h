@@ -16,9 +16,9 @@ namespace attnserve::core {
 struct AttentionWeights {
   std::vector<float> w_q;  // [d_model, num_heads * head_dim]
   std::vector<float> b_q;  // [num_heads * head_dim]
-  std::vector<float> w_k;  // [d_model, num_kv_heads * head_dim]
+  std::vector<float> w_k;  // [context_dim, num_kv_heads * head_dim]
   std::vector<float> b_k;  // [num_kv_heads * head_dim]
-  std::vector<float> w_v;  // [d_model, num_kv_heads * head_dim]
+  std::vector<float> w_v;  // [context_dim, num_kv_heads * head_dim]
   std::vector<float> b_v;  // [num_kv_heads * head_dim]
   std::vector<float> w_o;  // [num_heads * head_dim, d_model]
   std::vector<float> b_o;  // [d_model]
@@ -32,8 +32,9 @@ absl::Status ValidateWeights(const HeadConfig& config, const AttentionWeights& w
 // and in any language (docs/seeded_weights.md gives the recipe):
 // tensor t (0..7 in the order of AttentionWeights' fields), element i
 // (row-major) is float32((2u - 1) / sqrt(fan_in)) in double arithmetic, with
-// fan_in the tensor's input width (d_model, or num_heads * head_dim for w_o
-// and b_o) and u = SeededUniform(seed, t, i).
+// fan_in the tensor's input width (d_model for w_q and b_q, context_dim for
+// w_k, b_k, w_v and b_v, num_heads * head_dim for w_o and b_o) and
+// u = SeededUniform(seed, t, i). `config` must be resolved.
 AttentionWeights SeededWeights(const HeadConfig& config, uint64_t seed);
 
 // A uniform number in [0, 1) with 24 random bits: splitmix64's finalizer over

@@ -33,6 +33,10 @@ absl::StatusOr<HeadConfig> ResolveHeadConfig(const HeadConfig& config) {
   if (absl::Status s = CheckDimension("num_heads", resolved.num_heads, kMaxHeads); !s.ok()) {
     return s;
   }
+  if (resolved.context_dim == 0) resolved.context_dim = resolved.d_model;
+  if (absl::Status s = CheckDimension("context_dim", resolved.context_dim, kMaxDModel); !s.ok()) {
+    return s;
+  }
 
   if (resolved.num_kv_heads == 0) resolved.num_kv_heads = resolved.num_heads;
   if (absl::Status s = CheckDimension("num_kv_heads", resolved.num_kv_heads, kMaxHeads); !s.ok()) {

@@ -69,6 +69,7 @@ absl::StatusOr<core::HeadConfig> ToCoreHeadConfig(const v1::HeadConfig& wire) {
   config.scale = wire.scale();
   config.rotary.rotary_dim = wire.rotary().rotary_dim();
   if (wire.rotary().theta() != 0.0f) config.rotary.theta = wire.rotary().theta();
+  config.context_dim = wire.context_dim();
   return core::ResolveHeadConfig(config);
 }
 
@@ -122,9 +123,10 @@ absl::StatusOr<core::SequenceLayout> MakeLayout(const TensorSpec& spec, absl::st
   return core::SequenceLayout::Packed(std::move(lens));
 }
 
-// Validates hidden states or context: rank 3 (padded) or 2 (packed), d_model.
+// Validates hidden states or context: rank 3 (padded) or 2 (packed), and the
+// last dimension `width` (named `width_name`: d_model or context_dim).
 absl::StatusOr<TensorSpec> ValidateStates(const v1::Tensor& tensor, absl::string_view field,
-                                          int64_t d_model) {
+                                          int64_t width, absl::string_view width_name) {
   TensorSpec spec;
   if (tensor.shape_size() == 3) {
     ATTNSERVE_ASSIGN_OR_RETURN(spec, ValidateTensor(tensor, field, kPaddedDims));
@@ -140,9 +142,9 @@ absl::StatusOr<TensorSpec> ValidateStates(const v1::Tensor& tensor, absl::string
     return Invalid(absl::StrCat(field, ".dtype"), "must be FP32 or BF16");
   }
   const size_t d = spec.shape.size() - 1;
-  if (spec.shape[d] != d_model) {
-    return Invalid(absl::StrCat(field, ".shape[", d, "] (d_model)"),
-                   absl::StrCat("the layer expects ", d_model, ", got ", spec.shape[d]));
+  if (spec.shape[d] != width) {
+    return Invalid(absl::StrCat(field, ".shape[", d, "] (", width_name, ")"),
+                   absl::StrCat("the layer expects ", width, ", got ", spec.shape[d]));
   }
   return spec;
 }
@@ -182,7 +184,7 @@ absl::Status PlanSource(const v1::AttendRequest& request, const ModelRegistry& r
 
   // Weight bytes as FP32, the form the layer keeps them in.
   const core::HeadConfig& c = *config;
-  const int64_t weight_elements = c.d_model * (c.q_width() + 2 * c.kv_width()) +
+  const int64_t weight_elements = c.d_model * c.q_width() + c.context_dim * 2 * c.kv_width() +
                                   (c.q_width() + 2 * c.kv_width()) + c.q_width() * c.d_model +
                                   c.d_model;  // bounded by kMaxDModel etc.: no overflow
   switch (layer.weights_case()) {
@@ -196,8 +198,8 @@ absl::Status PlanSource(const v1::AttendRequest& request, const ModelRegistry& r
         absl::string_view name;
         int64_t rows, cols;  // cols 0: a vector
       } expected[] = {{w.w_q(), "w_q", c.d_model, c.q_width()}, {w.b_q(), "b_q", c.q_width(), 0},
-                      {w.w_k(), "w_k", c.d_model, c.kv_width()}, {w.b_k(), "b_k", c.kv_width(), 0},
-                      {w.w_v(), "w_v", c.d_model, c.kv_width()}, {w.b_v(), "b_v", c.kv_width(), 0},
+                      {w.w_k(), "w_k", c.context_dim, c.kv_width()}, {w.b_k(), "b_k", c.kv_width(), 0},
+                      {w.w_v(), "w_v", c.context_dim, c.kv_width()}, {w.b_v(), "b_v", c.kv_width(), 0},
                       {w.w_o(), "w_o", c.q_width(), c.d_model},  {w.b_o(), "b_o", c.d_model, 0}};
       constexpr absl::string_view kMatrixDims[] = {"in", "out"};
       constexpr absl::string_view kVectorDims[] = {"out"};
@@ -245,14 +247,14 @@ absl::Status PlanInputs(const v1::AttendRequest& request, const RequestLimits& l
   }
   if (!request.has_projected()) {
     ATTNSERVE_ASSIGN_OR_RETURN(plan.hidden_states,
-                               ValidateStates(request.hidden_states(), "hidden_states", c.d_model));
+                               ValidateStates(request.hidden_states(), "hidden_states", c.d_model, "d_model"));
     ATTNSERVE_ASSIGN_OR_RETURN(plan.queries,
                                MakeLayout(plan.hidden_states, "hidden_states",
                                           request.sequence_lengths(), "sequence_lengths", limits));
     plan.float_data_response = plan.hidden_states.uses_float_data;
     if (request.has_context()) {
       ATTNSERVE_ASSIGN_OR_RETURN(TensorSpec context,
-                                 ValidateStates(request.context(), "context", c.d_model));
+                                 ValidateStates(request.context(), "context", c.context_dim, "context_dim"));
       ATTNSERVE_ASSIGN_OR_RETURN(
           plan.keys, MakeLayout(context, "context", request.context_lengths(), "context_lengths", limits));
       if (plan.keys.batch() != plan.queries.batch()) {
@@ -263,6 +265,11 @@ absl::Status PlanInputs(const v1::AttendRequest& request, const RequestLimits& l
     } else {
       if (request.context_lengths_size() > 0) {
         return Invalid("context_lengths", "given without context");
+      }
+      if (c.context_dim != c.d_model) {
+        return Invalid("context", absl::StrCat("required: the layer's keys and values come from "
+                                               "context states of width context_dim ",
+                                               c.context_dim, ", not from the hidden states"));
       }
       plan.keys = plan.queries;
     }

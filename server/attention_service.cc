@@ -42,6 +42,7 @@ void FillModelInfo(const Model& model, const RequestLimits& limits, v1::ModelInf
   head->set_scale(config.scale);
   head->mutable_rotary()->set_rotary_dim(static_cast<int32_t>(config.rotary.rotary_dim));
   if (config.rotary.rotary_dim > 0) head->mutable_rotary()->set_theta(config.rotary.theta);
+  head->set_context_dim(static_cast<int32_t>(config.context_dim));
   v1::ModelLimits* model_limits = info->mutable_limits();
   model_limits->set_max_batch(limits.max_batch);
   model_limits->set_max_seq_len(limits.max_seq_len);

@@ -18,7 +18,8 @@
 namespace attnserve::server {
 
 // The whole attnserve server: the gRPC server (AttentionService, standard
-// health, reflection), the model registry and the compute executor.
+// health, reflection), the model registry, the compute executor and the
+// metrics endpoint (options.metrics_address).
 //
 // Life: Create (listening, health NOT_SERVING) -> LoadModelsAndServe (health
 // SERVING) -> Shutdown (health NOT_SERVING, drains calls in flight).
@@ -28,8 +29,8 @@ namespace attnserve::server {
 // Thread-safe.
 class AttnServer {
  public:
-  // INVALID_ARGUMENT for bad options, UNAVAILABLE when the address cannot be
-  // bound.
+  // INVALID_ARGUMENT for bad options, UNAVAILABLE when the gRPC or the
+  // metrics address cannot be bound.
   static absl::StatusOr<std::unique_ptr<AttnServer>> Create(const ServerOptions& options);
   ~AttnServer();  // Shutdown()
   AttnServer(const AttnServer&) = delete;

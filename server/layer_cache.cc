@@ -8,7 +8,7 @@ namespace {
 
 std::string ConfigKey(const core::HeadConfig& c) {
   return absl::StrCat(c.d_model, "/", c.num_heads, "/", c.num_kv_heads, "/", c.head_dim, "/",
-                      c.scale, "/", c.rotary.rotary_dim, "/", c.rotary.theta);
+                      c.scale, "/", c.rotary.rotary_dim, "/", c.rotary.theta, "/", c.context_dim);
 }
 
 }  // namespace

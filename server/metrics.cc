@@ -1,13 +1,5 @@
 #include "server/metrics.h"
 
-#include <prometheus/counter.h>
-#include <prometheus/exposer.h>
-#include <prometheus/family.h>
-#include <prometheus/gauge.h>
-#include <prometheus/histogram.h>
-#include <prometheus/registry.h>
-#include <prometheus/text_serializer.h>
-
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -18,8 +10,16 @@
 #include <thread>
 #include <utility>
 
-#include "absl/strings/strip.h"
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "core/attention_inputs.h"
 #include "core/runtime_info.h"
 #include "server/process_metrics.h"
@@ -33,8 +33,8 @@ namespace {
 
 using prometheus::Histogram;
 
-// 50 us to 52 s in steps of 2: compute of a one-token request to the longest
-// request a deadline would allow, with every step resolved within 2x.
+// 50 us (a one-token compute) doubling to 52 s (past a 30 s call): any latency
+// in between is resolved within a factor of 2.
 Histogram::BucketBoundaries SecondsBuckets() {
   Histogram::BucketBoundaries buckets;
   for (double bound = 50e-6; bound < 60; bound *= 2) buckets.push_back(bound);

@@ -38,7 +38,6 @@ using ::attnserve::testing::MaxRowSumError;
 using ::attnserve::testing::RandomNormal;
 using ::attnserve::testing::RandomStates;
 using ::attnserve::testing::RandomWeights;
-using ::attnserve::testing::ReferenceAttention;
 using ::attnserve::testing::ReferenceLayer;
 using ::attnserve::testing::ReferenceResult;
 using ::attnserve::testing::RelativeFrobeniusError;
@@ -51,13 +50,14 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 HeadConfig MakeConfig(int64_t d_model, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                      int64_t rotary_dim = 0) {
+                      int64_t rotary_dim = 0, int64_t context_dim = 0) {
   HeadConfig config;
   config.d_model = d_model;
   config.num_heads = num_heads;
   config.num_kv_heads = num_kv_heads;
   config.head_dim = head_dim;
   config.rotary.rotary_dim = rotary_dim;
+  config.context_dim = context_dim;
   absl::StatusOr<HeadConfig> resolved = ResolveHeadConfig(config);
   EXPECT_THAT(resolved, IsOk());
   return resolved.value_or(HeadConfig{});
@@ -164,8 +164,10 @@ struct Scenario {
   std::vector<int64_t> lengths = {5};
   bool packed = false;
   int64_t padded_len = 0;  // 0: the longest length
-  // Non-empty: cross-attention on a context of these lengths.
+  // Non-empty: cross-attention on a context of these lengths, context_dim
+  // wide (0: d_model).
   std::vector<int64_t> context_lengths;
+  int64_t context_dim = 0;
   bool context_packed = false;
   int64_t context_padded_len = 0;
   bool causal = false;
@@ -216,7 +218,8 @@ struct ScenarioCall {
 
 ScenarioCall MakeScenarioCall(const Scenario& s, std::mt19937_64& rng, Precision precision) {
   ScenarioCall call;
-  call.config = MakeConfig(s.d_model, s.num_heads, s.num_kv_heads, s.head_dim, s.rotary_dim);
+  call.config =
+      MakeConfig(s.d_model, s.num_heads, s.num_kv_heads, s.head_dim, s.rotary_dim, s.context_dim);
   call.weights = RandomWeights(call.config, rng);
   LayerInputs& in = call.inputs;
   in.layout = MakeLayout(s.lengths, s.packed, s.padded_len);
@@ -224,7 +227,7 @@ ScenarioCall MakeScenarioCall(const Scenario& s, std::mt19937_64& rng, Precision
   in.hidden_states = call.hidden;
   if (!s.context_lengths.empty()) {
     in.context_layout = MakeLayout(s.context_lengths, s.context_packed, s.context_padded_len);
-    call.context = RandomStates(*in.context_layout, s.d_model, rng);
+    call.context = RandomStates(*in.context_layout, call.config.context_dim, rng);
     in.context = call.context;
   }
   const SequenceLayout& keys = in.context_layout ? *in.context_layout : in.layout;
@@ -334,6 +337,29 @@ std::vector<Scenario> Scenarios() {
     s.lengths = {3, 5}, s.context_lengths = {6, 4}, s.context_packed = true;
     s.mask = Kind::kAdditive, s.head_mask = true;
   });
+  // A context of another width than d_model (torch's kdim = vdim): W_q and
+  // [W_k | W_v] apart.
+  add("CrossNarrowerContextPaddedRagged", [](Scenario& s) {
+    s.context_dim = 24, s.lengths = {4, 6, 1}, s.padded_len = 7;
+    s.context_lengths = {9, 3, 5}, s.context_padded_len = 10;
+  });
+  add("CrossWiderContextPackedCausalRopeGqa", [](Scenario& s) {
+    s.context_dim = 80, s.num_kv_heads = 2, s.head_dim = 8, s.rotary_dim = 8;
+    s.position_offsets = true, s.lengths = {5, 2}, s.packed = true;
+    s.context_lengths = {3, 8}, s.context_packed = true, s.causal = true;
+  });
+  add("CrossOddContextMultiQueryMaskMeanMaps", [](Scenario& s) {
+    s.context_dim = 7, s.num_kv_heads = 1, s.lengths = {6, 3}, s.context_lengths = {2, 5};
+    s.mask = Kind::kAllowed, s.head_mask = true, s.maps = Maps::kMeanOverHeads;
+  });
+  add("CrossContextOneWidePerHeadSubset", [](Scenario& s) {
+    s.context_dim = 1, s.lengths = {3, 4}, s.packed = true, s.context_lengths = {5, 1};
+    s.map_heads = {2, 0}, s.map_rows = {3, 1};
+  });
+  add("CrossNarrowerContextBertBaseWidths", [](Scenario& s) {
+    s.d_model = 768, s.num_heads = 12, s.context_dim = 512, s.lengths = {17, 9};
+    s.context_lengths = {40, 23}, s.context_packed = true, s.maps = Maps::kMeanOverHeads;
+  });
   // Explicit masks, each broadcast pattern, with causal and padding.
   add("AllowedMaskFullCausalPadded", [](Scenario& s) {
     s.lengths = {7, 4}, s.causal = true, s.mask = Kind::kAllowed;
@@ -414,14 +440,15 @@ struct ShapeCase {
 
 void PrintTo(const ShapeCase& c, std::ostream* os) { *os << c.name; }
 
-// Runs `layer` in every map mode on `hidden` and checks each result against
-// the reference, and the mean maps against the mean of the per-head maps.
+// Runs `layer` in every map mode on `hidden` ([batch, seq_len, d_model]: a
+// padded layout with full lengths) and checks each result against the
+// reference, and the mean maps against the mean of the per-head maps.
 void ExpectAllMapModesMatch(AttentionLayer& layer, const AttentionWeights& weights,
-                            const std::vector<float>& hidden, AttentionShape shape) {
+                            const std::vector<float>& hidden, int64_t batch, int64_t seq_len) {
   const HeadConfig& config = layer.config();
   LayerInputs inputs;
   inputs.hidden_states = hidden;
-  inputs.layout = Padded(shape.batch, shape.seq_len);
+  inputs.layout = Padded(batch, seq_len);
   const ReferenceResult reference = ReferenceLayer(config, weights, inputs);
   Buffers per_head;
   for (AttentionMapMode mode : {Maps::kNone, Maps::kPerHead, Maps::kMeanOverHeads}) {
@@ -434,13 +461,13 @@ void ExpectAllMapModesMatch(AttentionLayer& layer, const AttentionWeights& weigh
     EXPECT_EQ(info->kernel_path, "fp32/materialized");
     ExpectMatches(config, inputs, options, buffers, reference, kFp32Tolerance);
     if (mode != Maps::kNone) {
-      EXPECT_LE(MaxRowSumError(buffers.maps, shape.seq_len), 1e-5);
+      EXPECT_LE(MaxRowSumError(buffers.maps, seq_len), 1e-5);
     }
     if (mode == Maps::kPerHead) per_head = buffers;
     if (mode == Maps::kMeanOverHeads) {
-      const int64_t s2 = shape.seq_len * shape.seq_len;
+      const int64_t s2 = seq_len * seq_len;
       std::vector<double> mean_of_heads(buffers.maps.size(), 0.0);
-      for (int64_t b = 0; b < shape.batch; ++b) {
+      for (int64_t b = 0; b < batch; ++b) {
         for (int64_t h = 0; h < config.num_heads; ++h) {
           for (int64_t e = 0; e < s2; ++e) {
             mean_of_heads[b * s2 + e] += per_head.maps[(b * config.num_heads + h) * s2 + e] /
@@ -466,7 +493,7 @@ TEST_P(AttentionLayerShapes, AllMapModesMatchReferenceOnRandomWeights) {
   ASSERT_THAT(layer, IsOk());
   const std::vector<float> hidden =
       RandomNormal(static_cast<size_t>(c.batch * c.seq_len * c.d_model), rng);
-  ExpectAllMapModesMatch(**layer, weights, hidden, {c.batch, c.seq_len});
+  ExpectAllMapModesMatch(**layer, weights, hidden, c.batch, c.seq_len);
 }
 
 TEST_P(AttentionLayerShapes, AllMapModesMatchReferenceOnSeededWeights) {
@@ -480,7 +507,7 @@ TEST_P(AttentionLayerShapes, AllMapModesMatchReferenceOnSeededWeights) {
   ASSERT_THAT(layer, IsOk());
   const std::vector<float> hidden =
       RandomNormal(static_cast<size_t>(c.batch * c.seq_len * c.d_model), rng);
-  ExpectAllMapModesMatch(**layer, weights, hidden, {c.batch, c.seq_len});
+  ExpectAllMapModesMatch(**layer, weights, hidden, c.batch, c.seq_len);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionLayerShapes,
@@ -860,6 +887,240 @@ TEST(AttentionLayer, CrossAttentionRotatesKeysFromPositionZero) {
             1e-4);
 }
 
+// ---------------------------------------------------------------------------
+// Cross-attention on a context of another width (context_dim != d_model).
+
+// A layer with d_model 32, 4 heads (2 key/value heads) and a context
+// `context_dim` wide, random weights.
+SmallLayer MakeContextLayer(std::mt19937_64& rng, int64_t context_dim, int64_t rotary_dim = 0) {
+  SmallLayer small;
+  small.config = MakeConfig(32, 4, 2, 8, rotary_dim, context_dim);
+  small.weights = RandomWeights(small.config, rng);
+  absl::StatusOr<std::unique_ptr<AttentionLayer>> layer =
+      AttentionLayer::Create(small.config, small.weights);
+  EXPECT_THAT(layer, IsOk());
+  if (layer.ok()) small.layer = *std::move(layer);
+  return small;
+}
+
+TEST(AttentionLayer, ContextDimIsResolvedAndShapesTheKeyValueWeights) {
+  const HeadConfig config = MakeConfig(32, 4, 2, 8, 0, 20);
+  EXPECT_EQ(config.context_dim, 20);
+  EXPECT_EQ(MakeConfig(32, 4, 2, 8).context_dim, 32);  // 0: d_model
+  const AttentionWeights weights = SeededWeights(config, 3);
+  EXPECT_EQ(weights.w_q.size(), 32u * 32u);
+  EXPECT_EQ(weights.w_k.size(), 20u * 16u);
+  EXPECT_EQ(weights.w_v.size(), 20u * 16u);
+  absl::StatusOr<std::unique_ptr<AttentionLayer>> layer = AttentionLayer::Create(config, weights);
+  ASSERT_THAT(layer, IsOk());
+  EXPECT_EQ((*layer)->config().context_dim, 20);
+}
+
+TEST(AttentionLayer, RaggedContextOfAnotherWidthEqualsEachSequenceSentAlone) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  constexpr int64_t kContextDim = 20;
+  SmallLayer small = MakeContextLayer(rng, kContextDim, /*rotary_dim=*/4);
+  ASSERT_NE(small.layer, nullptr);
+  const std::vector<int64_t> lengths = {5, 1, 8};
+  const std::vector<int64_t> context_lengths = {3, 9, 1};
+  const std::vector<int64_t> offsets = {2, 0, 11};
+  for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    if (precision == Precision::kBf16 && !Bf16Supported()) continue;
+    for (const bool packed : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(PrecisionName(precision), packed ? ", packed" : ", padded"));
+      const SequenceLayout queries = packed ? Packed(lengths) : Padded(3, 9, lengths);
+      const SequenceLayout keys = packed ? Packed(context_lengths) : Padded(3, 10, context_lengths);
+      const std::vector<float> hidden = RandomStates(queries, 32, rng);
+      const std::vector<float> context = RandomStates(keys, kContextDim, rng);
+      LayerInputs inputs;
+      inputs.hidden_states = hidden;
+      inputs.layout = queries;
+      inputs.context = context;
+      inputs.context_layout = keys;
+      inputs.causal = true;
+      inputs.position_offsets = offsets;
+      ForwardOptions options;
+      options.head_statistics = true;
+      options.precision = precision;
+      const double tolerance = precision == Precision::kFp32 ? kFp32Tolerance : kBf16Tolerance;
+      Buffers together;
+      ASSERT_THAT(RunLayer(*small.layer, inputs, options, together), IsOk());
+      ExpectMatches(small.config, inputs, options, together,
+                    ReferenceLayer(small.config, small.weights, inputs), tolerance);
+      for (int64_t b = 0; b < queries.batch(); ++b) {
+        SCOPED_TRACE(absl::StrCat("sequence ", b));
+        const std::vector<float> rows = SequenceRows(hidden, queries, b, 32);
+        const std::vector<float> context_rows = SequenceRows(context, keys, b, kContextDim);
+        LayerInputs alone;
+        alone.hidden_states = rows;
+        alone.layout = Packed({lengths[b]});
+        alone.context = context_rows;
+        alone.context_layout = Packed({context_lengths[b]});
+        alone.causal = true;
+        alone.position_offsets = absl::MakeConstSpan(&offsets[b], 1);
+        Buffers single;
+        ASSERT_THAT(RunLayer(*small.layer, alone, options, single), IsOk());
+        const std::vector<float> expected = SequenceRows(together.output, queries, b, 32);
+        EXPECT_LE(RelativeFrobeniusError(single.output,
+                                         std::vector<double>(expected.begin(), expected.end())),
+                  tolerance);
+        for (int64_t h = 0; h < 4; ++h) {
+          EXPECT_NEAR(single.entropy[h], together.entropy[b * 4 + h], tolerance);
+        }
+      }
+    }
+  }
+}
+
+TEST(AttentionLayer, ContextPaddingOfAnotherWidthNeverInfluencesResults) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  constexpr int64_t kContextDim = 12;
+  SmallLayer small = MakeContextLayer(rng, kContextDim);
+  ASSERT_NE(small.layer, nullptr);
+  const SequenceLayout queries = Padded(3, 7, {7, 2, 5});
+  const SequenceLayout keys = Padded(3, 6, {1, 6, 4});
+  const std::vector<float> hidden = RandomStates(queries, 32, rng, 0.0f);
+  const std::vector<float> context_nan = RandomStates(keys, kContextDim, rng, kNaN);
+  ForwardOptions options;
+  options.maps.mode = Maps::kPerHead;
+  options.head_statistics = true;
+  std::vector<Buffers> results;
+  for (const float fill : {kNaN, 1e30f, 0.0f}) {
+    std::vector<float> context = context_nan;
+    for (float& v : context) {
+      if (std::isnan(v)) v = fill;
+    }
+    LayerInputs inputs;
+    inputs.hidden_states = hidden;
+    inputs.layout = queries;
+    inputs.context = context;
+    inputs.context_layout = keys;
+    Buffers buffers;
+    ASSERT_THAT(RunLayer(*small.layer, inputs, options, buffers), IsOk());
+    for (float v : buffers.output) ASSERT_TRUE(std::isfinite(v));
+    for (float v : buffers.maps) ASSERT_TRUE(std::isfinite(v));
+    results.push_back(std::move(buffers));
+  }
+  for (size_t r = 1; r < results.size(); ++r) {
+    EXPECT_EQ(results[r].output, results[0].output);
+    EXPECT_EQ(results[r].maps, results[0].maps);
+    EXPECT_EQ(results[r].contribution, results[0].contribution);
+  }
+}
+
+// The separate-weights path (context_dim != d_model) against the fused one:
+// a context widened by columns of zeros, with any weights for them, is the
+// same attention as the d_model-wide context on the fused layer.
+TEST(AttentionLayer, ZeroContextColumnsMakeTheSeparateWeightsPathEqualTheFusedOne) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  constexpr int64_t kExtra = 9;
+  constexpr int64_t kWide = 32 + kExtra;
+  SmallLayer fused = MakeSmallLayer(rng, 2);
+  ASSERT_NE(fused.layer, nullptr);
+  HeadConfig wide_config = fused.config;
+  wide_config.context_dim = kWide;
+  AttentionWeights wide_weights = fused.weights;
+  const int64_t kv = fused.config.kv_width();
+  for (std::vector<float>* w : {&wide_weights.w_k, &wide_weights.w_v}) {
+    const std::vector<float> extra_rows = RandomNormal(static_cast<size_t>(kExtra * kv), rng);
+    w->insert(w->end(), extra_rows.begin(), extra_rows.end());  // rows d_model.. of [kWide, kv]
+  }
+  absl::StatusOr<std::unique_ptr<AttentionLayer>> wide =
+      AttentionLayer::Create(wide_config, wide_weights);
+  ASSERT_THAT(wide, IsOk());
+
+  const SequenceLayout queries = Packed({4, 6});
+  const SequenceLayout keys = Padded(2, 7, {7, 3});
+  const std::vector<float> hidden = RandomStates(queries, 32, rng);
+  const std::vector<float> context = RandomStates(keys, 32, rng);
+  std::vector<float> wide_context(static_cast<size_t>(keys.rows() * kWide), 0.0f);
+  for (int64_t r = 0; r < keys.rows(); ++r) {
+    std::copy_n(context.begin() + r * 32, 32, wide_context.begin() + r * kWide);
+  }
+  for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    if (precision == Precision::kBf16 && !Bf16Supported()) continue;
+    SCOPED_TRACE(PrecisionName(precision));
+    LayerInputs inputs;
+    inputs.hidden_states = hidden;
+    inputs.layout = queries;
+    inputs.context = context;
+    inputs.context_layout = keys;
+    ForwardOptions options;
+    options.maps.mode = Maps::kPerHead;
+    options.precision = precision;
+    Buffers expected, actual;
+    ASSERT_THAT(RunLayer(*fused.layer, inputs, options, expected), IsOk());
+    inputs.context = wide_context;
+    ASSERT_THAT(RunLayer(**wide, inputs, options, actual), IsOk());
+    // The same products summed in another order: rounding apart.
+    const double tolerance = precision == Precision::kFp32 ? kFp32Tolerance : kBf16Tolerance;
+    EXPECT_LE(RelativeFrobeniusError(actual.output, std::vector<double>(expected.output.begin(),
+                                                                        expected.output.end())),
+              tolerance);
+    EXPECT_LE(RelativeFrobeniusError(
+                  actual.maps, std::vector<double>(expected.maps.begin(), expected.maps.end())),
+              tolerance);
+  }
+}
+
+TEST(AttentionLayer, ContextOfAnotherWidthIsInvalidArgumentWhereItDoesNotFit) {
+  std::mt19937_64 rng(5);
+  SmallLayer small = MakeContextLayer(rng, 24);
+  ASSERT_NE(small.layer, nullptr);
+  const SequenceLayout layout = Padded(2, 3, {3, 2});
+  const SequenceLayout keys = Packed({4, 1});
+  const std::vector<float> hidden = RandomStates(layout, 32, rng);
+  const std::vector<float> context_d_model = RandomStates(keys, 32, rng);
+  const std::vector<float> context = RandomStates(keys, 24, rng);
+  std::vector<float> output(hidden.size());
+  LayerInputs inputs;
+  inputs.hidden_states = hidden;
+  inputs.layout = layout;
+  // Self-attention would project hidden_states (d_model wide) with W_k
+  // [context_dim, ...].
+  EXPECT_THAT(small.layer->Forward(inputs, {}, OutputOnly(output)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "context: a layer with context_dim 24 needs context states (self-attention "
+                       "needs context_dim == d_model)"));
+  // A context as wide as d_model is not one context_dim wide.
+  inputs.context = context_d_model;
+  inputs.context_layout = keys;
+  EXPECT_THAT(small.layer->Forward(inputs, {}, OutputOnly(output)),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "context: size 160 does not match [context_layout.rows 5, context_dim 24]"));
+  inputs.context = context;
+  EXPECT_THAT(small.layer->Forward(inputs, {}, OutputOnly(output)), IsOk());
+  // A context given without its layout is still that error first.
+  inputs.context_layout.reset();
+  EXPECT_THAT(small.layer->Forward(inputs, {}, OutputOnly(output)),
+              StatusIs(absl::StatusCode::kInvalidArgument, "context_layout: required"));
+}
+
+TEST(AttentionLayer, CreateRejectsKeyValueWeightsOfTheWrongWidth) {
+  const HeadConfig config = MakeConfig(32, 4, 2, 8, 0, 24);
+  // Weights made for d_model-wide keys and values.
+  const AttentionWeights d_model_wide = SeededWeights(MakeConfig(32, 4, 2, 8), 1);
+  EXPECT_THAT(AttentionLayer::Create(config, d_model_wide),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "w_k: size 512 does not match the expected [24, 16] = 384"));
+  AttentionWeights weights = SeededWeights(config, 1);
+  weights.w_v.resize(32 * 16);
+  EXPECT_THAT(AttentionLayer::Create(config, weights),
+              StatusIs(absl::StatusCode::kInvalidArgument, "w_v: size 512"));
+  HeadConfig bad = config;
+  for (const int64_t context_dim : {int64_t{-1}, kMaxDModel + 1}) {
+    bad.context_dim = context_dim;
+    EXPECT_THAT(AttentionLayer::Create(bad, SeededWeights(config, 1)),
+                StatusIs(absl::StatusCode::kInvalidArgument, "head_config.context_dim"));
+  }
+}
+
 TEST(AttentionLayer, Bf16AsksRunBf16WhereSupportedAndFp32Elsewhere) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(SeedTrace(seed));
@@ -897,12 +1158,11 @@ TEST(AttentionLayer, CachedPrimitivesServeRepeatedAndAlternatingShapes) {
   std::mt19937_64 rng(seed);
   SmallLayer small = MakeSmallLayer(rng, 2);
   ASSERT_NE(small.layer, nullptr);
-  for (AttentionShape shape : {AttentionShape{2, 9}, AttentionShape{2, 9}, AttentionShape{3, 4},
-                               AttentionShape{2, 9}, AttentionShape{1, 9}, AttentionShape{3, 4}}) {
-    SCOPED_TRACE(absl::StrCat("batch ", shape.batch, ", seq_len ", shape.seq_len));
-    const std::vector<float> hidden =
-        RandomNormal(static_cast<size_t>(shape.batch * shape.seq_len * 32), rng);
-    ExpectAllMapModesMatch(*small.layer, small.weights, hidden, shape);
+  for (const auto& [batch, seq_len] :
+       std::vector<std::pair<int64_t, int64_t>>{{2, 9}, {2, 9}, {3, 4}, {2, 9}, {1, 9}, {3, 4}}) {
+    SCOPED_TRACE(absl::StrCat("batch ", batch, ", seq_len ", seq_len));
+    const std::vector<float> hidden = RandomNormal(static_cast<size_t>(batch * seq_len * 32), rng);
+    ExpectAllMapModesMatch(*small.layer, small.weights, hidden, batch, seq_len);
   }
 }
 
@@ -971,22 +1231,26 @@ TEST(AttentionLayer, ConcurrentCallersAreSerializedAndCorrect) {
   }
 }
 
-// Transitional: the issue-2 overload until the server moves to LayerInputs.
-TEST(AttentionLayer, ShapeOverloadRunsAPaddedLayoutWithFullLengths) {
+// A dense [batch, seq_len, d_model] tensor is a padded layout with full
+// lengths: its maps are [batch, num_heads, seq_len, seq_len].
+TEST(AttentionLayer, DenseBatchIsAPaddedLayoutWithFullLengths) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(SeedTrace(seed));
   std::mt19937_64 rng(seed);
   SmallLayer small = MakeSmallLayer(rng, 2);
   ASSERT_NE(small.layer, nullptr);
-  const AttentionShape shape{3, 5};
   const std::vector<float> hidden = RandomNormal(3 * 5 * 32, rng);
-  const ReferenceResult reference = ReferenceAttention(small.config, small.weights, hidden, shape);
-  std::vector<float> output(hidden.size());
-  std::vector<float> maps(
-      static_cast<size_t>(*AttentionMapElements(small.config, shape, AttentionMapMode::kPerHead)));
+  LayerInputs inputs;
+  inputs.hidden_states = hidden;
+  inputs.layout = Padded(3, 5);
+  const ReferenceResult reference = ReferenceLayer(small.config, small.weights, inputs);
   ForwardOptions options;
   options.maps.mode = Maps::kPerHead;
-  ASSERT_THAT(small.layer->Forward(hidden, shape, options, OutputOnly(output, &maps)), IsOk());
+  std::vector<float> output(hidden.size());
+  std::vector<float> maps(static_cast<size_t>(
+      *AttentionMapElements(small.config, inputs.layout, inputs.layout, options.maps)));
+  ASSERT_EQ(maps.size(), 3u * 4u * 5u * 5u);
+  ASSERT_THAT(small.layer->Forward(inputs, options, OutputOnly(output, &maps)), IsOk());
   EXPECT_LE(RelativeFrobeniusError(output, reference.output), kFp32Tolerance);
   EXPECT_LE(RelativeFrobeniusError(maps, reference.per_head_maps), kFp32Tolerance);
 }
@@ -1210,24 +1474,35 @@ TEST_F(AttentionLayerErrors, WrongStatisticsSizesAreInvalidArgument) {
 }
 
 TEST_F(AttentionLayerErrors, EmptyShapesAreInvalidArgument) {
+  // No layout with an empty batch or empty sequences can be made...
+  EXPECT_THAT(SequenceLayout::Padded(0, 3), StatusIs(kInvalid, "batch"));
+  EXPECT_THAT(SequenceLayout::Padded(2, 0), StatusIs(kInvalid, "padded_len"));
+  EXPECT_THAT(SequenceLayout::Padded(-1, -3), StatusIs(kInvalid, "batch"));
+  EXPECT_THAT(SequenceLayout::Packed({}), StatusIs(kInvalid, ""));
+  // ...and the layer rejects the default (empty) one and empty states.
   std::vector<float> output;
-  auto forward = [&](AttentionShape shape) {
-    return small_.layer->Forward({}, shape, {}, OutputOnly(output));
-  };
-  EXPECT_THAT(forward({0, 3}), StatusIs(kInvalid, "shape.batch"));
-  EXPECT_THAT(forward({2, 0}), StatusIs(kInvalid, "shape.seq_len"));
-  EXPECT_THAT(forward({-1, -3}), StatusIs(kInvalid, "shape.batch"));
+  LayerInputs inputs;
+  EXPECT_THAT(small_.layer->Forward(inputs, {}, OutputOnly(output)), StatusIs(kInvalid, "layout"));
+  inputs.layout = Padded(2, 3);
+  EXPECT_THAT(small_.layer->Forward(inputs, {}, OutputOnly(output)),
+              StatusIs(kInvalid, "hidden_states"));
 }
 
 TEST_F(AttentionLayerErrors, OverflowingShapesAreInvalidArgument) {
-  const int64_t huge = int64_t{1} << 40;
+  // 2^59 rows fit int64; rows * d_model (32) does not.
   std::vector<float> output(hidden_.size());
-  EXPECT_THAT(small_.layer->Forward(hidden_, {huge, huge}, {}, OutputOnly(output)),
-              StatusIs(kInvalid, "overflows"));
+  LayerInputs inputs;
+  inputs.hidden_states = hidden_;
+  inputs.layout = Padded(1, int64_t{1} << 59);
+  EXPECT_THAT(small_.layer->Forward(inputs, {}, OutputOnly(output)),
+              StatusIs(kInvalid,
+                       "hidden_states: [layout.rows 576460752303423488, d_model 32] "
+                       "overflows int64"));
   // hidden_states fits int64 but does not match.
   ForwardOptions options;
   options.maps.mode = Maps::kPerHead;
-  EXPECT_THAT(small_.layer->Forward(hidden_, {1, int64_t{1} << 31}, options, OutputOnly(output)),
+  inputs.layout = Padded(1, int64_t{1} << 31);
+  EXPECT_THAT(small_.layer->Forward(inputs, options, OutputOnly(output)),
               StatusIs(kInvalid, "hidden_states"));
 }
 
@@ -1279,10 +1554,11 @@ TEST(AttentionMapElements, CountsSelectionsAndReportsOverflow) {
   const SequenceLayout long_layout = Padded(1, huge);
   EXPECT_EQ(AttentionMapElements(config, long_layout, long_layout, {Maps::kPerHead, {}, {}}),
             std::nullopt);
-  // Transitional overload.
-  EXPECT_EQ(AttentionMapElements(config, AttentionShape{3, 5}, Maps::kPerHead), 3 * 8 * 5 * 5);
-  EXPECT_EQ(AttentionMapElements(config, AttentionShape{3, 5}, Maps::kMeanOverHeads), 3 * 5 * 5);
-  EXPECT_EQ(AttentionMapElements(config, AttentionShape{huge, huge}, Maps::kMeanOverHeads),
+  // A dense batch (padded, full lengths) in self-attention.
+  const SequenceLayout dense = Padded(3, 5);
+  EXPECT_EQ(AttentionMapElements(config, dense, dense, {Maps::kPerHead, {}, {}}), 3 * 8 * 5 * 5);
+  EXPECT_EQ(AttentionMapElements(config, dense, dense, {Maps::kMeanOverHeads, {}, {}}), 3 * 5 * 5);
+  EXPECT_EQ(AttentionMapElements(config, long_layout, long_layout, {Maps::kMeanOverHeads, {}, {}}),
             std::nullopt);
 }
 

@@ -40,7 +40,7 @@ inline std::vector<float> RandomNormal(size_t n, std::mt19937_64& rng, double st
 }
 
 // Random weights of the usual magnitude (uniform in +-1/sqrt(fan_in)),
-// independent of SeededWeights.
+// independent of SeededWeights. `config` must be resolved.
 inline core::AttentionWeights RandomWeights(const core::HeadConfig& config, std::mt19937_64& rng) {
   auto uniform = [&rng](size_t n, int64_t fan_in) {
     const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
@@ -50,15 +50,16 @@ inline core::AttentionWeights RandomWeights(const core::HeadConfig& config, std:
     return values;
   };
   const size_t d = static_cast<size_t>(config.d_model);
+  const size_t c = static_cast<size_t>(config.context_dim);
   const size_t q = static_cast<size_t>(config.q_width());
   const size_t kv = static_cast<size_t>(config.kv_width());
   core::AttentionWeights w;
   w.w_q = uniform(d * q, config.d_model);
   w.b_q = uniform(q, config.d_model);
-  w.w_k = uniform(d * kv, config.d_model);
-  w.b_k = uniform(kv, config.d_model);
-  w.w_v = uniform(d * kv, config.d_model);
-  w.b_v = uniform(kv, config.d_model);
+  w.w_k = uniform(c * kv, config.context_dim);
+  w.b_k = uniform(kv, config.context_dim);
+  w.w_v = uniform(c * kv, config.context_dim);
+  w.b_v = uniform(kv, config.context_dim);
   w.w_o = uniform(q * d, config.q_width());
   w.b_o = uniform(d, config.q_width());
   return w;

@@ -19,12 +19,14 @@ namespace {
 using ::attnserve::testing::IsOk;
 using ::attnserve::testing::StatusIs;
 
-HeadConfig Resolved(int64_t d_model, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+HeadConfig Resolved(int64_t d_model, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                    int64_t context_dim = 0) {
   HeadConfig config;
   config.d_model = d_model;
   config.num_heads = num_heads;
   config.num_kv_heads = num_kv_heads;
   config.head_dim = head_dim;
+  config.context_dim = context_dim;
   absl::StatusOr<HeadConfig> resolved = ResolveHeadConfig(config);
   EXPECT_TRUE(resolved.ok()) << resolved.status();
   return resolved.value_or(HeadConfig{});
@@ -115,6 +117,51 @@ TEST(SeededWeights, MatchesValuesComputedWithNumpy) {
   EXPECT_EQ(Bits(bert.b_o[767]), 0xbcbf075bu);
 }
 
+TEST(SeededWeights, MatchesValuesComputedWithNumpyForAContextOfAnotherWidth) {
+  // seeded_weights(d_model=8, num_heads=2, num_kv_heads=1, head_dim=4, seed=7,
+  // context_dim=3) from the NumPy snippet: w_k, b_k, w_v, b_v are [3, 4] and
+  // [4] with fan_in 3; the other tensors are those of context_dim 8.
+  const AttentionWeights narrow = SeededWeights(Resolved(8, 2, 1, 4, 3), 7);
+  ASSERT_EQ(narrow.w_k.size(), 12u);
+  ASSERT_EQ(narrow.w_v.size(), 12u);
+  EXPECT_EQ(Bits(narrow.w_k[2 * 4 + 1]), 0xbed8cbe6u);  // -0.4234306216239929
+  EXPECT_EQ(Bits(narrow.b_k[3]), 0xbead8c14u);          // -0.33895933628082275
+  EXPECT_EQ(Bits(narrow.w_v[0 * 4 + 2]), 0xbed2f47au);  // -0.4120214581489563
+  EXPECT_EQ(Bits(narrow.b_v[1]), 0xbe92947cu);          // -0.2862890958786011
+  EXPECT_EQ(Bits(narrow.w_q[0]), 0xbd9f8b2cu);          // as with context_dim 8
+}
+
+TEST(SeededWeights, AContextDimOfDModelGivesTheSameWeightsAsTheDefault) {
+  const AttentionWeights by_default = SeededWeights(Resolved(24, 4, 2, 0), 31);
+  const AttentionWeights explicit_dim = SeededWeights(Resolved(24, 4, 2, 0, 24), 31);
+  EXPECT_EQ(by_default.w_q, explicit_dim.w_q);
+  EXPECT_EQ(by_default.w_k, explicit_dim.w_k);
+  EXPECT_EQ(by_default.b_k, explicit_dim.b_k);
+  EXPECT_EQ(by_default.w_v, explicit_dim.w_v);
+  EXPECT_EQ(by_default.b_v, explicit_dim.b_v);
+  EXPECT_EQ(by_default.w_o, explicit_dim.w_o);
+}
+
+TEST(SeededWeights, KeyValueTensorsReadTheContextDimAsFanIn) {
+  const HeadConfig config = Resolved(6, 4, 2, 3, 10);
+  AttentionWeights weights = SeededWeights(config, 99);
+  const auto fields = Fields(weights);
+  const double fan_ins[8] = {6, 6, 10, 10, 10, 10, 12, 12};
+  const size_t sizes[8] = {6 * 12, 12, 10 * 6, 6, 10 * 6, 6, 12 * 6, 6};
+  for (size_t t = 0; t < fields.size(); ++t) {
+    SCOPED_TRACE(fields[t].first);
+    const std::vector<float>& tensor = *fields[t].second;
+    ASSERT_EQ(tensor.size(), sizes[t]);
+    for (size_t i = 0; i < tensor.size(); ++i) {
+      const double u = RecipeUniform(99, t, i);
+      ASSERT_EQ(Bits(tensor[i]),
+                Bits(static_cast<float>((2.0 * u - 1.0) * (1.0 / std::sqrt(fan_ins[t])))))
+          << "element " << i;
+    }
+  }
+  EXPECT_THAT(ValidateWeights(config, weights), IsOk());
+}
+
 TEST(SeededWeights, FollowsTheRecipeForEveryTensor) {
   const HeadConfig config = Resolved(6, 4, 2, 3);
   AttentionWeights weights = SeededWeights(config, 99);
@@ -183,6 +230,19 @@ TEST(ValidateWeights, NamesTheTensorWhoseSizeIsWrong) {
     EXPECT_THAT(ValidateWeights(config, weights),
                 StatusIs(absl::StatusCode::kInvalidArgument, fields[t].first + ": size"));
   }
+}
+
+TEST(ValidateWeights, CatchesKvWeightsSizedForDModelInsteadOfContextDim) {
+  const HeadConfig narrow = Resolved(8, 2, 1, 4, 5);
+  const AttentionWeights d_model_wide = SeededWeights(Resolved(8, 2, 1, 4), 1);
+  EXPECT_THAT(ValidateWeights(narrow, d_model_wide),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "w_k: size 32 does not match the expected [5, 4] = 20"));
+  AttentionWeights weights = SeededWeights(narrow, 1);
+  EXPECT_THAT(ValidateWeights(narrow, weights), IsOk());
+  weights.w_v.resize(32);
+  EXPECT_THAT(ValidateWeights(narrow, weights),
+              StatusIs(absl::StatusCode::kInvalidArgument, "w_v: size 32"));
 }
 
 TEST(ValidateWeights, CatchesKvWeightsSizedForAllHeads) {

@@ -119,6 +119,36 @@ TEST(ResolveHeadConfig, RejectsADefaultHeadDimThatDoesNotDivide) {
   EXPECT_THAT(ResolveHeadConfig(Config(768, 5, 0, 64)), IsOk());
 }
 
+TEST(ResolveHeadConfig, ContextDimDefaultsToDModel) {
+  const absl::StatusOr<HeadConfig> resolved = ResolveHeadConfig(Config(96, 6, 3));
+  ASSERT_THAT(resolved, IsOk());
+  EXPECT_EQ(resolved->context_dim, 96);
+}
+
+TEST(ResolveHeadConfig, KeepsAnExplicitContextDimUpToTheLimit) {
+  for (int64_t context_dim : {int64_t{1}, int64_t{24}, int64_t{96}, int64_t{1000}, kMaxDModel}) {
+    SCOPED_TRACE(context_dim);
+    HeadConfig config = Config(96, 6, 3);
+    config.context_dim = context_dim;
+    const absl::StatusOr<HeadConfig> resolved = ResolveHeadConfig(config);
+    ASSERT_THAT(resolved, IsOk());
+    EXPECT_EQ(resolved->context_dim, context_dim);
+    EXPECT_EQ(resolved->d_model, 96);
+  }
+}
+
+TEST(ResolveHeadConfig, RejectsBadContextDims) {
+  HeadConfig config = Config(96, 6);
+  config.context_dim = -24;
+  EXPECT_THAT(ResolveHeadConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "head_config.context_dim: must be positive, got -24"));
+  config.context_dim = kMaxDModel + 1;
+  EXPECT_THAT(ResolveHeadConfig(config),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "head_config.context_dim: 65537 exceeds the limit"));
+}
+
 HeadConfig Rotary(int64_t rotary_dim, float theta = 10000.0f) {
   HeadConfig config = Config(64, 4);  // head_dim 16
   config.rotary.rotary_dim = rotary_dim;
@@ -180,6 +210,7 @@ TEST(ResolveHeadConfig, IsIdempotent) {
   EXPECT_EQ(twice->num_kv_heads, once->num_kv_heads);
   EXPECT_EQ(twice->head_dim, once->head_dim);
   EXPECT_EQ(twice->scale, once->scale);
+  EXPECT_EQ(twice->context_dim, once->context_dim);
 }
 
 }  // namespace

@@ -172,8 +172,10 @@ ReferenceResult ReferenceLayer(const core::HeadConfig& config,
   // Every row is projected, padding too (NaN there stays there, unused).
   const std::vector<double> q =
       Linear(inputs.hidden_states, layout.rows(), d, weights.w_q, weights.b_q, config.q_width());
-  const std::vector<double> k = Linear(c, keys.rows(), d, weights.w_k, weights.b_k, kv_width);
-  const std::vector<double> v = Linear(c, keys.rows(), d, weights.w_v, weights.b_v, kv_width);
+  // The context is context_dim wide (== d_model in self-attention).
+  const int64_t c_width = config.context_dim;
+  const std::vector<double> k = Linear(c, keys.rows(), c_width, weights.w_k, weights.b_k, kv_width);
+  const std::vector<double> v = Linear(c, keys.rows(), c_width, weights.w_v, weights.b_v, kv_width);
 
   ReferenceResult r;
   core::RotaryConfig no_rotary;
@@ -287,16 +289,6 @@ std::vector<double> SelectMaps(const ReferenceResult& result, const core::HeadCo
     }
   }
   return out;
-}
-
-ReferenceResult ReferenceAttention(const core::HeadConfig& config,
-                                   const core::AttentionWeights& weights,
-                                   absl::Span<const float> hidden_states,
-                                   core::AttentionShape shape) {
-  core::LayerInputs inputs;
-  inputs.hidden_states = hidden_states;
-  inputs.layout = core::SequenceLayout::Padded(shape.batch, shape.seq_len).value();
-  return ReferenceLayer(config, weights, inputs);
 }
 
 double RelativeFrobeniusError(absl::Span<const float> actual, absl::Span<const double> expected) {

@@ -35,7 +35,8 @@ struct ReferenceResult {
 // as core::LayerInputs (all features: padded/packed layouts, cross-attention,
 // causal, explicit masks, head mask, RoPE). Per sequence b and head h,
 // g = h / (num_heads / num_kv_heads):
-//   Q = X w_q + b_q, K = C w_k + b_k, V = C w_v + b_v   (C = X in self-attention)
+//   Q = X w_q + b_q, K = C w_k + b_k, V = C w_v + b_v   (C = X in self-attention;
+//   X is [.., d_model], C [.., context_dim])
 //   RoPE (rotate half) on Q at position_offsets[b] + i and on K at the same
 //   positions (self) or at i (cross)
 //   s_ij = Q_i K_j^T * scale (+ additive mask), -inf where j is past the keys'
@@ -54,13 +55,6 @@ ReferenceResult ReferenceCore(const core::HeadConfig& config, const core::CoreIn
 // queries and T keys), in the layout of core::MapSelection.
 std::vector<double> SelectMaps(const ReferenceResult& result, const core::HeadConfig& config,
                                int64_t batch, int64_t s, int64_t t, const core::MapSelection& maps);
-
-// The issue-2 reference: bidirectional self-attention on `shape.batch`
-// sequences of `shape.seq_len` tokens (hidden_states [batch, seq_len, d_model]).
-ReferenceResult ReferenceAttention(const core::HeadConfig& config,
-                                   const core::AttentionWeights& weights,
-                                   absl::Span<const float> hidden_states,
-                                   core::AttentionShape shape);
 
 // ||actual - expected||_F / ||expected||_F (the absolute error when expected
 // is all zeros). Infinity when the sizes differ or `actual` is not finite.

@@ -38,10 +38,11 @@ def seeded_uniform(seed, stream, n):
     return (z >> np.uint64(40)).astype(np.float64) / float(1 << 24)
 
 
-def seeded_weights(seed, d_model, num_heads, num_kv_heads, head_dim):
+def seeded_weights(seed, d_model, num_heads, num_kv_heads, head_dim, context_dim=None):
+    c = context_dim or d_model  # self-attention: the keys' and values' input is d_model wide
     q, kv = num_heads * head_dim, num_kv_heads * head_dim
-    shapes = [(d_model, q), (q,), (d_model, kv), (kv,), (d_model, kv), (kv,), (q, d_model), (d_model,)]
-    fan_ins = [d_model] * 6 + [q, q]
+    shapes = [(d_model, q), (q,), (c, kv), (kv,), (c, kv), (kv,), (q, d_model), (d_model,)]
+    fan_ins = [d_model] * 2 + [c] * 4 + [q, q]
     weights = []
     for stream, (shape, fan_in) in enumerate(zip(shapes, fan_ins)):
         u = seeded_uniform(seed, stream, int(np.prod(shape)))

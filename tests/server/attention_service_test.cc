@@ -345,7 +345,7 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
          r.mutable_context()->clear_shape();
          for (int64_t d : {2, 6, 512}) r.mutable_context()->add_shape(d);
        },
-       grpc::StatusCode::INVALID_ARGUMENT, "context.shape[2] (d_model)"},
+       grpc::StatusCode::INVALID_ARGUMENT, "context.shape[2] (context_dim)"},
       {"context batch",
        [&](auto& r) {
          *r.mutable_context() = r.hidden_states();
@@ -425,6 +425,12 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
       {"kv heads not dividing heads",
        [](auto& r) { SetAdHoc(r, 768, 12, 5, 0, 0); }, grpc::StatusCode::INVALID_ARGUMENT,
        "layer.head_config.num_kv_heads"},
+      {"self-attention on a layer with a context width",
+       [](auto& r) {
+         SetAdHoc(r, 768, 12, 0, 0, 0);
+         r.mutable_layer()->mutable_head_config()->set_context_dim(24);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "context: required"},
       {"rotary dim odd", [](auto& r) { SetAdHoc(r, 768, 12, 0, 0, 7); },
        grpc::StatusCode::INVALID_ARGUMENT, "layer.head_config.rotary"},
       {"rotary dim too large", [](auto& r) { SetAdHoc(r, 768, 12, 0, 0, 66); },

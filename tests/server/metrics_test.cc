@@ -191,6 +191,16 @@ TEST(Metrics, ServesTheRegistryAndProcessMetricsOverHttpOnAnEphemeralPort) {
             0);
 }
 
+TEST(Metrics, StopsWithinASecondAfterServingAScrape) {
+  // civetweb's listener polls in 2 s rounds; Metrics wakes it on the way out.
+  auto metrics = Metrics::Create({.address = "127.0.0.1:0"});
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  EXPECT_THAT(HttpGet((*metrics)->port(), "/metrics").status_line, HasSubstr("200"));
+  const absl::Time start = absl::Now();
+  metrics->reset();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
 TEST(Metrics, BuildInfoNamesTheVersionOneDnnAndTheIsa) {
   auto metrics = Metrics::Create({});
   ASSERT_TRUE(metrics.ok()) << metrics.status();
