@@ -1,13 +1,23 @@
 #include "client/attention_client.h"
 
+#include <arpa/inet.h>
+
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 
 namespace attnserve::client {
 namespace {
@@ -31,19 +41,142 @@ absl::StatusOr<Response> Call(Stub& stub,
   return response;
 }
 
+// Requests up to this size stay retryable: the server's default
+// --max_receive_message_bytes. The buffer holds a call's request only while
+// the call is in flight.
+constexpr int kRetryBufferBytes = 64 << 20;
+
+enum class AddressFamily { kIpv4, kIpv6 };
+
+// The family of "a.b.c.d:port" or "[v6]:port" (a port in 1..65535), or none.
+std::optional<AddressFamily> IpAddressWithPort(absl::string_view entry) {
+  const size_t colon = entry.rfind(':');
+  if (colon == absl::string_view::npos) return std::nullopt;
+  absl::string_view host = entry.substr(0, colon);
+  int port = 0;
+  if (!absl::SimpleAtoi(entry.substr(colon + 1), &port) || port < 1 || port > 65535) {
+    return std::nullopt;
+  }
+  unsigned char address[sizeof(in6_addr)];
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    const std::string v6(host.substr(1, host.size() - 2));
+    if (inet_pton(AF_INET6, v6.c_str(), address) == 1) return AddressFamily::kIpv6;
+    return std::nullopt;
+  }
+  if (inet_pton(AF_INET, std::string(host).c_str(), address) == 1) return AddressFamily::kIpv4;
+  return std::nullopt;
+}
+
+// A service config duration: decimal seconds with an "s" ("0.050000s").
+std::string JsonDuration(double seconds) { return absl::StrFormat("\"%.6fs\"", seconds); }
+
+// The resolvers gRPC 1.51 registers; a target starting with one is a URI.
+constexpr absl::string_view kUriSchemes[] = {"dns:", "ipv4:", "ipv6:", "unix:",
+                                             "unix-abstract:", "xds:"};
+
 }  // namespace
+
+absl::StatusOr<std::string> ChannelTarget(absl::string_view target) {
+  target = absl::StripAsciiWhitespace(target);
+  if (target.empty()) return absl::InvalidArgumentError("target: required");
+  for (absl::string_view scheme : kUriSchemes) {
+    if (absl::StartsWith(target, scheme)) return std::string(target);
+  }
+  if (!absl::StrContains(target, ',')) return std::string(target);
+  std::vector<std::string> entries;
+  std::optional<AddressFamily> family;
+  for (absl::string_view entry : absl::StrSplit(target, ',')) {
+    entry = absl::StripAsciiWhitespace(entry);
+    if (entry.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("target: empty entry in '", target, "'"));
+    }
+    const std::optional<AddressFamily> entry_family = IpAddressWithPort(entry);
+    if (!entry_family.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "target: '", entry,
+          "' is not an IP address with a port; a list of replicas takes IP addresses "
+          "(a.b.c.d:port or [v6]:port), for names use one DNS name that resolves to every "
+          "replica (dns:///name:port)"));
+    }
+    if (family.has_value() && *family != *entry_family) {
+      return absl::InvalidArgumentError("target: a list mixes IPv4 and IPv6 addresses");
+    }
+    family = entry_family;
+    entries.emplace_back(entry);
+  }
+  return absl::StrCat(*family == AddressFamily::kIpv4 ? "ipv4:" : "ipv6:",
+                      absl::StrJoin(entries, ","));
+}
+
+absl::StatusOr<std::string> ServiceConfigJson(const ClientOptions& options) {
+  const std::string& policy = options.lb_policy;
+  if (!policy.empty() && policy != "pick_first" && policy != "round_robin") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lb_policy: '", policy, "' is not one of pick_first, round_robin (or empty)"));
+  }
+  for (char c : options.health_check_service) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_') {
+      return absl::InvalidArgumentError(
+          "health_check_service: a service name is letters, digits, '.' and '_'");
+    }
+  }
+  const RetryOptions& retry = options.retry;
+  if (retry.max_attempts < 1 || retry.max_attempts > 5) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_attempts: ", retry.max_attempts, " is outside [1, 5] (1: no retries)"));
+  }
+  if (!(retry.initial_backoff_seconds > 0 && retry.initial_backoff_seconds <= 3600) ||
+      !(retry.max_backoff_seconds > 0 && retry.max_backoff_seconds <= 3600)) {
+    return absl::InvalidArgumentError("backoff: seconds must be in (0, 3600]");
+  }
+  if (!(retry.backoff_multiplier > 0 && retry.backoff_multiplier <= 100)) {
+    return absl::InvalidArgumentError("backoff_multiplier: must be in (0, 100]");
+  }
+
+  std::vector<std::string> fields;
+  if (!policy.empty()) {
+    fields.push_back(absl::StrCat("\"loadBalancingConfig\": [{\"", policy, "\": {}}]"));
+  }
+  // pick_first ignores health checking; round_robin sends calls only to
+  // backends whose Watch says SERVING.
+  if (policy == "round_robin" && !options.health_check_service.empty()) {
+    fields.push_back(absl::StrCat("\"healthCheckConfig\": {\"serviceName\": \"",
+                                  options.health_check_service, "\"}"));
+  }
+  if (retry.max_attempts > 1) {
+    // UNAVAILABLE is what a replica that stops, drains or cannot be reached
+    // answers; Attend is a pure function of its request, so running it again
+    // elsewhere is safe. Other codes are the request's own fault or final.
+    fields.push_back(absl::StrCat(
+        "\"methodConfig\": [{\"name\": [{\"service\": \"", v1::AttentionService::service_full_name(),
+        "\"}, {\"service\": \"", grpc::health::v1::Health::service_full_name(),
+        "\"}], \"retryPolicy\": {\"maxAttempts\": ", retry.max_attempts,
+        ", \"initialBackoff\": ", JsonDuration(retry.initial_backoff_seconds),
+        ", \"maxBackoff\": ", JsonDuration(retry.max_backoff_seconds),
+        ", \"backoffMultiplier\": ", absl::StrFormat("%g", retry.backoff_multiplier),
+        ", \"retryableStatusCodes\": [\"UNAVAILABLE\"]}}]"));
+  }
+  return absl::StrCat("{", absl::StrJoin(fields, ", "), "}");
+}
 
 absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
     const ClientOptions& options) {
-  if (options.target.empty()) return absl::InvalidArgumentError("target: required");
+  absl::StatusOr<std::string> target = ChannelTarget(options.target);
+  if (!target.ok()) return target.status();
   if (!(options.timeout_seconds > 0)) {
     return absl::InvalidArgumentError("timeout_seconds: must be positive");
   }
+  absl::StatusOr<std::string> service_config = ServiceConfigJson(options);
+  if (!service_config.ok()) return service_config.status();
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options.max_receive_message_bytes));
   args.SetMaxSendMessageSize(-1);
-  auto channel =
-      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
+  args.SetServiceConfigJSON(*service_config);
+  args.SetInt(GRPC_ARG_ENABLE_RETRIES, options.retry.max_attempts > 1 ? 1 : 0);
+  // A call is retried only while its request fits the retry buffer (256 KiB
+  // by default); Attend requests are often larger.
+  args.SetInt(GRPC_ARG_PER_RPC_RETRY_BUFFER_SIZE, kRetryBufferBytes);
+  auto channel = grpc::CreateCustomChannel(*target, grpc::InsecureChannelCredentials(), args);
   return std::unique_ptr<AttentionClient>(new AttentionClient(options, std::move(channel)));
 }
 

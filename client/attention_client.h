@@ -15,21 +15,62 @@
 
 namespace attnserve::client {
 
+// How a call that failed with UNAVAILABLE (a replica stopping, draining or
+// unreachable) is tried again, on whichever backend the load-balancing policy
+// picks next. Becomes the retryPolicy of the channel's service config; every
+// attempt falls within the call's one deadline.
+struct RetryOptions {
+  // Attempts in all, first included: 1 turns retries off; gRPC caps it at 5.
+  int max_attempts = 4;
+  // Backoff before attempt n+1: random in [0, min(initial * multiplier^(n-1), max)].
+  double initial_backoff_seconds = 0.05;
+  double max_backoff_seconds = 1;
+  double backoff_multiplier = 2;
+};
+
 struct ClientOptions {
-  // gRPC target, e.g. "localhost:50051" or "dns:///attnserve:50051".
+  // Where the server is: "host:port"; a comma-separated list of IP
+  // "address:port" replicas ("127.0.0.1:5001,127.0.0.1:5002", or "[::1]:5001,...")
+  // that becomes an ipv4:/ipv6: target; or any gRPC target URI
+  // ("dns:///attnserve:50051", "ipv4:10.0.0.1:50051,10.0.0.2:50051").
   std::string target = "localhost:50051";
-  // Deadline of each call.
+  // The channel's load-balancing policy: "" (gRPC's default, pick_first: every
+  // call to the first address that answers), "pick_first" or "round_robin"
+  // (calls spread over every address the target resolves to).
+  std::string lb_policy;
+  // With round_robin: the grpc.health.v1 service the client watches on each
+  // backend, sending calls only to those that report SERVING (a replica that
+  // is loading or draining gets none). "" turns client-side health checking off.
+  std::string health_check_service = "attnserve.v1.AttentionService";
+  RetryOptions retry;
+  // Deadline of each call, retries included.
   double timeout_seconds = 30;
   // Largest response accepted (outputs and maps can be large).
   int64_t max_receive_message_bytes = int64_t{256} << 20;
 };
+
+// The gRPC target for options.target: a comma-separated list of IP
+// address:port replicas becomes "ipv4:a:p,b:q" (or "ipv6:[a]:p,..."); a
+// single address or a URI is returned as it is. INVALID_ARGUMENT (naming
+// "target") for an empty target or entry, a list that mixes IPv4 and IPv6,
+// or a list entry that is not an IP address with a port (gRPC resolves a list
+// of names no other way: use one DNS name that resolves to every replica).
+absl::StatusOr<std::string> ChannelTarget(absl::string_view target);
+
+// The channel's service config (JSON): the load-balancing policy, client-side
+// health checking (round_robin only) and the retry policy for UNAVAILABLE on
+// attnserve.v1.AttentionService and grpc.health.v1.Health. INVALID_ARGUMENT
+// (naming the field) for an unknown lb_policy, or retry settings outside
+// max_attempts in [1, 5] or positive backoffs (multiplier >= 1).
+absl::StatusOr<std::string> ServiceConfigJson(const ClientOptions& options);
 
 // A thin C++ client of attnserve.v1.AttentionService and grpc.health.v1.
 // Calls return the server's status as an absl::Status with the same code and
 // message. Thread-safe (gRPC channels and stubs are).
 class AttentionClient {
  public:
-  // INVALID_ARGUMENT for an empty target or a non-positive timeout.
+  // INVALID_ARGUMENT for an empty target or a non-positive timeout, and as
+  // ChannelTarget and ServiceConfigJson say.
   static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(const ClientOptions& options);
 
   absl::StatusOr<v1::ListModelsResponse> ListModels() const;

@@ -23,8 +23,18 @@
 #include "client/attention_client.h"
 #include "client/request_builder.h"
 
-ABSL_FLAG(std::string, target, "localhost:50051", "attnserve gRPC address");
-ABSL_FLAG(double, timeout_seconds, 30, "Deadline of each call");
+ABSL_FLAG(std::string, target, "localhost:50051",
+          "attnserve gRPC address: host:port; replicas as a comma-separated list of IP "
+          "address:port (127.0.0.1:5001,127.0.0.1:5002); or a gRPC URI (dns:///name:port, "
+          "ipv4:10.0.0.1:50051,10.0.0.2:50051)");
+ABSL_FLAG(std::string, lb_policy, "",
+          "Load balancing over the addresses --target resolves to: round_robin (calls spread "
+          "over every replica that reports SERVING), pick_first, or empty (gRPC's default, "
+          "pick_first)");
+ABSL_FLAG(int, max_attempts, attnserve::client::RetryOptions().max_attempts,
+          "Attempts per call, retries of UNAVAILABLE included (1: no retries; at most 5); "
+          "with --lb_policy=round_robin a retry goes to another replica");
+ABSL_FLAG(double, timeout_seconds, 30, "Deadline of each call, retries included");
 ABSL_FLAG(std::string, model, "default", "attend/model: the model to use");
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (\"\" = the whole server, or "
@@ -102,6 +112,7 @@ namespace {
 constexpr char kUsage[] = R"(the command-line client of attnserve.
 
 Usage: attnctl <command> [--target=host:port] [flags]
+       attnctl <command> --target=ip:port,ip:port,... --lb_policy=round_robin [flags]
 Commands:
   models                  list the loaded models and their head configurations
   model --model=M         describe one model
@@ -126,6 +137,8 @@ Examples:
   attnctl attend --lengths=3,5,8 --packed --causal --stats
   attnctl attend --layer_seed=7 --d_model=64 --num_heads=4 --num_kv_heads=2 --rotary_dim=16 \
       --position_offsets=0 --seq=12 --maps=mean
+  attnctl attend --target=127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003 \
+      --lb_policy=round_robin --repeat=300      # spread over three replicas
 )";
 
 int Fail(const absl::Status& status) {
@@ -281,6 +294,8 @@ int main(int argc, char** argv) {
   const std::string command = args[1];
   attnserve::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
+  options.lb_policy = absl::GetFlag(FLAGS_lb_policy);
+  options.retry.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);
   auto client = attnserve::client::AttentionClient::Create(options);
   if (!client.ok()) return attnserve::client::Fail(client.status());

@@ -1,5 +1,9 @@
 #include "server/attention_service.h"
 
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+#include <grpcpp/support/proto_buffer_writer.h>
+
 #include <chrono>
 #include <string>
 #include <utility>
@@ -98,6 +102,12 @@ void ObserveCompute(const AttendPlan& plan, const v1::AttendResponse& response,
   reactor.set_compute(compute);
 }
 
+// One Attend call's messages, alive until the call is finished.
+struct AttendCall {
+  v1::AttendRequest request;
+  v1::AttendResponse response;
+};
+
 }  // namespace
 
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options,
@@ -136,18 +146,31 @@ bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
-                                                       const v1::AttendRequest* request,
-                                                       v1::AttendResponse* response) {
-  auto* reactor = new ObservedReactor(context, RpcMethod::kAttend, request->model(), metrics_,
+                                                       const grpc::ByteBuffer* request_bytes,
+                                                       grpc::ByteBuffer* response_bytes) {
+  // The request and response live until the call is finished.
+  auto call = std::make_shared<AttendCall>();
+  grpc::ByteBuffer bytes(*request_bytes);  // shares the slices; parsing consumes it
+  const grpc::Status parsed =
+      grpc::SerializationTraits<v1::AttendRequest>::Deserialize(&bytes, &call->request);
+  auto* reactor = new ObservedReactor(context, RpcMethod::kAttend, call->request.model(), metrics_,
                                       options_.access_log);
-  if (reactor->access_log()) reactor->set_shapes(AttendShapes(*request));
+  if (!parsed.ok()) {
+    reactor->FinishCall(grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        "request: not a valid attnserve.v1.AttendRequest (malformed protobuf, or a string that is "
+        "not UTF-8)"));
+    return reactor;
+  }
+  const v1::AttendRequest& request = call->request;
+  if (reactor->access_log()) reactor->set_shapes(AttendShapes(request));
   const absl::Time arrival = absl::Now();
   if (absl::Status admitted = BeginCall(); !admitted.ok()) {
     reactor->FinishCall(ToGrpcStatus(admitted));
     return reactor;
   }
   absl::StatusOr<AttendPlan> plan =
-      PlanAttend(*request, *registry_, options_.limits, options_.max_send_message_bytes);
+      PlanAttend(request, *registry_, options_.limits, options_.max_send_message_bytes);
   if (!plan.ok()) {
     reactor->FinishCall(ToGrpcStatus(plan.status()));
     EndCall();
@@ -156,11 +179,21 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   metrics_->OnQueued();
   const absl::Time queued = absl::Now();
   absl::Status submitted = executor_->Submit(
-      [this, context, request, response, reactor, arrival, queued, plan = *std::move(plan)] {
+      [this, context, call, response_bytes, reactor, arrival, queued, plan = *std::move(plan)] {
         const absl::Time start = absl::Now();
         reactor->Dequeued(start - queued);
-        const absl::Status status = RunAttend(context, *request, plan, arrival, layer_cache_, response);
-        if (status.ok()) ObserveCompute(plan, *response, absl::Now() - start, *reactor, *metrics_);
+        absl::Status status =
+            RunAttend(context, call->request, plan, arrival, layer_cache_, &call->response);
+        if (status.ok()) {
+          ObserveCompute(plan, call->response, absl::Now() - start, *reactor, *metrics_);
+          bool own_buffer = false;
+          const grpc::Status serialized = grpc::SerializationTraits<v1::AttendResponse>::Serialize(
+              call->response, response_bytes, &own_buffer);
+          if (!serialized.ok()) {
+            status = absl::InternalError(
+                absl::StrCat("response: cannot serialize: ", serialized.error_message()));
+          }
+        }
         reactor->FinishCall(ToGrpcStatus(status));
         EndCall();
       });

@@ -23,8 +23,14 @@ namespace attnserve::server {
 // Every call is reported to Metrics (and, with options.access_log, to the
 // access log) when it arrives and when it finishes.
 //
+// Attend takes the request as bytes and parses it itself, so that bytes that
+// are not an AttendRequest get INVALID_ARGUMENT naming the request (gRPC's
+// generated handler would answer UNIMPLEMENTED with no message).
+//
 // Thread-safe. `registry`, `executor` and `metrics` must outlive the service.
-class AttentionServiceImpl final : public v1::AttentionService::CallbackService {
+class AttentionServiceImpl final
+    : public v1::AttentionService::WithRawCallbackMethod_Attend<
+          v1::AttentionService::CallbackService> {
  public:
   enum class State { kStarting, kServing, kDraining };
 
@@ -39,8 +45,8 @@ class AttentionServiceImpl final : public v1::AttentionService::CallbackService 
   bool WaitForIdle(absl::Time deadline);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
+                                   const grpc::ByteBuffer* request_bytes,
+                                   grpc::ByteBuffer* response_bytes) override;
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
                                        const v1::ListModelsRequest* request,
                                        v1::ListModelsResponse* response) override;

@@ -63,6 +63,7 @@ int main(int argc, char** argv) {
       "Usage: attnserve [--listen_address=0.0.0.0:50051] [flags]\n"
       "Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish, exit 0.");
   absl::ParseCommandLine(argc, argv);
+  attnserve::server::LimitProtobufLogs();
 
   attnserve::server::ServerOptions options;
   options.listen_address = absl::GetFlag(FLAGS_listen_address);

@@ -2,7 +2,11 @@
 
 #include <unistd.h>
 
+#include <atomic>
+#include <cstdint>
 #include <string>
+
+#include <google/protobuf/stubs/logging.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -18,5 +22,26 @@ void LogLine(absl::string_view message) {
   ssize_t ignored = ::write(STDERR_FILENO, line.data(), line.size());
   (void)ignored;
 }
+
+namespace {
+
+void RateLimitedProtobufLog(google::protobuf::LogLevel /*level*/, const char* /*filename*/,
+                            int /*line*/, const std::string& message) {
+  static std::atomic<int64_t> last_second{0};
+  static std::atomic<int64_t> suppressed{0};
+  const int64_t now = absl::ToUnixSeconds(absl::Now());
+  int64_t last = last_second.load();
+  if (now == last || !last_second.compare_exchange_strong(last, now)) {
+    ++suppressed;
+    return;
+  }
+  const int64_t dropped = suppressed.exchange(0);
+  LogLine(absl::StrCat("protobuf: ", message,
+                       dropped > 0 ? absl::StrCat(" (", dropped, " similar lines dropped)") : ""));
+}
+
+}  // namespace
+
+void LimitProtobufLogs() { google::protobuf::SetLogHandler(&RateLimitedProtobufLog); }
 
 }  // namespace attnserve::server

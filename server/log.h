@@ -9,6 +9,11 @@ namespace attnserve::server {
 // Thread-safe (one write per line). The edges of the server log; core does not.
 void LogLine(absl::string_view message);
 
+// Routes protobuf's own log lines (e.g. one per request with a string that is
+// not UTF-8) through LogLine, at most one a second, so malformed requests
+// cannot flood stderr. Call once at start-up.
+void LimitProtobufLogs();
+
 }  // namespace attnserve::server
 
 #endif  // ATTNSERVE_SERVER_LOG_H_

@@ -143,6 +143,18 @@ class EndToEnd(unittest.TestCase):
             np.testing.assert_allclose(maps.sum(axis=-1), 1.0, atol=1e-5)
             self.assertEqual(r.kernel_path, "fp32/materialized")
 
+    def test_bytes_that_are_not_a_request_get_invalid_argument_naming_the_request(self):
+        attend = self.channel.unary_unary("/attnserve.v1.AttentionService/Attend")
+        for label, raw in [("garbage", b"\xff\xff\xff\xff\x0f"),
+                           ("model not UTF-8", b"\x0a\x02\xff\xfe")]:
+            with self.assertRaises(self.grpc.RpcError, msg=label) as caught:
+                attend(raw, timeout=10)
+            self.assertEqual(caught.exception.code(), self.grpc.StatusCode.INVALID_ARGUMENT, label)
+            self.assertIn("request: not a valid attnserve.v1.AttendRequest", caught.exception.details())
+        ok = self.stub.Attend(self.request(np.ones((1, 2, 768), np.float32),
+                                           self.pb.ATTENTION_MAP_MODE_NONE), timeout=10)
+        self.assertEqual(list(ok.output.shape), [1, 2, 768])
+
     def test_bad_input_names_the_field_and_the_server_keeps_serving(self):
         x = np.zeros((1, 4, 512), dtype=np.float32)
         with self.assertRaises(self.grpc.RpcError) as caught:

@@ -1,0 +1,132 @@
+#include "client/attention_client.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/status_matchers.h"
+
+namespace attnserve::client {
+namespace {
+
+using ::attnserve::testing::IsOk;
+using ::attnserve::testing::StatusIs;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+TEST(ChannelTarget, KeepsOneAddressAndUrisAsTheyAre) {
+  EXPECT_EQ(*ChannelTarget("localhost:50051"), "localhost:50051");
+  EXPECT_EQ(*ChannelTarget("127.0.0.1:50051"), "127.0.0.1:50051");
+  EXPECT_EQ(*ChannelTarget("dns:///attnserve-headless:50051"), "dns:///attnserve-headless:50051");
+  EXPECT_EQ(*ChannelTarget("ipv4:127.0.0.1:1,127.0.0.1:2"), "ipv4:127.0.0.1:1,127.0.0.1:2");
+  EXPECT_EQ(*ChannelTarget("unix:/run/attnserve.sock"), "unix:/run/attnserve.sock");
+}
+
+TEST(ChannelTarget, TurnsAListOfReplicasIntoAnIpUri) {
+  EXPECT_EQ(*ChannelTarget("127.0.0.1:5001,127.0.0.1:5002, 127.0.0.1:5003"),
+            "ipv4:127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003");
+  EXPECT_EQ(*ChannelTarget("[::1]:5001,[::1]:5002"), "ipv6:[::1]:5001,[::1]:5002");
+}
+
+TEST(ChannelTarget, RefusesListsGrpcCannotResolve) {
+  EXPECT_THAT(ChannelTarget(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target")));
+  EXPECT_THAT(ChannelTarget("localhost:1,localhost:2"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       AllOf(HasSubstr("target"), HasSubstr("'localhost:1'"),
+                             HasSubstr("dns:///"))));
+  EXPECT_THAT(ChannelTarget("127.0.0.1:1,,127.0.0.1:2"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty entry")));
+  EXPECT_THAT(ChannelTarget("127.0.0.1:1,[::1]:2"),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("mixes")));
+  for (const char* bad : {"127.0.0.1,127.0.0.1:2", "127.0.0.1:0,127.0.0.1:2",
+                          "127.0.0.1:70000,127.0.0.1:2", "127.0.0.1:x,127.0.0.1:2",
+                          "::1:5,::1:6", "300.0.0.1:1,127.0.0.1:2"}) {
+    EXPECT_THAT(ChannelTarget(bad), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+  }
+}
+
+TEST(ServiceConfig, RoundRobinWithHealthCheckingAndRetriesOfUnavailable) {
+  ClientOptions options;
+  options.lb_policy = "round_robin";
+  options.retry = {.max_attempts = 3,
+                   .initial_backoff_seconds = 0.1,
+                   .max_backoff_seconds = 2,
+                   .backoff_multiplier = 1.5};
+  EXPECT_EQ(*ServiceConfigJson(options),
+            "{\"loadBalancingConfig\": [{\"round_robin\": {}}], "
+            "\"healthCheckConfig\": {\"serviceName\": \"attnserve.v1.AttentionService\"}, "
+            "\"methodConfig\": [{\"name\": [{\"service\": \"attnserve.v1.AttentionService\"}, "
+            "{\"service\": \"grpc.health.v1.Health\"}], \"retryPolicy\": {\"maxAttempts\": 3, "
+            "\"initialBackoff\": \"0.100000s\", \"maxBackoff\": \"2.000000s\", "
+            "\"backoffMultiplier\": 1.5, \"retryableStatusCodes\": [\"UNAVAILABLE\"]}}]}");
+}
+
+TEST(ServiceConfig, LeavesOutWhatIsNotAsked) {
+  ClientOptions options;  // default policy, retries on
+  std::string json = *ServiceConfigJson(options);
+  EXPECT_THAT(json, Not(HasSubstr("loadBalancingConfig")));
+  EXPECT_THAT(json, Not(HasSubstr("healthCheckConfig")));  // pick_first would ignore it
+  EXPECT_THAT(json, HasSubstr("\"maxAttempts\": 4"));
+
+  options.lb_policy = "round_robin";
+  options.health_check_service = "";
+  options.retry.max_attempts = 1;
+  EXPECT_EQ(*ServiceConfigJson(options), "{\"loadBalancingConfig\": [{\"round_robin\": {}}]}");
+}
+
+TEST(ServiceConfig, RefusesWhatGrpcWouldReject) {
+  ClientOptions options;
+  options.lb_policy = "least_request";
+  EXPECT_THAT(ServiceConfigJson(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lb_policy")));
+  options = ClientOptions();
+  for (int attempts : {0, 6}) {
+    options.retry.max_attempts = attempts;
+    EXPECT_THAT(ServiceConfigJson(options),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_attempts")));
+  }
+  options = ClientOptions();
+  options.retry.initial_backoff_seconds = 0;
+  EXPECT_THAT(ServiceConfigJson(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("backoff")));
+  options = ClientOptions();
+  options.health_check_service = "x\"}";
+  EXPECT_THAT(ServiceConfigJson(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("health_check_service")));
+}
+
+TEST(AttentionClient, CreateChecksTargetAndPolicy) {
+  ClientOptions options;
+  options.target = "127.0.0.1:1,127.0.0.1:2";
+  options.lb_policy = "round_robin";
+  EXPECT_THAT(AttentionClient::Create(options), IsOk());
+  options.lb_policy = "random";
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lb_policy")));
+  options.lb_policy = "";
+  options.target = "a:1,b:2";
+  EXPECT_THAT(AttentionClient::Create(options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target")));
+}
+
+// gRPC parses the service config when the channel is created; a config it
+// rejected would fail every call with a message about the service config,
+// instead of the connection error a valid one gives on a closed port.
+TEST(AttentionClient, GrpcAcceptsTheServiceConfig) {
+  ClientOptions options;
+  options.target = "127.0.0.1:1,127.0.0.1:2";  // nothing listens on port 1 or 2
+  options.lb_policy = "round_robin";
+  options.timeout_seconds = 2;
+  absl::StatusOr<std::unique_ptr<AttentionClient>> client = AttentionClient::Create(options);
+  ASSERT_THAT(client, IsOk());
+  auto health = (*client)->CheckHealth("");
+  ASSERT_FALSE(health.ok());
+  EXPECT_THAT(health.status().message(), Not(HasSubstr("ervice config")));
+  EXPECT_TRUE(health.status().code() == absl::StatusCode::kUnavailable ||
+              health.status().code() == absl::StatusCode::kDeadlineExceeded)
+      << health.status();
+}
+
+}  // namespace
+}  // namespace attnserve::client
