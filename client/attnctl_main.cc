@@ -31,6 +31,11 @@ ABSL_FLAG(std::string, lb_policy, "",
           "Load balancing over the addresses --target resolves to: round_robin (calls spread "
           "over every replica that reports SERVING), pick_first, or empty (gRPC's default, "
           "pick_first)");
+ABSL_FLAG(std::string, lb_health_check_service,
+          attnserve::client::ClientOptions().health_check_service,
+          "With --lb_policy=round_robin: the grpc.health.v1 service watched on each replica; "
+          "calls go only to replicas that report it SERVING (empty: no client-side health "
+          "checking)");
 ABSL_FLAG(int, max_attempts, attnserve::client::RetryOptions().max_attempts,
           "Attempts per call, retries of UNAVAILABLE included (1: no retries; at most 5); "
           "with --lb_policy=round_robin a retry goes to another replica");
@@ -295,6 +300,7 @@ int main(int argc, char** argv) {
   attnserve::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.lb_policy = absl::GetFlag(FLAGS_lb_policy);
+  options.health_check_service = absl::GetFlag(FLAGS_lb_health_check_service);
   options.retry.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);
   auto client = attnserve::client::AttentionClient::Create(options);

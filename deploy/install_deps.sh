@@ -3,6 +3,7 @@
 # present it only checks (a second or two) and installs nothing.
 #
 #   deploy/install_deps.sh            build + test dependencies (default)
+#   deploy/install_deps.sh --build    only what building needs (the Dockerfile's build stage)
 #   deploy/install_deps.sh --runtime  only what the built binaries need at run time
 #   deploy/install_deps.sh --print-runtime  print that list
 set -euo pipefail
@@ -18,18 +19,25 @@ BUILD_PKGS=(
 # reference BLAS, 20x slower).
 # Prometheus' own server and promtool check the metrics, the scrape config and
 # the alert rules (python3-yaml derives the test's scrape config).
+# The deployment checks: yamllint and docker-compose (`config` validates the
+# compose file offline) lint deploy/, nginx balances gRPC over local replicas,
+# kubectl renders the Kubernetes manifests offline.
 TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-torch libopenblas0
-  prometheus python3-yaml)
+  prometheus python3-yaml yamllint nginx docker-compose)
+# Debian's kubectl, unless a kubectl is installed already: another package's
+# /usr/bin/kubectl (e.g. the Google Cloud SDK's) conflicts with it.
+if ! command -v kubectl > /dev/null; then TEST_PKGS+=(kubernetes-client); fi
 # What the built binaries load (deploy/check_runtime_deps.sh proves the list
 # complete against ldd).
 RUNTIME_PKGS=(libgrpc++1.51 libgrpc29 libprotobuf32 libdnnl2 libabsl20220623 libgomp1
   libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)
 
 case "${1:-}" in
+  --build) PKGS=("${BUILD_PKGS[@]}") ;;
   --runtime) PKGS=("${RUNTIME_PKGS[@]}") ;;
   --print-runtime) echo "${RUNTIME_PKGS[@]}"; exit 0 ;;
   "" | --all) PKGS=("${BUILD_PKGS[@]}" "${TEST_PKGS[@]}") ;;
-  -h | --help) sed -n '2,8p' "$0"; exit 0 ;;
+  -h | --help) sed -n '2,9p' "$0"; exit 0 ;;
   *) echo "install_deps.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
 esac
 

@@ -13,6 +13,7 @@
 #include "client/npy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/client/test_files.h"
 #include "tests/core/status_matchers.h"
 
 namespace attnserve::client {
@@ -23,10 +24,6 @@ using ::attnserve::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-std::string TempPath(const std::string& name) {
-  return (std::filesystem::path(::testing::TempDir()) / absl::StrCat(getpid(), "_", name)).string();
-}
 
 void SetFloats(v1::Tensor* tensor, std::vector<int64_t> shape, const std::vector<float>& values) {
   tensor->set_dtype(v1::DATA_TYPE_FP32);

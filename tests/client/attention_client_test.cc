@@ -11,7 +11,6 @@ namespace {
 
 using ::attnserve::testing::IsOk;
 using ::attnserve::testing::StatusIs;
-using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -30,19 +29,18 @@ TEST(ChannelTarget, TurnsAListOfReplicasIntoAnIpUri) {
 }
 
 TEST(ChannelTarget, RefusesListsGrpcCannotResolve) {
-  EXPECT_THAT(ChannelTarget(""), StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target")));
-  EXPECT_THAT(ChannelTarget("localhost:1,localhost:2"),
-              StatusIs(absl::StatusCode::kInvalidArgument,
-                       AllOf(HasSubstr("target"), HasSubstr("'localhost:1'"),
-                             HasSubstr("dns:///"))));
+  EXPECT_THAT(ChannelTarget(""), StatusIs(absl::StatusCode::kInvalidArgument, "target"));
+  absl::StatusOr<std::string> names = ChannelTarget("localhost:1,localhost:2");
+  EXPECT_THAT(names, StatusIs(absl::StatusCode::kInvalidArgument, "target: 'localhost:1'"));
+  EXPECT_THAT(names, StatusIs(absl::StatusCode::kInvalidArgument, "dns:///"));
   EXPECT_THAT(ChannelTarget("127.0.0.1:1,,127.0.0.1:2"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("empty entry")));
+              StatusIs(absl::StatusCode::kInvalidArgument, "empty entry"));
   EXPECT_THAT(ChannelTarget("127.0.0.1:1,[::1]:2"),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("mixes")));
+              StatusIs(absl::StatusCode::kInvalidArgument, "mixes"));
   for (const char* bad : {"127.0.0.1,127.0.0.1:2", "127.0.0.1:0,127.0.0.1:2",
                           "127.0.0.1:70000,127.0.0.1:2", "127.0.0.1:x,127.0.0.1:2",
                           "::1:5,::1:6", "300.0.0.1:1,127.0.0.1:2"}) {
-    EXPECT_THAT(ChannelTarget(bad), StatusIs(absl::StatusCode::kInvalidArgument)) << bad;
+    EXPECT_THAT(ChannelTarget(bad), StatusIs(absl::StatusCode::kInvalidArgument, "target")) << bad;
   }
 }
 
@@ -65,8 +63,8 @@ TEST(ServiceConfig, RoundRobinWithHealthCheckingAndRetriesOfUnavailable) {
 TEST(ServiceConfig, LeavesOutWhatIsNotAsked) {
   ClientOptions options;  // default policy, retries on
   std::string json = *ServiceConfigJson(options);
-  EXPECT_THAT(json, Not(HasSubstr("loadBalancingConfig")));
-  EXPECT_THAT(json, Not(HasSubstr("healthCheckConfig")));  // pick_first would ignore it
+  EXPECT_THAT(json, Not("loadBalancingConfig"));
+  EXPECT_THAT(json, Not("healthCheckConfig"));  // pick_first would ignore it
   EXPECT_THAT(json, HasSubstr("\"maxAttempts\": 4"));
 
   options.lb_policy = "round_robin";
@@ -79,21 +77,21 @@ TEST(ServiceConfig, RefusesWhatGrpcWouldReject) {
   ClientOptions options;
   options.lb_policy = "least_request";
   EXPECT_THAT(ServiceConfigJson(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lb_policy")));
+              StatusIs(absl::StatusCode::kInvalidArgument, "lb_policy"));
   options = ClientOptions();
   for (int attempts : {0, 6}) {
     options.retry.max_attempts = attempts;
     EXPECT_THAT(ServiceConfigJson(options),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("max_attempts")));
+                StatusIs(absl::StatusCode::kInvalidArgument, "max_attempts"));
   }
   options = ClientOptions();
   options.retry.initial_backoff_seconds = 0;
   EXPECT_THAT(ServiceConfigJson(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("backoff")));
+              StatusIs(absl::StatusCode::kInvalidArgument, "backoff"));
   options = ClientOptions();
   options.health_check_service = "x\"}";
   EXPECT_THAT(ServiceConfigJson(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("health_check_service")));
+              StatusIs(absl::StatusCode::kInvalidArgument, "health_check_service"));
 }
 
 TEST(AttentionClient, CreateChecksTargetAndPolicy) {
@@ -103,16 +101,17 @@ TEST(AttentionClient, CreateChecksTargetAndPolicy) {
   EXPECT_THAT(AttentionClient::Create(options), IsOk());
   options.lb_policy = "random";
   EXPECT_THAT(AttentionClient::Create(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("lb_policy")));
+              StatusIs(absl::StatusCode::kInvalidArgument, "lb_policy"));
   options.lb_policy = "";
   options.target = "a:1,b:2";
   EXPECT_THAT(AttentionClient::Create(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("target")));
+              StatusIs(absl::StatusCode::kInvalidArgument, "target"));
 }
 
 // gRPC parses the service config when the channel is created; a config it
-// rejected would fail every call with a message about the service config,
-// instead of the connection error a valid one gives on a closed port.
+// rejects makes a lame channel whose every call fails INVALID_ARGUMENT ("Failed
+// to create ... channel"), instead of the connection error a valid one gives
+// on closed ports.
 TEST(AttentionClient, GrpcAcceptsTheServiceConfig) {
   ClientOptions options;
   options.target = "127.0.0.1:1,127.0.0.1:2";  // nothing listens on port 1 or 2
@@ -122,7 +121,7 @@ TEST(AttentionClient, GrpcAcceptsTheServiceConfig) {
   ASSERT_THAT(client, IsOk());
   auto health = (*client)->CheckHealth("");
   ASSERT_FALSE(health.ok());
-  EXPECT_THAT(health.status().message(), Not(HasSubstr("ervice config")));
+  EXPECT_THAT(health.status().message(), Not("ervice config"));
   EXPECT_TRUE(health.status().code() == absl::StatusCode::kUnavailable ||
               health.status().code() == absl::StatusCode::kDeadlineExceeded)
       << health.status();

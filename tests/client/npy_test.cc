@@ -12,6 +12,7 @@
 #include "client/file_io.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/client/test_files.h"
 #include "tests/core/status_matchers.h"
 
 namespace attnserve::client {
@@ -21,15 +22,6 @@ using ::attnserve::testing::IsOk;
 using ::attnserve::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-// Fixtures written by NumPy 1.24 (np.save and np.lib.format.write_array).
-std::string TestData(const std::string& name) {
-  return absl::StrCat(ATTNSERVE_CLIENT_TESTDATA, "/", name);
-}
-
-std::string TempPath(const std::string& name) {
-  return (std::filesystem::path(::testing::TempDir()) / absl::StrCat(getpid(), "_", name)).string();
-}
 
 // A .npy file by hand: magic, version 1.0, a header padded to 64 bytes, data.
 std::string NpyBytes(const std::string& header, const std::string& data, char major = 1) {

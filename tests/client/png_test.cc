@@ -16,6 +16,7 @@
 #include "client/heatmap.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/client/test_files.h"
 #include "tests/core/status_matchers.h"
 
 namespace attnserve::client {
@@ -23,10 +24,6 @@ namespace {
 
 using ::attnserve::testing::IsOk;
 using ::attnserve::testing::StatusIs;
-
-std::string TempPath(const std::string& name) {
-  return (std::filesystem::path(::testing::TempDir()) / absl::StrCat(getpid(), "_", name)).string();
-}
 
 uint32_t BigEndian32(const std::string& bytes, size_t at) {
   return uint32_t{static_cast<unsigned char>(bytes[at])} << 24 |

@@ -13,6 +13,7 @@
 #include "client/npy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/client/test_files.h"
 #include "tests/core/status_matchers.h"
 
 namespace attnserve::client {
@@ -22,14 +23,6 @@ using ::attnserve::testing::IsOk;
 using ::attnserve::testing::StatusIs;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
-
-std::string TestData(const std::string& name) {
-  return absl::StrCat(ATTNSERVE_CLIENT_TESTDATA, "/", name);
-}
-
-std::string TempPath(const std::string& name) {
-  return (std::filesystem::path(::testing::TempDir()) / absl::StrCat(getpid(), "_", name)).string();
-}
 
 // A model's head configuration as GetModel reports it.
 v1::HeadConfig ModelConfig(int d_model = 8, int heads = 2, int kv_heads = 2, int head_dim = 4) {
