@@ -71,8 +71,8 @@ std::optional<AddressFamily> IpAddressWithPort(absl::string_view entry) {
 std::string JsonDuration(double seconds) { return absl::StrFormat("\"%.6fs\"", seconds); }
 
 // The resolvers gRPC 1.51 registers; a target starting with one is a URI.
-constexpr absl::string_view kUriSchemes[] = {"dns:", "ipv4:", "ipv6:", "unix:",
-                                             "unix-abstract:", "xds:"};
+constexpr absl::string_view kUriSchemes[] = {
+    "dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "xds:"};
 
 }  // namespace
 
@@ -111,8 +111,8 @@ absl::StatusOr<std::string> ChannelTarget(absl::string_view target) {
 absl::StatusOr<std::string> ServiceConfigJson(const ClientOptions& options) {
   const std::string& policy = options.lb_policy;
   if (!policy.empty() && policy != "pick_first" && policy != "round_robin") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "lb_policy: '", policy, "' is not one of pick_first, round_robin (or empty)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("lb_policy: '", policy, "' is not one of pick_first, round_robin (or empty)"));
   }
   for (char c : options.health_check_service) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_') {
@@ -122,8 +122,8 @@ absl::StatusOr<std::string> ServiceConfigJson(const ClientOptions& options) {
   }
   const RetryOptions& retry = options.retry;
   if (retry.max_attempts < 1 || retry.max_attempts > 5) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_attempts: ", retry.max_attempts, " is outside [1, 5] (1: no retries)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_attempts: ", retry.max_attempts, " is outside [1, 5] (1: no retries)"));
   }
   if (!(retry.initial_backoff_seconds > 0 && retry.initial_backoff_seconds <= 3600) ||
       !(retry.max_backoff_seconds > 0 && retry.max_backoff_seconds <= 3600)) {
@@ -148,10 +148,10 @@ absl::StatusOr<std::string> ServiceConfigJson(const ClientOptions& options) {
     // answers; Attend is a pure function of its request, so running it again
     // elsewhere is safe. Other codes are the request's own fault or final.
     fields.push_back(absl::StrCat(
-        "\"methodConfig\": [{\"name\": [{\"service\": \"", v1::AttentionService::service_full_name(),
-        "\"}, {\"service\": \"", grpc::health::v1::Health::service_full_name(),
-        "\"}], \"retryPolicy\": {\"maxAttempts\": ", retry.max_attempts,
-        ", \"initialBackoff\": ", JsonDuration(retry.initial_backoff_seconds),
+        "\"methodConfig\": [{\"name\": [{\"service\": \"",
+        v1::AttentionService::service_full_name(), "\"}, {\"service\": \"",
+        grpc::health::v1::Health::service_full_name(), "\"}], \"retryPolicy\": {\"maxAttempts\": ",
+        retry.max_attempts, ", \"initialBackoff\": ", JsonDuration(retry.initial_backoff_seconds),
         ", \"maxBackoff\": ", JsonDuration(retry.max_backoff_seconds),
         ", \"backoffMultiplier\": ", absl::StrFormat("%g", retry.backoff_multiplier),
         ", \"retryableStatusCodes\": [\"UNAVAILABLE\"]}}]"));

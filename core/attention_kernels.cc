@@ -370,6 +370,15 @@ absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t
   });
   const memory probs_rows = Memory(rows_desc, probs);
   ATTNSERVE_RETURN_IF_ERROR(Run(softmax, {{DNNL_ARG_SRC, probs_rows}, {DNNL_ARG_DST, probs_rows}}));
+  // A row whose scores overflowed (all -inf after an additive mask, or +inf
+  // from huge inputs) leaves softmax as NaN in every entry (its sum is NaN):
+  // it gets weights 0, like a fully masked row. One entry tells.
+  const int64_t prob_rows = n * heads * s;
+#pragma omp parallel for schedule(static) if (prob_rows > kParallelGrain / 64)
+  for (int64_t r = 0; r < prob_rows; ++r) {
+    float* const row = probs + r * t;
+    if (std::isnan(row[0])) std::fill(row, row + t, 0.0f);
+  }
 
   const bool reweighted =
       std::any_of(call.head_mask.begin(), call.head_mask.end(), [](float w) { return w != 1.0f; });

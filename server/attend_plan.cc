@@ -79,48 +79,58 @@ absl::StatusOr<core::SequenceLayout> MakeLayout(const TensorSpec& spec, absl::st
                                                 const google::protobuf::RepeatedField<int64_t>& lengths,
                                                 absl::string_view lengths_field,
                                                 const RequestLimits& limits) {
-  std::vector<int64_t> lens(lengths.begin(), lengths.end());  // at most max_batch: checked below
+  // The lengths are checked where they are, and copied only once their count
+  // is known to be small.
   if (spec.shape.size() == 3) {  // padded [batch, seq, d_model]
     const int64_t batch = spec.shape[0], seq = spec.shape[1];
     ATTNSERVE_RETURN_IF_ERROR(
         OverLimit(absl::StrCat(field, ".shape[0] (batch)"), batch, limits.max_batch, "max_batch"));
     ATTNSERVE_RETURN_IF_ERROR(
         OverLimit(absl::StrCat(field, ".shape[1] (seq)"), seq, limits.max_seq_len, "max_seq_len"));
-    if (!lens.empty()) {
-      if (static_cast<int64_t>(lens.size()) != batch) {
-        return Invalid(lengths_field, absl::StrCat(lens.size(), " lengths for a batch of ", batch));
+    if (!lengths.empty()) {
+      if (lengths.size() != batch) {
+        return Invalid(lengths_field, absl::StrCat(lengths.size(), " lengths for a batch of ", batch));
       }
-      for (size_t b = 0; b < lens.size(); ++b) {
-        if (lens[b] < 1 || lens[b] > seq) {
-          return Invalid(lengths_field, absl::StrCat("[", b, "] is ", lens[b],
+      for (int b = 0; b < lengths.size(); ++b) {
+        if (lengths[b] < 1 || lengths[b] > seq) {
+          return Invalid(lengths_field, absl::StrCat("[", b, "] is ", lengths[b],
                                                      ", outside [1, ", seq, "] (", field, " seq)"));
         }
       }
     }
-    return core::SequenceLayout::Padded(batch, seq, std::move(lens));
+    return core::SequenceLayout::Padded(batch, seq,
+                                        std::vector<int64_t>(lengths.begin(), lengths.end()));
   }
-  // packed [tokens, d_model]
-  if (lens.empty()) {
+  // packed [tokens, d_model]: first whether the lengths fit the tokens
+  // (INVALID_ARGUMENT), then the limits (RESOURCE_EXHAUSTED).
+  const int64_t tokens = spec.shape[0];
+  if (lengths.empty()) {
     return Invalid(lengths_field,
                    absl::StrCat("required with packed ", field, " [tokens, d_model]"));
   }
-  ATTNSERVE_RETURN_IF_ERROR(OverLimit(absl::StrCat(lengths_field, " (sequences)"),
-                                      static_cast<int64_t>(lens.size()), limits.max_batch,
-                                      "max_batch"));
+  if (lengths.size() > tokens) {
+    return Invalid(lengths_field, absl::StrCat(lengths.size(), " sequences in ", tokens, " tokens of ",
+                                               field));
+  }
   int64_t total = 0;
-  for (size_t b = 0; b < lens.size(); ++b) {
-    if (lens[b] < 1) {
-      return Invalid(lengths_field, absl::StrCat("[", b, "] is ", lens[b], "; lengths are >= 1"));
+  for (int b = 0; b < lengths.size(); ++b) {
+    if (lengths[b] < 1 || lengths[b] > tokens) {
+      return Invalid(lengths_field, absl::StrCat("[", b, "] is ", lengths[b], ", outside [1, ",
+                                                 tokens, "] (", field, " tokens)"));
     }
-    ATTNSERVE_RETURN_IF_ERROR(OverLimit(absl::StrCat(lengths_field, "[", b, "]"), lens[b],
+    total += lengths[b];  // at most tokens^2, and tokens fit a message: no overflow
+  }
+  if (total != tokens) {
+    return Invalid(lengths_field,
+                   absl::StrCat("sum to ", total, ", but ", field, " has ", tokens, " tokens"));
+  }
+  ATTNSERVE_RETURN_IF_ERROR(OverLimit(absl::StrCat(lengths_field, " (sequences)"), lengths.size(),
+                                      limits.max_batch, "max_batch"));
+  for (int b = 0; b < lengths.size(); ++b) {
+    ATTNSERVE_RETURN_IF_ERROR(OverLimit(absl::StrCat(lengths_field, "[", b, "]"), lengths[b],
                                         limits.max_seq_len, "max_seq_len"));
-    total += lens[b];  // <= max_batch * max_seq_len: no overflow
   }
-  if (total != spec.shape[0]) {
-    return Invalid(lengths_field, absl::StrCat("sum to ", total, ", but ", field, " has ",
-                                               spec.shape[0], " tokens"));
-  }
-  return core::SequenceLayout::Packed(std::move(lens));
+  return core::SequenceLayout::Packed(std::vector<int64_t>(lengths.begin(), lengths.end()));
 }
 
 // Validates hidden states or context: rank 3 (padded) or 2 (packed), and the
@@ -177,7 +187,20 @@ absl::Status PlanSource(const v1::AttendRequest& request, const ModelRegistry& r
 
   const v1::LayerSpec& layer = request.layer();
   if (!layer.has_head_config()) return Invalid("layer.head_config", "required");
-  absl::StatusOr<core::HeadConfig> config = ToCoreHeadConfig(layer.head_config());
+  v1::HeadConfig head_config = layer.head_config();
+  if (request.has_projected() && head_config.d_model() == 0) {
+    // The attention core alone has no projections: d_model is not used.
+    if (head_config.head_dim() <= 0) {
+      return Invalid("layer.head_config.head_dim", "required for projected heads");
+    }
+    const int64_t width = int64_t{head_config.num_heads()} * head_config.head_dim();
+    if (width < 1 || width > core::kMaxDModel) {
+      return Invalid("layer.head_config", absl::StrCat("num_heads x head_dim is ", width,
+                                                       ", outside [1, ", core::kMaxDModel, "]"));
+    }
+    head_config.set_d_model(static_cast<int32_t>(width));
+  }
+  absl::StatusOr<core::HeadConfig> config = ToCoreHeadConfig(head_config);
   if (!config.ok()) return Within("layer", config.status());
   AdHocLayer adhoc;
   adhoc.config = plan.config = *config;
@@ -482,6 +505,26 @@ absl::Status PlanMaps(const v1::AttendRequest& request, const RequestLimits& lim
   return absl::OkStatus();
 }
 
+// A generous estimate of the compute scratch, in bytes: the projections and
+// their head-major copies, the context, and one chunk of scores and masks (the
+// core chunks attention to about 16 MiB of scores, never less than one
+// sequence). In double: the inputs are bounded, their products need not be.
+double EstimateScratchBytes(const AttendPlan& plan) {
+  const core::HeadConfig& c = plan.config;
+  const double q_rows = plan.queries.rows(), kv_rows = plan.keys.rows();
+  const double q_width = c.q_width(), kv_width = c.kv_width();
+  const double projections =
+      3.0 * (q_rows * (q_width + 2.0 * kv_width) + kv_rows * 2.0 * kv_width) + 2.0 * q_rows * q_width;
+  const double per_sequence =
+      double(c.num_heads) * plan.queries.max_length() * plan.keys.max_length();
+  const double chunk_scores =
+      std::max(per_sequence, std::min(per_sequence * plan.queries.batch(), double{4 << 20}));
+  const double masks = chunk_scores / c.num_kv_heads;
+  const double floats = projections + chunk_scores + masks;
+  // BF16 keeps BF16 copies of activations and scores besides.
+  return 4.0 * floats * (plan.precision == core::Precision::kBf16 ? 1.5 : 1.0);
+}
+
 }  // namespace
 
 absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
@@ -492,6 +535,14 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
   ATTNSERVE_RETURN_IF_ERROR(PlanInputs(request, limits, plan));
   ATTNSERVE_RETURN_IF_ERROR(PlanOptions(request, plan));
   ATTNSERVE_RETURN_IF_ERROR(PlanMaps(request, limits, plan));
+  if (const double scratch = EstimateScratchBytes(plan);
+      scratch > static_cast<double>(limits.max_scratch_bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request: needs about ", static_cast<int64_t>(scratch / (1 << 20)),
+        " MiB of compute scratch, over this server's limit of ", limits.max_scratch_bytes >> 20,
+        " MiB (--max_scratch_bytes); send fewer or shorter sequences, or a layer with fewer or "
+        "narrower heads"));
+  }
 
   // Output and maps in the output dtype, statistics in FP32. Each term is
   // bounded by a limit or the received message size: no overflow.

@@ -150,10 +150,24 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        grpc::ByteBuffer* response_bytes) {
   // The request and response live until the call is finished.
   auto call = std::make_shared<AttendCall>();
+  // A call that died during upload (deadline, cancel) arrives with no bytes:
+  // it is the client's deadline or cancel, not a malformed request.
+  if (request_bytes == nullptr || !request_bytes->Valid() || context->IsCancelled()) {
+    auto* reactor =
+        new ObservedReactor(context, RpcMethod::kAttend, "", metrics_, options_.access_log);
+    reactor->FinishCall(absl::Now() >= DeadlineOf(*context)
+                            ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                           "the deadline passed before the request arrived")
+                            : grpc::Status(grpc::StatusCode::CANCELLED,
+                                           "the call ended before the request arrived"));
+    return reactor;
+  }
   grpc::ByteBuffer bytes(*request_bytes);  // shares the slices; parsing consumes it
   const grpc::Status parsed =
       grpc::SerializationTraits<v1::AttendRequest>::Deserialize(&bytes, &call->request);
-  auto* reactor = new ObservedReactor(context, RpcMethod::kAttend, call->request.model(), metrics_,
+  // A request that did not parse names no model (its bytes may not be UTF-8).
+  auto* reactor = new ObservedReactor(context, RpcMethod::kAttend,
+                                      parsed.ok() ? call->request.model() : "", metrics_,
                                       options_.access_log);
   if (!parsed.ok()) {
     reactor->FinishCall(grpc::Status(

@@ -64,6 +64,8 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                                        options.limits.max_attention_map_bytes, 0, int64_t{1} << 40));
   ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_adhoc_weight_bytes",
                                        options.limits.max_adhoc_weight_bytes, 0, int64_t{1} << 40));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_scratch_bytes", options.limits.max_scratch_bytes,
+                                       int64_t{1} << 20, int64_t{1} << 40));
   if (!(options.lame_duck_seconds >= 0 && options.lame_duck_seconds <= 600)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--lame_duck_seconds: ", options.lame_duck_seconds, " is outside [0, 600]"));

@@ -41,6 +41,9 @@ ABSL_FLAG(int64_t, max_attention_map_bytes, kDefaults.limits.max_attention_map_b
           "Most bytes of attention maps one request may ask for");
 ABSL_FLAG(int64_t, max_adhoc_weight_bytes, kDefaults.limits.max_adhoc_weight_bytes,
           "Most weight bytes (as FP32) of an ad-hoc layer a request may carry or ask to be seeded");
+ABSL_FLAG(int64_t, max_scratch_bytes, kDefaults.limits.max_scratch_bytes,
+          "Most compute scratch one request may need (estimated before compute); more is "
+          "RESOURCE_EXHAUSTED");
 ABSL_FLAG(double, lame_duck_seconds, kDefaults.lame_duck_seconds,
           "On SIGTERM/SIGINT, how long health says NOT_SERVING while the server still listens");
 ABSL_FLAG(double, drain_timeout_seconds, kDefaults.drain_timeout_seconds,
@@ -75,6 +78,7 @@ int main(int argc, char** argv) {
   options.limits.max_seq_len = absl::GetFlag(FLAGS_max_seq_len);
   options.limits.max_attention_map_bytes = absl::GetFlag(FLAGS_max_attention_map_bytes);
   options.limits.max_adhoc_weight_bytes = absl::GetFlag(FLAGS_max_adhoc_weight_bytes);
+  options.limits.max_scratch_bytes = absl::GetFlag(FLAGS_max_scratch_bytes);
   options.lame_duck_seconds = absl::GetFlag(FLAGS_lame_duck_seconds);
   options.drain_timeout_seconds = absl::GetFlag(FLAGS_drain_timeout_seconds);
   options.builtin_model_seed = absl::GetFlag(FLAGS_builtin_model_seed);

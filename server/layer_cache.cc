@@ -1,14 +1,17 @@
 #include "server/layer_cache.h"
 
+#include "absl/base/casts.h"
 #include "absl/strings/str_cat.h"
 #include "core/attention_weights.h"
 
 namespace attnserve::server {
 namespace {
 
+// Floats by their bits: two scales that print alike are still two layers.
 std::string ConfigKey(const core::HeadConfig& c) {
   return absl::StrCat(c.d_model, "/", c.num_heads, "/", c.num_kv_heads, "/", c.head_dim, "/",
-                      c.scale, "/", c.rotary.rotary_dim, "/", c.rotary.theta, "/", c.context_dim);
+                      absl::bit_cast<uint32_t>(c.scale), "/", c.rotary.rotary_dim, "/",
+                      absl::bit_cast<uint32_t>(c.rotary.theta), "/", c.context_dim);
 }
 
 }  // namespace

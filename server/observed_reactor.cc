@@ -28,7 +28,6 @@ ObservedReactor::ObservedReactor(grpc::CallbackServerContext* context, RpcMethod
   if (access_log_) {
     model_ = std::string(model);
     request_id_ = RequestIdOrNew(ClientRequestId(*context));
-    context->AddInitialMetadata(std::string(kRequestIdKey), request_id_);
   }
 }
 
@@ -54,6 +53,14 @@ void ObservedReactor::FinishCall(const grpc::Status& status) {
                     .duration = end - arrival_,
                     .queue = queue_wait_,
                     .compute = compute_});
+    // The id goes back in the headers of a success but in the trailers of an
+    // error: a response with headers counts as committed, and gRPC would not
+    // retry an UNAVAILABLE refusal from a draining replica.
+    if (status.ok()) {
+      context_->AddInitialMetadata(std::string(kRequestIdKey), request_id_);
+    } else {
+      context_->AddTrailingMetadata(std::string(kRequestIdKey), request_id_);
+    }
   }
   Finish(status);
 }

@@ -9,13 +9,17 @@ namespace attnserve::server {
 // What one Attend request may ask for. Over a limit: RESOURCE_EXHAUSTED.
 struct RequestLimits {
   int64_t max_batch = 64;
-  // Scores take num_heads x seq^2 x 4 bytes of scratch per sequence: 192 MiB
-  // for the built-in model at 2048.
   int64_t max_seq_len = 2048;
   int64_t max_attention_map_bytes = int64_t{64} << 20;
   // The most weight bytes (as FP32) of an ad-hoc layer a request may carry or
   // ask to be seeded: 64 MiB holds a d_model 2048 layer.
   int64_t max_adhoc_weight_bytes = int64_t{64} << 20;
+  // The most compute scratch one request may need (estimated before compute:
+  // projections, scores and masks of one chunk of sequences). By that
+  // estimate the built-in model's largest requests under the default message
+  // limit need up to 1.7 GB (BF16 input), so they all pass; ad-hoc layers with
+  // very many or very wide heads do not.
+  int64_t max_scratch_bytes = int64_t{2} << 30;
 };
 
 struct ServerOptions {

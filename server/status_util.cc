@@ -15,7 +15,10 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 
 std::string Abbreviate(absl::string_view text, size_t max_chars) {
   if (text.size() <= max_chars) return std::string(text);
-  return absl::StrCat(text.substr(0, max_chars), "...");
+  // Cut before a UTF-8 continuation byte's character, not inside it.
+  size_t end = max_chars;
+  while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+  return absl::StrCat(text.substr(0, end), "...");
 }
 
 std::string ShapeText(absl::Span<const int64_t> shape) {

@@ -37,9 +37,9 @@ TEST(ChannelTarget, RefusesListsGrpcCannotResolve) {
               StatusIs(absl::StatusCode::kInvalidArgument, "empty entry"));
   EXPECT_THAT(ChannelTarget("127.0.0.1:1,[::1]:2"),
               StatusIs(absl::StatusCode::kInvalidArgument, "mixes"));
-  for (const char* bad : {"127.0.0.1,127.0.0.1:2", "127.0.0.1:0,127.0.0.1:2",
-                          "127.0.0.1:70000,127.0.0.1:2", "127.0.0.1:x,127.0.0.1:2",
-                          "::1:5,::1:6", "300.0.0.1:1,127.0.0.1:2"}) {
+  for (const char* bad :
+       {"127.0.0.1,127.0.0.1:2", "127.0.0.1:0,127.0.0.1:2", "127.0.0.1:70000,127.0.0.1:2",
+        "127.0.0.1:x,127.0.0.1:2", "::1:5,::1:6", "300.0.0.1:1,127.0.0.1:2"}) {
     EXPECT_THAT(ChannelTarget(bad), StatusIs(absl::StatusCode::kInvalidArgument, "target")) << bad;
   }
 }
@@ -86,8 +86,7 @@ TEST(ServiceConfig, RefusesWhatGrpcWouldReject) {
   }
   options = ClientOptions();
   options.retry.initial_backoff_seconds = 0;
-  EXPECT_THAT(ServiceConfigJson(options),
-              StatusIs(absl::StatusCode::kInvalidArgument, "backoff"));
+  EXPECT_THAT(ServiceConfigJson(options), StatusIs(absl::StatusCode::kInvalidArgument, "backoff"));
   options = ClientOptions();
   options.health_check_service = "x\"}";
   EXPECT_THAT(ServiceConfigJson(options),

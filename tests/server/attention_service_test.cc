@@ -452,6 +452,37 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
          }
        },
        grpc::StatusCode::INVALID_ARGUMENT, "layer.inline_weights.w_q"},
+      {"ad-hoc layer whose scratch is over the limit",
+       [](auto& r) {
+         // 1024 heads of 4096 dims over a 1-wide model: small weights (50 MB
+         // as FP32), but about 80 MiB of scratch per token: 64 tokens would
+         // need 5 GiB, over the default 2 GiB.
+         SetAdHoc(r, 1, 1024, 1, 4096, 0);
+         r.mutable_hidden_states()->clear_shape();
+         for (int64_t d : {1, 64, 1}) r.mutable_hidden_states()->add_shape(d);
+         r.mutable_hidden_states()->set_raw_data(std::string(64 * 4, '\0'));
+       },
+       grpc::StatusCode::RESOURCE_EXHAUSTED, "max_scratch_bytes"},
+      {"packed lengths beyond the tokens are invalid, not over a limit",
+       [&](auto& r) {
+         set_shape(r, {8, 768});
+         for (int64_t n : {8, 99}) r.add_sequence_lengths(n);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "sequence_lengths"},
+      {"projected core without head_dim or d_model",
+       [&](auto& r) {
+         r.clear_hidden_states();
+         SetAdHoc(r, 0, 4, 2, 0, 0);
+         r.mutable_layer()->clear_seed();
+         SetProjected(r, 2, 4, 5, 8, 2, 5);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "layer.head_config.head_dim"},
+      {"NaN in a real token",
+       [](auto& r) {
+         float nan = NAN;
+         std::memcpy(&(*r.mutable_hidden_states()->mutable_raw_data())[4 * 770], &nan, 4);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "hidden_states: sequence 0 holds nan at position 1"},
       {"seeded layer over the weight limit",
        [](auto& r) { SetAdHoc(r, 8192, 64, 0, 0, 0); }, grpc::StatusCode::RESOURCE_EXHAUSTED,
        "layer"},
@@ -642,6 +673,38 @@ TEST(AttentionServiceShutdown, DrainingRefusesNewCallsWithUnavailableWhileHealth
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_NE(status.error_message().find("shutting down"), std::string::npos);
   stopper.join();
+}
+
+TEST_F(AttentionServiceTest, PaddingMayHoldAnythingButScoresThatOverflowGiveZeroWeights) {
+  Serve();
+  // NaN in padding rows is never read.
+  std::vector<float> values = RandomValues(2 * 4 * 768, 5);
+  for (int64_t i = (4 + 3) * 768; i < 8 * 768; ++i) values[i] = NAN;  // sequence 1, row 3
+  v1::AttendRequest request = RawRequest(2, 4, values);
+  for (int64_t n : {4, 3}) request.add_sequence_lengths(n);
+  v1::AttendResponse response;
+  grpc::Status status = Attend(request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  for (float v : Floats(response.output())) ASSERT_TRUE(std::isfinite(v));
+
+  // Finite inputs whose scores overflow: q . k = -1e32, plus an additive mask
+  // of -FLT_MAX, is -inf for every key. The row gets weights 0, not NaN.
+  v1::AttendRequest overflow;
+  v1::HeadConfig* c = overflow.mutable_layer()->mutable_head_config();
+  c->set_num_heads(1);
+  c->set_head_dim(1);
+  v1::ProjectedHeads* p = overflow.mutable_projected();
+  *p->mutable_q() = FloatTensor({1, 1, 1, 1}, {1.0f});
+  *p->mutable_k() = FloatTensor({1, 1, 3, 1}, {-1e32f, -1e32f, -1e32f});
+  *p->mutable_v() = FloatTensor({1, 1, 3, 1}, {1.0f, 2.0f, 3.0f});
+  overflow.mutable_mask()->set_kind(v1::AttentionMask::KIND_ADDITIVE);
+  *overflow.mutable_mask()->mutable_values() =
+      FloatTensor({1, 1, 3}, std::vector<float>(3, -std::numeric_limits<float>::max()));
+  overflow.mutable_attention_maps()->set_mode(v1::ATTENTION_MAP_MODE_PER_HEAD);
+  status = Attend(overflow, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(Floats(response.output()), std::vector<float>({0.0f}));
+  EXPECT_EQ(Floats(response.attention_maps()), std::vector<float>(3, 0.0f));
 }
 
 // The wire form of every attention option reaches the core as the in-process

@@ -483,9 +483,11 @@ class MetricsServerTest : public ::testing::Test {
     v1::AttendResponse ignored;
     const grpc::Status status = stub_->Attend(&context, request, response ? response : &ignored);
     if (request_id_back != nullptr) {
-      const auto& back = context.GetServerInitialMetadata();
-      const auto it = back.find("x-request-id");
-      if (it != back.end()) *request_id_back = std::string(it->second.data(), it->second.size());
+      // Headers of a success, trailers of an error.
+      for (const auto* back : {&context.GetServerInitialMetadata(), &context.GetServerTrailingMetadata()}) {
+        const auto it = back->find("x-request-id");
+        if (it != back->end()) *request_id_back = std::string(it->second.data(), it->second.size());
+      }
     }
     return status.error_code();
   }
