@@ -18,6 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "client/file_io.h"
 
 namespace attnserve::client {
 namespace {
@@ -31,8 +32,10 @@ template <typename Response, typename Stub, typename Request>
 absl::StatusOr<Response> Call(Stub& stub,
                               grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
                                                            Response*),
-                              const Request& request, double timeout_seconds) {
+                              const Request& request, double timeout_seconds,
+                              const std::string& bearer_token = "") {
   grpc::ClientContext context;
+  if (!bearer_token.empty()) context.AddMetadata("authorization", "Bearer " + bearer_token);
   context.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::microseconds(static_cast<int64_t>(timeout_seconds * 1e6)));
   Response response;
@@ -73,6 +76,41 @@ std::string JsonDuration(double seconds) { return absl::StrFormat("\"%.6fs\"", s
 // The resolvers gRPC 1.51 registers; a target starting with one is a URI.
 constexpr absl::string_view kUriSchemes[] = {
     "dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "xds:"};
+
+// The PEM file of `field`, INVALID_ARGUMENT naming the field if unreadable.
+absl::StatusOr<std::string> ReadPem(absl::string_view field, const std::string& path) {
+  absl::StatusOr<std::string> pem = ReadFileBytes(path);
+  if (!pem.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("tls.", field, ": ", pem.status().message()));
+  }
+  return pem;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
+    const TlsOptions& tls, grpc::ChannelArguments& args) {
+  if (!tls.enabled) return grpc::InsecureChannelCredentials();
+  if (tls.cert_file.empty() != tls.key_file.empty()) {
+    return absl::InvalidArgumentError("tls.cert_file, tls.key_file: give both or neither");
+  }
+  grpc::SslCredentialsOptions ssl;
+  if (!tls.ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPem("ca_file", tls.ca_file);
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+  }
+  if (!tls.cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadPem("cert_file", tls.cert_file);
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPem("key_file", tls.key_file);
+    if (!key.ok()) return key.status();
+    ssl.pem_cert_chain = *cert;
+    ssl.pem_private_key = *key;
+  }
+  if (!tls.server_name.empty()) {
+    args.SetSslTargetNameOverride(tls.server_name);
+  }
+  return grpc::SslCredentials(ssl);
+}
 
 }  // namespace
 
@@ -176,7 +214,10 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
   // A call is retried only while its request fits the retry buffer (256 KiB
   // by default); Attend requests are often larger.
   args.SetInt(GRPC_ARG_PER_RPC_RETRY_BUFFER_SIZE, kRetryBufferBytes);
-  auto channel = grpc::CreateCustomChannel(*target, grpc::InsecureChannelCredentials(), args);
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> credentials =
+      ChannelCredentials(options.tls, args);
+  if (!credentials.ok()) return credentials.status();
+  auto channel = grpc::CreateCustomChannel(*target, *credentials, args);
   return std::unique_ptr<AttentionClient>(new AttentionClient(options, std::move(channel)));
 }
 
@@ -189,17 +230,19 @@ AttentionClient::AttentionClient(const ClientOptions& options,
 
 absl::StatusOr<v1::ListModelsResponse> AttentionClient::ListModels() const {
   return Call(*stub_, &v1::AttentionService::Stub::ListModels, v1::ListModelsRequest(),
-              options_.timeout_seconds);
+              options_.timeout_seconds, options_.bearer_token);
 }
 
 absl::StatusOr<v1::ModelInfo> AttentionClient::GetModel(absl::string_view name) const {
   v1::GetModelRequest request;
   request.set_name(std::string(name));
-  return Call(*stub_, &v1::AttentionService::Stub::GetModel, request, options_.timeout_seconds);
+  return Call(*stub_, &v1::AttentionService::Stub::GetModel, request, options_.timeout_seconds,
+              options_.bearer_token);
 }
 
 absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendRequest& request) const {
-  return Call(*stub_, &v1::AttentionService::Stub::Attend, request, options_.timeout_seconds);
+  return Call(*stub_, &v1::AttentionService::Stub::Attend, request, options_.timeout_seconds,
+              options_.bearer_token);
 }
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> AttentionClient::CheckHealth(

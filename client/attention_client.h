@@ -28,6 +28,19 @@ struct RetryOptions {
   double backoff_multiplier = 2;
 };
 
+// TLS to the server. Files are PEM.
+struct TlsOptions {
+  bool enabled = false;
+  // CA bundle that signed the server's certificate; empty: the system roots.
+  std::string ca_file;
+  // For mutual TLS: the client's certificate chain and its key (both or none).
+  std::string cert_file;
+  std::string key_file;
+  // Overrides the name checked against the server's certificate (tests,
+  // connecting by IP to a certificate for a DNS name); empty: the target's host.
+  std::string server_name;
+};
+
 struct ClientOptions {
   // Where the server is: "host:port"; a comma-separated list of IP
   // "address:port" replicas ("127.0.0.1:5001,127.0.0.1:5002", or "[::1]:5001,...")
@@ -47,6 +60,10 @@ struct ClientOptions {
   double timeout_seconds = 30;
   // Largest response accepted (outputs and maps can be large).
   int64_t max_receive_message_bytes = int64_t{256} << 20;
+  TlsOptions tls;
+  // Sent as "authorization: Bearer <token>" on AttentionService calls (not on
+  // health checks); empty: none.
+  std::string bearer_token;
 };
 
 // The gRPC target for options.target: a comma-separated list of IP
@@ -69,8 +86,9 @@ absl::StatusOr<std::string> ServiceConfigJson(const ClientOptions& options);
 // message. Thread-safe (gRPC channels and stubs are).
 class AttentionClient {
  public:
-  // INVALID_ARGUMENT for an empty target or a non-positive timeout, and as
-  // ChannelTarget and ServiceConfigJson say.
+  // INVALID_ARGUMENT for an empty target or a non-positive timeout, a TLS
+  // file that cannot be read (naming the field) or a client cert without key,
+  // and as ChannelTarget and ServiceConfigJson say.
   static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(const ClientOptions& options);
 
   absl::StatusOr<v1::ListModelsResponse> ListModels() const;

@@ -14,6 +14,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -21,6 +22,7 @@
 #include "absl/time/time.h"
 #include "client/attend_report.h"
 #include "client/attention_client.h"
+#include "client/file_io.h"
 #include "client/request_builder.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051",
@@ -40,6 +42,16 @@ ABSL_FLAG(int, max_attempts, attnserve::client::RetryOptions().max_attempts,
           "Attempts per call, retries of UNAVAILABLE included (1: no retries; at most 5); "
           "with --lb_policy=round_robin a retry goes to another replica");
 ABSL_FLAG(double, timeout_seconds, 30, "Deadline of each call, retries included");
+ABSL_FLAG(std::string, tls_ca, "",
+          "Use TLS; PEM CA bundle that signed the server's certificate (with --tls_cert alone: "
+          "the system roots)");
+ABSL_FLAG(std::string, tls_cert, "", "Use TLS; PEM client certificate for mutual TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "Name checked against the server's certificate instead of --target's host");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding the bearer token (first line) sent as 'authorization: Bearer <token>'; "
+          "read from a file so it does not show in ps");
 ABSL_FLAG(std::string, model, "default", "attend/model: the model to use");
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (\"\" = the whole server, or "
@@ -303,6 +315,20 @@ int main(int argc, char** argv) {
   options.health_check_service = absl::GetFlag(FLAGS_lb_health_check_service);
   options.retry.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);
+  options.tls.ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls.key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls.server_name = absl::GetFlag(FLAGS_tls_server_name);
+  options.tls.enabled = !options.tls.ca_file.empty() || !options.tls.cert_file.empty();
+  if (const std::string token_file = absl::GetFlag(FLAGS_token_file); !token_file.empty()) {
+    absl::StatusOr<std::string> token = attnserve::client::ReadFileBytes(token_file);
+    if (!token.ok()) return attnserve::client::Fail(token.status());
+    const std::string first_line = token->substr(0, token->find('\n'));
+    options.bearer_token = std::string(absl::StripAsciiWhitespace(first_line));
+    if (options.bearer_token.empty()) {
+      return attnserve::client::Fail(absl::InvalidArgumentError("--token_file: no token in the file"));
+    }
+  }
   auto client = attnserve::client::AttentionClient::Create(options);
   if (!client.ok()) return attnserve::client::Fail(client.status());
   if (command == "models") return attnserve::client::RunModels(**client);

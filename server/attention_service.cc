@@ -78,6 +78,11 @@ absl::Status RunAttend(grpc::CallbackServerContext* context, const v1::AttendReq
     }
     return info.status();
   }
+  if (absl::Now() >= deadline) {
+    // The client has given up: count it as it saw it.
+    response->Clear();
+    return absl::DeadlineExceededError("the deadline passed during compute");
+  }
   v1::Timing* timing = response->mutable_timing();
   SetDuration(start - arrival, timing->mutable_queue());
   SetDuration(absl::Now() - start, timing->mutable_compute());
@@ -112,8 +117,22 @@ struct AttendCall {
 
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options,
                                            const ModelRegistry* registry,
-                                           ComputeExecutor* executor, Metrics* metrics)
-    : options_(options), registry_(registry), executor_(executor), metrics_(metrics) {}
+                                           ComputeExecutor* executor, Metrics* metrics,
+                                           std::optional<TokenSet> tokens)
+    : options_(options),
+      registry_(registry),
+      executor_(executor),
+      metrics_(metrics),
+      tokens_(std::move(tokens)) {}
+
+absl::StatusOr<Principal> AttentionServiceImpl::Authenticate(
+    const grpc::CallbackServerContext& context) const {
+  if (!tokens_.has_value()) return Principal{};
+  const auto& metadata = context.client_metadata();
+  const auto found = metadata.find("authorization");
+  if (found == metadata.end()) return tokens_->Authenticate(std::nullopt);
+  return tokens_->Authenticate(absl::string_view(found->second.data(), found->second.size()));
+}
 
 void AttentionServiceImpl::set_state(State state) {
   absl::MutexLock lock(&mu_);
@@ -148,6 +167,12 @@ bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* request_bytes,
                                                        grpc::ByteBuffer* response_bytes) {
+  if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
+    auto* reactor =
+        new ObservedReactor(context, RpcMethod::kAttend, "", metrics_, options_.access_log);
+    reactor->FinishCall(ToGrpcStatus(caller.status()));
+    return reactor;
+  }
   // The request and response live until the call is finished.
   auto call = std::make_shared<AttendCall>();
   // A call that died during upload (deadline, cancel) arrives with no bytes:
@@ -224,6 +249,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerC
                                                            v1::ListModelsResponse* response) {
   auto* reactor =
       new ObservedReactor(context, RpcMethod::kListModels, "", metrics_, options_.access_log);
+  if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
+    reactor->FinishCall(ToGrpcStatus(caller.status()));
+    return reactor;
+  }
   for (const auto& model : registry_->List()) {
     FillModelInfo(*model, options_.limits, response->add_models());
   }
@@ -234,6 +263,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerC
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
                                                          const v1::GetModelRequest* request,
                                                          v1::ModelInfo* response) {
+  if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
+    auto* reactor =
+        new ObservedReactor(context, RpcMethod::kGetModel, "", metrics_, options_.access_log);
+    reactor->FinishCall(ToGrpcStatus(caller.status()));
+    return reactor;
+  }
   auto* reactor = new ObservedReactor(context, RpcMethod::kGetModel, request->name(), metrics_,
                                       options_.access_log);
   if (request->name().empty()) {

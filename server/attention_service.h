@@ -2,12 +2,14 @@
 #define ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 
 #include <cstdint>
+#include <optional>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/auth.h"
 #include "server/compute_executor.h"
 #include "server/layer_cache.h"
 #include "server/metrics.h"
@@ -27,6 +29,10 @@ namespace attnserve::server {
 // are not an AttendRequest get INVALID_ARGUMENT naming the request (gRPC's
 // generated handler would answer UNIMPLEMENTED with no message).
 //
+// With `tokens`, every call is authenticated first (before the request is
+// parsed, validated or anything is allocated for it): UNAUTHENTICATED without
+// a valid "authorization: Bearer <token>". Without it, calls are open.
+//
 // Thread-safe. `registry`, `executor` and `metrics` must outlive the service.
 class AttentionServiceImpl final
     : public v1::AttentionService::WithRawCallbackMethod_Attend<
@@ -35,7 +41,8 @@ class AttentionServiceImpl final
   enum class State { kStarting, kServing, kDraining };
 
   AttentionServiceImpl(const ServerOptions& options, const ModelRegistry* registry,
-                       ComputeExecutor* executor, Metrics* metrics);
+                       ComputeExecutor* executor, Metrics* metrics,
+                       std::optional<TokenSet> tokens = std::nullopt);
 
   // Attend answers UNAVAILABLE unless the state is kServing.
   void set_state(State state);
@@ -60,6 +67,11 @@ class AttentionServiceImpl final
   const ModelRegistry* const registry_;
   ComputeExecutor* const executor_;
   Metrics* const metrics_;
+  const std::optional<TokenSet> tokens_;
+
+  // The one authentication check, first in every handler: OK without
+  // tokens_, else as TokenSet::Authenticate.
+  absl::StatusOr<Principal> Authenticate(const grpc::CallbackServerContext& context) const;
 
   // Admits a call: false unless serving; otherwise counts it in flight until
   // EndCall.

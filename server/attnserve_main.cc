@@ -58,6 +58,17 @@ ABSL_FLAG(bool, access_log, kDefaults.access_log,
           "Log one JSON line per call to stderr (request id, method, model, shapes, status, "
           "queue and compute time)");
 
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain for TLS on the gRPC port (with --tls_key); empty: plaintext");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert (unencrypted)");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: clients must present a certificate signed by it (mutual TLS; needs "
+          "--tls_cert)");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "File of bearer tokens, one per line ('admin:<token>' marks an admin token; blank lines "
+          "and # comments ignored): every AttentionService call then needs 'authorization: "
+          "Bearer <token>' (health and reflection stay open)");
+
 int main(int argc, char** argv) {
   const absl::Time process_start = absl::Now();
   absl::SetProgramUsageMessage(
@@ -84,6 +95,10 @@ int main(int argc, char** argv) {
   options.builtin_model_seed = absl::GetFlag(FLAGS_builtin_model_seed);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.access_log = absl::GetFlag(FLAGS_access_log);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
 
   // Block the stop signals before any thread starts, so every thread inherits
   // the mask and only sigwait below receives them.
@@ -102,6 +117,19 @@ int main(int argc, char** argv) {
   }
   LogLine(absl::StrCat("listening on port ", (*server)->port(), " (", options.listen_address,
                        "); health NOT_SERVING until the models are loaded"));
+  if (options.tls_cert_file.empty()) {
+    LogLine("WARNING: serving plaintext gRPC (no --tls_cert): anyone on the network can read and "
+            "alter calls");
+  } else {
+    LogLine(options.tls_client_ca_file.empty()
+                ? "serving gRPC over TLS"
+                : "serving gRPC over mutual TLS (client certificates required)");
+  }
+  if (options.auth_tokens_file.empty()) {
+    LogLine("AttentionService calls are not authenticated (no --auth_tokens_file)");
+  } else {
+    LogLine("AttentionService calls need a bearer token (--auth_tokens_file)");
+  }
   if (options.metrics_address.empty()) {
     LogLine("metrics endpoint off (--metrics_address is empty)");
   } else {

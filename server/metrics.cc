@@ -73,11 +73,13 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
       return {StatusCode::kOk,          StatusCode::kInvalidArgument,
               StatusCode::kNotFound,    StatusCode::kResourceExhausted,
               StatusCode::kUnavailable, StatusCode::kDeadlineExceeded,
-              StatusCode::kCancelled,   StatusCode::kInternal};
+              StatusCode::kCancelled,   StatusCode::kInternal,
+              StatusCode::kUnauthenticated};
     case RpcMethod::kListModels:
-      return {StatusCode::kOk};
+      return {StatusCode::kOk, StatusCode::kUnauthenticated};
     case RpcMethod::kGetModel:
-      return {StatusCode::kOk, StatusCode::kInvalidArgument, StatusCode::kNotFound};
+      return {StatusCode::kOk, StatusCode::kInvalidArgument, StatusCode::kNotFound,
+              StatusCode::kUnauthenticated};
   }
   return {};
 }
@@ -232,8 +234,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
       m->requests_->Add({{"method", std::string(RpcMethodName(method))}, {"code", CodeName(code)}});
     }
   }
-  m->request_duration_->Add({{"method", "ListModels"}, {"model", ""}, {"code", "OK"}},
-                            DurationBuckets());
+  for (absl::StatusCode code : ExpectedCodes(RpcMethod::kListModels)) {
+    m->request_duration_->Add({{"method", "ListModels"}, {"model", ""}, {"code", CodeName(code)}},
+                              DurationBuckets());
+  }
   m->CreateModelSeries("");
 
   if (!options.address.empty()) {
@@ -257,11 +261,16 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
 }
 
 void Metrics::CreateModelSeries(const std::string& model) {
-  request_duration_->Add({{"method", "Attend"}, {"model", model}, {"code", "OK"}},
-                         DurationBuckets());
-  if (!model.empty()) {
-    request_duration_->Add({{"method", "GetModel"}, {"model", model}, {"code", "OK"}},
+  // Every code a method can answer, so rates of errors exist before the first one.
+  for (absl::StatusCode code : ExpectedCodes(RpcMethod::kAttend)) {
+    request_duration_->Add({{"method", "Attend"}, {"model", model}, {"code", CodeName(code)}},
                            DurationBuckets());
+  }
+  if (!model.empty()) {
+    for (absl::StatusCode code : ExpectedCodes(RpcMethod::kGetModel)) {
+      request_duration_->Add({{"method", "GetModel"}, {"model", model}, {"code", CodeName(code)}},
+                             DurationBuckets());
+    }
   }
   queue_wait_->Add({{"model", model}}, DurationBuckets());
   for (const std::string& path : kernel_paths_) {

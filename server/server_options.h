@@ -46,6 +46,16 @@ struct ServerOptions {
   std::string metrics_address;
   // One JSON line per call on stderr (server/access_log.h).
   bool access_log = false;
+  // TLS on the gRPC port: PEM certificate chain and private key. Both empty:
+  // plaintext (a warning is logged at start-up).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // PEM CA bundle: when set (needs TLS), clients must present a certificate
+  // signed by it (mutual TLS).
+  std::string tls_client_ca_file;
+  // Bearer tokens (server/auth.h): when set, every AttentionService call
+  // needs "authorization: Bearer <token>"; health and reflection stay open.
+  std::string auth_tokens_file;
   RequestLimits limits;
 };
 

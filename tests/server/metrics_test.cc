@@ -191,14 +191,15 @@ TEST(Metrics, ServesTheRegistryAndProcessMetricsOverHttpOnAnEphemeralPort) {
             0);
 }
 
-TEST(Metrics, StopsWithinASecondAfterServingAScrape) {
-  // civetweb's listener polls in 2 s rounds; Metrics wakes it on the way out.
+TEST(Metrics, StopsWithoutWaitingForTheListenersPollRound) {
+  // civetweb's listener polls in 2 s rounds; Metrics wakes it on the way out
+  // (about 0.1 s). The bound sits between the two, with room for a busy CI.
   auto metrics = Metrics::Create({.address = "127.0.0.1:0"});
   ASSERT_TRUE(metrics.ok()) << metrics.status();
   EXPECT_THAT(HttpGet((*metrics)->port(), "/metrics").status_line, HasSubstr("200"));
   const absl::Time start = absl::Now();
   metrics->reset();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(1500));
 }
 
 TEST(Metrics, BuildInfoNamesTheVersionOneDnnAndTheIsa) {
@@ -522,6 +523,11 @@ TEST_F(MetricsServerTest, SeriesOfTheBuiltinModelExistBeforeAnyRequest) {
   for (const char* code : {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED",
                            "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "INTERNAL"}) {
     EXPECT_EQ(exposition.Value("attnserve_requests_total", {{"method", "Attend"}, {"code", code}}),
+              0)
+        << code;
+    // Error series of the duration histogram too, so error-rate queries work
+    // before the first error.
+    EXPECT_EQ(exposition.Count(kDuration, {{"method", "Attend"}, {"model", "default"}, {"code", code}}),
               0)
         << code;
   }
