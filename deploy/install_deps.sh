@@ -12,7 +12,7 @@ BUILD_PKGS=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev prometheus-cpp-dev
-  libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev
+  libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev libssl-dev
 )
 # Real peers the tests talk to: Python's gRPC client, NumPy and PyTorch as
 # references (torch with OpenBLAS: without it torch falls back to the
@@ -23,7 +23,7 @@ BUILD_PKGS=(
 # compose file offline) lint deploy/, nginx balances gRPC over local replicas,
 # kubectl renders the Kubernetes manifests offline.
 TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-torch libopenblas0
-  prometheus python3-yaml yamllint nginx docker-compose)
+  prometheus python3-yaml yamllint nginx docker-compose openssl)
 # Debian's kubectl, unless a kubectl is installed already: another package's
 # /usr/bin/kubectl (e.g. the Google Cloud SDK's) conflicts with it.
 if ! command -v kubectl > /dev/null; then TEST_PKGS+=(kubernetes-client); fi
