@@ -57,5 +57,14 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 echo "install_deps.sh: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
+# Test peers (nginx, Prometheus) are started by the tests themselves: keep
+# their packages from starting system services (nginx would take port 80), as
+# container images do, unless the machine already has a policy of its own.
+POLICY=/usr/sbin/policy-rc.d
+if [ ! -e "$POLICY" ]; then
+  printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$POLICY" > /dev/null
+  $SUDO chmod 755 "$POLICY"
+  trap '$SUDO rm -f "$POLICY"' EXIT
+fi
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
