@@ -25,7 +25,7 @@ import urllib.request
 import yaml
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
-from harness import Server  # noqa: E402
+from harness import Server, stop_process  # noqa: E402
 
 ARGS = None
 READY_SERVICES = ("attnserve.v1.AttentionService", "")
@@ -570,13 +570,7 @@ class KubernetesScrapeConfig(unittest.TestCase):
             self.assertEqual(active[0]["labels"]["pod"], "attnserve-0")
             self.assertEqual(active[0]["labels"]["namespace"], "serving")
         finally:
-            if prometheus is not None:
-                prometheus.terminate()
-                try:
-                    prometheus.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    prometheus.kill()
-                    prometheus.wait()
+            stop_process(prometheus)
             server.stop()
             shutil.rmtree(work, ignore_errors=True)
         self.assertLess(time.monotonic() - started, 60)

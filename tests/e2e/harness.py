@@ -76,6 +76,18 @@ class Server:
             self.proc.wait()
 
 
+def stop_process(proc, timeout=10):
+    """SIGTERM, then SIGKILL after `timeout` seconds; waits for the process."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_serving(health_stub, health_pb, timeout=60):
     """Polls grpc.health.v1 Check("") until SERVING."""
     deadline = time.monotonic() + timeout

@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Server, generate_stubs, to_tensor, wait_serving  # noqa: E402
+from harness import Server, generate_stubs, stop_process, to_tensor, wait_serving  # noqa: E402
 
 ARGS = None
 STUB_DIR = None
@@ -381,13 +381,7 @@ class RealPrometheus(unittest.TestCase):
             groups = json.loads(body)["data"]["groups"]
             self.assertEqual({r["health"] for g in groups for r in g["rules"]}, {"ok"})
         finally:
-            if prometheus is not None:
-                prometheus.terminate()
-                try:
-                    prometheus.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    prometheus.kill()
-                    prometheus.wait()
+            stop_process(prometheus)
             s.stop()
             shutil.rmtree(work, ignore_errors=True)
         self.assertLess(time.monotonic() - started, 60)

@@ -1,0 +1,99 @@
+// libFuzzer target: an AttendRequest's bytes through parsing, validation and
+// memory planning (PlanAttend), then decoding of the inputs when the plan is
+// small. The layer never runs: this exercises the code that sees untrusted
+// bytes before anything is allocated from their sizes.
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "attnserve/v1/attention.pb.h"
+#include "server/attend_plan.h"
+#include "server/model_registry.h"
+#include "server/server_options.h"
+#include "server/tensor_codec.h"
+
+namespace attnserve::server {
+namespace {
+
+// Decoding allocates as much as the inputs hold; keep each run's footprint
+// small so the fuzzer stays fast (PlanAttend itself is fuzzed at any size).
+constexpr int64_t kMaxDecodedElements = int64_t{1} << 18;  // 1 MiB of FP32
+
+const ModelRegistry& Registry() {
+  static const ModelRegistry* registry = [] {
+    auto* r = new ModelRegistry();
+    auto model = MakeBuiltinModel(/*seed=*/0);
+    if (!model.ok() || !r->Add(*std::move(model)).ok()) __builtin_trap();
+    return r;
+  }();
+  return *registry;
+}
+
+// Sums the decoded values so that the reads cannot be optimised away.
+float Touch(const v1::Tensor& tensor, const TensorSpec& spec) {
+  const FloatValues values(tensor, spec);
+  if (static_cast<int64_t>(values.values().size()) != spec.elements) __builtin_trap();
+  float sum = 0;
+  for (float x : values.values()) sum += x;
+  return sum;
+}
+
+void FuzzOne(const uint8_t* data, size_t size) {
+  v1::AttendRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return;
+  const RequestLimits limits;
+  const ServerOptions options;
+  const auto plan = PlanAttend(request, Registry(), limits, options.max_send_message_bytes);
+  if (!plan.ok()) return;
+
+  int64_t decoded = plan->output_elements + plan->map_elements;
+  if (plan->projected) {
+    decoded += plan->q.elements + plan->k.elements + plan->v.elements;
+  } else {
+    decoded += plan->hidden_states.elements;
+    if (plan->context) decoded += plan->context->elements;
+  }
+  if (plan->mask.kind != core::ExplicitMask::Kind::kNone) decoded += plan->mask.values.elements;
+  if (plan->adhoc) {
+    for (const TensorSpec& w : plan->adhoc->inline_weights) decoded += w.elements;
+  }
+  if (decoded > kMaxDecodedElements) return;
+
+  volatile float sink = 0;
+  if (plan->projected) {
+    sink = sink + Touch(request.projected().q(), plan->q);
+    sink = sink + Touch(request.projected().k(), plan->k);
+    sink = sink + Touch(request.projected().v(), plan->v);
+  } else {
+    sink = sink + Touch(request.hidden_states(), plan->hidden_states);
+    if (plan->context) sink = sink + Touch(request.context(), *plan->context);
+  }
+  if (plan->mask.kind != core::ExplicitMask::Kind::kNone) {
+    sink = sink + Touch(request.mask().values(), plan->mask.values);
+  }
+  if (plan->adhoc && !plan->adhoc->inline_weights.empty()) {
+    const v1::LayerWeights& w = request.layer().inline_weights();
+    const v1::Tensor* tensors[] = {&w.w_q(), &w.b_q(), &w.w_k(), &w.b_k(),
+                                   &w.w_v(), &w.b_v(), &w.w_o(), &w.b_o()};
+    const auto& specs = plan->adhoc->inline_weights;
+    for (size_t i = 0; i < specs.size() && i < 8; ++i) sink = sink + Touch(*tensors[i], specs[i]);
+  }
+  // The shapes the plan promises must agree with its element counts.
+  int64_t out = 1;
+  for (int64_t d : plan->output_shape) out *= d;
+  if (out != plan->output_elements) __builtin_trap();
+  if (!plan->map_shape.empty()) {
+    int64_t maps = 1;
+    for (int64_t d : plan->map_shape) maps *= d;
+    if (maps != plan->map_elements) __builtin_trap();
+  }
+}
+
+}  // namespace
+}  // namespace attnserve::server
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  attnserve::server::FuzzOne(data, size);
+  return 0;
+}
