@@ -6,6 +6,7 @@
 #   deploy/install_deps.sh --build    only what building needs (the Dockerfile's build stage)
 #   deploy/install_deps.sh --runtime  only what the built binaries need at run time
 #   deploy/install_deps.sh --print-runtime  print that list
+#   deploy/install_deps.sh --fuzz     clang and its sanitizer/libFuzzer runtimes (deploy/fuzz.sh; not CI)
 set -euo pipefail
 
 BUILD_PKGS=(
@@ -31,13 +32,18 @@ if ! command -v kubectl > /dev/null; then TEST_PKGS+=(kubernetes-client); fi
 # complete against ldd).
 RUNTIME_PKGS=(libgrpc++1.51 libgrpc29 libprotobuf32 libdnnl2 libabsl20220623 libgomp1
   libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)
+# Fuzzing (deploy/fuzz.sh) needs clang: libclang-rt-14-dev holds libFuzzer
+# (libclang_rt.fuzzer) and clang's ASan/UBSan runtimes; libomp-14-dev is what
+# clang -fopenmp links (FindOpenMP fails without it). CI does not fuzz.
+FUZZ_PKGS=(clang-14 libclang-rt-14-dev libomp-14-dev)
 
 case "${1:-}" in
   --build) PKGS=("${BUILD_PKGS[@]}") ;;
   --runtime) PKGS=("${RUNTIME_PKGS[@]}") ;;
   --print-runtime) echo "${RUNTIME_PKGS[@]}"; exit 0 ;;
+  --fuzz) PKGS=("${BUILD_PKGS[@]}" "${FUZZ_PKGS[@]}") ;;
   "" | --all) PKGS=("${BUILD_PKGS[@]}" "${TEST_PKGS[@]}") ;;
-  -h | --help) sed -n '2,9p' "$0"; exit 0 ;;
+  -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
   *) echo "install_deps.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
 esac
 

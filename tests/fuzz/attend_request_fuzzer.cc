@@ -4,10 +4,13 @@
 // bytes before anything is allocated from their sizes.
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <optional>
 
 #include "attnserve/v1/attention.pb.h"
+#include "google/protobuf/stubs/logging.h"
 #include "server/attend_plan.h"
 #include "server/model_registry.h"
 #include "server/server_options.h"
@@ -40,11 +43,22 @@ float Touch(const v1::Tensor& tensor, const TensorSpec& spec) {
 }
 
 void FuzzOne(const uint8_t* data, size_t size) {
+  // Protobuf logs every string field with invalid UTF-8 it parses; fuzzing
+  // makes many, and printing them would be most of the time spent.
+  static const bool quiet = [] {
+    google::protobuf::SetLogHandler(nullptr);
+    return true;
+  }();
+  (void)quiet;
   v1::AttendRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return;
   const RequestLimits limits;
   const ServerOptions options;
   const auto plan = PlanAttend(request, Registry(), limits, options.max_send_message_bytes);
+  // ATTNSERVE_FUZZ_PRINT_STATUS=1: say what each input came to (to check
+  // that the seed corpus reaches the parts it is meant to).
+  static const bool print_status = std::getenv("ATTNSERVE_FUZZ_PRINT_STATUS") != nullptr;
+  if (print_status) std::fprintf(stderr, "%s\n", plan.status().ToString().c_str());
   if (!plan.ok()) return;
 
   int64_t decoded = plan->output_elements + plan->map_elements;
