@@ -87,6 +87,22 @@ struct Buffers {
   }
 };
 
+// Runs that differ only in padding values: every output finite and, in every
+// buffer, equal to the first run's bit for bit.
+void ExpectFiniteAndIdentical(const std::vector<Buffers>& results) {
+  for (const Buffers& run : results) {
+    for (float v : run.output) ASSERT_TRUE(std::isfinite(v));
+    for (float v : run.maps) ASSERT_TRUE(std::isfinite(v));
+  }
+  for (size_t r = 1; r < results.size(); ++r) {
+    EXPECT_EQ(results[r].output, results[0].output);
+    EXPECT_EQ(results[r].maps, results[0].maps);
+    EXPECT_EQ(results[r].entropy, results[0].entropy);
+    EXPECT_EQ(results[r].max_weight, results[0].max_weight);
+    EXPECT_EQ(results[r].contribution, results[0].contribution);
+  }
+}
+
 Buffers MakeBuffers(const HeadConfig& config, const LayerInputs& inputs,
                     const ForwardOptions& options) {
   const SequenceLayout& keys = inputs.context_layout ? *inputs.context_layout : inputs.layout;
@@ -632,16 +648,9 @@ TEST(AttentionLayer, PaddingValuesNeverInfluenceResults) {
       }
       Buffers buffers;
       ASSERT_THAT(RunLayer(*small.layer, inputs, options, buffers), IsOk());
-      for (float v : buffers.output) ASSERT_TRUE(std::isfinite(v));
-      for (float v : buffers.maps) ASSERT_TRUE(std::isfinite(v));
       results.push_back(std::move(buffers));
     }
-    for (size_t r = 1; r < results.size(); ++r) {
-      EXPECT_EQ(results[r].output, results[0].output);
-      EXPECT_EQ(results[r].maps, results[0].maps);
-      EXPECT_EQ(results[r].entropy, results[0].entropy);
-      EXPECT_EQ(results[r].contribution, results[0].contribution);
-    }
+    ExpectFiniteAndIdentical(results);
   }
 }
 
@@ -1001,15 +1010,9 @@ TEST(AttentionLayer, ContextPaddingOfAnotherWidthNeverInfluencesResults) {
     inputs.context_layout = keys;
     Buffers buffers;
     ASSERT_THAT(RunLayer(*small.layer, inputs, options, buffers), IsOk());
-    for (float v : buffers.output) ASSERT_TRUE(std::isfinite(v));
-    for (float v : buffers.maps) ASSERT_TRUE(std::isfinite(v));
     results.push_back(std::move(buffers));
   }
-  for (size_t r = 1; r < results.size(); ++r) {
-    EXPECT_EQ(results[r].output, results[0].output);
-    EXPECT_EQ(results[r].maps, results[0].maps);
-    EXPECT_EQ(results[r].contribution, results[0].contribution);
-  }
+  ExpectFiniteAndIdentical(results);
 }
 
 // The separate-weights path (context_dim != d_model) against the fused one:
