@@ -10,6 +10,8 @@ endfunction()
 
 # attnserve_test(NAME <name> SOURCES <files...> LIBS <targets...> [LABELS <labels...>])
 # One GoogleTest binary per test file, registered with CTest test by test.
+# Tests labelled `tsan` exercise our threads without gRPC: deploy/sanitize.sh
+# tsan builds them (target tsan_tests) and runs them under ThreadSanitizer.
 function(attnserve_test)
   cmake_parse_arguments(T "" "NAME" "SOURCES;LIBS;LABELS" ${ARGN})
   add_executable(${T_NAME} ${T_SOURCES})
@@ -18,7 +20,37 @@ function(attnserve_test)
   if(NOT T_LABELS)
     set(T_LABELS unit)
   endif()
+  if("tsan" IN_LIST T_LABELS)
+    attnserve_tsan_binary(${T_NAME})
+  endif()
   gtest_discover_tests(${T_NAME}
-    PROPERTIES LABELS "${T_LABELS}"
     DISCOVERY_TIMEOUT 60)
+  # gtest_discover_tests passes a list-valued property on as separate words,
+  # so the labels are set by a file CTest reads after the discovered list
+  # (which defines <target>_TESTS).
+  set(label_file ${CMAKE_CURRENT_BINARY_DIR}/${T_NAME}_labels.cmake)
+  file(WRITE ${label_file}
+    "if(${T_NAME}_TESTS)\n"
+    "  set_tests_properties(\${${T_NAME}_TESTS} PROPERTIES LABELS \"${T_LABELS}\")\n"
+    "endif()\n")
+  set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${label_file})
+endfunction()
+
+# Adds a test binary to the target tsan_tests and to the list
+# <build>/tsan_tests.txt that deploy/sanitize.sh reads (written by
+# attnserve_write_tsan_list once every test is defined).
+function(attnserve_tsan_binary target)
+  if(NOT TARGET tsan_tests)
+    add_custom_target(tsan_tests)
+  endif()
+  add_dependencies(tsan_tests ${target})
+  set_property(GLOBAL APPEND PROPERTY ATTNSERVE_TSAN_BINARIES "$<TARGET_FILE:${target}>")
+endfunction()
+
+function(attnserve_write_tsan_list)
+  if(NOT TARGET tsan_tests)
+    add_custom_target(tsan_tests)
+  endif()
+  get_property(binaries GLOBAL PROPERTY ATTNSERVE_TSAN_BINARIES)
+  file(GENERATE OUTPUT ${CMAKE_BINARY_DIR}/tsan_tests.txt CONTENT "${binaries}")
 endfunction()
