@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 
 import numpy as np
 
@@ -53,7 +54,9 @@ class Server:
              f"--builtin_model_seed={self.seed}", *flags],
             stderr=subprocess.PIPE, text=True)
         self.log = []
+        self.metrics_port = None
         port_seen = threading.Event()
+        self._metrics_seen = threading.Event()
 
         def pump():
             for line in self.proc.stderr:
@@ -63,6 +66,10 @@ class Server:
                 if m:
                     self.port = int(m.group(1))
                     port_seen.set()
+                m = re.search(r"metrics on port (\d+)", line)
+                if m:
+                    self.metrics_port = int(m.group(1))
+                    self._metrics_seen.set()
 
         threading.Thread(target=pump, daemon=True).start()
         if not port_seen.wait(60):
@@ -70,10 +77,55 @@ class Server:
             raise RuntimeError("attnserve did not report its port")
         self.target = f"127.0.0.1:{self.port}"
 
+    def scrape(self):
+        """The server's /metrics as {(name, frozenset(labels.items())): value}."""
+        if not self._metrics_seen.wait(60):
+            raise RuntimeError("attnserve did not report its metrics port")
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return parse_exposition(response.read().decode())
+
+    def cpu_seconds(self):
+        """User + system CPU time the server process has used (/proc/<pid>/stat)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            # Fields after the command name, which is in parentheses.
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def memory_kib(self):
+        """{"VmRSS": KiB, "VmHWM": KiB} of the server process (/proc/<pid>/status)."""
+        out = {}
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(rest.split()[0])
+        return out
+
     def stop(self):
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def parse_exposition(text):
+    """{(name, frozenset(labels.items())): value} of a Prometheus text exposition."""
+    samples = {}
+    line_re = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$')
+    label_re = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = line_re.match(line)
+        assert m, f"unparsable exposition line: {line!r}"
+        labels = frozenset(label_re.findall(m.group(2) or ""))
+        samples[(m.group(1), labels)] = float(m.group(3))
+    return samples
+
+
+def metric(samples, name, **labels):
+    """One sample of a parse_exposition result, 0.0 when the series is absent."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
 
 
 def stop_process(proc, timeout=10):

@@ -28,7 +28,8 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Server, generate_stubs, stop_process, to_tensor, wait_serving  # noqa: E402
+from harness import (Server, generate_stubs, parse_exposition, stop_process, to_tensor,  # noqa: E402
+                     wait_serving)
 
 ARGS = None
 STUB_DIR = None
@@ -39,21 +40,6 @@ STUB_DIR = None
 def http_get(url, timeout=10):
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.status, response.read().decode()
-
-
-def parse_exposition(text):
-    """{(name, frozenset(labels.items())): value} of a text exposition."""
-    samples = {}
-    line_re = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$')
-    label_re = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = line_re.match(line)
-        assert m, f"unparsable exposition line: {line!r}"
-        labels = frozenset(label_re.findall(m.group(2) or ""))
-        samples[(m.group(1), labels)] = float(m.group(3))
-    return samples
 
 
 def value(samples, name, **labels):
