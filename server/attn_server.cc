@@ -301,12 +301,15 @@ void AttnServer::Shutdown() {
     if (!service_->WaitForIdle(drain_deadline)) {
       LogLine("drain timeout: cancelling the calls still in flight");
     }
-    // 3. Stop: a moment to flush finished calls' responses, then streams still
+    // 3. Loads: the one in progress finishes, queued ones answer UNAVAILABLE,
+    //    so no LoadModel call is left unfinished when the server stops.
+    if (loader_ != nullptr) loader_->Shutdown();
+    // 4. Stop: a moment to flush finished calls' responses, then streams still
     //    open (health Watch) and anything left are cancelled.
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   }
   // Loads finish before the executor their warm-up runs on stops.
-  if (loader_ != nullptr) loader_->Shutdown();
+  if (loader_ != nullptr) loader_->Shutdown();  // idempotent
   if (executor_ != nullptr) executor_->Shutdown();
 }
 
