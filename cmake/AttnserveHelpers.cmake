@@ -18,7 +18,20 @@ function(attnserve_test)
   if(NOT T_LABELS)
     set(T_LABELS unit)
   endif()
+  list(GET T_LABELS 0 first_label)
   gtest_discover_tests(${T_NAME}
-    PROPERTIES LABELS "${T_LABELS}"
+    PROPERTIES LABELS "${first_label}"
     DISCOVERY_TIMEOUT 60)
+  # gtest_discover_tests flattens a list-valued property ("unit;tsan" would
+  # become LABELS unit and a property named tsan): set several labels on the
+  # discovered tests (${T_NAME}_TESTS) from a script CTest runs after them.
+  list(LENGTH T_LABELS label_count)
+  if(label_count GREATER 1)
+    set(labels_file "${CMAKE_CURRENT_BINARY_DIR}/${T_NAME}_labels.cmake")
+    file(WRITE "${labels_file}"
+      "foreach(t IN LISTS ${T_NAME}_TESTS)\n"
+      "  set_tests_properties(\"\${t}\" PROPERTIES LABELS \"${T_LABELS}\")\n"
+      "endforeach()\n")
+    set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${labels_file}")
+  endif()
 endfunction()
