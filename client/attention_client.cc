@@ -240,6 +240,21 @@ absl::StatusOr<v1::ModelInfo> AttentionClient::GetModel(absl::string_view name) 
               options_.bearer_token);
 }
 
+absl::StatusOr<v1::LoadModelResponse> AttentionClient::LoadModel(absl::string_view name) const {
+  v1::LoadModelRequest request;
+  request.set_name(std::string(name));
+  return Call(*stub_, &v1::AttentionService::Stub::LoadModel, request, options_.timeout_seconds,
+              options_.bearer_token);
+}
+
+absl::Status AttentionClient::UnloadModel(absl::string_view name) const {
+  v1::UnloadModelRequest request;
+  request.set_name(std::string(name));
+  return Call(*stub_, &v1::AttentionService::Stub::UnloadModel, request, options_.timeout_seconds,
+              options_.bearer_token)
+      .status();
+}
+
 absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendRequest& request) const {
   return Call(*stub_, &v1::AttentionService::Stub::Attend, request, options_.timeout_seconds,
               options_.bearer_token);

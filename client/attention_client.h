@@ -93,6 +93,9 @@ class AttentionClient {
 
   absl::StatusOr<v1::ListModelsResponse> ListModels() const;
   absl::StatusOr<v1::ModelInfo> GetModel(absl::string_view name) const;
+  // Admin RPCs (an admin token when the server has tokens).
+  absl::StatusOr<v1::LoadModelResponse> LoadModel(absl::string_view name) const;
+  absl::Status UnloadModel(absl::string_view name) const;
   absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request) const;
   // The health of `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(

@@ -133,6 +133,9 @@ Usage: attnctl <command> [--target=host:port] [flags]
 Commands:
   models                  list the loaded models and their head configurations
   model --model=M         describe one model
+  load --model=M          load (or retry) folder M of the server's model repository
+                          and wait until it is READY (admin)
+  unload --model=M        unload model M; calls running on it finish (admin)
   attend [flags]          run attention once (or --repeat=N times) and print what
                           ran (model or ad-hoc layer, kernel, the precision that
                           ran), the inputs, the output's first values, per-head map
@@ -168,9 +171,15 @@ std::string DurationText(const google::protobuf::Duration& d) {
 }
 
 void PrintModel(const v1::ModelInfo& model) {
+  if (model.state() == v1::MODEL_STATE_LOADING || model.state() == v1::MODEL_STATE_FAILED) {
+    std::printf("%s  [%s]\n", model.name().c_str(),
+                model.state() == v1::MODEL_STATE_LOADING ? "LOADING" : "FAILED");
+    if (!model.failure_reason().empty()) std::printf("  %s\n", model.failure_reason().c_str());
+    return;
+  }
   const v1::HeadConfig& h = model.head_config();
-  std::printf("%s\n  d_model %d, heads %d, kv heads %d, head_dim %d, scale %.6g\n",
-              model.name().c_str(), h.d_model(), h.num_heads(), h.num_kv_heads(), h.head_dim(),
+  std::printf("%s  [READY]%s\n  d_model %d, heads %d, kv heads %d, head_dim %d, scale %.6g\n",
+              model.name().c_str(), model.causal() ? " causal" : "", h.d_model(), h.num_heads(), h.num_kv_heads(), h.head_dim(),
               h.scale());
   std::printf("  limits: batch <= %lld, seq <= %lld, maps <= %lld bytes\n",
               static_cast<long long>(model.limits().max_batch()),
@@ -191,6 +200,19 @@ int RunModel(const AttentionClient& client) {
   absl::StatusOr<v1::ModelInfo> model = client.GetModel(absl::GetFlag(FLAGS_model));
   if (!model.ok()) return Fail(model.status());
   PrintModel(*model);
+  return 0;
+}
+
+int RunLoad(const AttentionClient& client) {
+  absl::StatusOr<v1::LoadModelResponse> loaded = client.LoadModel(absl::GetFlag(FLAGS_model));
+  if (!loaded.ok()) return Fail(loaded.status());
+  PrintModel(loaded->model());
+  return 0;
+}
+
+int RunUnload(const AttentionClient& client) {
+  if (absl::Status s = client.UnloadModel(absl::GetFlag(FLAGS_model)); !s.ok()) return Fail(s);
+  std::printf("unloaded %s\n", absl::GetFlag(FLAGS_model).c_str());
   return 0;
 }
 
@@ -333,6 +355,8 @@ int main(int argc, char** argv) {
   if (!client.ok()) return attnserve::client::Fail(client.status());
   if (command == "models") return attnserve::client::RunModels(**client);
   if (command == "model") return attnserve::client::RunModel(**client);
+  if (command == "load") return attnserve::client::RunLoad(**client);
+  if (command == "unload") return attnserve::client::RunUnload(**client);
   if (command == "attend") return attnserve::client::RunAttend(**client);
   if (command == "health") return attnserve::client::RunHealth(**client);
   std::fprintf(stderr, "attnctl: unknown command '%s'\n\nattnctl: %s", command.c_str(),

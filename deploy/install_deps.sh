@@ -13,7 +13,7 @@ BUILD_PKGS=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev prometheus-cpp-dev
-  libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev libssl-dev
+  libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev libssl-dev nlohmann-json3-dev
 )
 # Real peers the tests talk to: Python's gRPC client, NumPy and PyTorch as
 # references (torch with OpenBLAS: without it torch falls back to the

@@ -379,7 +379,8 @@ absl::Status PlanMask(const v1::AttendRequest& request, AttendPlan& plan) {
 
 absl::Status PlanOptions(const v1::AttendRequest& request, AttendPlan& plan) {
   const core::HeadConfig& c = plan.config;
-  plan.causal = request.causal();
+  // A causal model (a decoder's layer) is causal for every request.
+  plan.causal = request.causal() || (plan.model != nullptr && plan.model->causal);
   ATTNSERVE_RETURN_IF_ERROR(PlanMask(request, plan));
 
   if (request.head_mask_size() > 0) {

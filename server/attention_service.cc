@@ -34,9 +34,23 @@ void SetDuration(absl::Duration d, google::protobuf::Duration* out) {
   out->set_nanos(static_cast<int32_t>(nanos % 1000000000));
 }
 
+v1::ModelState ToProto(ModelState state) {
+  switch (state) {
+    case ModelState::kLoading:
+      return v1::MODEL_STATE_LOADING;
+    case ModelState::kReady:
+      return v1::MODEL_STATE_READY;
+    case ModelState::kFailed:
+      return v1::MODEL_STATE_FAILED;
+  }
+  return v1::MODEL_STATE_UNSPECIFIED;
+}
+
 void FillModelInfo(const Model& model, const RequestLimits& limits, v1::ModelInfo* info) {
   const core::HeadConfig& config = model.layer->config();
   info->set_name(model.name);
+  info->set_state(v1::MODEL_STATE_READY);
+  info->set_causal(model.causal);
   info->set_description(model.description);
   v1::HeadConfig* head = info->mutable_head_config();
   head->set_d_model(static_cast<int32_t>(config.d_model));
@@ -53,6 +67,18 @@ void FillModelInfo(const Model& model, const RequestLimits& limits, v1::ModelInf
   model_limits->set_max_attention_map_bytes(limits.max_attention_map_bytes);
   info->add_input_dtypes(v1::DATA_TYPE_FP32);
   info->add_input_dtypes(v1::DATA_TYPE_BF16);
+}
+
+// A registry entry in any state: READY entries carry everything, LOADING and
+// FAILED ones their name, state and failure reason.
+void FillModelStatus(const ModelStatus& status, const RequestLimits& limits, v1::ModelInfo* info) {
+  if (status.model != nullptr) {
+    FillModelInfo(*status.model, limits, info);
+  } else {
+    info->set_name(status.name);
+  }
+  info->set_state(ToProto(status.state));
+  if (!status.failure.ok()) info->set_failure_reason(std::string(status.failure.message()));
 }
 
 // Runs a planned request on the compute executor's thread and fills
@@ -118,12 +144,23 @@ struct AttendCall {
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options,
                                            const ModelRegistry* registry,
                                            ComputeExecutor* executor, Metrics* metrics,
-                                           std::optional<TokenSet> tokens)
+                                           std::optional<TokenSet> tokens, ModelLoader* loader)
     : options_(options),
       registry_(registry),
       executor_(executor),
       metrics_(metrics),
-      tokens_(std::move(tokens)) {}
+      tokens_(std::move(tokens)),
+      loader_(loader) {}
+
+absl::Status AttentionServiceImpl::AuthorizeAdmin(
+    const grpc::CallbackServerContext& context) const {
+  absl::StatusOr<Principal> caller = Authenticate(context);
+  if (!caller.ok()) return caller.status();
+  if (tokens_.has_value() && !caller->is_admin) {
+    return absl::PermissionDeniedError("this RPC needs an admin token");
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<Principal> AttentionServiceImpl::Authenticate(
     const grpc::CallbackServerContext& context) const {
@@ -253,8 +290,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerC
     reactor->FinishCall(ToGrpcStatus(caller.status()));
     return reactor;
   }
-  for (const auto& model : registry_->List()) {
-    FillModelInfo(*model, options_.limits, response->add_models());
+  for (const ModelStatus& status : registry_->List()) {
+    FillModelStatus(status, options_.limits, response->add_models());
   }
   reactor->FinishCall(grpc::Status::OK);
   return reactor;
@@ -275,14 +312,67 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerCon
     reactor->FinishCall(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "name: required"));
     return reactor;
   }
-  absl::StatusOr<std::shared_ptr<const Model>> model = registry_->Find(request->name());
+  absl::StatusOr<ModelStatus> model = registry_->Get(request->name());
   if (!model.ok()) {
     reactor->FinishCall(ToGrpcStatus(
         absl::Status(model.status().code(), absl::StrCat("name: ", model.status().message()))));
     return reactor;
   }
-  FillModelInfo(**model, options_.limits, response);
+  FillModelStatus(*model, options_.limits, response);
   reactor->FinishCall(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::LoadModel(grpc::CallbackServerContext* context,
+                                                          const v1::LoadModelRequest* request,
+                                                          v1::LoadModelResponse* response) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kLoadModel, "", metrics_, options_.access_log);
+  if (absl::Status allowed = AuthorizeAdmin(*context); !allowed.ok()) {
+    reactor->FinishCall(ToGrpcStatus(allowed));
+    return reactor;
+  }
+  if (loader_ == nullptr) {
+    reactor->FinishCall(ToGrpcStatus(absl::FailedPreconditionError(
+        "the server has no model repository (start it with --model_repository)")));
+    return reactor;
+  }
+  // The reactor and response outlive this handler: the loader thread finishes
+  // the call when the load is over.
+  const RequestLimits limits = options_.limits;
+  absl::Status queued = loader_->Load(
+      request->name(), [reactor, response, limits](absl::StatusOr<ModelStatus> loaded) {
+        if (loaded.ok()) FillModelStatus(*loaded, limits, response->mutable_model());
+        reactor->FinishCall(ToGrpcStatus(loaded.status()));
+      });
+  if (!queued.ok()) {
+    reactor->FinishCall(ToGrpcStatus(queued));
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadModel(grpc::CallbackServerContext* context,
+                                                            const v1::UnloadModelRequest* request,
+                                                            v1::UnloadModelResponse* /*response*/) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kUnloadModel, "", metrics_, options_.access_log);
+  if (absl::Status allowed = AuthorizeAdmin(*context); !allowed.ok()) {
+    reactor->FinishCall(ToGrpcStatus(allowed));
+    return reactor;
+  }
+  if (request->name().empty()) {
+    reactor->FinishCall(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "name: required"));
+    return reactor;
+  }
+  absl::Status unloaded = loader_ != nullptr ? loader_->Unload(request->name())
+                                             : registry_->Get(request->name()).status();
+  if (loader_ == nullptr && unloaded.ok()) {
+    unloaded = absl::FailedPreconditionError(
+        "the built-in model cannot be unloaded (the server has no --model_repository)");
+  }
+  reactor->FinishCall(ToGrpcStatus(
+      unloaded.ok() ? unloaded
+                    : absl::Status(unloaded.code(), absl::StrCat("name: ", unloaded.message()))));
   return reactor;
 }
 

@@ -13,6 +13,7 @@
 #include "server/compute_executor.h"
 #include "server/layer_cache.h"
 #include "server/metrics.h"
+#include "server/model_loader.h"
 #include "server/model_registry.h"
 #include "server/server_options.h"
 
@@ -42,7 +43,8 @@ class AttentionServiceImpl final
 
   AttentionServiceImpl(const ServerOptions& options, const ModelRegistry* registry,
                        ComputeExecutor* executor, Metrics* metrics,
-                       std::optional<TokenSet> tokens = std::nullopt);
+                       std::optional<TokenSet> tokens = std::nullopt,
+                       ModelLoader* loader = nullptr);
 
   // Attend answers UNAVAILABLE unless the state is kServing.
   void set_state(State state);
@@ -60,6 +62,15 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
                                      const v1::GetModelRequest* request,
                                      v1::ModelInfo* response) override;
+  // Admin RPCs: with tokens, PERMISSION_DENIED for a valid token that is not
+  // an admin's. FAILED_PRECONDITION without a model repository (`loader`).
+  // LoadModel finishes from the loader thread when the load is over.
+  grpc::ServerUnaryReactor* LoadModel(grpc::CallbackServerContext* context,
+                                      const v1::LoadModelRequest* request,
+                                      v1::LoadModelResponse* response) override;
+  grpc::ServerUnaryReactor* UnloadModel(grpc::CallbackServerContext* context,
+                                        const v1::UnloadModelRequest* request,
+                                        v1::UnloadModelResponse* response) override;
 
  private:
   // Constant after construction.
@@ -68,10 +79,14 @@ class AttentionServiceImpl final
   ComputeExecutor* const executor_;
   Metrics* const metrics_;
   const std::optional<TokenSet> tokens_;
+  ModelLoader* const loader_;  // null without --model_repository
 
   // The one authentication check, first in every handler: OK without
   // tokens_, else as TokenSet::Authenticate.
   absl::StatusOr<Principal> Authenticate(const grpc::CallbackServerContext& context) const;
+  // Authenticate, then PERMISSION_DENIED unless the principal is an admin
+  // (open without tokens_, like every RPC).
+  absl::Status AuthorizeAdmin(const grpc::CallbackServerContext& context) const;
 
   // Admits a call: false unless serving; otherwise counts it in flight until
   // EndCall.

@@ -193,9 +193,24 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   ATTNSERVE_ASSIGN_OR_RETURN(
       server->metrics_, Metrics::Create({.address = options.metrics_address,
                                          .queue_capacity = options.max_queued_requests}));
+  if (!options.model_repository.empty()) {
+    ATTNSERVE_ASSIGN_OR_RETURN(server->repository_,
+                               ModelRepository::Create(options.model_repository));
+    AttnServer* self = server.get();
+    server->loader_ = std::make_unique<ModelLoader>(
+        server->repository_.get(), &server->registry_,
+        ModelLoaderOptions{
+            .warm_up = [self](const Model& model) { return WarmUp(model, *self->executor_); },
+            .on_ready =
+                [self](const Model& model) {
+                  self->metrics_->AddModel(model.name, model.layer->config());
+                },
+            .on_unloaded = [self](absl::string_view name) { self->metrics_->RemoveModel(name); },
+        });
+  }
   server->service_ = std::make_unique<AttentionServiceImpl>(
       options, &server->registry_, server->executor_.get(), server->metrics_.get(),
-      std::move(tokens));
+      std::move(tokens), server->loader_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -225,6 +240,38 @@ void AttnServer::SetHealth(bool serving) {
 
 absl::Status AttnServer::LoadModelsAndServe() {
   const absl::Time start = absl::Now();
+  if (loader_ != nullptr) {
+    ATTNSERVE_ASSIGN_OR_RETURN(std::vector<std::string> names, repository_->ListModelNames());
+    absl::Mutex mu;
+    size_t pending = names.size();
+    for (const std::string& name : names) {
+      absl::Status queued = loader_->Load(name, [&, name](absl::StatusOr<ModelStatus> loaded) {
+        LogLine(loaded.ok()
+                    ? absl::StrCat("model '", name, "' loaded and warm after ",
+                                   absl::FormatDuration(absl::Now() - start), ": ",
+                                   loaded->model->description)
+                    : absl::StrCat("model '", name, "' not loaded: ", loaded.status().ToString()));
+        absl::MutexLock lock(&mu);
+        --pending;
+      });
+      if (!queued.ok()) {
+        LogLine(absl::StrCat("model '", name, "' not loaded: ", queued.ToString()));
+        absl::MutexLock lock(&mu);
+        --pending;
+      }
+    }
+    {
+      absl::MutexLock lock(&mu);
+      auto done = [&pending]() { return pending == 0; };
+      mu.Await(absl::Condition(&done));
+    }
+    LogLine(absl::StrCat("model repository '", options_.model_repository, "': ", names.size(),
+                         " model folder(s) processed in ",
+                         absl::FormatDuration(absl::Now() - start)));
+    service_->set_state(AttentionServiceImpl::State::kServing);
+    SetHealth(true);
+    return absl::OkStatus();
+  }
   ATTNSERVE_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                              MakeBuiltinModel(options_.builtin_model_seed));
   ATTNSERVE_RETURN_IF_ERROR(WarmUp(*model, *executor_));
@@ -254,10 +301,15 @@ void AttnServer::Shutdown() {
     if (!service_->WaitForIdle(drain_deadline)) {
       LogLine("drain timeout: cancelling the calls still in flight");
     }
-    // 3. Stop: a moment to flush finished calls' responses, then streams still
+    // 3. Loads: the one in progress finishes, queued ones answer UNAVAILABLE,
+    //    so no LoadModel call is left unfinished when the server stops.
+    if (loader_ != nullptr) loader_->Shutdown();
+    // 4. Stop: a moment to flush finished calls' responses, then streams still
     //    open (health Watch) and anything left are cancelled.
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
   }
+  // Loads finish before the executor their warm-up runs on stops.
+  if (loader_ != nullptr) loader_->Shutdown();  // idempotent
   if (executor_ != nullptr) executor_->Shutdown();
 }
 

@@ -12,7 +12,9 @@
 #include "server/attention_service.h"
 #include "server/compute_executor.h"
 #include "server/metrics.h"
+#include "server/model_loader.h"
 #include "server/model_registry.h"
+#include "server/model_repository.h"
 #include "server/server_options.h"
 
 namespace attnserve::server {
@@ -36,8 +38,14 @@ class AttnServer {
   AttnServer(const AttnServer&) = delete;
   AttnServer& operator=(const AttnServer&) = delete;
 
-  // Loads the built-in model, warms it up on the compute executor, then turns
-  // health SERVING. INTERNAL when the model cannot be built.
+  // Loads the models -- the built-in one, or every folder of
+  // options.model_repository on the loader thread -- warms each up on the
+  // compute executor, then turns health SERVING. With a repository, health
+  // turns SERVING once every start-up load has finished, whether it
+  // succeeded or failed (a failed model shows as FAILED with its reason in
+  // ListModels and the log; the others serve). INTERNAL when the built-in
+  // model cannot be built, FAILED_PRECONDITION when the repository cannot be
+  // listed.
   absl::Status LoadModelsAndServe();
 
   // Turns health NOT_SERVING and refuses new calls (UNAVAILABLE) while still
@@ -63,6 +71,9 @@ class AttnServer {
   // last one finishes.
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<ComputeExecutor> executor_;
+  // With options.model_repository; the loader warms models up on executor_.
+  std::unique_ptr<ModelRepository> repository_;
+  std::unique_ptr<ModelLoader> loader_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

@@ -69,6 +69,11 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
           "and # comments ignored): every AttentionService call then needs 'authorization: "
           "Bearer <token>' (health and reflection stay open)");
 
+ABSL_FLAG(std::string, model_repository, "",
+          "Folder of models (one subfolder each: config.json and safetensors weights; README "
+          "'Model repository'): all are loaded at start-up, LoadModel/UnloadModel manage them. "
+          "Empty: the built-in model serves");
+
 int main(int argc, char** argv) {
   const absl::Time process_start = absl::Now();
   absl::SetProgramUsageMessage(
@@ -99,6 +104,7 @@ int main(int argc, char** argv) {
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  options.model_repository = absl::GetFlag(FLAGS_model_repository);
 
   // Block the stop signals before any thread starts, so every thread inherits
   // the mask and only sigwait below receives them.
@@ -129,6 +135,9 @@ int main(int argc, char** argv) {
     LogLine("AttentionService calls are not authenticated (no --auth_tokens_file)");
   } else {
     LogLine("AttentionService calls need a bearer token (--auth_tokens_file)");
+  }
+  if (!options.model_repository.empty() && options.auth_tokens_file.empty()) {
+    LogLine("WARNING: LoadModel/UnloadModel are open to every client (no --auth_tokens_file)");
   }
   if (options.metrics_address.empty()) {
     LogLine("metrics endpoint off (--metrics_address is empty)");

@@ -62,7 +62,8 @@ const Histogram::BucketBoundaries& BatchTokenBuckets() {
   return *buckets;
 }
 
-constexpr RpcMethod kMethods[] = {RpcMethod::kAttend, RpcMethod::kListModels, RpcMethod::kGetModel};
+constexpr RpcMethod kMethods[] = {RpcMethod::kAttend, RpcMethod::kListModels, RpcMethod::kGetModel,
+                                  RpcMethod::kLoadModel, RpcMethod::kUnloadModel};
 
 // The codes each method can answer with today; their request counters exist
 // from the start, so error ratios are defined before the first error.
@@ -74,12 +75,29 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
               StatusCode::kNotFound,    StatusCode::kResourceExhausted,
               StatusCode::kUnavailable, StatusCode::kDeadlineExceeded,
               StatusCode::kCancelled,   StatusCode::kInternal,
-              StatusCode::kUnauthenticated};
+              StatusCode::kUnauthenticated, StatusCode::kFailedPrecondition};
     case RpcMethod::kListModels:
       return {StatusCode::kOk, StatusCode::kUnauthenticated};
     case RpcMethod::kGetModel:
       return {StatusCode::kOk, StatusCode::kInvalidArgument, StatusCode::kNotFound,
               StatusCode::kUnauthenticated};
+    case RpcMethod::kLoadModel:
+      return {StatusCode::kOk,
+              StatusCode::kInvalidArgument,
+              StatusCode::kNotFound,
+              StatusCode::kAlreadyExists,
+              StatusCode::kFailedPrecondition,
+              StatusCode::kAborted,
+              StatusCode::kUnavailable,
+              StatusCode::kUnauthenticated,
+              StatusCode::kPermissionDenied};
+    case RpcMethod::kUnloadModel:
+      return {StatusCode::kOk,
+              StatusCode::kInvalidArgument,
+              StatusCode::kNotFound,
+              StatusCode::kFailedPrecondition,
+              StatusCode::kUnauthenticated,
+              StatusCode::kPermissionDenied};
   }
   return {};
 }
@@ -132,6 +150,10 @@ absl::string_view RpcMethodName(RpcMethod method) {
       return "ListModels";
     case RpcMethod::kGetModel:
       return "GetModel";
+    case RpcMethod::kLoadModel:
+      return "LoadModel";
+    case RpcMethod::kUnloadModel:
+      return "UnloadModel";
   }
   return "unknown";
 }
@@ -289,13 +311,26 @@ void Metrics::AddModel(absl::string_view name, const core::HeadConfig& config) {
   }
   const std::string model(name);
   CreateModelSeries(model);
-  model_info_
+  prometheus::Gauge& info = model_info_
       ->Add({{"model", model},
              {"d_model", absl::StrCat(config.d_model)},
              {"num_heads", absl::StrCat(config.num_heads)},
              {"num_kv_heads", absl::StrCat(config.num_kv_heads)},
-             {"head_dim", absl::StrCat(config.head_dim)}})
-      .Set(1);
+             {"head_dim", absl::StrCat(config.head_dim)}});
+  info.Set(1);
+  absl::MutexLock lock(&mu_);
+  model_info_series_[model] = &info;
+}
+
+void Metrics::RemoveModel(absl::string_view name) {
+  absl::MutexLock lock(&mu_);
+  const auto it = models_.find(name);
+  if (it == models_.end()) return;
+  models_.erase(it);
+  if (const auto info = model_info_series_.find(name); info != model_info_series_.end()) {
+    model_info_->Remove(info->second);
+    model_info_series_.erase(info);
+  }
 }
 
 std::string Metrics::ModelLabel(absl::string_view requested) const {

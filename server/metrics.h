@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -30,8 +31,8 @@ namespace attnserve::server {
 class ProcessCollector;
 
 // The RPCs that metrics and the access log know by name.
-enum class RpcMethod { kAttend, kListModels, kGetModel };
-// "Attend", "ListModels", "GetModel": the proto's method names.
+enum class RpcMethod { kAttend, kListModels, kGetModel, kLoadModel, kUnloadModel };
+// "Attend", "ListModels", "GetModel", ...: the proto's method names.
 absl::string_view RpcMethodName(RpcMethod method);
 
 struct MetricsOptions {
@@ -67,6 +68,11 @@ class Metrics {
   // Makes `name` a model label: creates its series (at 0) and its
   // attnserve_model_info series. Adding a name again does nothing.
   void AddModel(absl::string_view name, const core::HeadConfig& config);
+  // An unloaded model: its attnserve_model_info series goes and the name is no
+  // longer a label for new calls (ModelLabel gives ""). Its counters and
+  // histograms stay (Prometheus counters must not reset); their number is
+  // bounded by the repository's folders. AddModel again restores it.
+  void RemoveModel(absl::string_view name);
   // `requested` when it names an added model, else "": the one way a string
   // from a client becomes a label value.
   std::string ModelLabel(absl::string_view requested) const;
@@ -124,6 +130,8 @@ class Metrics {
 
   mutable absl::Mutex mu_;
   std::set<std::string, std::less<>> models_ ABSL_GUARDED_BY(mu_);
+  // Each added model's attnserve_model_info series (removed on RemoveModel).
+  std::map<std::string, prometheus::Gauge*, std::less<>> model_info_series_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attnserve::server

@@ -57,6 +57,10 @@ struct ServerOptions {
   // needs "authorization: Bearer <token>"; health and reflection stay open.
   std::string auth_tokens_file;
   RequestLimits limits;
+  // A model repository (server/model_repository.h): every model folder in it
+  // is loaded at start-up, and LoadModel / UnloadModel manage them at run
+  // time. Empty: the built-in model serves.
+  std::string model_repository;
 };
 
 // The attnserve binary's default --metrics_address. Not Prometheus' own 9090:

@@ -115,7 +115,7 @@ class EndToEnd(unittest.TestCase):
                  for b in responses[1].file_descriptor_response.file_descriptor_proto]
         methods = {m.name for f in files for s in f.service if s.name == "AttentionService"
                    for m in s.method}
-        self.assertEqual(methods, {"Attend", "ListModels", "GetModel"})
+        self.assertEqual(methods, {"Attend", "ListModels", "GetModel", "LoadModel", "UnloadModel"})
 
     def test_list_models_reports_the_builtin_head_configuration(self):
         models = self.stub.ListModels(self.pb.ListModelsRequest(), timeout=10).models

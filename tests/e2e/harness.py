@@ -173,3 +173,44 @@ def from_tensor(pb, tensor):
         halves = np.frombuffer(tensor.raw_data, dtype="<u2").astype(np.uint32) << 16
         return halves.view(np.float32).reshape(shape)
     return np.frombuffer(tensor.raw_data, dtype="<f4").reshape(shape)
+
+
+def bf16_round(array):
+    """float32 values rounded to the nearest bfloat16 (ties to even), as float32."""
+    bits = np.ascontiguousarray(array, dtype="<f4").view("<u4").astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+    return (rounded.astype(np.uint32) << 16).view(np.float32).reshape(np.shape(array))
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes a safetensors file: tensors maps name -> (array, dtype) with dtype
+    "F32", "F16" or "BF16" (values converted from the array, rounded to nearest
+    even), or name -> (raw bytes, dtype, shape) for anything else."""
+    import json
+    header, blobs, offset = {}, [], 0
+    if metadata:
+        header["__metadata__"] = metadata
+    for name, spec in tensors.items():
+        if isinstance(spec[0], (bytes, bytearray)):
+            data, dtype, shape = spec
+        else:
+            array, dtype = spec
+            array = np.asarray(array, np.float32)
+            shape = list(array.shape)
+            if dtype == "F32":
+                data = array.astype("<f4").tobytes()
+            elif dtype == "F16":
+                data = array.astype("<f2").tobytes()
+            elif dtype == "BF16":
+                data = (bf16_round(array).view("<u4") >> 16).astype("<u2").tobytes()
+            else:
+                raise ValueError(dtype)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for blob in blobs:
+            f.write(blob)

@@ -1,0 +1,307 @@
+#include "core/checkpoint_layouts.h"
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/status_macros.h"
+
+namespace attnserve::core {
+namespace {
+
+using Json = nlohmann::json;
+
+absl::Status ConfigError(absl::string_view display_name, absl::string_view field,
+                         absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(display_name, ": ", field, ": ", what));
+}
+
+// A plain file name: [A-Za-z0-9._-], not starting with '.', at most 255 bytes.
+bool IsPlainFileName(absl::string_view name) {
+  if (name.empty() || name.size() > 255 || name[0] == '.') return false;
+  for (char c : name) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                    c == '.' || c == '_' || c == '-';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+absl::StatusOr<int64_t> IntField(const Json& object, const char* field,
+                                 absl::string_view display_name, int64_t fallback, bool required) {
+  const auto it = object.find(field);
+  if (it == object.end()) {
+    if (required) return ConfigError(display_name, field, "required");
+    return fallback;
+  }
+  if (!it->is_number_integer()) return ConfigError(display_name, field, "must be an integer");
+  const int64_t value = it->get<int64_t>();
+  if (it->is_number_unsigned() && it->get<uint64_t>() > (uint64_t{1} << 40)) {
+    return ConfigError(display_name, field, "out of range");
+  }
+  return value;
+}
+
+// The stored shape of `tensor` as "[a, b]".
+std::string ShapeText(const SafetensorsTensor& tensor) {
+  return absl::StrCat("[", absl::StrJoin(tensor.shape, ", "), "]");
+}
+
+// Reads tensor `prefix + name`, which must have exactly `shape`.
+absl::StatusOr<std::vector<float>> ReadShaped(const SafetensorsFile& file,
+                                              const std::string& prefix, absl::string_view name,
+                                              const std::vector<int64_t>& shape) {
+  const std::string full = absl::StrCat(prefix, name);
+  ATTNSERVE_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, file.Find(full));
+  if (tensor->shape != shape) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.display_name(), ": tensor '", full, "' has shape ", ShapeText(*tensor),
+        "; the head configuration needs [", absl::StrJoin(shape, ", "), "]"));
+  }
+  ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> values, file.ReadFloat(full));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return absl::InvalidArgumentError(absl::StrCat(file.display_name(), ": tensor '", full,
+                                                     "' element ", i, " is not finite"));
+    }
+  }
+  return values;
+}
+
+// A bias: read when present (it must then have [size]), zeros when absent and
+// `optional`.
+absl::StatusOr<std::vector<float>> ReadBias(const SafetensorsFile& file, const std::string& prefix,
+                                            absl::string_view name, int64_t size, bool optional) {
+  if (optional && !file.Find(absl::StrCat(prefix, name)).ok()) {
+    return std::vector<float>(static_cast<size_t>(size), 0.0f);
+  }
+  return ReadShaped(file, prefix, name, {size});
+}
+
+// A Linear weight [out, in] as the x W convention's [in, out].
+std::vector<float> Transpose(const std::vector<float>& w, int64_t rows, int64_t columns) {
+  std::vector<float> t(w.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < columns; ++c) t[c * rows + r] = w[r * columns + c];
+  }
+  return t;
+}
+
+// Columns [begin, begin + width) of row-major `w` [rows, columns].
+std::vector<float> Columns(const std::vector<float>& w, int64_t rows, int64_t columns,
+                           int64_t begin, int64_t width) {
+  std::vector<float> out(static_cast<size_t>(rows * width));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < width; ++c) out[r * width + c] = w[r * columns + begin + c];
+  }
+  return out;
+}
+
+std::vector<float> Slice(const std::vector<float>& v, int64_t begin, int64_t size) {
+  return std::vector<float>(v.begin() + begin, v.begin() + begin + size);
+}
+
+// The fused layouts (torch_mha, gpt2) have one width for q, k, v and output.
+absl::Status NeedSquareHeads(const CheckpointConfig& config, absl::string_view display_name) {
+  const HeadConfig& h = config.head_config;
+  if (h.q_width() != h.d_model || h.kv_width() != h.d_model) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        display_name, ": layout ", WeightLayoutName(config.layout),
+        " needs num_heads x head_dim = num_kv_heads x head_dim = d_model; got ", h.num_heads,
+        " x ", h.head_dim, ", ", h.num_kv_heads, " x ", h.head_dim, ", d_model ", h.d_model));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::string_view WeightLayoutName(WeightLayout layout) {
+  switch (layout) {
+    case WeightLayout::kTorchMha:
+      return "torch_mha";
+    case WeightLayout::kBert:
+      return "bert";
+    case WeightLayout::kGpt2:
+      return "gpt2";
+    case WeightLayout::kLlama:
+      return "llama";
+  }
+  return "?";
+}
+
+absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
+                                                       absl::string_view display_name) {
+  if (static_cast<int64_t>(json.size()) > kMaxCheckpointConfigBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(display_name, ": larger than ",
+                                                   kMaxCheckpointConfigBytes, " bytes"));
+  }
+  const Json root = Json::parse(json.begin(), json.end(), nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded()) {
+    return absl::InvalidArgumentError(absl::StrCat(display_name, ": not valid JSON"));
+  }
+  if (!root.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(display_name, ": not a JSON object"));
+  }
+  static const char* const kFields[] = {"layout", "weights",     "prefix",     "d_model",
+                                        "num_heads", "num_kv_heads", "head_dim", "scale",
+                                        "rotary", "causal",      "description"};
+  for (const auto& [key, unused] : root.items()) {
+    bool known = false;
+    for (const char* field : kFields) known = known || key == field;
+    if (!known) {
+      return ConfigError(display_name, key.substr(0, 64),
+                         absl::StrCat("unknown field (known: ", absl::StrJoin(kFields, ", "), ")"));
+    }
+  }
+  CheckpointConfig config;
+  const auto layout = root.find("layout");
+  if (layout == root.end() || !layout->is_string()) {
+    return ConfigError(display_name, "layout", "required: torch_mha, bert, gpt2 or llama");
+  }
+  const std::string& layout_name = layout->get_ref<const std::string&>();
+  bool layout_known = false;
+  for (WeightLayout l : {WeightLayout::kTorchMha, WeightLayout::kBert, WeightLayout::kGpt2,
+                         WeightLayout::kLlama}) {
+    if (layout_name == WeightLayoutName(l)) {
+      config.layout = l;
+      layout_known = true;
+    }
+  }
+  if (!layout_known) {
+    return ConfigError(display_name, "layout",
+                       absl::StrCat("'", layout_name.substr(0, 64),
+                                    "' is not one of torch_mha, bert, gpt2, llama"));
+  }
+  auto string_field = [&](const char* field, std::string* out) -> absl::Status {
+    const auto it = root.find(field);
+    if (it == root.end()) return absl::OkStatus();
+    if (!it->is_string()) return ConfigError(display_name, field, "must be a string");
+    *out = it->get<std::string>();
+    if (out->size() > 1024) return ConfigError(display_name, field, "longer than 1024 bytes");
+    return absl::OkStatus();
+  };
+  ATTNSERVE_RETURN_IF_ERROR(string_field("weights", &config.weights));
+  ATTNSERVE_RETURN_IF_ERROR(string_field("prefix", &config.prefix));
+  ATTNSERVE_RETURN_IF_ERROR(string_field("description", &config.description));
+  if (!IsPlainFileName(config.weights)) {
+    return ConfigError(display_name, "weights",
+                       "must be a plain file name in the model's folder ([A-Za-z0-9._-], not "
+                       "starting with '.')");
+  }
+
+  HeadConfig& head = config.head_config;
+  ATTNSERVE_ASSIGN_OR_RETURN(head.d_model, IntField(root, "d_model", display_name, 0, true));
+  ATTNSERVE_ASSIGN_OR_RETURN(head.num_heads, IntField(root, "num_heads", display_name, 0, true));
+  ATTNSERVE_ASSIGN_OR_RETURN(head.num_kv_heads,
+                             IntField(root, "num_kv_heads", display_name, 0, false));
+  ATTNSERVE_ASSIGN_OR_RETURN(head.head_dim, IntField(root, "head_dim", display_name, 0, false));
+  if (const auto it = root.find("scale"); it != root.end()) {
+    if (!it->is_number()) return ConfigError(display_name, "scale", "must be a number");
+    head.scale = it->get<float>();
+  }
+  if (const auto it = root.find("rotary"); it != root.end()) {
+    if (!it->is_object()) return ConfigError(display_name, "rotary", "must be {dim, theta}");
+    for (const auto& [key, unused] : it->items()) {
+      if (key != "dim" && key != "theta") {
+        return ConfigError(display_name, "rotary", "unknown field (known: dim, theta)");
+      }
+    }
+    ATTNSERVE_ASSIGN_OR_RETURN(head.rotary.rotary_dim,
+                               IntField(*it, "dim", display_name, 0, true));
+    if (const auto theta = it->find("theta"); theta != it->end()) {
+      if (!theta->is_number()) return ConfigError(display_name, "rotary.theta", "must be a number");
+      head.rotary.theta = theta->get<float>();
+    }
+  }
+  config.causal = config.layout == WeightLayout::kGpt2 || config.layout == WeightLayout::kLlama;
+  if (const auto it = root.find("causal"); it != root.end()) {
+    if (!it->is_boolean()) return ConfigError(display_name, "causal", "must be true or false");
+    config.causal = it->get<bool>();
+  }
+  absl::StatusOr<HeadConfig> resolved = ResolveHeadConfig(head);
+  if (!resolved.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(display_name, ": ", resolved.status().message()));
+  }
+  head = *resolved;
+  if (config.layout == WeightLayout::kTorchMha || config.layout == WeightLayout::kGpt2) {
+    ATTNSERVE_RETURN_IF_ERROR(NeedSquareHeads(config, display_name));
+  }
+  return config;
+}
+
+absl::StatusOr<AttentionWeights> LoadCheckpointWeights(const SafetensorsFile& file,
+                                                       const CheckpointConfig& config) {
+  const HeadConfig& h = config.head_config;
+  const int64_t d = h.d_model;
+  const int64_t q = h.q_width();
+  const int64_t kv = h.kv_width();
+  const std::string& p = config.prefix;
+  AttentionWeights w;
+  switch (config.layout) {
+    case WeightLayout::kTorchMha: {
+      ATTNSERVE_RETURN_IF_ERROR(NeedSquareHeads(config, file.display_name()));
+      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> in_w,
+                                 ReadShaped(file, p, "in_proj_weight", {3 * d, d}));
+      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> in_b,
+                                 ReadBias(file, p, "in_proj_bias", 3 * d, /*optional=*/true));
+      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> out_w,
+                                 ReadShaped(file, p, "out_proj.weight", {d, d}));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_o, ReadBias(file, p, "out_proj.bias", d, /*optional=*/true));
+      w.w_q = Transpose(Slice(in_w, 0, d * d), d, d);
+      w.w_k = Transpose(Slice(in_w, d * d, d * d), d, d);
+      w.w_v = Transpose(Slice(in_w, 2 * d * d, d * d), d, d);
+      w.b_q = Slice(in_b, 0, d);
+      w.b_k = Slice(in_b, d, d);
+      w.b_v = Slice(in_b, 2 * d, d);
+      w.w_o = Transpose(out_w, d, d);
+      break;
+    }
+    case WeightLayout::kBert:
+    case WeightLayout::kLlama: {
+      const bool bert = config.layout == WeightLayout::kBert;
+      const std::string qn = bert ? "self.query." : "q_proj.";
+      const std::string kn = bert ? "self.key." : "k_proj.";
+      const std::string vn = bert ? "self.value." : "v_proj.";
+      const std::string on = bert ? "output.dense." : "o_proj.";
+      const bool optional_bias = !bert;
+      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> wq, ReadShaped(file, p, qn + "weight", {q, d}));
+      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> wk, ReadShaped(file, p, kn + "weight", {kv, d}));
+      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> wv, ReadShaped(file, p, vn + "weight", {kv, d}));
+      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> wo, ReadShaped(file, p, on + "weight", {d, q}));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_q, ReadBias(file, p, qn + "bias", q, optional_bias));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_k, ReadBias(file, p, kn + "bias", kv, optional_bias));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_v, ReadBias(file, p, vn + "bias", kv, optional_bias));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_o, ReadBias(file, p, on + "bias", d, optional_bias));
+      w.w_q = Transpose(wq, q, d);
+      w.w_k = Transpose(wk, kv, d);
+      w.w_v = Transpose(wv, kv, d);
+      w.w_o = Transpose(wo, d, q);
+      break;
+    }
+    case WeightLayout::kGpt2: {
+      ATTNSERVE_RETURN_IF_ERROR(NeedSquareHeads(config, file.display_name()));
+      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> attn_w,
+                                 ReadShaped(file, p, "c_attn.weight", {d, 3 * d}));
+      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> attn_b,
+                                 ReadBias(file, p, "c_attn.bias", 3 * d, /*optional=*/false));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.w_o, ReadShaped(file, p, "c_proj.weight", {d, d}));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_o, ReadBias(file, p, "c_proj.bias", d, /*optional=*/false));
+      w.w_q = Columns(attn_w, d, 3 * d, 0, d);
+      w.w_k = Columns(attn_w, d, 3 * d, d, d);
+      w.w_v = Columns(attn_w, d, 3 * d, 2 * d, d);
+      w.b_q = Slice(attn_b, 0, d);
+      w.b_k = Slice(attn_b, d, d);
+      w.b_v = Slice(attn_b, 2 * d, d);
+      break;
+    }
+  }
+  return w;
+}
+
+}  // namespace attnserve::core

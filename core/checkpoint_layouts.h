@@ -1,0 +1,71 @@
+#ifndef ATTNSERVE_CORE_CHECKPOINT_LAYOUTS_H_
+#define ATTNSERVE_CORE_CHECKPOINT_LAYOUTS_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/attention_weights.h"
+#include "core/head_config.h"
+#include "core/safetensors.h"
+
+namespace attnserve::core {
+
+// How a checkpoint names and shapes one attention layer's tensors. Names are
+// relative to CheckpointConfig::prefix; "W [a, b]" is the stored shape.
+enum class WeightLayout {
+  // torch.nn.MultiheadAttention: in_proj_weight [3E, E] (rows: q, k, v),
+  // in_proj_bias [3E], out_proj.weight [E, E], out_proj.bias [E] (Linear: [out, in]).
+  kTorchMha,
+  // BERT self-attention (Hugging Face BertAttention): self.query/key/value.weight
+  // [out, in] and .bias, output.dense.weight [E, E] and .bias.
+  kBert,
+  // GPT-2 (Hugging Face GPT2Attention): c_attn.weight [E, 3E] (Conv1D: [in, out];
+  // columns q, k, v), c_attn.bias [3E], c_proj.weight [E, E] ([in, out]), c_proj.bias.
+  kGpt2,
+  // Llama (Hugging Face LlamaAttention): q_proj.weight [Hq*D, E],
+  // k_proj.weight / v_proj.weight [Hkv*D, E], o_proj.weight [E, Hq*D]; no biases
+  // (q/k/v/o_proj.bias are used when present); RoPE from the config.
+  kLlama,
+};
+
+// "torch_mha", "bert", "gpt2", "llama".
+absl::string_view WeightLayoutName(WeightLayout layout);
+
+// A model folder's config.json (README.md, "Model repository", has the schema
+// and an example per layout).
+struct CheckpointConfig {
+  WeightLayout layout = WeightLayout::kTorchMha;
+  // The weights file, a plain file name in the model's folder.
+  std::string weights = "model.safetensors";
+  // Prepended to every tensor name: selects one layer of a whole checkpoint,
+  // e.g. "encoder.layer.3.attention.".
+  std::string prefix;
+  HeadConfig head_config;  // resolved by ParseCheckpointConfig
+  // The model's attention is causal (decoder) for every request. Default:
+  // true for gpt2 and llama, false otherwise.
+  bool causal = false;
+  std::string description;
+};
+
+// The largest config.json accepted.
+inline constexpr int64_t kMaxCheckpointConfigBytes = 64 << 10;
+
+// Parses config.json's text. Fields: layout (required), d_model and num_heads
+// (required), num_kv_heads, head_dim, scale, rotary {dim, theta}, causal,
+// weights, prefix, description; an unknown field is an error (it catches
+// typos). INVALID_ARGUMENT naming `display_name` and the field.
+absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
+                                                       absl::string_view display_name);
+
+// Reads the layer `config` describes from `file` and converts it to
+// AttentionWeights (x W + b convention: Linear weights are transposed,
+// Conv1D's are not). NOT_FOUND naming the file and tensor when one is
+// missing; INVALID_ARGUMENT naming it when its shape does not match the head
+// configuration, its dtype is not F32/BF16/F16, or a value is not finite.
+absl::StatusOr<AttentionWeights> LoadCheckpointWeights(const SafetensorsFile& file,
+                                                       const CheckpointConfig& config);
+
+}  // namespace attnserve::core
+
+#endif  // ATTNSERVE_CORE_CHECKPOINT_LAYOUTS_H_
