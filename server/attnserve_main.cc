@@ -44,6 +44,18 @@ ABSL_FLAG(int64_t, max_adhoc_weight_bytes, kDefaults.limits.max_adhoc_weight_byt
 ABSL_FLAG(int64_t, max_scratch_bytes, kDefaults.limits.max_scratch_bytes,
           "Most compute scratch one request may need (estimated before compute); more is "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_request_bytes, kDefaults.limits.max_request_bytes,
+          "Most memory one request may hold while it runs (inputs, activations, scores, maps, "
+          "response; estimated before compute); more is RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_inflight_bytes, kDefaults.max_inflight_bytes,
+          "Most memory the admitted requests (queued or running) may hold together, by their "
+          "estimates; a request that does not fit is RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.max_batch_tokens,
+          "Dynamic batching: most query tokens in one compute batch of compatible requests "
+          "(same model, precision and causal flag; no maps, statistics or masks); 0: no batching");
+ABSL_FLAG(int64_t, max_queue_delay_us, kDefaults.max_queue_delay_us,
+          "Dynamic batching: how long (microseconds) a batch that is not full may wait for more "
+          "requests; 0: a batch is what is queued when the executor is free");
 ABSL_FLAG(double, lame_duck_seconds, kDefaults.lame_duck_seconds,
           "On SIGTERM/SIGINT, how long health says NOT_SERVING while the server still listens");
 ABSL_FLAG(double, drain_timeout_seconds, kDefaults.drain_timeout_seconds,
@@ -90,6 +102,10 @@ int main(int argc, char** argv) {
   options.limits.max_attention_map_bytes = absl::GetFlag(FLAGS_max_attention_map_bytes);
   options.limits.max_adhoc_weight_bytes = absl::GetFlag(FLAGS_max_adhoc_weight_bytes);
   options.limits.max_scratch_bytes = absl::GetFlag(FLAGS_max_scratch_bytes);
+  options.limits.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  options.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
+  options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
   options.lame_duck_seconds = absl::GetFlag(FLAGS_lame_duck_seconds);
   options.drain_timeout_seconds = absl::GetFlag(FLAGS_drain_timeout_seconds);
   options.builtin_model_seed = absl::GetFlag(FLAGS_builtin_model_seed);
