@@ -1,5 +1,6 @@
 #include "server/scheduler.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -151,7 +152,9 @@ void Scheduler::Drain() {
             JoinableTokensLocked() < options_.max_batch_tokens) {
           // Wait for more of its kind, up to the delay; then start over (the
           // queue may have changed meanwhile).
-          const absl::Time until = head.enqueued + options_.max_queue_delay;
+          // (Not past the head's deadline: it is skipped then, not later.)
+          const absl::Time until =
+              std::min(head.enqueued + options_.max_queue_delay, head.deadline);
           if (absl::Now() < until) {
             auto full = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
               return queue_.empty() || JoinableTokensLocked() >= options_.max_batch_tokens;
