@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -81,13 +82,32 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
           "and # comments ignored): every AttentionService call then needs 'authorization: "
           "Bearer <token>' (health and reflection stay open)");
 
+// OpenMP threads that spin between requests take the cores from gRPC's
+// threads (and from each other, when anything else runs): on 2 cores the
+// default wait policy made the p99 of small requests 20-100x worse and
+// throughput under load 1.5-4x worse than PASSIVE (docs/measurements.md,
+// "Thread arrangement"). libgomp reads its environment when it is loaded, so
+// the policy is set by running this binary again with it, unless the caller
+// chose one.
+void UsePassiveOpenMpWaitUnlessSet(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) {
+    return;
+  }
+  setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
+  execv("/proc/self/exe", argv);
+  // exec failed: carry on with the default policy.
+}
+
 int main(int argc, char** argv) {
+  UsePassiveOpenMpWaitUnlessSet(argv);
   const absl::Time process_start = absl::Now();
   absl::SetProgramUsageMessage(
       "Serves multi-head attention over gRPC (attnserve.v1.AttentionService, "
       "grpc.health.v1.Health, server reflection).\n"
       "Usage: attnserve [--listen_address=0.0.0.0:50051] [flags]\n"
-      "Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish, exit 0.");
+      "Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish, exit 0.\n"
+      "OpenMP threads sleep between requests (OMP_WAIT_POLICY=PASSIVE) unless the environment sets "
+      "OMP_WAIT_POLICY or GOMP_SPINCOUNT.");
   absl::ParseCommandLine(argc, argv);
   attnserve::server::LimitProtobufLogs();
 
@@ -133,6 +153,12 @@ int main(int argc, char** argv) {
   }
   LogLine(absl::StrCat("listening on port ", (*server)->port(), " (", options.listen_address,
                        "); health NOT_SERVING until the models are loaded"));
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  LogLine(absl::StrCat("OpenMP wait policy ", wait_policy != nullptr ? wait_policy : "(libgomp default)",
+                       std::getenv("GOMP_SPINCOUNT") != nullptr
+                           ? absl::StrCat(", GOMP_SPINCOUNT ", std::getenv("GOMP_SPINCOUNT"))
+                           : "",
+                       " (PASSIVE unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT)"));
   if (options.tls_cert_file.empty()) {
     LogLine("WARNING: serving plaintext gRPC (no --tls_cert): anyone on the network can read and "
             "alter calls");

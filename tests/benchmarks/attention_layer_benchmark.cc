@@ -43,8 +43,10 @@ void BM_AttentionLayerFp32(benchmark::State& state) {
                                                 benchmark::Counter::kIsIterationInvariantRate);
 }
 // {32, 128, ...}: the tokens of one batch of 32 serving requests of B=1, S=128
-// (the in-process peer of `attnctl bench --concurrency=32 --batch=1 --seq=128`).
+// (the in-process peer of `attnctl bench --concurrency=32 --batch=1 --seq=128`);
+// {1, 128, ...}: one such request alone.
 BENCHMARK(BM_AttentionLayerFp32)
+    ->Args({1, 128, 768, 12})
     ->Args({8, 128, 768, 12})
     ->Args({32, 128, 768, 12})
     ->Args({1, 512, 768, 12})
