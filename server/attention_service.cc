@@ -201,16 +201,21 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
     const absl::Time now = absl::Now();
     for (size_t i = 0; i < jobs.size(); ++i) {
       statuses[i] = std::move(members[i].status);
-      if (!statuses[i].ok() && absl::IsCancelled(statuses[i]) && now >= jobs[i]->deadline) {
-        statuses[i] = absl::DeadlineExceededError("the deadline passed during compute");
-      } else if (statuses[i].ok() && now >= jobs[i]->deadline) {
+      // Past its deadline the client has given up: count it as it saw it.
+      if ((statuses[i].ok() || absl::IsCancelled(statuses[i])) && now >= jobs[i]->deadline) {
         statuses[i] = absl::DeadlineExceededError("the deadline passed during compute");
       }
       if (!statuses[i].ok()) jobs[i]->call->response.Clear();
     }
   }
   const absl::Duration compute = absl::Now() - start;
-  metrics_->OnBatch(jobs[0]->reactor->model_label(), info.requests, sequences, info.tokens);
+  // A batch that computed anything (not one whose every request failed).
+  for (const absl::Status& status : statuses) {
+    if (status.ok()) {
+      metrics_->OnBatch(jobs[0]->reactor->model_label(), info.requests, sequences, info.tokens);
+      break;
+    }
+  }
   for (size_t i = 0; i < jobs.size(); ++i) {
     AttendJob& job = *jobs[i];
     if (statuses[i].ok()) {

@@ -156,8 +156,12 @@ void Scheduler::Drain() {
           const absl::Time until =
               std::min(head.enqueued + options_.max_queue_delay, head.deadline);
           if (absl::Now() < until) {
-            auto full = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-              return queue_.empty() || JoinableTokensLocked() >= options_.max_batch_tokens;
+            // Also ends when the head left (swept by a Submit): the batch
+            // then starts with what is queued.
+            const ScheduledWork* const waiting = &head;
+            auto full = [this, waiting]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+              return queue_.empty() || queue_.front().get() != waiting ||
+                     JoinableTokensLocked() >= options_.max_batch_tokens;
             };
             mu_.AwaitWithDeadline(absl::Condition(&full), until);
             SweepLocked(absl::Now(), skipped);

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -14,10 +15,21 @@ import harness  # noqa: E402
 ARGS = None
 
 
+def wait_serving(server, timeout=60):
+    """Polls `attnctl health` until the server is SERVING (its model warm)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if subprocess.run([ARGS.attnctl, "health", f"--target={server.target}",
+                           "--timeout_seconds=2"], capture_output=True).returncode == 0:
+            return server
+        time.sleep(0.05)
+    raise AssertionError("attnserve never became SERVING")
+
+
 class BenchTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.server = harness.Server(ARGS.server)
+        cls.server = wait_serving(harness.Server(ARGS.server))
 
     @classmethod
     def tearDownClass(cls):
@@ -66,6 +78,7 @@ class BenchTest(unittest.TestCase):
     def test_overloaded_server_sheds_with_resource_exhausted(self):
         small = harness.Server(ARGS.server, "--max_queued_requests=2", "--max_batch_tokens=0")
         try:
+            wait_serving(small)
             run = self.bench("--concurrency=32", "--requests=200", "--batch=1", "--seq=64",
                              "--json", target=small.target)
             self.assertEqual(run.returncode, 0, run.stderr)

@@ -260,7 +260,7 @@ TEST(Batching, ExpiredDeadlineSkipsComputeAndIsCounted) {
   v1::AttendResponse response;
   const grpc::Status status = server.Attend(
       MakeRequest(Shape::Padded(1, 8), testing::RandomNormal(8 * kDModel, rng)), &response,
-      std::chrono::milliseconds(200));
+      std::chrono::milliseconds(1000));
   EXPECT_EQ(status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   const std::string skipped = "attnserve_requests_skipped_total{reason=\"deadline\"}";
   const absl::Time until = absl::Now() + absl::Seconds(30);
@@ -277,7 +277,7 @@ TEST(Batching, CancelledCallReleasesItsQueueSlot) {
   ServerOptions options = TestOptions();
   options.max_queued_requests = 1;
   options.max_batch_tokens = 1 << 20;
-  options.max_queue_delay_us = 2 * 1000 * 1000;
+  options.max_queue_delay_us = 5 * 1000 * 1000;
   Server server(options);
   std::mt19937_64 rng(3);
   const v1::AttendRequest request =
