@@ -260,6 +260,17 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendReque
               options_.bearer_token);
 }
 
+void AttentionClient::AttendAsync(grpc::ClientContext* context, const v1::AttendRequest* request,
+                                  v1::AttendResponse* response,
+                                  std::function<void(grpc::Status)> done) const {
+  if (!options_.bearer_token.empty()) {
+    context->AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  }
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
+  stub_->async()->Attend(context, request, response, std::move(done));
+}
+
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> AttentionClient::CheckHealth(
     absl::string_view service) const {
   grpc::health::v1::HealthCheckRequest request;

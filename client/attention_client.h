@@ -2,6 +2,7 @@
 #define ATTNSERVE_CLIENT_ATTENTION_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -97,6 +98,12 @@ class AttentionClient {
   absl::StatusOr<v1::LoadModelResponse> LoadModel(absl::string_view name) const;
   absl::Status UnloadModel(absl::string_view name) const;
   absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request) const;
+  // Starts an Attend call and returns at once; `done` runs on a gRPC thread
+  // with the call's status when it ends. `context` (fresh), `request` and
+  // `response` must live until then. The context gets the deadline
+  // (timeout_seconds) and the bearer token, like Attend's.
+  void AttendAsync(grpc::ClientContext* context, const v1::AttendRequest* request,
+                   v1::AttendResponse* response, std::function<void(grpc::Status)> done) const;
   // The health of `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(
       absl::string_view service) const;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -22,6 +23,7 @@
 #include "absl/time/time.h"
 #include "client/attend_report.h"
 #include "client/attention_client.h"
+#include "client/bench.h"
 #include "client/file_io.h"
 #include "client/request_builder.h"
 
@@ -120,6 +122,12 @@ ABSL_FLAG(std::string, save_maps, "", "attend: write the maps to this .npy file 
 ABSL_FLAG(std::string, maps_png, "",
           "attend: draw the maps as a heatmap PNG, one tile per head (one for --maps=mean)");
 ABSL_FLAG(int64_t, png_sequence, 0, "attend --maps_png: the batch entry to draw");
+ABSL_FLAG(int64_t, concurrency, 0,
+          "bench: closed loop, this many calls outstanding at all times");
+ABSL_FLAG(double, rate, 0, "bench: open loop, start this many calls per second");
+ABSL_FLAG(double, duration, 10, "bench: seconds to run (unless --requests)");
+ABSL_FLAG(int64_t, requests, 0, "bench: calls to send (0: run for --duration)");
+ABSL_FLAG(bool, json, false, "bench: print the results as one JSON object");
 ABSL_FLAG(int64_t, repeat, 1,
           "attend: send the request this many times and report latency percentiles");
 
@@ -141,6 +149,12 @@ Commands:
                           ran), the inputs, the output's first values, per-head map
                           row sums, and latency percentiles with --repeat
   health [--service=S]    print the server's health (exit 0 only when SERVING)
+  bench [flags]           load generator: send the request that attend's flags describe,
+                          closed loop (--concurrency=N calls outstanding) or open loop
+                          (--rate=R calls/s), for --duration=S seconds or --requests=N;
+                          prints throughput, p50/p90/p99/max latency, errors by status
+                          code and the server's queue/compute/batch means (--json: one
+                          JSON object); progress on stderr
 
 attend flags (attnctl --help describes each one):
   what runs    --model=M | --layer_seed=N --d_model=D --num_heads=H [--num_kv_heads=K]
@@ -157,6 +171,8 @@ Examples:
   attnctl attend --lengths=3,5,8 --packed --causal --stats
   attnctl attend --layer_seed=7 --d_model=64 --num_heads=4 --num_kv_heads=2 --rotary_dim=16 \
       --position_offsets=0 --seq=12 --maps=mean
+  attnctl bench --concurrency=32 --batch=1 --seq=128 --duration=20
+  attnctl bench --rate=500 --batch=1 --seq=16 --requests=5000 --json
   attnctl attend --target=127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003 \
       --lb_policy=round_robin --repeat=300      # spread over three replicas
 )";
@@ -320,6 +336,54 @@ int RunAttend(const AttentionClient& client) {
   return 0;
 }
 
+int RunBenchCommand(const AttentionClient& client) {
+  const AttendOptions options = AttendOptionsFromFlags();
+  if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return Fail(status);
+  std::optional<v1::ModelInfo> model;
+  if (!options.layer_seed.has_value()) {
+    absl::StatusOr<v1::ModelInfo> info = client.GetModel(options.model);
+    if (!info.ok()) return Fail(info.status());
+    model = *std::move(info);
+  }
+  absl::StatusOr<AttendCall> call =
+      BuildAttendRequest(options, model.has_value() ? &model->head_config() : nullptr);
+  if (!call.ok()) return Fail(call.status());
+  BenchOptions bench;
+  bench.concurrency = absl::GetFlag(FLAGS_concurrency);
+  bench.rate = absl::GetFlag(FLAGS_rate);
+  bench.duration_seconds = absl::GetFlag(FLAGS_duration);
+  bench.requests = absl::GetFlag(FLAGS_requests);
+  // A bar redrawn in place on a terminal; a plain line every second otherwise.
+  const bool tty = isatty(STDERR_FILENO);
+  auto last_line = std::make_shared<int64_t>(-1);
+  BenchProgress progress = [&bench, tty, last_line](int64_t finished, double elapsed) {
+    const double fraction =
+        bench.requests > 0 ? static_cast<double>(finished) / static_cast<double>(bench.requests)
+                           : elapsed / bench.duration_seconds;
+    const double clamped = std::min(1.0, std::max(0.0, fraction));
+    if (tty) {
+      constexpr int kWidth = 30;
+      const int filled = static_cast<int>(kWidth * clamped);
+      std::fprintf(stderr, "\r[%s%s] %3.0f%% %lld calls %.1f s", std::string(filled, '=').c_str(),
+                   std::string(kWidth - filled, ' ').c_str(), 100 * clamped,
+                   static_cast<long long>(finished), elapsed);
+    } else if (static_cast<int64_t>(elapsed) > *last_line) {
+      *last_line = static_cast<int64_t>(elapsed);
+      std::fprintf(stderr, "bench: %.0f%% %lld calls %.0f s\n", 100 * clamped,
+                   static_cast<long long>(finished), elapsed);
+    }
+  };
+  absl::StatusOr<BenchResult> result = RunBench(client, call->request, bench, progress);
+  if (tty) std::fprintf(stderr, "\n");
+  if (!result.ok()) return Fail(result.status());
+  if (absl::GetFlag(FLAGS_json)) {
+    std::printf("%s\n", FormatBenchJson(*result).c_str());
+  } else {
+    std::printf("%s", FormatBenchText(*result).c_str());
+  }
+  return 0;
+}
+
 }  // namespace
 }  // namespace attnserve::client
 
@@ -359,6 +423,7 @@ int main(int argc, char** argv) {
   if (command == "unload") return attnserve::client::RunUnload(**client);
   if (command == "attend") return attnserve::client::RunAttend(**client);
   if (command == "health") return attnserve::client::RunHealth(**client);
+  if (command == "bench") return attnserve::client::RunBenchCommand(**client);
   std::fprintf(stderr, "attnctl: unknown command '%s'\n\nattnctl: %s", command.c_str(),
                attnserve::client::kUsage);
   return 2;

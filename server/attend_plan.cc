@@ -536,8 +536,8 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
   ATTNSERVE_RETURN_IF_ERROR(PlanInputs(request, limits, plan));
   ATTNSERVE_RETURN_IF_ERROR(PlanOptions(request, plan));
   ATTNSERVE_RETURN_IF_ERROR(PlanMaps(request, limits, plan));
-  if (const double scratch = EstimateScratchBytes(plan);
-      scratch > static_cast<double>(limits.max_scratch_bytes)) {
+  const double scratch = EstimateScratchBytes(plan);
+  if (scratch > static_cast<double>(limits.max_scratch_bytes)) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "request: needs about ", static_cast<int64_t>(scratch / (1 << 20)),
         " MiB of compute scratch, over this server's limit of ", limits.max_scratch_bytes >> 20,
@@ -565,6 +565,27 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
     return absl::ResourceExhaustedError(
         "response: too many values for float_data; send the input as raw_data");
   }
+
+  // The memory the request holds while it runs: FP32 copies of its inputs,
+  // the compute scratch, output and maps as FP32, and the serialized
+  // response. In double, like the scratch: the terms are bounded, not small.
+  double input_elements = static_cast<double>(plan.hidden_states.elements) +
+                          static_cast<double>(plan.q.elements + plan.k.elements + plan.v.elements) +
+                          static_cast<double>(plan.mask.values.elements);
+  if (plan.context) input_elements += static_cast<double>(plan.context->elements);
+  const double memory =
+      4.0 * (input_elements + static_cast<double>(plan.output_elements + plan.map_elements)) +
+      scratch + static_cast<double>(response_bytes);
+  if (memory > static_cast<double>(limits.max_request_bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request: needs about ", static_cast<int64_t>(memory / (1 << 20)),
+        " MiB (inputs, activations, scores, maps and response), over this server's limit of ",
+        limits.max_request_bytes >> 20,
+        " MiB per request (--max_request_bytes); ask for fewer maps (attention_maps.heads, or "
+        "ATTENTION_MAP_MODE_MEAN_OVER_HEADS), a subset of rows (attention_maps.query_rows), or "
+        "attention_maps.head_statistics instead of maps, or send fewer or shorter sequences"));
+  }
+  plan.memory_bytes = static_cast<int64_t>(memory);
   return plan;
 }
 

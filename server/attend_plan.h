@@ -62,6 +62,10 @@ struct AttendPlan {
   std::vector<int64_t> map_shape;  // empty when no maps
   int64_t output_elements = 0;
   int64_t map_elements = 0;
+  // Estimated bytes the request holds while it runs (inputs as FP32, compute
+  // scratch, output and maps, serialized response): what it reserves from the
+  // server's in-flight memory budget.
+  int64_t memory_bytes = 0;
 };
 
 // Validates `request` against the registry and the limits before anything is
@@ -69,8 +73,10 @@ struct AttendPlan {
 //   INVALID_ARGUMENT   a malformed field, or fields that do not fit together
 //                      (the message names the field)
 //   NOT_FOUND          the model is not loaded
-//   RESOURCE_EXHAUSTED a size over `limits`, or a response over
-//                      max_response_bytes (the message says what to ask for)
+//   RESOURCE_EXHAUSTED a size over `limits`, a response over
+//                      max_response_bytes, or an estimated memory_bytes over
+//                      limits.max_request_bytes (the message says what to
+//                      ask for instead)
 absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
                                       const ModelRegistry& registry, const RequestLimits& limits,
                                       int64_t max_response_bytes);

@@ -1,6 +1,8 @@
 #include "server/attend_runner.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -183,6 +185,101 @@ absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request
   response->set_precision(ToWirePrecision(info->precision));
   response->set_model(plan.model != nullptr ? plan.model->name : "");
   return info;
+}
+
+uint64_t BatchKey(const AttendPlan& plan) {
+  if (plan.model == nullptr || plan.projected || plan.context.has_value() ||
+      plan.mask.kind != core::ExplicitMask::Kind::kNone || !plan.head_mask.empty() ||
+      !plan.position_offsets.empty() || plan.maps.mode != core::AttentionMapMode::kNone ||
+      plan.head_statistics) {
+    return 0;
+  }
+  // The plan holds the model, so its address is not reused while the plan
+  // lives; user-space addresses leave the top bits free for the flags.
+  const auto address = reinterpret_cast<uintptr_t>(plan.model.get());
+  return (static_cast<uint64_t>(address) << 2) |
+         (plan.precision == core::Precision::kBf16 ? 1u : 0u) | (plan.causal ? 2u : 0u);
+}
+
+void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
+                    std::function<bool()> should_stop) {
+  if (members.empty()) return;
+  const AttendPlan& first = *members[0].plan;
+  const int64_t d_model = first.config.d_model;
+
+  // The members whose inputs are finite, and where their sequences go.
+  std::vector<BatchMember*> running;
+  std::vector<std::unique_ptr<FloatValues>> values;  // of `running`
+  std::vector<int64_t> lengths;
+  int64_t rows = 0;
+  for (BatchMember& member : members) {
+    const AttendPlan& plan = *member.plan;
+    auto hidden = std::make_unique<FloatValues>(member.request->hidden_states(), plan.hidden_states);
+    member.status = CheckFinite(hidden->values(), plan.queries, 1, d_model, "hidden_states");
+    if (!member.status.ok()) continue;
+    running.push_back(&member);
+    values.push_back(std::move(hidden));
+    for (int64_t b = 0; b < plan.queries.batch(); ++b) {
+      lengths.push_back(plan.queries.length(b));
+      rows += plan.queries.length(b);
+    }
+  }
+  if (running.empty()) return;
+  auto fail_all = [&running](const absl::Status& status) {
+    for (BatchMember* member : running) member->status = status;
+  };
+
+  // hidden: [rows, d_model], the valid rows of every sequence back to back.
+  std::vector<float> hidden(static_cast<size_t>(rows * d_model));
+  int64_t row = 0;
+  for (size_t m = 0; m < running.size(); ++m) {
+    const AttendPlan& plan = *running[m]->plan;
+    for (int64_t b = 0; b < plan.queries.batch(); ++b) {
+      const int64_t from = plan.queries.is_padded() ? b * plan.queries.max_length()
+                                                    : plan.queries.row_offset(b);
+      std::copy_n(values[m]->values().data() + from * d_model, plan.queries.length(b) * d_model,
+                  hidden.data() + row * d_model);
+      row += plan.queries.length(b);
+    }
+  }
+  absl::StatusOr<core::SequenceLayout> layout = core::SequenceLayout::Packed(lengths);
+  if (!layout.ok()) return fail_all(layout.status());
+  absl::StatusOr<std::shared_ptr<core::AttentionLayer>> layer =
+      LayerFor(*running[0]->request, *running[0]->plan, cache);
+  if (!layer.ok()) return fail_all(layer.status());
+
+  core::LayerInputs inputs;
+  inputs.hidden_states = hidden;
+  inputs.layout = *std::move(layout);
+  inputs.causal = first.causal;
+  core::ForwardOptions options;
+  options.precision = first.precision;
+  options.should_stop = std::move(should_stop);
+  std::vector<float> output(hidden.size());
+  core::ForwardOutputs outputs;
+  outputs.output = absl::MakeSpan(output);
+  absl::StatusOr<core::ForwardInfo> info = (*layer)->Forward(inputs, options, outputs);
+  if (!info.ok()) return fail_all(info.status());
+
+  // Each member's rows back into its own layout.
+  row = 0;
+  for (BatchMember* member : running) {
+    const AttendPlan& plan = *member->plan;
+    v1::AttendResponse* response = member->response;
+    OutputTensor out(plan.output_shape, plan.output_dtype, plan.float_data_response,
+                     response->mutable_output());
+    for (int64_t b = 0; b < plan.queries.batch(); ++b) {
+      const int64_t to = plan.queries.is_padded() ? b * plan.queries.max_length()
+                                                  : plan.queries.row_offset(b);
+      std::copy_n(output.data() + row * d_model, plan.queries.length(b) * d_model,
+                  out.values().data() + to * d_model);
+      row += plan.queries.length(b);
+    }
+    out.Commit();
+    response->set_kernel_path(info->kernel_path);
+    response->set_precision(ToWirePrecision(info->precision));
+    response->set_model(plan.model->name);
+  }
 }
 
 }  // namespace attnserve::server

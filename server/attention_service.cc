@@ -5,6 +5,7 @@
 #include <grpcpp/support/proto_buffer_writer.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -16,6 +17,7 @@
 #include "server/attend_plan.h"
 #include "server/attend_runner.h"
 #include "server/observed_reactor.h"
+#include "server/scheduler.h"
 #include "server/status_util.h"
 #include "server/tensor_codec.h"
 
@@ -85,8 +87,7 @@ void FillModelStatus(const ModelStatus& status, const RequestLimits& limits, v1:
 // `response`. DEADLINE_EXCEEDED / CANCELLED when the call ended before or
 // between the layer's stages.
 absl::Status RunAttend(grpc::CallbackServerContext* context, const v1::AttendRequest& request,
-                       const AttendPlan& plan, absl::Time arrival, LayerCache& cache,
-                       v1::AttendResponse* response) {
+                       const AttendPlan& plan, LayerCache& cache, v1::AttendResponse* response) {
   const absl::Time deadline = DeadlineOf(*context);
   const absl::Time start = absl::Now();
   if (start >= deadline) {
@@ -109,10 +110,6 @@ absl::Status RunAttend(grpc::CallbackServerContext* context, const v1::AttendReq
     response->Clear();
     return absl::DeadlineExceededError("the deadline passed during compute");
   }
-  v1::Timing* timing = response->mutable_timing();
-  SetDuration(start - arrival, timing->mutable_queue());
-  SetDuration(absl::Now() - start, timing->mutable_compute());
-  timing->set_batch_size(1);
   return absl::OkStatus();
 }
 
@@ -139,7 +136,125 @@ struct AttendCall {
   v1::AttendResponse response;
 };
 
+int64_t QueryTokens(const AttendPlan& plan) {
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < plan.queries.batch(); ++b) tokens += plan.queries.length(b);
+  return tokens;
+}
+
 }  // namespace
+
+// An admitted Attend call waiting in the scheduler, then running.
+struct AttentionServiceImpl::AttendJob final : ScheduledWork {
+  AttendJob(AttentionServiceImpl* service, grpc::CallbackServerContext* context,
+            std::shared_ptr<AttendCall> call, grpc::ByteBuffer* response_bytes,
+            ObservedReactor* reactor, absl::Time arrival, AttendPlan plan)
+      : service(service),
+        context(context),
+        call(std::move(call)),
+        response_bytes(response_bytes),
+        reactor(reactor),
+        arrival(arrival),
+        plan(std::move(plan)) {
+    batch_key = BatchKey(this->plan);
+    tokens = QueryTokens(this->plan);
+    memory_bytes = this->plan.memory_bytes;
+    deadline = DeadlineOf(*context);
+  }
+
+  bool IsCancelled() const override { return context->IsCancelled(); }
+  void Skip(absl::Status status) override {
+    reactor->Dequeued(absl::Now() - enqueued);
+    service->metrics_->OnSkipped(absl::IsDeadlineExceeded(status)
+                                     ? Metrics::SkipReason::kDeadline
+                                     : Metrics::SkipReason::kCancelled);
+    Finish(status);
+  }
+  // Finishes the call with `status` (serializing the response when OK).
+  void Finish(absl::Status status) {
+    if (status.ok()) {
+      bool own_buffer = false;
+      const grpc::Status serialized = grpc::SerializationTraits<v1::AttendResponse>::Serialize(
+          call->response, response_bytes, &own_buffer);
+      if (!serialized.ok()) {
+        status = absl::InternalError(
+            absl::StrCat("response: cannot serialize: ", serialized.error_message()));
+      }
+    }
+    reactor->FinishCall(ToGrpcStatus(status));
+    service->EndCall();
+  }
+
+  AttentionServiceImpl* const service;
+  grpc::CallbackServerContext* const context;
+  const std::shared_ptr<AttendCall> call;
+  grpc::ByteBuffer* const response_bytes;
+  ObservedReactor* const reactor;
+  const absl::Time arrival;
+  const AttendPlan plan;
+};
+
+void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> batch,
+                                    const BatchInfo& info) {
+  const absl::Time start = absl::Now();
+  std::vector<AttendJob*> jobs;
+  int64_t sequences = 0;
+  for (const auto& work : batch) {
+    auto* job = static_cast<AttendJob*>(work.get());
+    job->reactor->Dequeued(start - job->enqueued);
+    sequences += job->plan.queries.batch();
+    jobs.push_back(job);
+  }
+  std::vector<absl::Status> statuses(jobs.size());
+  if (jobs.size() == 1) {
+    AttendJob& job = *jobs[0];
+    statuses[0] = RunAttend(job.context, job.call->request, job.plan, layer_cache_, &job.call->response);
+  } else {
+    std::vector<BatchMember> members(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      members[i].request = &jobs[i]->call->request;
+      members[i].plan = &jobs[i]->plan;
+      members[i].response = &jobs[i]->call->response;
+    }
+    // The batch stops between stages only when no member still wants it.
+    RunAttendBatch(absl::MakeSpan(members), layer_cache_, [&jobs] {
+      const absl::Time now = absl::Now();
+      for (const AttendJob* job : jobs) {
+        if (now < job->deadline && !job->context->IsCancelled()) return false;
+      }
+      return true;
+    });
+    const absl::Time now = absl::Now();
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      statuses[i] = std::move(members[i].status);
+      // Past its deadline the client has given up: count it as it saw it.
+      if ((statuses[i].ok() || absl::IsCancelled(statuses[i])) && now >= jobs[i]->deadline) {
+        statuses[i] = absl::DeadlineExceededError("the deadline passed during compute");
+      }
+      if (!statuses[i].ok()) jobs[i]->call->response.Clear();
+    }
+  }
+  const absl::Duration compute = absl::Now() - start;
+  // A batch that computed anything (not one whose every request failed).
+  for (const absl::Status& status : statuses) {
+    if (status.ok()) {
+      metrics_->OnBatch(jobs[0]->reactor->model_label(), info.requests, sequences, info.tokens);
+      break;
+    }
+  }
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    AttendJob& job = *jobs[i];
+    if (statuses[i].ok()) {
+      v1::Timing* timing = job.call->response.mutable_timing();
+      SetDuration(start - job.arrival, timing->mutable_queue());
+      SetDuration(compute, timing->mutable_compute());
+      timing->set_batch_size(static_cast<int32_t>(info.requests));
+      timing->set_batch_tokens(info.tokens);
+      ObserveCompute(job.plan, job.call->response, compute, *job.reactor, *metrics_);
+    }
+    job.Finish(std::move(statuses[i]));
+  }
+}
 
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options,
                                            const ModelRegistry* registry,
@@ -150,7 +265,19 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options,
       executor_(executor),
       metrics_(metrics),
       tokens_(std::move(tokens)),
-      loader_(loader) {}
+      loader_(loader) {
+  // The options were validated (ValidateServerOptions): Create cannot fail.
+  scheduler_ = Scheduler::Create(
+                   {.queue_capacity = options.max_queued_requests,
+                    .max_batch_tokens = options.max_batch_tokens,
+                    .max_queue_delay = absl::Microseconds(options.max_queue_delay_us),
+                    .max_inflight_bytes = options.max_inflight_bytes},
+                   executor,
+                   [this](std::vector<std::unique_ptr<ScheduledWork>> batch, const BatchInfo& info) {
+                     RunBatch(std::move(batch), info);
+                   })
+                   .value();
+}
 
 absl::Status AttentionServiceImpl::AuthorizeAdmin(
     const grpc::CallbackServerContext& context) const {
@@ -253,26 +380,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     return reactor;
   }
   metrics_->OnQueued();
-  const absl::Time queued = absl::Now();
-  absl::Status submitted = executor_->Submit(
-      [this, context, call, response_bytes, reactor, arrival, queued, plan = *std::move(plan)] {
-        const absl::Time start = absl::Now();
-        reactor->Dequeued(start - queued);
-        absl::Status status =
-            RunAttend(context, call->request, plan, arrival, layer_cache_, &call->response);
-        if (status.ok()) {
-          ObserveCompute(plan, call->response, absl::Now() - start, *reactor, *metrics_);
-          bool own_buffer = false;
-          const grpc::Status serialized = grpc::SerializationTraits<v1::AttendResponse>::Serialize(
-              call->response, response_bytes, &own_buffer);
-          if (!serialized.ok()) {
-            status = absl::InternalError(
-                absl::StrCat("response: cannot serialize: ", serialized.error_message()));
-          }
-        }
-        reactor->FinishCall(ToGrpcStatus(status));
-        EndCall();
-      });
+  absl::Status submitted = scheduler_->Submit(std::make_unique<AttendJob>(
+      this, context, std::move(call), response_bytes, reactor, arrival, *std::move(plan)));
   if (!submitted.ok()) {
     metrics_->OnQueueRefused();
     reactor->FinishCall(ToGrpcStatus(submitted));

@@ -2,7 +2,9 @@
 #define ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -15,13 +17,15 @@
 #include "server/metrics.h"
 #include "server/model_loader.h"
 #include "server/model_registry.h"
+#include "server/scheduler.h"
 #include "server/server_options.h"
 
 namespace attnserve::server {
 
 // attnserve.v1.AttentionService on the gRPC callback API. Handlers validate,
-// convert and enqueue on the compute executor; the executor runs the layer
-// and finishes the call. No attention math runs on a gRPC thread.
+// convert and submit to the Scheduler, which batches compatible requests
+// (BatchKey) and runs them on the compute executor; the executor runs the
+// layer and finishes the calls. No attention math runs on a gRPC thread.
 //
 // Every call is reported to Metrics (and, with options.access_log, to the
 // access log) when it arrives and when it finishes.
@@ -93,11 +97,19 @@ class AttentionServiceImpl final
   absl::Status BeginCall();
   void EndCall();
 
+  // Runs one batch the scheduler formed, on the compute executor, and
+  // finishes its calls.
+  struct AttendJob;
+  void RunBatch(std::vector<std::unique_ptr<ScheduledWork>> batch, const BatchInfo& info);
+
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   // Used only on the compute executor.
   LayerCache layer_cache_;
+  // Admission, deadlines, memory budget and dynamic batching in front of
+  // `executor_`; created in the constructor.
+  std::unique_ptr<Scheduler> scheduler_;
 };
 
 }  // namespace attnserve::server

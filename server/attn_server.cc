@@ -161,6 +161,14 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                                        options.limits.max_adhoc_weight_bytes, 0, int64_t{1} << 40));
   ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_scratch_bytes", options.limits.max_scratch_bytes,
                                        int64_t{1} << 20, int64_t{1} << 40));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_request_bytes", options.limits.max_request_bytes,
+                                       int64_t{1} << 20, int64_t{1} << 40));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_inflight_bytes", options.max_inflight_bytes,
+                                       int64_t{1} << 20, int64_t{1} << 44));
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckRange("max_batch_tokens", options.max_batch_tokens, 0, int64_t{1} << 24));
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckRange("max_queue_delay_us", options.max_queue_delay_us, 0, 10 * 1000 * 1000));
   if (!(options.lame_duck_seconds >= 0 && options.lame_duck_seconds <= 600)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--lame_duck_seconds: ", options.lame_duck_seconds, " is outside [0, 600]"));

@@ -2,6 +2,7 @@
 #define ATTNSERVE_SERVER_ATTN_SERVER_H_
 
 #include <memory>
+#include <string>
 
 #include <grpcpp/server.h>
 
@@ -59,6 +60,8 @@ class AttnServer {
   // The port serving /metrics (the one picked for port 0); 0 when
   // options.metrics_address is empty.
   int metrics_port() const { return metrics_->port(); }
+  // The metrics' text exposition, as /metrics serves it.
+  std::string MetricsText() const { return metrics_->TextExposition(); }
 
  private:
   explicit AttnServer(const ServerOptions& options);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <thread>
 
@@ -44,6 +45,18 @@ ABSL_FLAG(int64_t, max_adhoc_weight_bytes, kDefaults.limits.max_adhoc_weight_byt
 ABSL_FLAG(int64_t, max_scratch_bytes, kDefaults.limits.max_scratch_bytes,
           "Most compute scratch one request may need (estimated before compute); more is "
           "RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_request_bytes, kDefaults.limits.max_request_bytes,
+          "Most memory one request may hold while it runs (inputs, activations, scores, maps, "
+          "response; estimated before compute); more is RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_inflight_bytes, kDefaults.max_inflight_bytes,
+          "Most memory the admitted requests (queued or running) may hold together, by their "
+          "estimates; a request that does not fit is RESOURCE_EXHAUSTED");
+ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.max_batch_tokens,
+          "Dynamic batching: most query tokens in one compute batch of compatible requests "
+          "(same model, precision and causal flag; no maps, statistics or masks); 0: no batching");
+ABSL_FLAG(int64_t, max_queue_delay_us, kDefaults.max_queue_delay_us,
+          "Dynamic batching: how long (microseconds) a batch that is not full may wait for more "
+          "requests; 0: a batch is what is queued when the executor is free");
 ABSL_FLAG(double, lame_duck_seconds, kDefaults.lame_duck_seconds,
           "On SIGTERM/SIGINT, how long health says NOT_SERVING while the server still listens");
 ABSL_FLAG(double, drain_timeout_seconds, kDefaults.drain_timeout_seconds,
@@ -73,14 +86,32 @@ ABSL_FLAG(std::string, model_repository, "",
           "Folder of models (one subfolder each: config.json and safetensors weights; README "
           "'Model repository'): all are loaded at start-up, LoadModel/UnloadModel manage them. "
           "Empty: the built-in model serves");
+// OpenMP threads that spin between requests take the cores from gRPC's
+// threads (and from each other, when anything else runs): on 2 cores the
+// default wait policy made the p99 of small requests 20-100x worse and
+// throughput under load 1.5-4x worse than PASSIVE (docs/measurements.md,
+// "Thread arrangement"). libgomp reads its environment when it is loaded, so
+// the policy is set by running this binary again with it, unless the caller
+// chose one.
+void UsePassiveOpenMpWaitUnlessSet(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) {
+    return;
+  }
+  setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
+  execv("/proc/self/exe", argv);
+  // exec failed: carry on with the default policy.
+}
 
 int main(int argc, char** argv) {
+  UsePassiveOpenMpWaitUnlessSet(argv);
   const absl::Time process_start = absl::Now();
   absl::SetProgramUsageMessage(
       "Serves multi-head attention over gRPC (attnserve.v1.AttentionService, "
       "grpc.health.v1.Health, server reflection).\n"
       "Usage: attnserve [--listen_address=0.0.0.0:50051] [flags]\n"
-      "Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish, exit 0.");
+      "Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish, exit 0.\n"
+      "OpenMP threads sleep between requests (OMP_WAIT_POLICY=PASSIVE) unless the environment sets "
+      "OMP_WAIT_POLICY or GOMP_SPINCOUNT.");
   absl::ParseCommandLine(argc, argv);
   attnserve::server::LimitProtobufLogs();
 
@@ -95,6 +126,10 @@ int main(int argc, char** argv) {
   options.limits.max_attention_map_bytes = absl::GetFlag(FLAGS_max_attention_map_bytes);
   options.limits.max_adhoc_weight_bytes = absl::GetFlag(FLAGS_max_adhoc_weight_bytes);
   options.limits.max_scratch_bytes = absl::GetFlag(FLAGS_max_scratch_bytes);
+  options.limits.max_request_bytes = absl::GetFlag(FLAGS_max_request_bytes);
+  options.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
+  options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
+  options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
   options.lame_duck_seconds = absl::GetFlag(FLAGS_lame_duck_seconds);
   options.drain_timeout_seconds = absl::GetFlag(FLAGS_drain_timeout_seconds);
   options.builtin_model_seed = absl::GetFlag(FLAGS_builtin_model_seed);
@@ -123,6 +158,12 @@ int main(int argc, char** argv) {
   }
   LogLine(absl::StrCat("listening on port ", (*server)->port(), " (", options.listen_address,
                        "); health NOT_SERVING until the models are loaded"));
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  LogLine(absl::StrCat("OpenMP wait policy ", wait_policy != nullptr ? wait_policy : "(libgomp default)",
+                       std::getenv("GOMP_SPINCOUNT") != nullptr
+                           ? absl::StrCat(", GOMP_SPINCOUNT ", std::getenv("GOMP_SPINCOUNT"))
+                           : "",
+                       " (PASSIVE unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT)"));
   if (options.tls_cert_file.empty()) {
     LogLine("WARNING: serving plaintext gRPC (no --tls_cert): anyone on the network can read and "
             "alter calls");

@@ -213,6 +213,18 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                           .Name("attnserve_batch_tokens")
                           .Help("Query tokens (padding excluded) per compute batch.")
                           .Register(r);
+  m->batch_requests_ = &prometheus::BuildHistogram()
+                            .Name("attnserve_batch_requests")
+                            .Help("Attend requests per compute batch (dynamic batching).")
+                            .Register(r);
+  m->skipped_ = &prometheus::BuildCounter()
+                     .Name("attnserve_requests_skipped_total")
+                     .Help("Attend requests admitted but not computed, by reason: deadline (it "
+                           "passed while queued) or cancelled (the client went away).")
+                     .Register(r);
+  for (const char* reason : {"deadline", "cancelled"}) {
+    m->skipped_reasons_.push_back(&m->skipped_->Add({{"reason", reason}}));
+  }
   m->tokens_ = &prometheus::BuildCounter()
                     .Name("attnserve_tokens_total")
                     .Help("Query tokens (padding excluded) of successful Attend requests.")
@@ -300,6 +312,7 @@ void Metrics::CreateModelSeries(const std::string& model) {
   }
   batch_size_->Add({{"model", model}}, BatchSizeBuckets());
   batch_tokens_->Add({{"model", model}}, BatchTokenBuckets());
+  batch_requests_->Add({{"model", model}}, BatchSizeBuckets());
   tokens_->Add({{"model", model}});
   map_bytes_->Add({{"model", model}});
 }
@@ -368,10 +381,6 @@ void Metrics::OnComputed(absl::string_view model, absl::string_view kernel_path,
   compute_
       ->Add({{"model", model_label}, {"kernel_path", std::string(kernel_path)}}, DurationBuckets())
       .Observe(absl::ToDoubleSeconds(compute.duration));
-  batch_size_->Add({{"model", model_label}}, BatchSizeBuckets())
-      .Observe(static_cast<double>(compute.sequences));
-  batch_tokens_->Add({{"model", model_label}}, BatchTokenBuckets())
-      .Observe(static_cast<double>(compute.tokens));
   tokens_->Add({{"model", model_label}}).Increment(static_cast<double>(compute.tokens));
   map_bytes_->Add({{"model", model_label}})
       .Increment(static_cast<double>(compute.attention_map_bytes));
@@ -383,6 +392,21 @@ std::string Metrics::TextExposition() const {
     families.push_back(std::move(family));
   }
   return prometheus::TextSerializer().Serialize(families);
+}
+
+void Metrics::OnBatch(absl::string_view model, int64_t requests, int64_t sequences,
+                      int64_t tokens) {
+  const std::string model_label(model);
+  batch_size_->Add({{"model", model_label}}, BatchSizeBuckets())
+      .Observe(static_cast<double>(sequences));
+  batch_tokens_->Add({{"model", model_label}}, BatchTokenBuckets())
+      .Observe(static_cast<double>(tokens));
+  batch_requests_->Add({{"model", model_label}}, BatchSizeBuckets())
+      .Observe(static_cast<double>(requests));
+}
+
+void Metrics::OnSkipped(SkipReason reason) {
+  skipped_reasons_[reason == SkipReason::kDeadline ? 0 : 1]->Increment();
 }
 
 }  // namespace attnserve::server

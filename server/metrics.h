@@ -91,14 +91,24 @@ class Metrics {
   // It left the queue to run after waiting `queue_wait` (queue depth - 1).
   void OnDequeued(absl::string_view model, absl::Duration queue_wait);
 
-  // What one successful compute did.
+  // What one successful compute did for one request (the batch it ran in is
+  // reported by OnBatch).
   struct Compute {
     absl::Duration duration;
-    int64_t sequences = 0;            // the batch's sequences
+    int64_t sequences = 0;            // the request's sequences
     int64_t tokens = 0;               // query tokens, padding excluded
     int64_t attention_map_bytes = 0;  // map bytes in the response
   };
   void OnComputed(absl::string_view model, absl::string_view kernel_path, const Compute& compute);
+
+  // One compute batch ran: `requests` requests with `sequences` sequences and
+  // `tokens` query tokens in all (a request computed alone is a batch of 1).
+  void OnBatch(absl::string_view model, int64_t requests, int64_t sequences, int64_t tokens);
+
+  enum class SkipReason { kDeadline, kCancelled };
+  // An admitted request was not computed: its deadline passed or its client
+  // cancelled while it was queued.
+  void OnSkipped(SkipReason reason);
 
   // The text exposition of the registry and the process collector, as
   // /metrics serves it (less the endpoint's own exposer_* families).
@@ -122,6 +132,9 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>* compute_ = nullptr;
   prometheus::Family<prometheus::Histogram>* batch_size_ = nullptr;
   prometheus::Family<prometheus::Histogram>* batch_tokens_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* batch_requests_ = nullptr;
+  prometheus::Family<prometheus::Counter>* skipped_ = nullptr;
+  std::vector<prometheus::Counter*> skipped_reasons_;  // deadline, cancelled
   prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
   prometheus::Family<prometheus::Counter>* map_bytes_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_info_ = nullptr;

@@ -20,6 +20,10 @@ struct RequestLimits {
   // limit need up to 1.7 GB (BF16 input), so they all pass; ad-hoc layers with
   // very many or very wide heads do not.
   int64_t max_scratch_bytes = int64_t{2} << 30;
+  // The most memory one request may hold while it runs (AttendPlan's
+  // memory_bytes: inputs, scratch, output, maps, response), estimated from
+  // validated sizes before anything is allocated for it.
+  int64_t max_request_bytes = int64_t{3} << 30;
 };
 
 struct ServerOptions {
@@ -61,6 +65,15 @@ struct ServerOptions {
   // is loaded at start-up, and LoadModel / UnloadModel manage them at run
   // time. Empty: the built-in model serves.
   std::string model_repository;
+  // Dynamic batching (server/scheduler.h): the most query tokens one compute
+  // batch may hold (0 or 1: no batching), and how long a batch that is not
+  // full may wait for more requests (0: it takes what is queued when the
+  // executor is free).
+  int64_t max_batch_tokens = 4096;
+  int64_t max_queue_delay_us = 0;
+  // Bytes that admitted requests (queued or running) may hold together, by
+  // their estimates; a request that does not fit is RESOURCE_EXHAUSTED.
+  int64_t max_inflight_bytes = int64_t{6} << 30;
 };
 
 // The attnserve binary's default --metrics_address. Not Prometheus' own 9090:

@@ -39,9 +39,16 @@ void BM_AttentionLayerFp32(benchmark::State& state) {
   const double flops = 8.0 * batch * seq * d * d + 4.0 * batch * heads * seq * seq * (d / heads);
   state.counters["GFLOP"] =
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tokens"] = benchmark::Counter(static_cast<double>(batch * seq),
+                                                benchmark::Counter::kIsIterationInvariantRate);
 }
+// {32, 128, ...}: the tokens of one batch of 32 serving requests of B=1, S=128
+// (the in-process peer of `attnctl bench --concurrency=32 --batch=1 --seq=128`);
+// {1, 128, ...}: one such request alone.
 BENCHMARK(BM_AttentionLayerFp32)
+    ->Args({1, 128, 768, 12})
     ->Args({8, 128, 768, 12})
+    ->Args({32, 128, 768, 12})
     ->Args({1, 512, 768, 12})
     ->Args({1, 2048, 768, 12})
     ->Unit(benchmark::kMillisecond)

@@ -112,6 +112,29 @@ TEST_F(AttendPlanTest, HugeShapeWithoutItsDataIsInvalidBeforeAnySizeIsUsed) {
   EXPECT_LT(g_largest_allocation.load(), size_t{4096});
 }
 
+TEST_F(AttendPlanTest, RequestOverTheMemoryBudgetIsRefusedBeforeAllocationAndSaysWhatToAskFor) {
+  // seq 2048 with mean maps: maps 16 MiB, scores a few hundred MiB; every
+  // other limit passes, the per-request memory budget (64 MiB) does not.
+  RequestLimits limits;
+  limits.max_request_bytes = int64_t{64} << 20;
+  const int64_t seq = 2048;
+  v1::AttendRequest request = Bomb(1, seq, seq * 768 * 4, v1::ATTENTION_MAP_MODE_MEAN);
+  absl::StatusOr<AttendPlan> plan = PlanWatchingAllocations(request, limits);
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kResourceExhausted) << plan.status();
+  for (const char* hint : {"--max_request_bytes", "attention_maps.query_rows",
+                           "attention_maps.head_statistics", "attention_maps.heads"}) {
+    EXPECT_NE(plan.status().message().find(hint), std::string::npos) << hint << ": " << plan.status();
+  }
+  EXPECT_LT(g_largest_allocation.load(), size_t{4096});
+
+  // Within the default budget it plans, and knows its memory: at least its
+  // output and maps as FP32.
+  absl::StatusOr<AttendPlan> accepted = PlanAttend(request, registry_, RequestLimits{}, 1 << 30);
+  ASSERT_TRUE(accepted.ok()) << accepted.status();
+  EXPECT_GE(accepted->memory_bytes, (seq * 768 + seq * seq) * 4);
+  EXPECT_LE(accepted->memory_bytes, RequestLimits{}.max_request_bytes);
+}
+
 TEST_F(AttendPlanTest, AcceptedPlanKnowsEverySize) {
   v1::AttendRequest request = Bomb(2, 5, 2 * 5 * 768 * 4, v1::ATTENTION_MAP_MODE_PER_HEAD);
   absl::StatusOr<AttendPlan> plan = PlanAttend(request, registry_, RequestLimits{}, 1 << 30);
