@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/checked_math.h"
 #include "core/onednn_util.h"
+#include "core/online_softmax.h"
 #include "core/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -58,7 +59,19 @@ constexpr int64_t kParallelGrain = int64_t{1} << 14;
 constexpr float kMasked = -std::numeric_limits<float>::infinity();
 
 // Cache key kinds.
-enum StepKind : int64_t { kLinear, kScores, kSoftmax, kToBf16, kContext };
+enum StepKind : int64_t {
+  kLinear,
+  kScores,
+  kSoftmax,
+  kToBf16,
+  kContext,
+  kBlockScores,
+  kBlockValues
+};
+
+// The blocked path keeps one query block's scores of a chunk within this many
+// floats (8 MiB): a chunk holds as many sequences as fit, and at least one.
+constexpr int64_t kBlockScoresBudget = int64_t{1} << 21;
 
 dnnl::primitive_attr UserScratchpad() {
   dnnl::primitive_attr attr;
@@ -164,9 +177,52 @@ absl::Status AttentionKernels::Linear(int64_t rows, int64_t in, int64_t out, int
                     {DNNL_ARG_DST, Memory(y_desc, y)}});
 }
 
-int64_t AttentionKernels::ChunkSequences(const SdpaCall& call) const {
-  const int64_t per_sequence = config_.num_heads * call.q_len * call.kv_len;  // validated
+void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call) {
+  call.blocked = true;
+  call.block_queries =
+      std::clamp<int64_t>(block_queries > 0 ? block_queries : kDefaultBlockQueries, 1, call.q_len);
+  call.block_keys =
+      std::clamp<int64_t>(block_keys > 0 ? block_keys : kDefaultBlockKeys, 1, call.kv_len);
+}
+
+int64_t ChunkFor(const HeadConfig& config, const SdpaCall& call) {
+  // Sizes validated: these products fit.
+  if (call.blocked) {
+    const int64_t per_sequence = config.num_heads * call.block_queries * call.block_keys;
+    return std::clamp<int64_t>(kBlockScoresBudget / per_sequence, 1, call.batch);
+  }
+  const int64_t per_sequence = config.num_heads * call.q_len * call.kv_len;
   return std::clamp<int64_t>(kScoresBudget / per_sequence, 1, call.batch);
+}
+
+std::optional<int64_t> KernelScratchBytes(const HeadConfig& config, const SdpaCall& call,
+                                          int64_t chunk) {
+  const int64_t operand_bytes = call.bf16 ? 2 : 4;
+  const int64_t hd = config.head_dim;
+  const int64_t heads = config.num_heads;
+  std::optional<int64_t> total = 0;
+  auto add = [&total](std::initializer_list<int64_t> dims, int64_t element_bytes) {
+    const std::optional<int64_t> elements = CheckedProduct(dims);
+    const std::optional<int64_t> bytes =
+        elements ? CheckedMul(*elements, element_bytes) : std::nullopt;
+    total = total && bytes ? CheckedAdd(*total, *bytes) : std::nullopt;
+  };
+  add({chunk, heads, call.q_len, hd}, operand_bytes);
+  add({2, chunk, config.num_kv_heads, call.kv_len, hd}, operand_bytes);
+  if (call.blocked) {
+    const int64_t bq = call.block_queries;
+    add({chunk, heads, bq, call.block_keys}, call.bf16 ? 6 : 4);
+    add({chunk, heads, bq, hd}, 4);
+    add({3, chunk, heads, bq}, 4);
+  } else {
+    add({chunk, heads, call.q_len, call.kv_len}, call.bf16 ? 6 : 4);
+    add({chunk, config.group_size(), call.q_len, call.kv_len}, 4);
+  }
+  return total;
+}
+
+int64_t AttentionKernels::ChunkSequences(const SdpaCall& call) const {
+  return ChunkFor(config_, call);
 }
 
 absl::Status AttentionKernels::ReserveChunk(const SdpaCall& call, int64_t chunk) {
@@ -177,6 +233,17 @@ absl::Status AttentionKernels::ReserveChunk(const SdpaCall& call, int64_t chunk)
   ATTNSERVE_RETURN_IF_ERROR(Reserve(q_stage_, {chunk, config_.num_heads, s, hd}, operand_bytes));
   ATTNSERVE_RETURN_IF_ERROR(Reserve(k_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
   ATTNSERVE_RETURN_IF_ERROR(Reserve(v_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
+  if (call.blocked) {
+    const int64_t bq = call.block_queries;
+    ATTNSERVE_RETURN_IF_ERROR(
+        Reserve(block_scores_, {chunk, config_.num_heads, bq, call.block_keys}, 4));
+    if (call.bf16) {
+      ATTNSERVE_RETURN_IF_ERROR(
+          Reserve(block_probs_, {chunk, config_.num_heads, bq, call.block_keys}, 2));
+    }
+    ATTNSERVE_RETURN_IF_ERROR(Reserve(block_values_, {chunk, config_.num_heads, bq, hd}, 4));
+    return Reserve(row_state_, {3, chunk, config_.num_heads, bq}, 4);
+  }
   ATTNSERVE_RETURN_IF_ERROR(Reserve(scores_, {chunk, config_.num_heads, s, t}, 4));
   if (call.bf16) {
     ATTNSERVE_RETURN_IF_ERROR(Reserve(probs_bf16_, {chunk, config_.num_heads, s, t}, 2));
@@ -323,6 +390,7 @@ absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t
   const int64_t t = call.kv_len;
   const int64_t hd = config_.head_dim;
   const memory::data_type operand = OperandType(call.bf16);
+  if (call.blocked) return SdpaBlocked(call, first, n, q, k, v, context);
 
   const bool masked = call.causal || call.mask.kind != ExplicitMask::Kind::kNone ||
                       AnyShorter(call.kv_lengths, first, n, t);
@@ -410,6 +478,146 @@ absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t
   return Run(context_mm, {{DNNL_ARG_SRC, Memory(p_desc, p)},
                           {DNNL_ARG_WEIGHTS, Memory(v_desc, v)},
                           {DNNL_ARG_DST, Memory(context_desc, context)}});
+}
+
+// The blocked path, for query block [i0, i0 + mq) of every head of the
+// chunk's n sequences, key blocks [j0, j0 + mk) in turn (bq, bk: the block
+// sizes; the last blocks may be shorter):
+//
+//   S  [n, Hkv, G, mq, mk] = Q [n, Hkv, G, mq, hd] x K^T [n, Hkv, 1, hd, mk] * scale
+//        (views of the staged operands through strides: no copies; K/V
+//        broadcast over the G query heads of their group)
+//   per row: mask (padding keys, causal, explicit), online softmax
+//        (running max m, sum l; alpha = exp(m_old - m_new)), P in place (FP32)
+//        or in block_probs_ (BF16)
+//   PV [n, Hkv, G, mq, hd] = P x V [n, Hkv, 1, mk, hd]
+//   O  = alpha * O + PV, O the query block's rows of `context`
+//   after the last key block: O *= head_mask[h] / l (rows with l = 0, NaN or
+//        inf, i.e. every key masked or overflowing scores: 0; rows past a
+//        query length: 0)
+//
+// Causal: key blocks entirely after the query block's last row are never
+// computed. oneDNN runs the matmuls on both threads (batched over n * Hq);
+// the row passes are OpenMP loops between them.
+absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, int64_t n,
+                                           const void* q, const void* k, const void* v,
+                                           float* context) {
+  const int64_t heads = config_.num_heads;
+  const int64_t kv_heads = config_.num_kv_heads;
+  const int64_t g = config_.group_size();
+  const int64_t s = call.q_len;
+  const int64_t t = call.kv_len;
+  const int64_t hd = config_.head_dim;
+  const int64_t bq = call.block_queries;
+  const int64_t bk = call.block_keys;
+  const memory::data_type operand = OperandType(call.bf16);
+  const int64_t operand_bytes = call.bf16 ? 2 : 4;
+  const ExplicitMask& explicit_mask = call.mask;
+  const bool has_mask = explicit_mask.kind != ExplicitMask::Kind::kNone;
+
+  float* const scores = block_scores_.floats();
+  Bf16* const probs = call.bf16 ? static_cast<Bf16*>(block_probs_.data()) : nullptr;
+  float* const values = block_values_.floats();
+  float* const row_max = row_state_.floats();
+  float* const row_sum = row_max + n * heads * bq;
+  float* const row_alpha = row_sum + n * heads * bq;
+
+  for (int64_t i0 = 0; i0 < s; i0 += bq) {
+    const int64_t mq = std::min(bq, s - i0);
+    const int64_t rows = n * heads * mq;
+    std::fill(row_max, row_max + rows, kMasked);
+    std::fill(row_sum, row_sum + rows, 0.0f);
+    // The last key this query block may see, +1.
+    const int64_t key_end = call.causal ? std::min(t, i0 + mq) : t;
+    for (int64_t j0 = 0; j0 < key_end; j0 += bk) {
+      const int64_t mk = std::min(bk, t - j0);
+      // S = Q K^T * scale.
+      const memory::desc q_desc({n, kv_heads, g, mq, hd}, operand,
+                                memory::dims{heads * s * hd, g * s * hd, s * hd, hd, 1});
+      const memory::desc k_t_desc({n, kv_heads, 1, hd, mk}, operand,
+                                  memory::dims{kv_heads * t * hd, t * hd, t * hd, 1, hd});
+      const memory::desc s_desc({n, kv_heads, g, mq, mk}, kF32, Tag::abcde);
+      const Step scores_mm =
+          GetStep<dnnl::matmul>({kBlockScores, n, mq, mk, s, t, call.bf16}, [&] {
+            dnnl::primitive_attr attr = UserScratchpad();
+            attr.set_output_scales(0, {config_.scale});
+            return dnnl::matmul::primitive_desc(dnnl::matmul::desc(q_desc, k_t_desc, s_desc),
+                                                attr, engine_);
+          });
+      ATTNSERVE_RETURN_IF_ERROR(Run(
+          scores_mm,
+          {{DNNL_ARG_SRC, Memory(q_desc, static_cast<const char*>(q) + i0 * hd * operand_bytes)},
+           {DNNL_ARG_WEIGHTS,
+            Memory(k_t_desc, static_cast<const char*>(k) + j0 * hd * operand_bytes)},
+           {DNNL_ARG_DST, Memory(s_desc, scores)}}));
+
+      // Masks and the online softmax, row by row.
+#pragma omp parallel for schedule(static) if (rows * mk > kParallelGrain)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t c = r / (heads * mq);
+        const int64_t i = i0 + r % mq;
+        const int64_t b = first + c;
+        float* const x = scores + r * mk;
+        int64_t limit = std::clamp<int64_t>(call.kv_lengths[b] - j0, 0, mk);
+        if (call.causal) limit = std::clamp<int64_t>(i + 1 - j0, 0, limit);
+        if (has_mask) {
+          for (int64_t j = 0; j < limit; ++j) {
+            const float value = ExplicitValue(explicit_mask, b, i, j0 + j);
+            if (explicit_mask.kind == ExplicitMask::Kind::kAllowed) {
+              if (value == 0.0f) x[j] = kMasked;
+            } else {
+              x[j] += value;
+            }
+          }
+        }
+        row_alpha[r] = OnlineSoftmaxRow(x, limit, mk, row_max[r], row_sum[r],
+                                        probs != nullptr ? probs + r * mk : nullptr);
+      }
+
+      // PV = P V.
+      const memory::desc p_desc({n, kv_heads, g, mq, mk}, operand, Tag::abcde);
+      const memory::desc v_desc({n, kv_heads, 1, mk, hd}, operand,
+                                memory::dims{kv_heads * t * hd, t * hd, t * hd, hd, 1});
+      const memory::desc pv_desc({n, kv_heads, g, mq, hd}, kF32, Tag::abcde);
+      const Step values_mm = GetStep<dnnl::matmul>({kBlockValues, n, mq, mk, t, call.bf16}, [&] {
+        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(p_desc, v_desc, pv_desc),
+                                            UserScratchpad(), engine_);
+      });
+      ATTNSERVE_RETURN_IF_ERROR(Run(
+          values_mm,
+          {{DNNL_ARG_SRC, Memory(p_desc, probs != nullptr ? static_cast<void*>(probs) : scores)},
+           {DNNL_ARG_WEIGHTS,
+            Memory(v_desc, static_cast<const char*>(v) + j0 * hd * operand_bytes)},
+           {DNNL_ARG_DST, Memory(pv_desc, values)}}));
+
+      // O = alpha * O + PV.
+      const bool first_block = j0 == 0;
+#pragma omp parallel for schedule(static) if (rows * hd > kParallelGrain)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t item = r / mq;  // c * heads + h
+        float* const o = context + (item * s + i0 + r % mq) * hd;
+        ScaleAndAdd(o, values + r * hd, hd, row_alpha[r], first_block);
+      }
+    }
+
+    // O *= head_mask[h] / l; rows past a query length and dead rows: 0.
+#pragma omp parallel for schedule(static) if (rows * hd > kParallelGrain)
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t item = r / mq;
+      const int64_t c = item / heads;
+      const int64_t h = item % heads;
+      const int64_t i = i0 + r % mq;
+      float* const o = context + (item * s + i) * hd;
+      const float l = row_sum[r];
+      const float weight = call.head_mask.empty() ? 1.0f : call.head_mask[h];
+      if (i >= call.q_lengths[first + c] || !(l > 0.0f) || !std::isfinite(l)) {
+        std::fill(o, o + hd, 0.0f);
+      } else {
+        ScaleRow(o, hd, weight / l);
+      }
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace attnserve::core::internal

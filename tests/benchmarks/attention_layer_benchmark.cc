@@ -1,74 +1,183 @@
-// Throughput of the attention layer, beside oneDNN's own FP32 matmul ceiling
-// measured in the same process. A program that prints numbers, not a test:
+// Throughput of the attention layer, beside oneDNN's own matmul ceiling (2048^3,
+// same precision) measured in the same process. A program that prints numbers,
+// not a test:
 //   build/tests/benchmarks/attention_layer_benchmark --benchmark_repetitions=5
+//     --benchmark_report_aggregates_only=true [--benchmark_filter=...]
+//
+// Counters per benchmark:
+//   GFLOP        FLOP/s in units of 1e9: 2*B*S*D*(Hq+2Hkv)hd (Q/K/V projections) +
+//                2*B*S*Hq*hd*D (output) + 4*B*Hq*S^2*hd (scores and values; halved
+//                when causal). For Hkv = Hq this is the 2*B*S*D*3D + 2*B*S*D*D +
+//                4*B*H*S^2*hd of the targets.
+//   of_ceiling   GFLOP / oneDNN's matmul GFLOP/s on 2048^3 in the same precision,
+//                measured in this process (median of 7, re-measured per benchmark)
+//   allocs       operator new calls per forward in the steady state
+//   peak_rss_mb  the process's peak resident set (meaningful when one benchmark
+//                runs per process, as compare_with_pytorch.py does)
+// The label names the kernel path that ran.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "benchmark/benchmark.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
 #include "dnnl.hpp"
+#include "tests/benchmarks/allocation_counter.h"
+
 
 namespace attnserve::core {
 namespace {
 
-// args: batch, seq, d_model, heads.
-void BM_AttentionLayerFp32(benchmark::State& state) {
-  const int64_t batch = state.range(0), seq = state.range(1), d = state.range(2),
-                heads = state.range(3);
-  HeadConfig requested;
-  requested.d_model = d;
-  requested.num_heads = heads;
-  const HeadConfig config = *ResolveHeadConfig(requested);
-  auto layer = *AttentionLayer::Create(config, SeededWeights(config, 1));
-  std::mt19937 rng(1);
-  std::normal_distribution<float> normal;
-  std::vector<float> input(batch * seq * d), output(input.size());
-  for (float& x : input) x = normal(rng);
-  LayerInputs inputs;
-  inputs.hidden_states = input;
-  inputs.layout = *SequenceLayout::Padded(batch, seq);
-  ForwardOutputs outputs;
-  outputs.output = absl::MakeSpan(output);
-  if (!layer->Forward(inputs, {}, outputs).ok()) state.SkipWithError("warm-up failed");
-  for (auto _ : state) {
-    benchmark::DoNotOptimize(layer->Forward(inputs, {}, outputs));
-  }
-  // 2*B*S*D*3D (Q/K/V) + 2*B*S*D*D (output) + 4*B*H*S^2*head_dim (scores, values).
-  const double flops = 8.0 * batch * seq * d * d + 4.0 * batch * heads * seq * seq * (d / heads);
-  state.counters["GFLOP"] =
-      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-}
-BENCHMARK(BM_AttentionLayerFp32)
-    ->Args({8, 128, 768, 12})
-    ->Args({1, 512, 768, 12})
-    ->Args({1, 2048, 768, 12})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-
-// The ceiling: oneDNN's FP32 matmul on 2048^3.
-void BM_OneDnnMatmulFp32(benchmark::State& state) {
+// oneDNN's matmul on 2048^3 in FP32 or BF16 (FP32 output): median GFLOP/s of 7.
+double CeilingGflops(bool bf16) {
   using dnnl::memory;
   const int64_t n = 2048;
   dnnl::engine engine(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(engine);
-  const memory::desc desc({n, n}, memory::data_type::f32, memory::format_tag::ab);
+  const memory::data_type type = bf16 ? memory::data_type::bf16 : memory::data_type::f32;
+  const memory::desc in_desc({n, n}, type, memory::format_tag::ab);
+  const memory::desc out_desc({n, n}, memory::data_type::f32, memory::format_tag::ab);
   const dnnl::matmul matmul(
-      dnnl::matmul::primitive_desc(dnnl::matmul::desc(desc, desc, desc), engine));
-  memory a(desc, engine), b(desc, engine), c(desc, engine);
-  for (auto* m : {&a, &b}) {
-    float* p = static_cast<float*>(m->get_data_handle());
-    for (int64_t i = 0; i < n * n; ++i) p[i] = 0.001f * static_cast<float>(i % 1000);
+      dnnl::matmul::primitive_desc(dnnl::matmul::desc(in_desc, in_desc, out_desc), engine));
+  memory a(in_desc, engine), b(in_desc, engine), c(out_desc, engine);
+  for (memory* m : {&a, &b}) {
+    char* p = static_cast<char*>(m->get_data_handle());
+    for (size_t i = 0; i < in_desc.get_size(); ++i) p[i] = static_cast<char>(i % 7 + 60);
   }
-  for (auto _ : state) {
+  auto run = [&] {
     matmul.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
     stream.wait();
+  };
+  run();
+  std::vector<double> gflops;
+  for (int i = 0; i < 7; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    gflops.push_back(2.0 * n * n * n / seconds * 1e-9);
   }
-  state.counters["GFLOP"] = benchmark::Counter(2.0 * n * n * n * 1e-9,
-                                                 benchmark::Counter::kIsIterationInvariantRate);
+  std::nth_element(gflops.begin(), gflops.begin() + 3, gflops.end());
+  return gflops[3];
 }
-BENCHMARK(BM_OneDnnMatmulFp32)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+enum Flags : int64_t {
+  kCausal = 1,
+  kBf16 = 2,
+  kPerHeadMaps = 4,
+  kMaterialized = 8,  // force the materialized path (no maps)
+};
+
+// args: batch, seq, d_model, heads, kv_heads, flags.
+void BM_AttentionLayer(benchmark::State& state) {
+  const int64_t batch = state.range(0), seq = state.range(1), d = state.range(2),
+                heads = state.range(3), kv_heads = state.range(4), flags = state.range(5);
+  const bool causal = flags & kCausal, bf16 = flags & kBf16;
+  HeadConfig requested;
+  requested.d_model = d;
+  requested.num_heads = heads;
+  requested.num_kv_heads = kv_heads;
+  const HeadConfig config = *ResolveHeadConfig(requested);
+  auto layer = *AttentionLayer::Create(config, SeededWeights(config, 1));
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  std::vector<float> input(batch * seq * d), output(input.size()), maps;
+  for (float& x : input) x = normal(rng);
+  LayerInputs inputs;
+  inputs.hidden_states = input;
+  inputs.layout = *SequenceLayout::Padded(batch, seq);
+  inputs.causal = causal;
+  ForwardOptions options;
+  options.precision = bf16 ? Precision::kBf16 : Precision::kFp32;
+  if (flags & kMaterialized) options.attention_path = AttentionPath::kMaterialized;
+  ForwardOutputs outputs;
+  outputs.output = absl::MakeSpan(output);
+  if (flags & kPerHeadMaps) {
+    options.maps.mode = AttentionMapMode::kPerHead;
+    maps.resize(batch * heads * seq * seq);
+    outputs.attention_maps = absl::MakeSpan(maps);
+  }
+  const absl::StatusOr<ForwardInfo> info = layer->Forward(inputs, options, outputs);
+  if (!info.ok()) {
+    state.SkipWithError(std::string(info.status().message()).c_str());
+    return;
+  }
+  layer->Forward(inputs, options, outputs).IgnoreError();  // warm-up
+  const double ceiling = CeilingGflops(bf16);
+  const int64_t allocations_before = attnserve::testing::AllocationCount();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(layer->Forward(inputs, options, outputs));
+  }
+  const int64_t allocations = attnserve::testing::AllocationCount() - allocations_before;
+  const int64_t hd = config.head_dim;
+  const double projections =
+      2.0 * batch * seq * d * (heads + 2 * kv_heads) * hd + 2.0 * batch * seq * heads * hd * d;
+  const double attention = 4.0 * batch * heads * seq * seq * hd * (causal ? 0.5 : 1.0);
+  const double flops = projections + attention;
+  state.counters["GFLOP"] =
+      benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  // of_ceiling = GFLOP / ceiling: a rate counter scaled by 1e-9 / ceiling.
+  state.counters["of_ceiling"] =
+      benchmark::Counter(flops * 1e-9 / ceiling, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["ceiling_GFLOP"] = ceiling;
+  state.counters["allocs"] = static_cast<double>(allocations) / state.iterations();
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  state.counters["peak_rss_mb"] = usage.ru_maxrss / 1024.0;
+  state.SetLabel(info->kernel_path);
+}
+
+constexpr int64_t kMha = 0;  // kv_heads = heads
+void Shapes(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"B", "S", "D", "H", "Hkv", "flags"});
+  // FP32 without maps.
+  b->Args({8, 128, 768, 12, 12, 0});
+  b->Args({1, 512, 768, 12, 12, 0});
+  b->Args({1, 2048, 768, 12, 12, 0});
+  b->Args({1, 4096, 1024, 16, 16, 0});
+  // Causal beside bidirectional (S >= 2048).
+  b->Args({1, 2048, 768, 12, 12, kCausal});
+  b->Args({1, 4096, 1024, 16, 16, kCausal});
+  // Per-head maps (materialized).
+  b->Args({8, 128, 768, 12, 12, kPerHeadMaps});
+  b->Args({1, 512, 768, 12, 12, kPerHeadMaps});
+  b->Args({1, 2048, 768, 12, 12, kPerHeadMaps});
+  // BF16.
+  b->Args({8, 128, 768, 12, 12, kBf16});
+  b->Args({1, 512, 768, 12, 12, kBf16});
+  b->Args({1, 2048, 768, 12, 12, kBf16});
+  b->Args({1, 4096, 1024, 16, 16, kBf16});
+  // Grouped-query 8:1 beside full multi-head attention (same query heads).
+  b->Args({1, 2048, 1024, 16, 2, 0});
+  b->Args({1, 2048, 1024, 16, 16, 0});
+  // The materialized path without maps, for comparison.
+  b->Args({1, 2048, 768, 12, 12, kMaterialized});
+  (void)kMha;
+}
+BENCHMARK(BM_AttentionLayer)->Apply(Shapes)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// Long sequences on the blocked path (one iteration each is seconds).
+BENCHMARK(BM_AttentionLayer)
+    ->ArgNames({"B", "S", "D", "H", "Hkv", "flags"})
+    ->Args({1, 32768, 1024, 16, 16, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->Iterations(1)
+    ->Name("BM_AttentionLayerLong");
+
+// The ceilings alone.
+void BM_OneDnnMatmulCeiling(benchmark::State& state) {
+  double gflops = 0;
+  for (auto _ : state) gflops = CeilingGflops(state.range(0) != 0);
+  state.counters["ceiling_GFLOP"] = gflops;
+}
+BENCHMARK(BM_OneDnnMatmulCeiling)->ArgName("bf16")->Arg(0)->Arg(1)->Iterations(1);
 
 }  // namespace
 }  // namespace attnserve::core

@@ -1,0 +1,15 @@
+#ifndef ATTNSERVE_TESTS_BENCHMARKS_ALLOCATION_COUNTER_H_
+#define ATTNSERVE_TESTS_BENCHMARKS_ALLOCATION_COUNTER_H_
+
+#include <cstdint>
+
+namespace attnserve::testing {
+
+// Calls of the global operator new so far in this process (every library's,
+// oneDNN's included), counted by the replacement in allocation_counter.cc.
+// Thread-safe.
+int64_t AllocationCount();
+
+}  // namespace attnserve::testing
+
+#endif  // ATTNSERVE_TESTS_BENCHMARKS_ALLOCATION_COUNTER_H_
