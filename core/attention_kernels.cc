@@ -17,6 +17,7 @@
 #include "core/online_softmax.h"
 #include "core/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
+#include "omp.h"
 
 // The attention of a chunk of n sequences, S queries and T keys each, with
 // G = Hq / Hkv query heads per key/value head, viewed GQA-style so that one
@@ -69,9 +70,16 @@ enum StepKind : int64_t {
   kBlockValues
 };
 
-// The blocked path keeps one query block's scores of a chunk within this many
-// floats (8 MiB): a chunk holds as many sequences as fit, and at least one.
-constexpr int64_t kBlockScoresBudget = int64_t{1} << 21;
+// Bytes of one thread's workspace on the blocked path: scores [bq, bk] FP32,
+// P [bq, bk] BF16 (BF16 only), P V [bq, hd] FP32, row state [3, bq] FP32,
+// each rounded up to a cache line.
+int64_t BlockWorkspaceBytes(const SdpaCall& call, int64_t head_dim) {
+  auto line = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t bq = call.block_queries;
+  const int64_t bk = call.block_keys;
+  return line(bq * bk * 4) + (call.bf16 ? line(bq * bk * 2) : 0) + line(bq * head_dim * 4) +
+         line(3 * bq * 4);
+}
 
 dnnl::primitive_attr UserScratchpad() {
   dnnl::primitive_attr attr;
@@ -187,10 +195,8 @@ void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call) {
 
 int64_t ChunkFor(const HeadConfig& config, const SdpaCall& call) {
   // Sizes validated: these products fit.
-  if (call.blocked) {
-    const int64_t per_sequence = config.num_heads * call.block_queries * call.block_keys;
-    return std::clamp<int64_t>(kBlockScoresBudget / per_sequence, 1, call.batch);
-  }
+  // The blocked path's scratch is per thread, not per sequence.
+  if (call.blocked) return call.batch;
   const int64_t per_sequence = config.num_heads * call.q_len * call.kv_len;
   return std::clamp<int64_t>(kScoresBudget / per_sequence, 1, call.batch);
 }
@@ -210,10 +216,7 @@ std::optional<int64_t> KernelScratchBytes(const HeadConfig& config, const SdpaCa
   add({chunk, heads, call.q_len, hd}, operand_bytes);
   add({2, chunk, config.num_kv_heads, call.kv_len, hd}, operand_bytes);
   if (call.blocked) {
-    const int64_t bq = call.block_queries;
-    add({chunk, heads, bq, call.block_keys}, call.bf16 ? 6 : 4);
-    add({chunk, heads, bq, hd}, 4);
-    add({3, chunk, heads, bq}, 4);
+    add({omp_get_max_threads(), BlockWorkspaceBytes(call, hd)}, 1);
   } else {
     add({chunk, heads, call.q_len, call.kv_len}, call.bf16 ? 6 : 4);
     add({chunk, config.group_size(), call.q_len, call.kv_len}, 4);
@@ -234,15 +237,7 @@ absl::Status AttentionKernels::ReserveChunk(const SdpaCall& call, int64_t chunk)
   ATTNSERVE_RETURN_IF_ERROR(Reserve(k_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
   ATTNSERVE_RETURN_IF_ERROR(Reserve(v_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
   if (call.blocked) {
-    const int64_t bq = call.block_queries;
-    ATTNSERVE_RETURN_IF_ERROR(
-        Reserve(block_scores_, {chunk, config_.num_heads, bq, call.block_keys}, 4));
-    if (call.bf16) {
-      ATTNSERVE_RETURN_IF_ERROR(
-          Reserve(block_probs_, {chunk, config_.num_heads, bq, call.block_keys}, 2));
-    }
-    ATTNSERVE_RETURN_IF_ERROR(Reserve(block_values_, {chunk, config_.num_heads, bq, hd}, 4));
-    return Reserve(row_state_, {3, chunk, config_.num_heads, bq}, 4);
+    return Reserve(block_workspace_, {omp_get_max_threads(), BlockWorkspaceBytes(call, hd)}, 1);
   }
   ATTNSERVE_RETURN_IF_ERROR(Reserve(scores_, {chunk, config_.num_heads, s, t}, 4));
   if (call.bf16) {
@@ -480,25 +475,28 @@ absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t
                           {DNNL_ARG_DST, Memory(context_desc, context)}});
 }
 
-// The blocked path, for query block [i0, i0 + mq) of every head of the
-// chunk's n sequences, key blocks [j0, j0 + mk) in turn (bq, bk: the block
-// sizes; the last blocks may be shorter):
+// The blocked path. Work items are (sequence c, query head h, query block
+// [i0, i0 + mq)), spread over the OpenMP threads; each runs its key blocks
+// [j0, j0 + mk) in turn (bq, bk: the block sizes; the last blocks may be
+// shorter) with oneDNN matmuls that run single-threaded inside the parallel
+// region (oneDNN's OpenMP runtime does not nest), on 2-D views of the staged
+// operands (no copies; K/V of head g = h / G are read by each of its G query
+// heads, from cache when the items of a group run in turn):
 //
-//   S  [n, Hkv, G, mq, mk] = Q [n, Hkv, G, mq, hd] x K^T [n, Hkv, 1, hd, mk] * scale
-//        (views of the staged operands through strides: no copies; K/V
-//        broadcast over the G query heads of their group)
+//   S  [mq, mk] = Q_h [mq, hd] x K_g^T [hd, mk] * scale     (brg, K^T by strides)
 //   per row: mask (padding keys, causal, explicit), online softmax
 //        (running max m, sum l; alpha = exp(m_old - m_new)), P in place (FP32)
-//        or in block_probs_ (BF16)
-//   PV [n, Hkv, G, mq, hd] = P x V [n, Hkv, 1, mk, hd]
-//   O  = alpha * O + PV, O the query block's rows of `context`
+//        or as BF16 beside it
+//   PV [mq, hd] = P x V_g [mk, hd]
+//   O  = alpha * O + PV, O the item's rows of `context`
 //   after the last key block: O *= head_mask[h] / l (rows with l = 0, NaN or
-//        inf, i.e. every key masked or overflowing scores: 0; rows past a
-//        query length: 0)
+//        inf -- every key masked, or overflowing scores -- get 0; rows past a
+//        query length get 0)
 //
-// Causal: key blocks entirely after the query block's last row are never
-// computed. oneDNN runs the matmuls on both threads (batched over n * Hq);
-// the row passes are OpenMP loops between them.
+// Causal: key blocks entirely after the item's last query row are never
+// computed. The primitives (at most four shapes per matmul: full and last
+// blocks) are made before the parallel region; each thread has its own
+// stream, workspace and oneDNN scratchpad.
 absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, int64_t n,
                                            const void* q, const void* k, const void* v,
                                            float* context) {
@@ -515,108 +513,146 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
   const ExplicitMask& explicit_mask = call.mask;
   const bool has_mask = explicit_mask.kind != ExplicitMask::Kind::kNone;
 
-  float* const scores = block_scores_.floats();
-  Bf16* const probs = call.bf16 ? static_cast<Bf16*>(block_probs_.data()) : nullptr;
-  float* const values = block_values_.floats();
-  float* const row_max = row_state_.floats();
-  float* const row_sum = row_max + n * heads * bq;
-  float* const row_alpha = row_sum + n * heads * bq;
+  // The primitives, [last query block][last key block].
+  struct BlockSteps {
+    Step scores, values;
+    memory::desc q_desc, k_t_desc, s_desc, p_desc, v_desc, pv_desc;
+  };
+  BlockSteps steps[2][2];
+  size_t scratchpad_bytes = 0;
+  for (int last_q = 0; last_q < 2; ++last_q) {
+    for (int last_k = 0; last_k < 2; ++last_k) {
+      const int64_t mq = last_q ? (s - 1) % bq + 1 : bq;
+      const int64_t mk = last_k ? (t - 1) % bk + 1 : bk;
+      BlockSteps& step = steps[last_q][last_k];
+      step.q_desc = memory::desc({mq, hd}, operand, memory::dims{hd, 1});
+      step.k_t_desc = memory::desc({hd, mk}, operand, memory::dims{1, hd});
+      step.s_desc = memory::desc({mq, mk}, kF32, Tag::ab);
+      step.p_desc = memory::desc({mq, mk}, operand, Tag::ab);
+      step.v_desc = memory::desc({mk, hd}, operand, memory::dims{hd, 1});
+      step.pv_desc = memory::desc({mq, hd}, kF32, Tag::ab);
+      step.scores = GetStep<dnnl::matmul>({kBlockScores, mq, mk, hd, call.bf16}, [&] {
+        dnnl::primitive_attr attr = UserScratchpad();
+        attr.set_output_scales(0, {config_.scale});
+        return dnnl::matmul::primitive_desc(
+            dnnl::matmul::desc(step.q_desc, step.k_t_desc, step.s_desc), attr, engine_);
+      });
+      step.values = GetStep<dnnl::matmul>({kBlockValues, mq, mk, hd, call.bf16}, [&] {
+        return dnnl::matmul::primitive_desc(
+            dnnl::matmul::desc(step.p_desc, step.v_desc, step.pv_desc), UserScratchpad(),
+            engine_);
+      });
+      scratchpad_bytes = std::max({scratchpad_bytes, step.scores.scratchpad.get_size(),
+                                   step.values.scratchpad.get_size()});
+    }
+  }
+  const int threads = omp_get_max_threads();
+  const int64_t pad_stride = (static_cast<int64_t>(scratchpad_bytes) + 63) / 64 * 64;
+  ATTNSERVE_RETURN_IF_ERROR(Reserve(block_scratchpads_, {threads, pad_stride}, 1));
+  while (static_cast<int>(block_streams_.size()) < threads) block_streams_.emplace_back(engine_);
+  const int64_t workspace_bytes = BlockWorkspaceBytes(call, hd);
 
-  for (int64_t i0 = 0; i0 < s; i0 += bq) {
-    const int64_t mq = std::min(bq, s - i0);
-    const int64_t rows = n * heads * mq;
-    std::fill(row_max, row_max + rows, kMasked);
-    std::fill(row_sum, row_sum + rows, 0.0f);
-    // The last key this query block may see, +1.
-    const int64_t key_end = call.causal ? std::min(t, i0 + mq) : t;
-    for (int64_t j0 = 0; j0 < key_end; j0 += bk) {
-      const int64_t mk = std::min(bk, t - j0);
-      // S = Q K^T * scale.
-      const memory::desc q_desc({n, kv_heads, g, mq, hd}, operand,
-                                memory::dims{heads * s * hd, g * s * hd, s * hd, hd, 1});
-      const memory::desc k_t_desc({n, kv_heads, 1, hd, mk}, operand,
-                                  memory::dims{kv_heads * t * hd, t * hd, t * hd, 1, hd});
-      const memory::desc s_desc({n, kv_heads, g, mq, mk}, kF32, Tag::abcde);
-      const Step scores_mm =
-          GetStep<dnnl::matmul>({kBlockScores, n, mq, mk, s, t, call.bf16}, [&] {
-            dnnl::primitive_attr attr = UserScratchpad();
-            attr.set_output_scales(0, {config_.scale});
-            return dnnl::matmul::primitive_desc(dnnl::matmul::desc(q_desc, k_t_desc, s_desc),
-                                                attr, engine_);
-          });
-      ATTNSERVE_RETURN_IF_ERROR(Run(
-          scores_mm,
-          {{DNNL_ARG_SRC, Memory(q_desc, static_cast<const char*>(q) + i0 * hd * operand_bytes)},
-           {DNNL_ARG_WEIGHTS,
-            Memory(k_t_desc, static_cast<const char*>(k) + j0 * hd * operand_bytes)},
-           {DNNL_ARG_DST, Memory(s_desc, scores)}}));
-
-      // Masks and the online softmax, row by row.
-#pragma omp parallel for schedule(static) if (rows * mk > kParallelGrain)
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t c = r / (heads * mq);
-        const int64_t i = i0 + r % mq;
-        const int64_t b = first + c;
-        float* const x = scores + r * mk;
-        int64_t limit = std::clamp<int64_t>(call.kv_lengths[b] - j0, 0, mk);
-        if (call.causal) limit = std::clamp<int64_t>(i + 1 - j0, 0, limit);
-        if (has_mask) {
-          for (int64_t j = 0; j < limit; ++j) {
-            const float value = ExplicitValue(explicit_mask, b, i, j0 + j);
-            if (explicit_mask.kind == ExplicitMask::Kind::kAllowed) {
-              if (value == 0.0f) x[j] = kMasked;
-            } else {
-              x[j] += value;
+  const int64_t q_blocks = (s + bq - 1) / bq;
+  const int64_t items = n * heads * q_blocks;
+  bool failed = false;
+  std::string failure;
+#pragma omp parallel num_threads(threads)
+  {
+    const int thread = omp_get_thread_num();
+    char* const workspace = static_cast<char*>(block_workspace_.data()) + thread * workspace_bytes;
+    auto line = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+    float* const scores = reinterpret_cast<float*>(workspace);
+    Bf16* const probs =
+        call.bf16 ? reinterpret_cast<Bf16*>(workspace + line(bq * bk * 4)) : nullptr;
+    float* const values = reinterpret_cast<float*>(workspace + line(bq * bk * 4) +
+                                                   (call.bf16 ? line(bq * bk * 2) : 0));
+    float* const row_max = values + line(bq * hd * 4) / 4;
+    float* const row_sum = row_max + bq;
+    float* const row_alpha = row_sum + bq;
+    dnnl::stream& stream = block_streams_[thread];
+    void* const pad = static_cast<char*>(block_scratchpads_.data()) + thread * pad_stride;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t c = item / (heads * q_blocks);
+      const int64_t h = item / q_blocks % heads;
+      const int64_t i0 = item % q_blocks * bq;
+      const int64_t mq = std::min(bq, s - i0);
+      const int64_t b = first + c;
+      const int64_t kv_group = h / g;
+      const char* const q_rows =
+          static_cast<const char*>(q) + ((c * heads + h) * s + i0) * hd * operand_bytes;
+      const int64_t kv_offset = (c * kv_heads + kv_group) * t * hd;
+      float* const o = context + ((c * heads + h) * s + i0) * hd;
+      std::fill(row_max, row_max + mq, kMasked);
+      std::fill(row_sum, row_sum + mq, 0.0f);
+      const int64_t key_end =
+          std::min(call.kv_lengths[b], call.causal ? std::min(t, i0 + mq) : t);
+      try {
+        for (int64_t j0 = 0; j0 < key_end; j0 += bk) {
+          const int64_t mk = std::min(bk, t - j0);
+          const BlockSteps& step = steps[mq != bq][mk != bk];
+          const char* const k_rows =
+              static_cast<const char*>(k) + (kv_offset + j0 * hd) * operand_bytes;
+          const char* const v_rows =
+              static_cast<const char*>(v) + (kv_offset + j0 * hd) * operand_bytes;
+          Args args = {{DNNL_ARG_SRC, Memory(step.q_desc, q_rows)},
+                       {DNNL_ARG_WEIGHTS, Memory(step.k_t_desc, k_rows)},
+                       {DNNL_ARG_DST, Memory(step.s_desc, scores)}};
+          if (!step.scores.scratchpad.is_zero()) {
+            args.emplace(DNNL_ARG_SCRATCHPAD, Memory(step.scores.scratchpad, pad));
+          }
+          step.scores.primitive.execute(stream, args);
+          for (int64_t r = 0; r < mq; ++r) {
+            const int64_t i = i0 + r;
+            float* const x = scores + r * mk;
+            int64_t limit = std::clamp<int64_t>(call.kv_lengths[b] - j0, 0, mk);
+            if (call.causal) limit = std::clamp<int64_t>(i + 1 - j0, 0, limit);
+            if (has_mask) {
+              for (int64_t j = 0; j < limit; ++j) {
+                const float value = ExplicitValue(explicit_mask, b, i, j0 + j);
+                if (explicit_mask.kind == ExplicitMask::Kind::kAllowed) {
+                  if (value == 0.0f) x[j] = kMasked;
+                } else {
+                  x[j] += value;
+                }
+              }
             }
+            row_alpha[r] = OnlineSoftmaxRow(x, limit, mk, row_max[r], row_sum[r],
+                                            probs != nullptr ? probs + r * mk : nullptr);
+          }
+          args = {{DNNL_ARG_SRC,
+                   Memory(step.p_desc, probs != nullptr ? static_cast<void*>(probs) : scores)},
+                  {DNNL_ARG_WEIGHTS, Memory(step.v_desc, v_rows)},
+                  {DNNL_ARG_DST, Memory(step.pv_desc, values)}};
+          if (!step.values.scratchpad.is_zero()) {
+            args.emplace(DNNL_ARG_SCRATCHPAD, Memory(step.values.scratchpad, pad));
+          }
+          step.values.primitive.execute(stream, args);
+          for (int64_t r = 0; r < mq; ++r) {
+            ScaleAndAdd(o + r * hd, values + r * hd, hd, row_alpha[r], j0 == 0);
           }
         }
-        row_alpha[r] = OnlineSoftmaxRow(x, limit, mk, row_max[r], row_sum[r],
-                                        probs != nullptr ? probs + r * mk : nullptr);
+      } catch (const dnnl::error& e) {
+#pragma omp critical(attnserve_blocked_failure)
+        {
+          failed = true;
+          failure = StatusFromDnnlError(e, "running a blocked attention matmul").ToString();
+        }
       }
-
-      // PV = P V.
-      const memory::desc p_desc({n, kv_heads, g, mq, mk}, operand, Tag::abcde);
-      const memory::desc v_desc({n, kv_heads, 1, mk, hd}, operand,
-                                memory::dims{kv_heads * t * hd, t * hd, t * hd, hd, 1});
-      const memory::desc pv_desc({n, kv_heads, g, mq, hd}, kF32, Tag::abcde);
-      const Step values_mm = GetStep<dnnl::matmul>({kBlockValues, n, mq, mk, t, call.bf16}, [&] {
-        return dnnl::matmul::primitive_desc(dnnl::matmul::desc(p_desc, v_desc, pv_desc),
-                                            UserScratchpad(), engine_);
-      });
-      ATTNSERVE_RETURN_IF_ERROR(Run(
-          values_mm,
-          {{DNNL_ARG_SRC, Memory(p_desc, probs != nullptr ? static_cast<void*>(probs) : scores)},
-           {DNNL_ARG_WEIGHTS,
-            Memory(v_desc, static_cast<const char*>(v) + j0 * hd * operand_bytes)},
-           {DNNL_ARG_DST, Memory(pv_desc, values)}}));
-
-      // O = alpha * O + PV.
-      const bool first_block = j0 == 0;
-#pragma omp parallel for schedule(static) if (rows * hd > kParallelGrain)
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t item = r / mq;  // c * heads + h
-        float* const o = context + (item * s + i0 + r % mq) * hd;
-        ScaleAndAdd(o, values + r * hd, hd, row_alpha[r], first_block);
-      }
-    }
-
-    // O *= head_mask[h] / l; rows past a query length and dead rows: 0.
-#pragma omp parallel for schedule(static) if (rows * hd > kParallelGrain)
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t item = r / mq;
-      const int64_t c = item / heads;
-      const int64_t h = item % heads;
-      const int64_t i = i0 + r % mq;
-      float* const o = context + (item * s + i) * hd;
-      const float l = row_sum[r];
+      // O *= head_mask[h] / l; rows past a query length and dead rows: 0.
       const float weight = call.head_mask.empty() ? 1.0f : call.head_mask[h];
-      if (i >= call.q_lengths[first + c] || !(l > 0.0f) || !std::isfinite(l)) {
-        std::fill(o, o + hd, 0.0f);
-      } else {
-        ScaleRow(o, hd, weight / l);
+      for (int64_t r = 0; r < mq; ++r) {
+        float* const row = o + r * hd;
+        const float l = row_sum[r];
+        if (i0 + r >= call.q_lengths[b] || !(l > 0.0f) || !std::isfinite(l)) {
+          std::fill(row, row + hd, 0.0f);
+        } else {
+          ScaleRow(row, hd, weight / l);
+        }
       }
     }
   }
+  if (failed) return absl::InternalError(failure);
   return absl::OkStatus();
 }
 

@@ -175,11 +175,11 @@ class AttentionKernels {
   ScratchBuffer mask_;              // [chunk, G * S, T]
   std::vector<uint8_t> dead_rows_;  // [chunk, S]: every key of the row is masked
   ScratchBuffer scratchpad_;        // oneDNN's
-  // Blocked path, per query block of the chunk (bq, bk: block sizes):
-  ScratchBuffer block_scores_;  // [chunk, Hq, bq, bk] FP32 (the FP32 P in place)
-  ScratchBuffer block_probs_;   // [chunk, Hq, bq, bk] BF16 P (BF16 only)
-  ScratchBuffer block_values_;  // [chunk, Hq, bq, hd] FP32: P V of one key block
-  ScratchBuffer row_state_;     // [3, chunk, Hq, bq] FP32: running max, sum, rescale
+  // Blocked path, per OpenMP thread: its workspace (scores, P, P V and row
+  // state of one block), its oneDNN scratchpad and its stream.
+  ScratchBuffer block_workspace_;
+  ScratchBuffer block_scratchpads_;
+  std::vector<dnnl::stream> block_streams_;
 };
 
 }  // namespace attnserve::core::internal
