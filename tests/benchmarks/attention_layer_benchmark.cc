@@ -133,7 +133,6 @@ void BM_AttentionLayer(benchmark::State& state) {
   state.SetLabel(info->kernel_path);
 }
 
-constexpr int64_t kMha = 0;  // kv_heads = heads
 void Shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"B", "S", "D", "H", "Hkv", "flags"});
   // FP32 without maps.
@@ -158,7 +157,8 @@ void Shapes(benchmark::internal::Benchmark* b) {
   b->Args({1, 2048, 1024, 16, 16, 0});
   // The materialized path without maps, for comparison.
   b->Args({1, 2048, 768, 12, 12, kMaterialized});
-  (void)kMha;
+  // A tiny shape for compare_with_pytorch.py --quick.
+  b->Args({2, 16, 64, 4, 4, 0});
 }
 BENCHMARK(BM_AttentionLayer)->Apply(Shapes)->Unit(benchmark::kMillisecond)->UseRealTime();
 
