@@ -571,6 +571,49 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
     float* const row_alpha = row_sum + bq;
     dnnl::stream& stream = block_streams_[thread];
     void* const pad = static_cast<char*>(block_scratchpads_.data()) + thread * pad_stride;
+    // This thread's memory objects and argument arrays per block shape, made
+    // on first use; later blocks only move their data handles (oneDNN's
+    // execute then allocates only its own execution context).
+    struct BlockArgs {
+      bool made = false;
+      memory q, k_t, s, p, v, pv, scores_pad, values_pad;
+      dnnl_exec_arg_t scores_args[4];
+      dnnl_exec_arg_t values_args[4];
+      int scores_count = 3, values_count = 3;
+    };
+    BlockArgs block_args[2][2];
+    auto args_for = [&](int last_q, int last_k) -> BlockArgs& {
+      BlockArgs& a = block_args[last_q][last_k];
+      if (a.made) return a;
+      const BlockSteps& step = steps[last_q][last_k];
+      a.q = memory(step.q_desc, engine_, nullptr);
+      a.k_t = memory(step.k_t_desc, engine_, nullptr);
+      a.s = memory(step.s_desc, engine_, scores);
+      a.p = memory(step.p_desc, engine_, probs != nullptr ? static_cast<void*>(probs) : scores);
+      a.v = memory(step.v_desc, engine_, nullptr);
+      a.pv = memory(step.pv_desc, engine_, values);
+      a.scores_args[0] = {DNNL_ARG_SRC, a.q.get()};
+      a.scores_args[1] = {DNNL_ARG_WEIGHTS, a.k_t.get()};
+      a.scores_args[2] = {DNNL_ARG_DST, a.s.get()};
+      a.values_args[0] = {DNNL_ARG_SRC, a.p.get()};
+      a.values_args[1] = {DNNL_ARG_WEIGHTS, a.v.get()};
+      a.values_args[2] = {DNNL_ARG_DST, a.pv.get()};
+      if (!step.scores.scratchpad.is_zero()) {
+        a.scores_pad = memory(step.scores.scratchpad, engine_, pad);
+        a.scores_args[a.scores_count++] = {DNNL_ARG_SCRATCHPAD, a.scores_pad.get()};
+      }
+      if (!step.values.scratchpad.is_zero()) {
+        a.values_pad = memory(step.values.scratchpad, engine_, pad);
+        a.values_args[a.values_count++] = {DNNL_ARG_SCRATCHPAD, a.values_pad.get()};
+      }
+      a.made = true;
+      return a;
+    };
+    auto execute = [&stream](const Step& step, const dnnl_exec_arg_t* args, int count) {
+      dnnl::error::wrap_c_api(
+          dnnl_primitive_execute(step.primitive.get(), stream.get(), count, args),
+          "could not execute a primitive");
+    };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t c = item / (heads * q_blocks);
@@ -591,17 +634,16 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
         for (int64_t j0 = 0; j0 < key_end; j0 += bk) {
           const int64_t mk = std::min(bk, t - j0);
           const BlockSteps& step = steps[mq != bq][mk != bk];
+          BlockArgs& a = args_for(mq != bq, mk != bk);
           const char* const k_rows =
               static_cast<const char*>(k) + (kv_offset + j0 * hd) * operand_bytes;
           const char* const v_rows =
               static_cast<const char*>(v) + (kv_offset + j0 * hd) * operand_bytes;
-          Args args = {{DNNL_ARG_SRC, Memory(step.q_desc, q_rows)},
-                       {DNNL_ARG_WEIGHTS, Memory(step.k_t_desc, k_rows)},
-                       {DNNL_ARG_DST, Memory(step.s_desc, scores)}};
-          if (!step.scores.scratchpad.is_zero()) {
-            args.emplace(DNNL_ARG_SCRATCHPAD, Memory(step.scores.scratchpad, pad));
-          }
-          step.scores.primitive.execute(stream, args);
+          // oneDNN takes non-const handles; the operands are only read.
+          a.q.set_data_handle(const_cast<char*>(q_rows));
+          a.k_t.set_data_handle(const_cast<char*>(k_rows));
+          a.v.set_data_handle(const_cast<char*>(v_rows));
+          execute(step.scores, a.scores_args, a.scores_count);
           for (int64_t r = 0; r < mq; ++r) {
             const int64_t i = i0 + r;
             float* const x = scores + r * mk;
@@ -620,14 +662,7 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
             row_alpha[r] = OnlineSoftmaxRow(x, limit, mk, row_max[r], row_sum[r],
                                             probs != nullptr ? probs + r * mk : nullptr);
           }
-          args = {{DNNL_ARG_SRC,
-                   Memory(step.p_desc, probs != nullptr ? static_cast<void*>(probs) : scores)},
-                  {DNNL_ARG_WEIGHTS, Memory(step.v_desc, v_rows)},
-                  {DNNL_ARG_DST, Memory(step.pv_desc, values)}};
-          if (!step.values.scratchpad.is_zero()) {
-            args.emplace(DNNL_ARG_SCRATCHPAD, Memory(step.values.scratchpad, pad));
-          }
-          step.values.primitive.execute(stream, args);
+          execute(step.values, a.values_args, a.values_count);
           for (int64_t r = 0; r < mq; ++r) {
             ScaleAndAdd(o + r * hd, values + r * hd, hd, row_alpha[r], j0 == 0);
           }

@@ -72,10 +72,11 @@ enum Flags : int64_t {
   kBf16 = 2,
   kPerHeadMaps = 4,
   kMaterialized = 8,  // force the materialized path (no maps)
+  kBlocked = 16,      // force the blocked path
 };
 
-// args: batch, seq, d_model, heads, kv_heads, flags.
-void BM_AttentionLayer(benchmark::State& state) {
+// args: batch, seq, d_model, heads, kv_heads, flags; block sizes 0: the core's.
+void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys) {
   const int64_t batch = state.range(0), seq = state.range(1), d = state.range(2),
                 heads = state.range(3), kv_heads = state.range(4), flags = state.range(5);
   const bool causal = flags & kCausal, bf16 = flags & kBf16;
@@ -96,6 +97,9 @@ void BM_AttentionLayer(benchmark::State& state) {
   ForwardOptions options;
   options.precision = bf16 ? Precision::kBf16 : Precision::kFp32;
   if (flags & kMaterialized) options.attention_path = AttentionPath::kMaterialized;
+  if (flags & kBlocked) options.attention_path = AttentionPath::kBlocked;
+  options.block_queries = block_queries;
+  options.block_keys = block_keys;
   ForwardOutputs outputs;
   outputs.output = absl::MakeSpan(output);
   if (flags & kPerHeadMaps) {
@@ -132,6 +136,11 @@ void BM_AttentionLayer(benchmark::State& state) {
   state.counters["peak_rss_mb"] = usage.ru_maxrss / 1024.0;
   state.SetLabel(info->kernel_path);
 }
+
+void BM_AttentionLayer(benchmark::State& state) { RunLayer(state, 0, 0); }
+
+// args: as BM_AttentionLayer, then block_queries, block_keys.
+void BM_BlockSizes(benchmark::State& state) { RunLayer(state, state.range(6), state.range(7)); }
 
 void Shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"B", "S", "D", "H", "Hkv", "flags"});
@@ -170,6 +179,21 @@ BENCHMARK(BM_AttentionLayer)
     ->UseRealTime()
     ->Iterations(1)
     ->Name("BM_AttentionLayerLong");
+
+// Block sizes of the blocked path (how kDefaultBlockQueries/Keys were chosen),
+// beside the materialized path on the same shapes.
+void BlockSizes(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"B", "S", "D", "H", "Hkv", "flags", "bq", "bk"});
+  for (const int64_t seq : {512, 2048}) {
+    b->Args({1, seq, 768, 12, 12, kMaterialized, 0, 0});
+    for (const int64_t bq : {64, 128, 256}) {
+      for (const int64_t bk : {256, 512, 1024, 2048}) {
+        if (bk <= seq) b->Args({1, seq, 768, 12, 12, kBlocked, bq, bk});
+      }
+    }
+  }
+}
+BENCHMARK(BM_BlockSizes)->Apply(BlockSizes)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // The ceilings alone.
 void BM_OneDnnMatmulCeiling(benchmark::State& state) {
