@@ -10,7 +10,8 @@
 //                when causal). For Hkv = Hq this is the 2*B*S*D*3D + 2*B*S*D*D +
 //                4*B*H*S^2*hd of the targets.
 //   of_ceiling   GFLOP / oneDNN's matmul GFLOP/s on 2048^3 in the same precision,
-//                measured in this process (median of 7, re-measured per benchmark)
+//                measured in this process alternately with the forwards (median
+//                of the per-window ratios; see RunLayer)
 //   allocs       operator new calls per forward in the steady state
 //   peak_rss_mb  the process's peak resident set (meaningful when one benchmark
 //                runs per process, as compare_with_pytorch.py does)
@@ -34,37 +35,59 @@
 namespace attnserve::core {
 namespace {
 
-// oneDNN's matmul on 2048^3 in FP32 or BF16 (FP32 output): median GFLOP/s of 7.
-double CeilingGflops(bool bf16) {
-  using dnnl::memory;
-  const int64_t n = 2048;
-  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  dnnl::stream stream(engine);
-  const memory::data_type type = bf16 ? memory::data_type::bf16 : memory::data_type::f32;
-  const memory::desc in_desc({n, n}, type, memory::format_tag::ab);
-  const memory::desc out_desc({n, n}, memory::data_type::f32, memory::format_tag::ab);
-  const dnnl::matmul matmul(
-      dnnl::matmul::primitive_desc(dnnl::matmul::desc(in_desc, in_desc, out_desc), engine));
-  memory a(in_desc, engine), b(in_desc, engine), c(out_desc, engine);
-  for (memory* m : {&a, &b}) {
-    char* p = static_cast<char*>(m->get_data_handle());
-    for (size_t i = 0; i < in_desc.get_size(); ++i) p[i] = static_cast<char>(i % 7 + 60);
+// oneDNN's matmul on 2048^3 in FP32 or BF16 (FP32 output), built once.
+class Ceiling {
+ public:
+  explicit Ceiling(bool bf16)
+      : engine_(dnnl::engine::kind::cpu, 0),
+        stream_(engine_),
+        in_desc_({kN, kN}, bf16 ? memory::data_type::bf16 : memory::data_type::f32,
+                 memory::format_tag::ab),
+        out_desc_({kN, kN}, memory::data_type::f32, memory::format_tag::ab),
+        matmul_(dnnl::matmul::primitive_desc(dnnl::matmul::desc(in_desc_, in_desc_, out_desc_),
+                                             engine_)),
+        a_(in_desc_, engine_),
+        b_(in_desc_, engine_),
+        c_(out_desc_, engine_) {
+    for (memory* m : {&a_, &b_}) {
+      char* p = static_cast<char*>(m->get_data_handle());
+      for (size_t i = 0; i < in_desc_.get_size(); ++i) p[i] = static_cast<char>(i % 7 + 60);
+    }
+    Sample();  // warm-up
   }
-  auto run = [&] {
-    matmul.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
-    stream.wait();
-  };
-  run();
-  std::vector<double> gflops;
-  for (int i = 0; i < 7; ++i) {
+
+  // GFLOP/s of one run.
+  double Sample() {
     const auto start = std::chrono::steady_clock::now();
-    run();
+    matmul_.execute(stream_, {{DNNL_ARG_SRC, a_}, {DNNL_ARG_WEIGHTS, b_}, {DNNL_ARG_DST, c_}});
+    stream_.wait();
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    gflops.push_back(2.0 * n * n * n / seconds * 1e-9);
+    return 2.0 * kN * kN * kN / seconds * 1e-9;
   }
-  std::nth_element(gflops.begin(), gflops.begin() + 3, gflops.end());
-  return gflops[3];
+
+ private:
+  using memory = dnnl::memory;
+  static constexpr int64_t kN = 2048;
+  dnnl::engine engine_;
+  dnnl::stream stream_;
+  memory::desc in_desc_, out_desc_;
+  dnnl::matmul matmul_;
+  memory a_, b_, c_;
+};
+
+double Median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
+
+// Median GFLOP/s of 7 runs.
+double CeilingGflops(bool bf16) {
+  Ceiling ceiling(bf16);
+  std::vector<double> gflops;
+  for (int i = 0; i < 7; ++i) gflops.push_back(ceiling.Sample());
+  return Median(gflops);
 }
 
 enum Flags : int64_t {
@@ -113,23 +136,48 @@ void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys
     return;
   }
   layer->Forward(inputs, options, outputs).IgnoreError();  // warm-up
-  const double ceiling = CeilingGflops(bf16);
-  const int64_t allocations_before = attnserve::testing::AllocationCount();
-  for (auto _ : state) {
-    benchmark::DoNotOptimize(layer->Forward(inputs, options, outputs));
-  }
-  const int64_t allocations = attnserve::testing::AllocationCount() - allocations_before;
   const int64_t hd = config.head_dim;
   const double projections =
       2.0 * batch * seq * d * (heads + 2 * kv_heads) * hd + 2.0 * batch * seq * heads * hd * d;
   const double attention = 4.0 * batch * heads * seq * seq * hd * (causal ? 0.5 : 1.0);
   const double flops = projections + attention;
+  // The ceiling is sampled between windows of >= 50 ms of forwards (outside
+  // the timed region); each window's GFLOP/s is divided by the mean of the
+  // samples on either side, so the ratio sees the machine's load of that
+  // moment. of_ceiling is the median of those ratios.
+  Ceiling ceiling(bf16);
+  std::vector<double> ceilings = {ceiling.Sample()};
+  std::vector<double> ratios;
+  double window_seconds = 0.0;
+  int64_t window_forwards = 0;
+  int64_t allocations = 0;
+  for (auto _ : state) {
+    const int64_t allocations_before = attnserve::testing::AllocationCount();
+    const auto start = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(layer->Forward(inputs, options, outputs));
+    window_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    allocations += attnserve::testing::AllocationCount() - allocations_before;
+    ++window_forwards;
+    if (window_seconds >= 0.05) {
+      state.PauseTiming();
+      ceilings.push_back(ceiling.Sample());
+      const double gflops = flops * window_forwards / window_seconds * 1e-9;
+      ratios.push_back(gflops / (0.5 * (ceilings.back() + ceilings[ceilings.size() - 2])));
+      window_seconds = 0.0;
+      window_forwards = 0;
+      state.ResumeTiming();
+    }
+  }
+  if (ratios.empty() && window_forwards > 0) {
+    ceilings.push_back(ceiling.Sample());
+    ratios.push_back(flops * window_forwards / window_seconds * 1e-9 /
+                     (0.5 * (ceilings.back() + ceilings[ceilings.size() - 2])));
+  }
   state.counters["GFLOP"] =
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  // of_ceiling = GFLOP / ceiling: a rate counter scaled by 1e-9 / ceiling.
-  state.counters["of_ceiling"] =
-      benchmark::Counter(flops * 1e-9 / ceiling, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["ceiling_GFLOP"] = ceiling;
+  state.counters["of_ceiling"] = Median(ratios);
+  state.counters["ceiling_GFLOP"] = Median(ceilings);
   state.counters["allocs"] = static_cast<double>(allocations) / state.iterations();
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
@@ -164,8 +212,12 @@ void Shapes(benchmark::internal::Benchmark* b) {
   // Grouped-query 8:1 beside full multi-head attention (same query heads).
   b->Args({1, 2048, 1024, 16, 2, 0});
   b->Args({1, 2048, 1024, 16, 16, 0});
-  // The materialized path without maps, for comparison.
+  // The materialized path without maps, for comparison (and kAuto's rule).
+  b->Args({8, 128, 768, 12, 12, kMaterialized});
+  b->Args({1, 512, 768, 12, 12, kMaterialized});
   b->Args({1, 2048, 768, 12, 12, kMaterialized});
+  b->Args({8, 128, 768, 12, 12, kBlocked});
+  b->Args({1, 512, 768, 12, 12, kBlocked});
   // A tiny shape for compare_with_pytorch.py --quick.
   b->Args({2, 16, 64, 4, 4, 0});
 }
