@@ -13,6 +13,7 @@
 //                measured in this process alternately with the forwards (median
 //                of the per-window ratios; see RunLayer)
 //   allocs       operator new calls per forward in the steady state
+//   allocs_onednn  of those, the calls from inside oneDNN's library
 //   peak_rss_mb  the process's peak resident set (meaningful when one benchmark
 //                runs per process, as compare_with_pytorch.py does)
 // The label names the kernel path that ran.
@@ -179,6 +180,14 @@ void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys
   state.counters["of_ceiling"] = Median(ratios);
   state.counters["ceiling_GFLOP"] = Median(ceilings);
   state.counters["allocs"] = static_cast<double>(allocations) / state.iterations();
+  // One more forward, untimed, with the allocations attributed: how many of
+  // them oneDNN's library makes (its per-execute bookkeeping).
+  attnserve::testing::SetAllocationAttribution(true);
+  const int64_t onednn_before = attnserve::testing::OneDnnAllocationCount();
+  layer->Forward(inputs, options, outputs).IgnoreError();
+  state.counters["allocs_onednn"] =
+      static_cast<double>(attnserve::testing::OneDnnAllocationCount() - onednn_before);
+  attnserve::testing::SetAllocationAttribution(false);
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   state.counters["peak_rss_mb"] = usage.ru_maxrss / 1024.0;
@@ -218,6 +227,9 @@ void Shapes(benchmark::internal::Benchmark* b) {
   b->Args({1, 2048, 768, 12, 12, kMaterialized});
   b->Args({8, 128, 768, 12, 12, kBlocked});
   b->Args({1, 512, 768, 12, 12, kBlocked});
+  b->Args({8, 128, 768, 12, 12, kBf16 | kMaterialized});
+  b->Args({1, 512, 768, 12, 12, kBf16 | kMaterialized});
+  b->Args({1, 2048, 768, 12, 12, kBf16 | kMaterialized});
   // A tiny shape for compare_with_pytorch.py --quick.
   b->Args({2, 16, 64, 4, 4, 0});
 }

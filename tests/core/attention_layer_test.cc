@@ -1190,6 +1190,37 @@ TEST(AttentionLayer, Bf16AsksRunBf16WhereSupportedAndFp32Elsewhere) {
   }
 }
 
+TEST(AttentionLayer, BlockedPathAskedWithMapsOrStatisticsIsInvalidArgumentNamingAttentionPath) {
+  std::mt19937_64 rng(7);
+  SmallLayer small = MakeSmallLayer(rng);
+  ASSERT_NE(small.layer, nullptr);
+  const SequenceLayout layout = Padded(2, 5);
+  const std::vector<float> hidden = RandomStates(layout, 32, rng);
+  LayerInputs inputs;
+  inputs.hidden_states = hidden;
+  inputs.layout = layout;
+  for (const bool statistics : {false, true}) {
+    SCOPED_TRACE(statistics ? "head statistics" : "per-head maps");
+    ForwardOptions options;
+    options.attention_path = AttentionPath::kBlocked;
+    if (statistics) {
+      options.head_statistics = true;
+    } else {
+      options.maps.mode = AttentionMapMode::kPerHead;
+    }
+    Buffers buffers;
+    EXPECT_THAT(RunLayer(*small.layer, inputs, options, buffers),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         "attention_path: the blocked path returns neither maps nor head "
+                         "statistics"));
+    // The same request on kAuto runs (materialized).
+    options.attention_path = AttentionPath::kAuto;
+    const absl::StatusOr<ForwardInfo> info = RunLayer(*small.layer, inputs, options, buffers);
+    ASSERT_THAT(info, IsOk());
+    EXPECT_EQ(info->kernel_path, "fp32/materialized");
+  }
+}
+
 TEST(AttentionLayer, CachedPrimitivesServeRepeatedAndAlternatingShapes) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(SeedTrace(seed));
