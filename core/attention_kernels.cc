@@ -552,6 +552,57 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
   while (static_cast<int>(block_streams_.size()) < threads) block_streams_.emplace_back(engine_);
   const int64_t workspace_bytes = BlockWorkspaceBytes(call, hd);
 
+  // Each thread's memory objects and argument arrays per block shape, kept
+  // across calls of the same block shapes; the blocks only move their data
+  // handles (oneDNN's execute then allocates only its own execution context).
+  if (static_cast<int>(block_args_.size()) < threads) block_args_.resize(threads);
+  const BlockArgsKey args_key = {bq, bk, (s - 1) % bq + 1, (t - 1) % bk + 1, hd, call.bf16};
+  for (int thread = 0; thread < threads; ++thread) {
+    BlockArgsSet& set = block_args_[thread];
+    char* const workspace = static_cast<char*>(block_workspace_.data()) + thread * workspace_bytes;
+    auto line = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+    void* const scores = workspace;
+    void* const probs = call.bf16 ? workspace + line(bq * bk * 4) : scores;
+    void* const values = workspace + line(bq * bk * 4) + (call.bf16 ? line(bq * bk * 2) : 0);
+    void* const pad = static_cast<char*>(block_scratchpads_.data()) + thread * pad_stride;
+    for (int last_q = 0; last_q < 2; ++last_q) {
+      for (int last_k = 0; last_k < 2; ++last_k) {
+        BlockArgs& a = set.args[last_q][last_k];
+        const BlockSteps& step = steps[last_q][last_k];
+        if (set.key != args_key) {
+          a = BlockArgs();
+          a.q = memory(step.q_desc, engine_, nullptr);
+          a.k_t = memory(step.k_t_desc, engine_, nullptr);
+          a.s = memory(step.s_desc, engine_, nullptr);
+          a.p = memory(step.p_desc, engine_, nullptr);
+          a.v = memory(step.v_desc, engine_, nullptr);
+          a.pv = memory(step.pv_desc, engine_, nullptr);
+          a.scores_args[0] = {DNNL_ARG_SRC, a.q.get()};
+          a.scores_args[1] = {DNNL_ARG_WEIGHTS, a.k_t.get()};
+          a.scores_args[2] = {DNNL_ARG_DST, a.s.get()};
+          a.values_args[0] = {DNNL_ARG_SRC, a.p.get()};
+          a.values_args[1] = {DNNL_ARG_WEIGHTS, a.v.get()};
+          a.values_args[2] = {DNNL_ARG_DST, a.pv.get()};
+          if (!step.scores.scratchpad.is_zero()) {
+            a.scores_pad = memory(step.scores.scratchpad, engine_, nullptr);
+            a.scores_args[a.scores_count++] = {DNNL_ARG_SCRATCHPAD, a.scores_pad.get()};
+          }
+          if (!step.values.scratchpad.is_zero()) {
+            a.values_pad = memory(step.values.scratchpad, engine_, nullptr);
+            a.values_args[a.values_count++] = {DNNL_ARG_SCRATCHPAD, a.values_pad.get()};
+          }
+        }
+        // The buffers may have moved since (Reserve grows them).
+        a.s.set_data_handle(scores);
+        a.p.set_data_handle(probs);
+        a.pv.set_data_handle(values);
+        if (a.scores_pad) a.scores_pad.set_data_handle(pad);
+        if (a.values_pad) a.values_pad.set_data_handle(pad);
+      }
+    }
+    set.key = args_key;
+  }
+
   const int64_t q_blocks = (s + bq - 1) / bq;
   const int64_t items = n * heads * q_blocks;
   bool failed = false;
@@ -570,45 +621,7 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
     float* const row_sum = row_max + bq;
     float* const row_alpha = row_sum + bq;
     dnnl::stream& stream = block_streams_[thread];
-    void* const pad = static_cast<char*>(block_scratchpads_.data()) + thread * pad_stride;
-    // This thread's memory objects and argument arrays per block shape, made
-    // on first use; later blocks only move their data handles (oneDNN's
-    // execute then allocates only its own execution context).
-    struct BlockArgs {
-      bool made = false;
-      memory q, k_t, s, p, v, pv, scores_pad, values_pad;
-      dnnl_exec_arg_t scores_args[4];
-      dnnl_exec_arg_t values_args[4];
-      int scores_count = 3, values_count = 3;
-    };
-    BlockArgs block_args[2][2];
-    auto args_for = [&](int last_q, int last_k) -> BlockArgs& {
-      BlockArgs& a = block_args[last_q][last_k];
-      if (a.made) return a;
-      const BlockSteps& step = steps[last_q][last_k];
-      a.q = memory(step.q_desc, engine_, nullptr);
-      a.k_t = memory(step.k_t_desc, engine_, nullptr);
-      a.s = memory(step.s_desc, engine_, scores);
-      a.p = memory(step.p_desc, engine_, probs != nullptr ? static_cast<void*>(probs) : scores);
-      a.v = memory(step.v_desc, engine_, nullptr);
-      a.pv = memory(step.pv_desc, engine_, values);
-      a.scores_args[0] = {DNNL_ARG_SRC, a.q.get()};
-      a.scores_args[1] = {DNNL_ARG_WEIGHTS, a.k_t.get()};
-      a.scores_args[2] = {DNNL_ARG_DST, a.s.get()};
-      a.values_args[0] = {DNNL_ARG_SRC, a.p.get()};
-      a.values_args[1] = {DNNL_ARG_WEIGHTS, a.v.get()};
-      a.values_args[2] = {DNNL_ARG_DST, a.pv.get()};
-      if (!step.scores.scratchpad.is_zero()) {
-        a.scores_pad = memory(step.scores.scratchpad, engine_, pad);
-        a.scores_args[a.scores_count++] = {DNNL_ARG_SCRATCHPAD, a.scores_pad.get()};
-      }
-      if (!step.values.scratchpad.is_zero()) {
-        a.values_pad = memory(step.values.scratchpad, engine_, pad);
-        a.values_args[a.values_count++] = {DNNL_ARG_SCRATCHPAD, a.values_pad.get()};
-      }
-      a.made = true;
-      return a;
-    };
+    BlockArgs (&block_args)[2][2] = block_args_[thread].args;
     auto execute = [&stream](const Step& step, const dnnl_exec_arg_t* args, int count) {
       dnnl::error::wrap_c_api(
           dnnl_primitive_execute(step.primitive.get(), stream.get(), count, args),
@@ -634,7 +647,7 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
         for (int64_t j0 = 0; j0 < key_end; j0 += bk) {
           const int64_t mk = std::min(bk, t - j0);
           const BlockSteps& step = steps[mq != bq][mk != bk];
-          BlockArgs& a = args_for(mq != bq, mk != bk);
+          BlockArgs& a = block_args[mq != bq][mk != bk];
           const char* const k_rows =
               static_cast<const char*>(k) + (kv_offset + j0 * hd) * operand_bytes;
           const char* const v_rows =

@@ -4,6 +4,7 @@
 // Private to core/: the oneDNN kernels shared by AttentionLayer and
 // AttentionCore. The scaled dot-product attention lives here, once.
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -62,8 +63,10 @@ struct SdpaCall {
   absl::Span<float> head_max_weight;
 };
 
-// The block sizes the blocked path uses when the caller leaves them 0
-// (measured on Zen 4; docs/measurements.md).
+// The block sizes the blocked path uses when the caller leaves them 0:
+// measured on Zen 4 (BM_BlockSizes, docs/measurements.md) at S=2048, where
+// 256 x 256 was among the fastest (the single-thread time is flat from 64 x 256
+// to 256 x 2048) and smaller key blocks waste less on the causal diagonal.
 constexpr int64_t kDefaultBlockQueries = 256;
 constexpr int64_t kDefaultBlockKeys = 256;
 
@@ -176,10 +179,26 @@ class AttentionKernels {
   std::vector<uint8_t> dead_rows_;  // [chunk, S]: every key of the row is masked
   ScratchBuffer scratchpad_;        // oneDNN's
   // Blocked path, per OpenMP thread: its workspace (scores, P, P V and row
-  // state of one block), its oneDNN scratchpad and its stream.
+  // state of one block), its oneDNN scratchpad, its stream and its memory
+  // objects and argument arrays for the block matmuls ([last query block][last
+  // key block]), kept while the block shapes stay the same.
+  struct BlockArgs {
+    dnnl::memory q, k_t, s, p, v, pv, scores_pad, values_pad;
+    dnnl_exec_arg_t scores_args[4] = {};
+    dnnl_exec_arg_t values_args[4] = {};
+    int scores_count = 3;
+    int values_count = 3;
+  };
+  // bq, bk, last mq, last mk, head_dim, bf16.
+  using BlockArgsKey = std::array<int64_t, 6>;
+  struct BlockArgsSet {
+    BlockArgsKey key = {};
+    BlockArgs args[2][2];
+  };
   ScratchBuffer block_workspace_;
   ScratchBuffer block_scratchpads_;
   std::vector<dnnl::stream> block_streams_;
+  std::vector<BlockArgsSet> block_args_;
 };
 
 }  // namespace attnserve::core::internal

@@ -2,9 +2,10 @@
 #define ATTNSERVE_CORE_ONLINE_SOFTMAX_H_
 
 // Private to core/: the row kernels of the blocked (flash-style) attention
-// path. Plain C++ that GCC vectorizes; on x86-64 CPUs with AVX-512 (or AVX2)
-// a clone compiled for them is picked at load time (target_clones), so the
-// baseline build runs on any x86-64.
+// path. OnlineSoftmaxRow has an AVX-512 version (intrinsics, chosen at run
+// time when the CPU has AVX-512 F/BW/DQ/VL) and a portable one; the others
+// are plain C++ that GCC vectorizes, with AVX-512 and AVX2 clones picked at
+// load time (target_clones). The baseline build runs on any x86-64.
 
 #include <cstdint>
 

@@ -14,8 +14,9 @@
 //                of the per-window ratios; see RunLayer)
 //   allocs       operator new calls per forward in the steady state
 //   allocs_onednn  of those, the calls from inside oneDNN's library
-//   peak_rss_mb  the process's peak resident set (meaningful when one benchmark
-//                runs per process, as compare_with_pytorch.py does)
+//   peak_rss_mb  the process's peak resident set after the warm-up forwards,
+//                before the ceiling's matrices exist (meaningful when one
+//                benchmark runs per process, as compare_with_pytorch.py does)
 // The label names the kernel path that ran.
 #include <sys/resource.h>
 
@@ -137,6 +138,11 @@ void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys
     return;
   }
   layer->Forward(inputs, options, outputs).IgnoreError();  // warm-up
+  // Peak RSS of the forwards (inputs, weights, scratch, libraries), taken
+  // before the ceiling's 2048^2 matrices are made.
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const double peak_rss_mb = usage.ru_maxrss / 1024.0;
   const int64_t hd = config.head_dim;
   const double projections =
       2.0 * batch * seq * d * (heads + 2 * kv_heads) * hd + 2.0 * batch * seq * heads * hd * d;
@@ -188,9 +194,7 @@ void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys
   state.counters["allocs_onednn"] =
       static_cast<double>(attnserve::testing::OneDnnAllocationCount() - onednn_before);
   attnserve::testing::SetAllocationAttribution(false);
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  state.counters["peak_rss_mb"] = usage.ru_maxrss / 1024.0;
+  state.counters["peak_rss_mb"] = peak_rss_mb;
   state.SetLabel(info->kernel_path);
 }
 

@@ -91,7 +91,7 @@ TEST(SteadyState, CoreAllocationsPerForwardDoNotGrowWithSequenceLength) {
       const Counts long_run = CountForward(path, 256, causal);
       // The core's own objects: the same count at 8x the length (copies of
       // the lengths, primitive-cache keys, oneDNN's C++ handles and argument
-      // maps per primitive execution of the projections), and few: 79-102 here.
+      // maps per primitive execution of the projections), and few: 79-86 here.
       EXPECT_EQ(short_run.ours(), long_run.ours());
       EXPECT_LE(long_run.ours(), 128);
       std::cout << (path == AttentionPath::kBlocked ? "blocked" : "materialized")
