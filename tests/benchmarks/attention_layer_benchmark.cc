@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "benchmark/benchmark.h"
@@ -259,6 +260,11 @@ void BlockSizes(benchmark::internal::Benchmark* b) {
         if (bk <= seq) b->Args({1, seq, 768, 12, 12, kBlocked, bq, bk});
       }
     }
+  }
+  // Causal: the diagonal blocks are computed whole (half of them masked).
+  for (const auto& [bq, bk] : std::vector<std::pair<int64_t, int64_t>>{
+           {256, 256}, {128, 256}, {128, 128}, {64, 128}, {64, 64}}) {
+    b->Args({1, 2048, 768, 12, 12, kBlocked | kCausal, bq, bk});
   }
 }
 BENCHMARK(BM_BlockSizes)->Apply(BlockSizes)->Unit(benchmark::kMillisecond)->UseRealTime();
