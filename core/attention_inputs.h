@@ -110,6 +110,20 @@ std::string PrecisionName(Precision precision);
 // True when this CPU runs oneDNN's BF16 matmul natively (avx512_bf16 / AMX).
 bool Bf16Supported();
 
+// How the attention runs (see README "Attention paths").
+enum class AttentionPath {
+  // Blocked when neither maps nor head statistics are asked for, else
+  // materialized.
+  kAuto,
+  // The scores of a chunk of sequences are materialized ([chunk, heads, S, T]);
+  // needed for maps and statistics.
+  kMaterialized,
+  // Flash-style: key blocks in turn with an online softmax, O(S * block)
+  // memory; causal blocks above the diagonal are skipped. No maps, no
+  // statistics (INVALID_ARGUMENT when they are asked for with it).
+  kBlocked,
+};
+
 struct ForwardOptions {
   MapSelection maps;
   // Fill ForwardOutputs' head statistics.
@@ -119,6 +133,11 @@ struct ForwardOptions {
   // Polled before each stage; when it returns true the call stops with
   // CANCELLED. Empty: never stops early.
   std::function<bool()> should_stop;
+  AttentionPath attention_path = AttentionPath::kAuto;
+  // Query rows and key rows per block of the blocked path; 0: the core's
+  // choice (measured: see docs/measurements.md). Each >= 0.
+  int64_t block_queries = 0;
+  int64_t block_keys = 0;
 };
 
 // Buffers the caller owns and the layer fills. Spans not asked for must be
@@ -145,9 +164,9 @@ struct ForwardOutputs {
 struct ForwardInfo {
   // The precision it ran in (kFp32 when kBf16 was asked on a CPU without BF16).
   Precision precision = Precision::kFp32;
-  // How it ran, "<precision>/<attention path>": "fp32/materialized" or
+  // How it ran, "<precision>/<attention path>": "fp32/materialized",
   // "bf16/materialized" (the scores are materialized, a chunk of sequences at
-  // a time).
+  // a time), "fp32/blocked" or "bf16/blocked" (see AttentionPath).
   std::string kernel_path;
 };
 

@@ -14,8 +14,10 @@
 #include "absl/strings/str_cat.h"
 #include "core/checked_math.h"
 #include "core/onednn_util.h"
+#include "core/online_softmax.h"
 #include "core/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
+#include "omp.h"
 
 // The attention of a chunk of n sequences, S queries and T keys each, with
 // G = Hq / Hkv query heads per key/value head, viewed GQA-style so that one
@@ -58,7 +60,26 @@ constexpr int64_t kParallelGrain = int64_t{1} << 14;
 constexpr float kMasked = -std::numeric_limits<float>::infinity();
 
 // Cache key kinds.
-enum StepKind : int64_t { kLinear, kScores, kSoftmax, kToBf16, kContext };
+enum StepKind : int64_t {
+  kLinear,
+  kScores,
+  kSoftmax,
+  kToBf16,
+  kContext,
+  kBlockScores,
+  kBlockValues
+};
+
+// Bytes of one thread's workspace on the blocked path: scores [bq, bk] FP32,
+// P [bq, bk] BF16 (BF16 only), P V [bq, hd] FP32, row state [3, bq] FP32,
+// each rounded up to a cache line.
+int64_t BlockWorkspaceBytes(const SdpaCall& call, int64_t head_dim) {
+  auto line = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+  const int64_t bq = call.block_queries;
+  const int64_t bk = call.block_keys;
+  return line(bq * bk * 4) + (call.bf16 ? line(bq * bk * 2) : 0) + line(bq * head_dim * 4) +
+         line(3 * bq * 4);
+}
 
 dnnl::primitive_attr UserScratchpad() {
   dnnl::primitive_attr attr;
@@ -164,9 +185,47 @@ absl::Status AttentionKernels::Linear(int64_t rows, int64_t in, int64_t out, int
                     {DNNL_ARG_DST, Memory(y_desc, y)}});
 }
 
-int64_t AttentionKernels::ChunkSequences(const SdpaCall& call) const {
-  const int64_t per_sequence = config_.num_heads * call.q_len * call.kv_len;  // validated
+void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call) {
+  call.blocked = true;
+  call.block_queries =
+      std::clamp<int64_t>(block_queries > 0 ? block_queries : kDefaultBlockQueries, 1, call.q_len);
+  call.block_keys =
+      std::clamp<int64_t>(block_keys > 0 ? block_keys : kDefaultBlockKeys, 1, call.kv_len);
+}
+
+int64_t ChunkFor(const HeadConfig& config, const SdpaCall& call) {
+  // Sizes validated: these products fit.
+  // The blocked path's scratch is per thread, not per sequence.
+  if (call.blocked) return call.batch;
+  const int64_t per_sequence = config.num_heads * call.q_len * call.kv_len;
   return std::clamp<int64_t>(kScoresBudget / per_sequence, 1, call.batch);
+}
+
+std::optional<int64_t> KernelScratchBytes(const HeadConfig& config, const SdpaCall& call,
+                                          int64_t chunk) {
+  const int64_t operand_bytes = call.bf16 ? 2 : 4;
+  const int64_t hd = config.head_dim;
+  const int64_t heads = config.num_heads;
+  std::optional<int64_t> total = 0;
+  auto add = [&total](std::initializer_list<int64_t> dims, int64_t element_bytes) {
+    const std::optional<int64_t> elements = CheckedProduct(dims);
+    const std::optional<int64_t> bytes =
+        elements ? CheckedMul(*elements, element_bytes) : std::nullopt;
+    total = total && bytes ? CheckedAdd(*total, *bytes) : std::nullopt;
+  };
+  add({chunk, heads, call.q_len, hd}, operand_bytes);
+  add({2, chunk, config.num_kv_heads, call.kv_len, hd}, operand_bytes);
+  if (call.blocked) {
+    add({omp_get_max_threads(), BlockWorkspaceBytes(call, hd)}, 1);
+  } else {
+    add({chunk, heads, call.q_len, call.kv_len}, call.bf16 ? 6 : 4);
+    add({chunk, config.group_size(), call.q_len, call.kv_len}, 4);
+  }
+  return total;
+}
+
+int64_t AttentionKernels::ChunkSequences(const SdpaCall& call) const {
+  return ChunkFor(config_, call);
 }
 
 absl::Status AttentionKernels::ReserveChunk(const SdpaCall& call, int64_t chunk) {
@@ -177,6 +236,9 @@ absl::Status AttentionKernels::ReserveChunk(const SdpaCall& call, int64_t chunk)
   ATTNSERVE_RETURN_IF_ERROR(Reserve(q_stage_, {chunk, config_.num_heads, s, hd}, operand_bytes));
   ATTNSERVE_RETURN_IF_ERROR(Reserve(k_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
   ATTNSERVE_RETURN_IF_ERROR(Reserve(v_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
+  if (call.blocked) {
+    return Reserve(block_workspace_, {omp_get_max_threads(), BlockWorkspaceBytes(call, hd)}, 1);
+  }
   ATTNSERVE_RETURN_IF_ERROR(Reserve(scores_, {chunk, config_.num_heads, s, t}, 4));
   if (call.bf16) {
     ATTNSERVE_RETURN_IF_ERROR(Reserve(probs_bf16_, {chunk, config_.num_heads, s, t}, 2));
@@ -323,6 +385,7 @@ absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t
   const int64_t t = call.kv_len;
   const int64_t hd = config_.head_dim;
   const memory::data_type operand = OperandType(call.bf16);
+  if (call.blocked) return SdpaBlocked(call, first, n, q, k, v, context);
 
   const bool masked = call.causal || call.mask.kind != ExplicitMask::Kind::kNone ||
                       AnyShorter(call.kv_lengths, first, n, t);
@@ -410,6 +473,235 @@ absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t
   return Run(context_mm, {{DNNL_ARG_SRC, Memory(p_desc, p)},
                           {DNNL_ARG_WEIGHTS, Memory(v_desc, v)},
                           {DNNL_ARG_DST, Memory(context_desc, context)}});
+}
+
+// The blocked path. Work items are (sequence c, query head h, query block
+// [i0, i0 + mq)), spread over the OpenMP threads; each runs its key blocks
+// [j0, j0 + mk) in turn (bq, bk: the block sizes; the last blocks may be
+// shorter) with oneDNN matmuls that run single-threaded inside the parallel
+// region (oneDNN's OpenMP runtime does not nest), on 2-D views of the staged
+// operands (no copies; K/V of head g = h / G are read by each of its G query
+// heads, from cache when the items of a group run in turn):
+//
+//   S  [mq, mk] = Q_h [mq, hd] x K_g^T [hd, mk] * scale     (brg, K^T by strides)
+//   per row: mask (padding keys, causal, explicit), online softmax
+//        (running max m, sum l; alpha = exp(m_old - m_new)), P in place (FP32)
+//        or as BF16 beside it
+//   PV [mq, hd] = P x V_g [mk, hd]
+//   O  = alpha * O + PV, O the item's rows of `context`
+//   after the last key block: O *= head_mask[h] / l (rows with l = 0, NaN or
+//        inf -- every key masked, or overflowing scores -- get 0; rows past a
+//        query length get 0)
+//
+// Causal: key blocks entirely after the item's last query row are never
+// computed. The primitives (at most four shapes per matmul: full and last
+// blocks) are made before the parallel region; each thread has its own
+// stream, workspace and oneDNN scratchpad.
+absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, int64_t n,
+                                           const void* q, const void* k, const void* v,
+                                           float* context) {
+  const int64_t heads = config_.num_heads;
+  const int64_t kv_heads = config_.num_kv_heads;
+  const int64_t g = config_.group_size();
+  const int64_t s = call.q_len;
+  const int64_t t = call.kv_len;
+  const int64_t hd = config_.head_dim;
+  const int64_t bq = call.block_queries;
+  const int64_t bk = call.block_keys;
+  const memory::data_type operand = OperandType(call.bf16);
+  const int64_t operand_bytes = call.bf16 ? 2 : 4;
+  const ExplicitMask& explicit_mask = call.mask;
+  const bool has_mask = explicit_mask.kind != ExplicitMask::Kind::kNone;
+
+  // The primitives, [last query block][last key block].
+  struct BlockSteps {
+    Step scores, values;
+    memory::desc q_desc, k_t_desc, s_desc, p_desc, v_desc, pv_desc;
+  };
+  BlockSteps steps[2][2];
+  size_t scratchpad_bytes = 0;
+  for (int last_q = 0; last_q < 2; ++last_q) {
+    for (int last_k = 0; last_k < 2; ++last_k) {
+      const int64_t mq = last_q ? (s - 1) % bq + 1 : bq;
+      const int64_t mk = last_k ? (t - 1) % bk + 1 : bk;
+      BlockSteps& step = steps[last_q][last_k];
+      step.q_desc = memory::desc({mq, hd}, operand, memory::dims{hd, 1});
+      step.k_t_desc = memory::desc({hd, mk}, operand, memory::dims{1, hd});
+      step.s_desc = memory::desc({mq, mk}, kF32, Tag::ab);
+      step.p_desc = memory::desc({mq, mk}, operand, Tag::ab);
+      step.v_desc = memory::desc({mk, hd}, operand, memory::dims{hd, 1});
+      step.pv_desc = memory::desc({mq, hd}, kF32, Tag::ab);
+      step.scores = GetStep<dnnl::matmul>({kBlockScores, mq, mk, hd, call.bf16}, [&] {
+        dnnl::primitive_attr attr = UserScratchpad();
+        attr.set_output_scales(0, {config_.scale});
+        return dnnl::matmul::primitive_desc(
+            dnnl::matmul::desc(step.q_desc, step.k_t_desc, step.s_desc), attr, engine_);
+      });
+      step.values = GetStep<dnnl::matmul>({kBlockValues, mq, mk, hd, call.bf16}, [&] {
+        return dnnl::matmul::primitive_desc(
+            dnnl::matmul::desc(step.p_desc, step.v_desc, step.pv_desc), UserScratchpad(),
+            engine_);
+      });
+      scratchpad_bytes = std::max({scratchpad_bytes, step.scores.scratchpad.get_size(),
+                                   step.values.scratchpad.get_size()});
+    }
+  }
+  const int threads = omp_get_max_threads();
+  const int64_t pad_stride = (static_cast<int64_t>(scratchpad_bytes) + 63) / 64 * 64;
+  ATTNSERVE_RETURN_IF_ERROR(Reserve(block_scratchpads_, {threads, pad_stride}, 1));
+  while (static_cast<int>(block_streams_.size()) < threads) block_streams_.emplace_back(engine_);
+  const int64_t workspace_bytes = BlockWorkspaceBytes(call, hd);
+
+  // Each thread's memory objects and argument arrays per block shape, kept
+  // across calls of the same block shapes; the blocks only move their data
+  // handles (oneDNN's execute then allocates only its own execution context).
+  if (static_cast<int>(block_args_.size()) < threads) block_args_.resize(threads);
+  const BlockArgsKey args_key = {bq, bk, (s - 1) % bq + 1, (t - 1) % bk + 1, hd, call.bf16};
+  for (int thread = 0; thread < threads; ++thread) {
+    BlockArgsSet& set = block_args_[thread];
+    char* const workspace = static_cast<char*>(block_workspace_.data()) + thread * workspace_bytes;
+    auto line = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+    void* const scores = workspace;
+    void* const probs = call.bf16 ? workspace + line(bq * bk * 4) : scores;
+    void* const values = workspace + line(bq * bk * 4) + (call.bf16 ? line(bq * bk * 2) : 0);
+    void* const pad = static_cast<char*>(block_scratchpads_.data()) + thread * pad_stride;
+    for (int last_q = 0; last_q < 2; ++last_q) {
+      for (int last_k = 0; last_k < 2; ++last_k) {
+        BlockArgs& a = set.args[last_q][last_k];
+        const BlockSteps& step = steps[last_q][last_k];
+        if (set.key != args_key) {
+          a = BlockArgs();
+          a.q = memory(step.q_desc, engine_, nullptr);
+          a.k_t = memory(step.k_t_desc, engine_, nullptr);
+          a.s = memory(step.s_desc, engine_, nullptr);
+          a.p = memory(step.p_desc, engine_, nullptr);
+          a.v = memory(step.v_desc, engine_, nullptr);
+          a.pv = memory(step.pv_desc, engine_, nullptr);
+          a.scores_args[0] = {DNNL_ARG_SRC, a.q.get()};
+          a.scores_args[1] = {DNNL_ARG_WEIGHTS, a.k_t.get()};
+          a.scores_args[2] = {DNNL_ARG_DST, a.s.get()};
+          a.values_args[0] = {DNNL_ARG_SRC, a.p.get()};
+          a.values_args[1] = {DNNL_ARG_WEIGHTS, a.v.get()};
+          a.values_args[2] = {DNNL_ARG_DST, a.pv.get()};
+          if (!step.scores.scratchpad.is_zero()) {
+            a.scores_pad = memory(step.scores.scratchpad, engine_, nullptr);
+            a.scores_args[a.scores_count++] = {DNNL_ARG_SCRATCHPAD, a.scores_pad.get()};
+          }
+          if (!step.values.scratchpad.is_zero()) {
+            a.values_pad = memory(step.values.scratchpad, engine_, nullptr);
+            a.values_args[a.values_count++] = {DNNL_ARG_SCRATCHPAD, a.values_pad.get()};
+          }
+        }
+        // The buffers may have moved since (Reserve grows them).
+        a.s.set_data_handle(scores);
+        a.p.set_data_handle(probs);
+        a.pv.set_data_handle(values);
+        if (a.scores_pad) a.scores_pad.set_data_handle(pad);
+        if (a.values_pad) a.values_pad.set_data_handle(pad);
+      }
+    }
+    set.key = args_key;
+  }
+
+  const int64_t q_blocks = (s + bq - 1) / bq;
+  const int64_t items = n * heads * q_blocks;
+  bool failed = false;
+  std::string failure;
+#pragma omp parallel num_threads(threads)
+  {
+    const int thread = omp_get_thread_num();
+    char* const workspace = static_cast<char*>(block_workspace_.data()) + thread * workspace_bytes;
+    auto line = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
+    float* const scores = reinterpret_cast<float*>(workspace);
+    Bf16* const probs =
+        call.bf16 ? reinterpret_cast<Bf16*>(workspace + line(bq * bk * 4)) : nullptr;
+    float* const values = reinterpret_cast<float*>(workspace + line(bq * bk * 4) +
+                                                   (call.bf16 ? line(bq * bk * 2) : 0));
+    float* const row_max = values + line(bq * hd * 4) / 4;
+    float* const row_sum = row_max + bq;
+    float* const row_alpha = row_sum + bq;
+    dnnl::stream& stream = block_streams_[thread];
+    BlockArgs (&block_args)[2][2] = block_args_[thread].args;
+    auto execute = [&stream](const Step& step, const dnnl_exec_arg_t* args, int count) {
+      dnnl::error::wrap_c_api(
+          dnnl_primitive_execute(step.primitive.get(), stream.get(), count, args),
+          "could not execute a primitive");
+    };
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t c = item / (heads * q_blocks);
+      const int64_t h = item / q_blocks % heads;
+      const int64_t i0 = item % q_blocks * bq;
+      const int64_t mq = std::min(bq, s - i0);
+      const int64_t b = first + c;
+      const int64_t kv_group = h / g;
+      const char* const q_rows =
+          static_cast<const char*>(q) + ((c * heads + h) * s + i0) * hd * operand_bytes;
+      const int64_t kv_offset = (c * kv_heads + kv_group) * t * hd;
+      float* const o = context + ((c * heads + h) * s + i0) * hd;
+      std::fill(row_max, row_max + mq, kMasked);
+      std::fill(row_sum, row_sum + mq, 0.0f);
+      const int64_t key_end =
+          std::min(call.kv_lengths[b], call.causal ? std::min(t, i0 + mq) : t);
+      try {
+        for (int64_t j0 = 0; j0 < key_end; j0 += bk) {
+          const int64_t mk = std::min(bk, t - j0);
+          const BlockSteps& step = steps[mq != bq][mk != bk];
+          BlockArgs& a = block_args[mq != bq][mk != bk];
+          const char* const k_rows =
+              static_cast<const char*>(k) + (kv_offset + j0 * hd) * operand_bytes;
+          const char* const v_rows =
+              static_cast<const char*>(v) + (kv_offset + j0 * hd) * operand_bytes;
+          // oneDNN takes non-const handles; the operands are only read.
+          a.q.set_data_handle(const_cast<char*>(q_rows));
+          a.k_t.set_data_handle(const_cast<char*>(k_rows));
+          a.v.set_data_handle(const_cast<char*>(v_rows));
+          execute(step.scores, a.scores_args, a.scores_count);
+          for (int64_t r = 0; r < mq; ++r) {
+            const int64_t i = i0 + r;
+            float* const x = scores + r * mk;
+            int64_t limit = std::clamp<int64_t>(call.kv_lengths[b] - j0, 0, mk);
+            if (call.causal) limit = std::clamp<int64_t>(i + 1 - j0, 0, limit);
+            if (has_mask) {
+              for (int64_t j = 0; j < limit; ++j) {
+                const float value = ExplicitValue(explicit_mask, b, i, j0 + j);
+                if (explicit_mask.kind == ExplicitMask::Kind::kAllowed) {
+                  if (value == 0.0f) x[j] = kMasked;
+                } else {
+                  x[j] += value;
+                }
+              }
+            }
+            row_alpha[r] = OnlineSoftmaxRow(x, limit, mk, row_max[r], row_sum[r],
+                                            probs != nullptr ? probs + r * mk : nullptr);
+          }
+          execute(step.values, a.values_args, a.values_count);
+          for (int64_t r = 0; r < mq; ++r) {
+            ScaleAndAdd(o + r * hd, values + r * hd, hd, row_alpha[r], j0 == 0);
+          }
+        }
+      } catch (const dnnl::error& e) {
+#pragma omp critical(attnserve_blocked_failure)
+        {
+          failed = true;
+          failure = StatusFromDnnlError(e, "running a blocked attention matmul").ToString();
+        }
+      }
+      // O *= head_mask[h] / l; rows past a query length and dead rows: 0.
+      const float weight = call.head_mask.empty() ? 1.0f : call.head_mask[h];
+      for (int64_t r = 0; r < mq; ++r) {
+        float* const row = o + r * hd;
+        const float l = row_sum[r];
+        if (i0 + r >= call.q_lengths[b] || !(l > 0.0f) || !std::isfinite(l)) {
+          std::fill(row, row + hd, 0.0f);
+        } else {
+          ScaleRow(row, hd, weight / l);
+        }
+      }
+    }
+  }
+  if (failed) return absl::InternalError(failure);
+  return absl::OkStatus();
 }
 
 }  // namespace attnserve::core::internal

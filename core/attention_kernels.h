@@ -4,9 +4,11 @@
 // Private to core/: the oneDNN kernels shared by AttentionLayer and
 // AttentionCore. The scaled dot-product attention lives here, once.
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -49,12 +51,36 @@ struct SdpaCall {
   const MapSelection* maps = nullptr;
   bool statistics = false;
   bool bf16 = false;  // operands of the matmuls in BF16 (softmax stays FP32)
+  // The blocked (flash-style) path: no maps, no statistics. Block sizes are
+  // resolved (>= 1; at most q_len / kv_len) by MakeBlocked.
+  bool blocked = false;
+  int64_t block_queries = 0;
+  int64_t block_keys = 0;
   // The caller's buffers (sizes validated): maps as MapSelection says,
   // statistics [batch, num_heads].
   absl::Span<float> attention_maps;
   absl::Span<float> head_entropy;
   absl::Span<float> head_max_weight;
 };
+
+// The block sizes the blocked path uses when the caller leaves them 0:
+// measured on Zen 4 (BM_BlockSizes, docs/measurements.md) at S=2048, where
+// 256 x 256 was among the fastest (the single-thread time is flat from 64 x 256
+// to 256 x 2048) and smaller key blocks waste less on the causal diagonal.
+constexpr int64_t kDefaultBlockQueries = 256;
+constexpr int64_t kDefaultBlockKeys = 256;
+
+// Sets call.blocked and resolves its block sizes from the requested ones (0:
+// the defaults), clamped to the call's lengths.
+void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call);
+
+// Scratch bytes AttentionKernels needs for `call` in chunks of `chunk`
+// sequences (staging, scores or blocks, masks), or nullopt on overflow.
+std::optional<int64_t> KernelScratchBytes(const HeadConfig& config, const SdpaCall& call,
+                                          int64_t chunk);
+
+// Sequences per chunk for `call` (see AttentionKernels::ChunkSequences).
+int64_t ChunkFor(const HeadConfig& config, const SdpaCall& call);
 
 // The oneDNN primitives of one layer (or core), cached by shape, with the
 // stream and the scratch memory they run in. Not thread-safe: the owner
@@ -76,7 +102,8 @@ class AttentionKernels {
                       const void* x, const void* w, const float* b, float* y);
 
   // How many sequences one SDPA chunk takes: as many as keep the
-  // materialized scores within a budget, at least one.
+  // materialized scores (or, blocked, one block's scores) within a budget, at
+  // least one.
   int64_t ChunkSequences(const SdpaCall& call) const;
 
   // Makes the scratch memory ready for chunks of up to `chunk` sequences:
@@ -100,6 +127,8 @@ class AttentionKernels {
   // dense, FP32 or BF16 as call.bf16, padding positions finite (zero).
   // context: [n, num_heads, S, head_dim] FP32; rows past a query length are 0.
   // Fills the chunk's part of call's maps and statistics.
+  // Runs the blocked path when call.blocked (same contract, no maps or
+  // statistics).
   absl::Status Sdpa(const SdpaCall& call, int64_t first, int64_t n, const void* q, const void* k,
                     const void* v, float* context);
 
@@ -132,6 +161,9 @@ class AttentionKernels {
                            float* probs);
   // Copies the selected maps of the chunk out of probs.
   void GatherMaps(const SdpaCall& call, int64_t first, int64_t n, const float* probs);
+  // The blocked path of Sdpa.
+  absl::Status SdpaBlocked(const SdpaCall& call, int64_t first, int64_t n, const void* q,
+                           const void* k, const void* v, float* context);
 
   // Constant after construction.
   const HeadConfig config_;
@@ -146,6 +178,27 @@ class AttentionKernels {
   ScratchBuffer mask_;              // [chunk, G * S, T]
   std::vector<uint8_t> dead_rows_;  // [chunk, S]: every key of the row is masked
   ScratchBuffer scratchpad_;        // oneDNN's
+  // Blocked path, per OpenMP thread: its workspace (scores, P, P V and row
+  // state of one block), its oneDNN scratchpad, its stream and its memory
+  // objects and argument arrays for the block matmuls ([last query block][last
+  // key block]), kept while the block shapes stay the same.
+  struct BlockArgs {
+    dnnl::memory q, k_t, s, p, v, pv, scores_pad, values_pad;
+    dnnl_exec_arg_t scores_args[4] = {};
+    dnnl_exec_arg_t values_args[4] = {};
+    int scores_count = 3;
+    int values_count = 3;
+  };
+  // bq, bk, last mq, last mk, head_dim, bf16.
+  using BlockArgsKey = std::array<int64_t, 6>;
+  struct BlockArgsSet {
+    BlockArgsKey key = {};
+    BlockArgs args[2][2];
+  };
+  ScratchBuffer block_workspace_;
+  ScratchBuffer block_scratchpads_;
+  std::vector<dnnl::stream> block_streams_;
+  std::vector<BlockArgsSet> block_args_;
 };
 
 }  // namespace attnserve::core::internal

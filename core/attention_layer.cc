@@ -64,7 +64,6 @@ using internal::AttentionKernels;
 using internal::Bf16;
 using internal::SdpaCall;
 
-constexpr char kPath[] = "materialized";
 
 // RoPE positions are bounded so that position * frequency stays exact enough
 // in double precision.
@@ -179,6 +178,25 @@ absl::Status ValidateAttention(const HeadConfig& config, const SequenceLayout& q
     return Invalid("precision",
                    absl::StrCat("unknown value ", static_cast<int>(options.precision)));
   }
+  switch (options.attention_path) {
+    case AttentionPath::kAuto:
+    case AttentionPath::kMaterialized:
+      break;
+    case AttentionPath::kBlocked:
+      if (options.maps.mode != AttentionMapMode::kNone || options.head_statistics) {
+        return Invalid("attention_path",
+                       "the blocked path returns neither maps nor head statistics (ask for "
+                       "kMaterialized or kAuto)");
+      }
+      break;
+    default:
+      return Invalid("attention_path",
+                     absl::StrCat("unknown value ", static_cast<int>(options.attention_path)));
+  }
+  if (options.block_queries < 0 || options.block_keys < 0) {
+    return Invalid(options.block_queries < 0 ? "block_queries" : "block_keys",
+                   "must be >= 0 (0: the core's choice)");
+  }
   ATTNSERVE_RETURN_IF_ERROR(ValidateMask(mask, batch, s, t));
   ATTNSERVE_RETURN_IF_ERROR(ValidateHeadMask(head_mask, config.num_heads));
 
@@ -252,6 +270,19 @@ std::vector<int64_t> Lengths(const SequenceLayout& layout) {
   return lengths;
 }
 
+// The path `options` choose (validated): see AttentionPath.
+bool UsesBlocked(const ForwardOptions& options) {
+  switch (options.attention_path) {
+    case AttentionPath::kBlocked:
+      return true;
+    case AttentionPath::kMaterialized:
+      return false;
+    case AttentionPath::kAuto:
+      break;
+  }
+  return options.maps.mode == AttentionMapMode::kNone && !options.head_statistics;
+}
+
 SdpaCall MakeCall(const SequenceLayout& queries, const SequenceLayout& keys, bool causal,
                   const ExplicitMask& mask, absl::Span<const float> head_mask,
                   const ForwardOptions& options, const ForwardOutputs& outputs, bool bf16) {
@@ -267,16 +298,20 @@ SdpaCall MakeCall(const SequenceLayout& queries, const SequenceLayout& keys, boo
   call.maps = &options.maps;
   call.statistics = options.head_statistics;
   call.bf16 = bf16;
+  if (UsesBlocked(options)) {
+    internal::MakeBlocked(options.block_queries, options.block_keys, call);
+  }
   call.attention_maps = outputs.attention_maps;
   call.head_entropy = outputs.head_entropy;
   call.head_max_weight = outputs.head_max_weight;
   return call;
 }
 
-ForwardInfo MakeInfo(bool bf16) {
+ForwardInfo MakeInfo(const SdpaCall& call) {
   ForwardInfo info;
-  info.precision = bf16 ? Precision::kBf16 : Precision::kFp32;
-  info.kernel_path = absl::StrCat(PrecisionName(info.precision), "/", kPath);
+  info.precision = call.bf16 ? Precision::kBf16 : Precision::kFp32;
+  info.kernel_path = absl::StrCat(PrecisionName(info.precision), "/",
+                                  call.blocked ? "blocked" : "materialized");
   return info;
 }
 
@@ -381,6 +416,49 @@ std::optional<int64_t> AttentionMapElements(const HeadConfig& config, const Sequ
       return CheckedProduct({queries.batch(), rows, keys.max_length()});
   }
   return std::nullopt;
+}
+
+std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const SequenceLayout& queries,
+                                           const SequenceLayout& keys, bool cross_attention,
+                                           bool projected_inputs, const ForwardOptions& options) {
+  if (queries.batch() < 1 || keys.batch() < 1) return 0;
+  const bool bf16 = options.precision == Precision::kBf16 && Bf16Supported();
+  SdpaCall call;
+  call.batch = queries.batch();
+  call.q_len = queries.max_length();
+  call.kv_len = keys.max_length();
+  call.bf16 = bf16;
+  if (UsesBlocked(options)) {
+    internal::MakeBlocked(options.block_queries, options.block_keys, call);
+  }
+  const int64_t chunk = internal::ChunkFor(config, call);
+  std::optional<int64_t> total = internal::KernelScratchBytes(config, call, chunk);
+  auto add = [&total](std::initializer_list<int64_t> dims, int64_t element_bytes) {
+    const std::optional<int64_t> elements = CheckedProduct(dims);
+    const std::optional<int64_t> bytes =
+        elements ? CheckedMul(*elements, element_bytes) : std::nullopt;
+    total = total && bytes ? CheckedAdd(*total, *bytes) : std::nullopt;
+  };
+  if (projected_inputs) return total;
+  const int64_t rows = queries.rows();
+  const int64_t kv_rows = keys.rows();
+  const int64_t q_width = config.q_width();
+  const int64_t kv_width = 2 * config.kv_width();
+  const int64_t element = bf16 ? 2 : 4;
+  if (cross_attention) {
+    add({rows, q_width}, 4);
+    add({kv_rows, kv_width}, 4);
+  } else {
+    add({rows, q_width + kv_width}, 4);
+  }
+  add({rows, q_width}, element);                                       // concatenated heads
+  add({chunk, config.num_heads, call.q_len, config.head_dim}, 4);      // context heads
+  if (bf16) {
+    add({rows, config.d_model}, 2);
+    if (cross_attention) add({kv_rows, config.context_dim}, 2);
+  }
+  if (config.rotary.rotary_dim > 0) add({2, rows + kv_rows, config.rotary.rotary_dim / 2}, 4);
+  return total;
 }
 
 // ---------------------------------------------------------------------------
@@ -711,7 +789,7 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
   for (const auto& [begin, end] : padding) {
     std::fill(outputs.output.begin() + begin * d, outputs.output.begin() + end * d, 0.0f);
   }
-  return MakeInfo(bf16);
+  return MakeInfo(call);
 }
 
 template <typename T>
@@ -1039,7 +1117,7 @@ absl::StatusOr<ForwardInfo> AttentionCore::Impl::RunLocked(const CoreInputs& inp
         kernels_.Sdpa(call, first, n, q, k, v, outputs.output.data() + first * q_block));
   }
   kernels_.Wait();
-  return MakeInfo(bf16);
+  return MakeInfo(call);
 }
 
 template <typename T>

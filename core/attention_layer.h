@@ -47,6 +47,18 @@ struct LayerInputs {
 std::optional<int64_t> AttentionMapElements(const HeadConfig& config, const SequenceLayout& queries,
                                             const SequenceLayout& keys, const MapSelection& maps);
 
+// Bytes of scratch memory a call with these sizes and options allocates
+// beyond the caller's buffers (projections, staged heads, materialized scores
+// or the blocked path's blocks, masks, BF16 copies), or nullopt on int64
+// overflow. `projected_inputs`: AttentionCore::Run (heads given, no
+// projections); otherwise AttentionLayer::Forward, cross-attention when
+// `keys` is the context's layout (`cross_attention`). What a server compares
+// with its memory budget before admitting a request; it follows the path
+// `options` choose (AttentionPath). Thread-safe.
+std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const SequenceLayout& queries,
+                                           const SequenceLayout& keys, bool cross_attention,
+                                           bool projected_inputs, const ForwardOptions& options);
+
 // One multi-head attention layer on oneDNN (the seeds' definition, see
 // HeadConfig): self- or cross-attention, bidirectional or causal, padded or
 // packed ragged batches, explicit masks, head mask, RoPE, GQA/MQA, maps,

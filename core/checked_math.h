@@ -16,6 +16,13 @@ inline std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
   return product;
 }
 
+// a + b, or nullopt when it overflows int64 or an operand is negative.
+inline std::optional<int64_t> CheckedAdd(int64_t a, int64_t b) {
+  int64_t sum = 0;
+  if (a < 0 || b < 0 || __builtin_add_overflow(a, b, &sum)) return std::nullopt;
+  return sum;
+}
+
 // The product of `dims`, or nullopt when one is negative or it overflows int64.
 // The product of no dims is 1.
 inline std::optional<int64_t> CheckedProduct(absl::Span<const int64_t> dims) {

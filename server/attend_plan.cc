@@ -506,24 +506,19 @@ absl::Status PlanMaps(const v1::AttendRequest& request, const RequestLimits& lim
   return absl::OkStatus();
 }
 
-// A generous estimate of the compute scratch, in bytes: the projections and
-// their head-major copies, the context, and one chunk of scores and masks (the
-// core chunks attention to about 16 MiB of scores, never less than one
-// sequence). In double: the inputs are bounded, their products need not be.
+// The compute scratch, in bytes (core::ForwardScratchBytes); infinity when it
+// overflows int64.
 double EstimateScratchBytes(const AttendPlan& plan) {
-  const core::HeadConfig& c = plan.config;
-  const double q_rows = plan.queries.rows(), kv_rows = plan.keys.rows();
-  const double q_width = c.q_width(), kv_width = c.kv_width();
-  const double projections =
-      3.0 * (q_rows * (q_width + 2.0 * kv_width) + kv_rows * 2.0 * kv_width) + 2.0 * q_rows * q_width;
-  const double per_sequence =
-      double(c.num_heads) * plan.queries.max_length() * plan.keys.max_length();
-  const double chunk_scores =
-      std::max(per_sequence, std::min(per_sequence * plan.queries.batch(), double{4 << 20}));
-  const double masks = chunk_scores / c.num_kv_heads;
-  const double floats = projections + chunk_scores + masks;
-  // BF16 keeps BF16 copies of activations and scores besides.
-  return 4.0 * floats * (plan.precision == core::Precision::kBf16 ? 1.5 : 1.0);
+  // The core's own account of what the call allocates, on the path it will
+  // take (blocked without maps and statistics: O(S * block), not O(S^2)).
+  core::ForwardOptions options;
+  options.maps = plan.maps;
+  options.head_statistics = plan.head_statistics;
+  options.precision = plan.precision;
+  const std::optional<int64_t> bytes =
+      core::ForwardScratchBytes(plan.config, plan.queries, plan.keys, plan.context.has_value(),
+                                plan.projected, options);
+  return bytes ? static_cast<double>(*bytes) : std::numeric_limits<double>::infinity();
 }
 
 }  // namespace

@@ -1,81 +1,287 @@
-// Throughput of the attention layer, beside oneDNN's own FP32 matmul ceiling
-// measured in the same process. A program that prints numbers, not a test:
+// Throughput of the attention layer, beside oneDNN's own matmul ceiling (2048^3,
+// same precision) measured in the same process. A program that prints numbers,
+// not a test:
 //   build/tests/benchmarks/attention_layer_benchmark --benchmark_repetitions=5
+//     --benchmark_report_aggregates_only=true [--benchmark_filter=...]
+//
+// Counters per benchmark:
+//   GFLOP        FLOP/s in units of 1e9: 2*B*S*D*(Hq+2Hkv)hd (Q/K/V projections) +
+//                2*B*S*Hq*hd*D (output) + 4*B*Hq*S^2*hd (scores and values; halved
+//                when causal). For Hkv = Hq this is the 2*B*S*D*3D + 2*B*S*D*D +
+//                4*B*H*S^2*hd of the targets.
+//   of_ceiling   GFLOP / oneDNN's matmul GFLOP/s on 2048^3 in the same precision,
+//                measured in this process alternately with the forwards (median
+//                of the per-window ratios; see RunLayer)
+//   allocs       operator new calls per forward in the steady state
+//   allocs_onednn  of those, the calls from inside oneDNN's library
+//   peak_rss_mb  the process's peak resident set after the warm-up forwards,
+//                before the ceiling's matrices exist (meaningful when one
+//                benchmark runs per process, as compare_with_pytorch.py does)
+// The label names the kernel path that ran.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "benchmark/benchmark.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
 #include "dnnl.hpp"
+#include "tests/benchmarks/allocation_counter.h"
+
 
 namespace attnserve::core {
 namespace {
 
-// args: batch, seq, d_model, heads.
-void BM_AttentionLayerFp32(benchmark::State& state) {
+// oneDNN's matmul on 2048^3 in FP32 or BF16 (FP32 output), built once.
+class Ceiling {
+ public:
+  explicit Ceiling(bool bf16)
+      : engine_(dnnl::engine::kind::cpu, 0),
+        stream_(engine_),
+        in_desc_({kN, kN}, bf16 ? memory::data_type::bf16 : memory::data_type::f32,
+                 memory::format_tag::ab),
+        out_desc_({kN, kN}, memory::data_type::f32, memory::format_tag::ab),
+        matmul_(dnnl::matmul::primitive_desc(dnnl::matmul::desc(in_desc_, in_desc_, out_desc_),
+                                             engine_)),
+        a_(in_desc_, engine_),
+        b_(in_desc_, engine_),
+        c_(out_desc_, engine_) {
+    for (memory* m : {&a_, &b_}) {
+      char* p = static_cast<char*>(m->get_data_handle());
+      for (size_t i = 0; i < in_desc_.get_size(); ++i) p[i] = static_cast<char>(i % 7 + 60);
+    }
+    Sample();  // warm-up
+  }
+
+  // GFLOP/s of one run.
+  double Sample() {
+    const auto start = std::chrono::steady_clock::now();
+    matmul_.execute(stream_, {{DNNL_ARG_SRC, a_}, {DNNL_ARG_WEIGHTS, b_}, {DNNL_ARG_DST, c_}});
+    stream_.wait();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return 2.0 * kN * kN * kN / seconds * 1e-9;
+  }
+
+ private:
+  using memory = dnnl::memory;
+  static constexpr int64_t kN = 2048;
+  dnnl::engine engine_;
+  dnnl::stream stream_;
+  memory::desc in_desc_, out_desc_;
+  dnnl::matmul matmul_;
+  memory a_, b_, c_;
+};
+
+double Median(std::vector<double> values) {
+  if (values.empty()) return 0.0;
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
+
+// Median GFLOP/s of 7 runs.
+double CeilingGflops(bool bf16) {
+  Ceiling ceiling(bf16);
+  std::vector<double> gflops;
+  for (int i = 0; i < 7; ++i) gflops.push_back(ceiling.Sample());
+  return Median(gflops);
+}
+
+enum Flags : int64_t {
+  kCausal = 1,
+  kBf16 = 2,
+  kPerHeadMaps = 4,
+  kMaterialized = 8,  // force the materialized path (no maps)
+  kBlocked = 16,      // force the blocked path
+};
+
+// args: batch, seq, d_model, heads, kv_heads, flags; block sizes 0: the core's.
+void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys) {
   const int64_t batch = state.range(0), seq = state.range(1), d = state.range(2),
-                heads = state.range(3);
+                heads = state.range(3), kv_heads = state.range(4), flags = state.range(5);
+  const bool causal = flags & kCausal, bf16 = flags & kBf16;
   HeadConfig requested;
   requested.d_model = d;
   requested.num_heads = heads;
+  requested.num_kv_heads = kv_heads;
   const HeadConfig config = *ResolveHeadConfig(requested);
   auto layer = *AttentionLayer::Create(config, SeededWeights(config, 1));
   std::mt19937 rng(1);
   std::normal_distribution<float> normal;
-  std::vector<float> input(batch * seq * d), output(input.size());
+  std::vector<float> input(batch * seq * d), output(input.size()), maps;
   for (float& x : input) x = normal(rng);
   LayerInputs inputs;
   inputs.hidden_states = input;
   inputs.layout = *SequenceLayout::Padded(batch, seq);
+  inputs.causal = causal;
+  ForwardOptions options;
+  options.precision = bf16 ? Precision::kBf16 : Precision::kFp32;
+  if (flags & kMaterialized) options.attention_path = AttentionPath::kMaterialized;
+  if (flags & kBlocked) options.attention_path = AttentionPath::kBlocked;
+  options.block_queries = block_queries;
+  options.block_keys = block_keys;
   ForwardOutputs outputs;
   outputs.output = absl::MakeSpan(output);
-  if (!layer->Forward(inputs, {}, outputs).ok()) state.SkipWithError("warm-up failed");
-  for (auto _ : state) {
-    benchmark::DoNotOptimize(layer->Forward(inputs, {}, outputs));
+  if (flags & kPerHeadMaps) {
+    options.maps.mode = AttentionMapMode::kPerHead;
+    maps.resize(batch * heads * seq * seq);
+    outputs.attention_maps = absl::MakeSpan(maps);
   }
-  // 2*B*S*D*3D (Q/K/V) + 2*B*S*D*D (output) + 4*B*H*S^2*head_dim (scores, values).
-  const double flops = 8.0 * batch * seq * d * d + 4.0 * batch * heads * seq * seq * (d / heads);
+  const absl::StatusOr<ForwardInfo> info = layer->Forward(inputs, options, outputs);
+  if (!info.ok()) {
+    state.SkipWithError(std::string(info.status().message()).c_str());
+    return;
+  }
+  layer->Forward(inputs, options, outputs).IgnoreError();  // warm-up
+  // Peak RSS of the forwards (inputs, weights, scratch, libraries), taken
+  // before the ceiling's 2048^2 matrices are made.
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const double peak_rss_mb = usage.ru_maxrss / 1024.0;
+  const int64_t hd = config.head_dim;
+  const double projections =
+      2.0 * batch * seq * d * (heads + 2 * kv_heads) * hd + 2.0 * batch * seq * heads * hd * d;
+  const double attention = 4.0 * batch * heads * seq * seq * hd * (causal ? 0.5 : 1.0);
+  const double flops = projections + attention;
+  // The ceiling is sampled between windows of >= 50 ms of forwards (outside
+  // the timed region); each window's GFLOP/s is divided by the mean of the
+  // samples on either side, so the ratio sees the machine's load of that
+  // moment. of_ceiling is the median of those ratios.
+  Ceiling ceiling(bf16);
+  std::vector<double> ceilings = {ceiling.Sample()};
+  std::vector<double> ratios;
+  double window_seconds = 0.0;
+  int64_t window_forwards = 0;
+  int64_t allocations = 0;
+  for (auto _ : state) {
+    const int64_t allocations_before = attnserve::testing::AllocationCount();
+    const auto start = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(layer->Forward(inputs, options, outputs));
+    window_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    allocations += attnserve::testing::AllocationCount() - allocations_before;
+    ++window_forwards;
+    if (window_seconds >= 0.05) {
+      state.PauseTiming();
+      ceilings.push_back(ceiling.Sample());
+      const double gflops = flops * window_forwards / window_seconds * 1e-9;
+      ratios.push_back(gflops / (0.5 * (ceilings.back() + ceilings[ceilings.size() - 2])));
+      window_seconds = 0.0;
+      window_forwards = 0;
+      state.ResumeTiming();
+    }
+  }
+  if (ratios.empty() && window_forwards > 0) {
+    ceilings.push_back(ceiling.Sample());
+    ratios.push_back(flops * window_forwards / window_seconds * 1e-9 /
+                     (0.5 * (ceilings.back() + ceilings[ceilings.size() - 2])));
+  }
   state.counters["GFLOP"] =
       benchmark::Counter(flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["tokens"] = benchmark::Counter(static_cast<double>(batch * seq),
                                                 benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["of_ceiling"] = Median(ratios);
+  state.counters["ceiling_GFLOP"] = Median(ceilings);
+  state.counters["allocs"] = static_cast<double>(allocations) / state.iterations();
+  // One more forward, untimed, with the allocations attributed: how many of
+  // them oneDNN's library makes (its per-execute bookkeeping).
+  attnserve::testing::SetAllocationAttribution(true);
+  const int64_t onednn_before = attnserve::testing::OneDnnAllocationCount();
+  layer->Forward(inputs, options, outputs).IgnoreError();
+  state.counters["allocs_onednn"] =
+      static_cast<double>(attnserve::testing::OneDnnAllocationCount() - onednn_before);
+  attnserve::testing::SetAllocationAttribution(false);
+  state.counters["peak_rss_mb"] = peak_rss_mb;
+  state.SetLabel(info->kernel_path);
 }
-// {32, 128, ...}: the tokens of one batch of 32 serving requests of B=1, S=128
-// (the in-process peer of `attnctl bench --concurrency=32 --batch=1 --seq=128`);
-// {1, 128, ...}: one such request alone.
-BENCHMARK(BM_AttentionLayerFp32)
-    ->Args({1, 128, 768, 12})
-    ->Args({8, 128, 768, 12})
-    ->Args({32, 128, 768, 12})
-    ->Args({1, 512, 768, 12})
-    ->Args({1, 2048, 768, 12})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
 
-// The ceiling: oneDNN's FP32 matmul on 2048^3.
-void BM_OneDnnMatmulFp32(benchmark::State& state) {
-  using dnnl::memory;
-  const int64_t n = 2048;
-  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-  dnnl::stream stream(engine);
-  const memory::desc desc({n, n}, memory::data_type::f32, memory::format_tag::ab);
-  const dnnl::matmul matmul(
-      dnnl::matmul::primitive_desc(dnnl::matmul::desc(desc, desc, desc), engine));
-  memory a(desc, engine), b(desc, engine), c(desc, engine);
-  for (auto* m : {&a, &b}) {
-    float* p = static_cast<float*>(m->get_data_handle());
-    for (int64_t i = 0; i < n * n; ++i) p[i] = 0.001f * static_cast<float>(i % 1000);
-  }
-  for (auto _ : state) {
-    matmul.execute(stream, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
-    stream.wait();
-  }
-  state.counters["GFLOP"] = benchmark::Counter(2.0 * n * n * n * 1e-9,
-                                                 benchmark::Counter::kIsIterationInvariantRate);
+void BM_AttentionLayer(benchmark::State& state) { RunLayer(state, 0, 0); }
+
+// args: as BM_AttentionLayer, then block_queries, block_keys.
+void BM_BlockSizes(benchmark::State& state) { RunLayer(state, state.range(6), state.range(7)); }
+
+void Shapes(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"B", "S", "D", "H", "Hkv", "flags"});
+  // FP32 without maps. {1, 128} and {32, 128}: one serving request of B=1,
+  // S=128 alone, and the tokens of a batch of 32 of them (the in-process peer
+  // of `attnctl bench --concurrency=32 --batch=1 --seq=128`).
+  b->Args({1, 128, 768, 12, 12, 0});
+  b->Args({32, 128, 768, 12, 12, 0});
+  b->Args({8, 128, 768, 12, 12, 0});
+  b->Args({1, 512, 768, 12, 12, 0});
+  b->Args({1, 2048, 768, 12, 12, 0});
+  b->Args({1, 4096, 1024, 16, 16, 0});
+  // Causal beside bidirectional (S >= 2048).
+  b->Args({1, 2048, 768, 12, 12, kCausal});
+  b->Args({1, 4096, 1024, 16, 16, kCausal});
+  // Per-head maps (materialized).
+  b->Args({8, 128, 768, 12, 12, kPerHeadMaps});
+  b->Args({1, 512, 768, 12, 12, kPerHeadMaps});
+  b->Args({1, 2048, 768, 12, 12, kPerHeadMaps});
+  // BF16.
+  b->Args({8, 128, 768, 12, 12, kBf16});
+  b->Args({1, 512, 768, 12, 12, kBf16});
+  b->Args({1, 2048, 768, 12, 12, kBf16});
+  b->Args({1, 4096, 1024, 16, 16, kBf16});
+  // Grouped-query 8:1 beside full multi-head attention (same query heads).
+  b->Args({1, 2048, 1024, 16, 2, 0});
+  b->Args({1, 2048, 1024, 16, 16, 0});
+  // The materialized path without maps, for comparison (and kAuto's rule).
+  b->Args({8, 128, 768, 12, 12, kMaterialized});
+  b->Args({1, 512, 768, 12, 12, kMaterialized});
+  b->Args({1, 2048, 768, 12, 12, kMaterialized});
+  b->Args({8, 128, 768, 12, 12, kBlocked});
+  b->Args({1, 512, 768, 12, 12, kBlocked});
+  b->Args({8, 128, 768, 12, 12, kBf16 | kMaterialized});
+  b->Args({1, 512, 768, 12, 12, kBf16 | kMaterialized});
+  b->Args({1, 2048, 768, 12, 12, kBf16 | kMaterialized});
+  // A tiny shape for compare_with_pytorch.py --quick.
+  b->Args({2, 16, 64, 4, 4, 0});
 }
-BENCHMARK(BM_OneDnnMatmulFp32)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_AttentionLayer)->Apply(Shapes)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// Long sequences on the blocked path (one iteration each is seconds).
+BENCHMARK(BM_AttentionLayer)
+    ->ArgNames({"B", "S", "D", "H", "Hkv", "flags"})
+    ->Args({1, 32768, 1024, 16, 16, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->Iterations(1)
+    ->Name("BM_AttentionLayerLong");
+
+// Block sizes of the blocked path (how kDefaultBlockQueries/Keys were chosen),
+// beside the materialized path on the same shapes.
+void BlockSizes(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"B", "S", "D", "H", "Hkv", "flags", "bq", "bk"});
+  for (const int64_t seq : {512, 2048}) {
+    b->Args({1, seq, 768, 12, 12, kMaterialized, 0, 0});
+    for (const int64_t bq : {64, 128, 256}) {
+      for (const int64_t bk : {256, 512, 1024, 2048}) {
+        if (bk <= seq) b->Args({1, seq, 768, 12, 12, kBlocked, bq, bk});
+      }
+    }
+  }
+  // Causal: the diagonal blocks are computed whole (half of them masked).
+  for (const auto& [bq, bk] : std::vector<std::pair<int64_t, int64_t>>{
+           {256, 256}, {128, 256}, {128, 128}, {64, 128}, {64, 64}}) {
+    b->Args({1, 2048, 768, 12, 12, kBlocked | kCausal, bq, bk});
+  }
+}
+BENCHMARK(BM_BlockSizes)->Apply(BlockSizes)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The ceilings alone.
+void BM_OneDnnMatmulCeiling(benchmark::State& state) {
+  double gflops = 0;
+  for (auto _ : state) gflops = CeilingGflops(state.range(0) != 0);
+  state.counters["ceiling_GFLOP"] = gflops;
+}
+BENCHMARK(BM_OneDnnMatmulCeiling)->ArgName("bf16")->Arg(0)->Arg(1)->Iterations(1);
 
 }  // namespace
 }  // namespace attnserve::core

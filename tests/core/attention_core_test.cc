@@ -121,8 +121,11 @@ void PrintTo(const CoreCase& c, std::ostream* os) { *os << c.name; }
 
 class AttentionCoreCases : public ::testing::TestWithParam<CoreCase> {
  protected:
-  void Check(Precision precision, double tolerance) {
-    const CoreCase& c = GetParam();
+  // blocked: forced onto the blocked path (no maps, no statistics) with
+  // small blocks, so that block edges fall inside the sequences.
+  void Check(Precision precision, double tolerance, bool blocked = false) {
+    CoreCase c = GetParam();
+    if (blocked) c.maps = Maps::kNone, c.map_heads = {}, c.map_rows = {}, c.statistics = false;
     const uint64_t seed = FreshSeed();
     SCOPED_TRACE(SeedTrace(seed));
     std::mt19937_64 rng(seed);
@@ -170,10 +173,17 @@ class AttentionCoreCases : public ::testing::TestWithParam<CoreCase> {
     options.maps = {c.maps, c.map_heads, c.map_rows};
     options.head_statistics = c.statistics;
     options.precision = precision;
+    if (blocked) {
+      options.attention_path = AttentionPath::kBlocked;
+      options.block_queries = 3;
+      options.block_keys = 4;
+    }
     CoreBuffers buffers = MakeCoreBuffers(config, inputs, options);
     const absl::StatusOr<ForwardInfo> info = (*core)->Run(inputs, options, buffers.Outputs());
     ASSERT_THAT(info, IsOk());
-    EXPECT_EQ(info->kernel_path, absl::StrCat(PrecisionName(precision), "/materialized"));
+    const bool runs_blocked = c.maps == Maps::kNone && !c.statistics;  // kAuto's choice too
+    EXPECT_EQ(info->kernel_path, absl::StrCat(PrecisionName(precision), "/",
+                                              runs_blocked ? "blocked" : "materialized"));
 
     const ReferenceResult reference = ReferenceCore(config, inputs);
     EXPECT_LE(RelativeFrobeniusError(buffers.output, reference.output), tolerance) << "output";
@@ -195,6 +205,15 @@ TEST_P(AttentionCoreCases, Fp32MatchesReference) { Check(Precision::kFp32, kFp32
 TEST_P(AttentionCoreCases, Bf16MatchesReference) {
   if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
   Check(Precision::kBf16, kBf16Tolerance);
+}
+
+TEST_P(AttentionCoreCases, Fp32BlockedMatchesReference) {
+  Check(Precision::kFp32, kFp32Tolerance, /*blocked=*/true);
+}
+
+TEST_P(AttentionCoreCases, Bf16BlockedMatchesReference) {
+  if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
+  Check(Precision::kBf16, kBf16Tolerance, /*blocked=*/true);
 }
 
 std::vector<CoreCase> CoreCases() {

@@ -277,13 +277,30 @@ ScenarioCall MakeScenarioCall(const Scenario& s, std::mt19937_64& rng, Precision
   return call;
 }
 
+// The path a scenario runs on: as asked (maps and statistics: materialized),
+// or forced onto the blocked path without maps and statistics, with small
+// blocks so that block edges fall inside the sequences (the last blocks
+// shorter, causal diagonals inside blocks).
+enum class PathUnderTest { kAsAsked, kBlocked };
+
 class AttentionLayerScenarios : public ::testing::TestWithParam<Scenario> {
  protected:
-  void Check(Precision precision, double tolerance) {
+  void Check(Precision precision, double tolerance, PathUnderTest path = PathUnderTest::kAsAsked) {
     const uint64_t seed = FreshSeed();
     SCOPED_TRACE(SeedTrace(seed));
     std::mt19937_64 rng(seed);
-    const ScenarioCall call = MakeScenarioCall(GetParam(), rng, precision);
+    ScenarioCall call = MakeScenarioCall(GetParam(), rng, precision);
+    std::string expected_path = "materialized";
+    if (path == PathUnderTest::kBlocked) {
+      call.options.maps = {};
+      call.options.head_statistics = false;
+      call.options.attention_path = AttentionPath::kBlocked;
+      call.options.block_queries = 4;
+      call.options.block_keys = 3;
+      expected_path = "blocked";
+    } else if (call.options.maps.mode == AttentionMapMode::kNone && !call.options.head_statistics) {
+      expected_path = "blocked";  // kAuto's choice
+    }
     absl::StatusOr<std::unique_ptr<AttentionLayer>> layer =
         AttentionLayer::Create(call.config, call.weights);
     ASSERT_THAT(layer, IsOk());
@@ -291,7 +308,7 @@ class AttentionLayerScenarios : public ::testing::TestWithParam<Scenario> {
     const absl::StatusOr<ForwardInfo> info = RunLayer(**layer, call.inputs, call.options, buffers);
     ASSERT_THAT(info, IsOk());
     EXPECT_EQ(info->precision, precision);
-    EXPECT_EQ(info->kernel_path, absl::StrCat(PrecisionName(precision), "/materialized"));
+    EXPECT_EQ(info->kernel_path, absl::StrCat(PrecisionName(precision), "/", expected_path));
     const ReferenceResult reference = ReferenceLayer(call.config, call.weights, call.inputs);
     ExpectMatches(call.config, call.inputs, call.options, buffers, reference, tolerance);
   }
@@ -302,6 +319,15 @@ TEST_P(AttentionLayerScenarios, Fp32MatchesReference) { Check(Precision::kFp32, 
 TEST_P(AttentionLayerScenarios, Bf16MatchesReference) {
   if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
   Check(Precision::kBf16, kBf16Tolerance);
+}
+
+TEST_P(AttentionLayerScenarios, Fp32BlockedMatchesReference) {
+  Check(Precision::kFp32, kFp32Tolerance, PathUnderTest::kBlocked);
+}
+
+TEST_P(AttentionLayerScenarios, Bf16BlockedMatchesReference) {
+  if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
+  Check(Precision::kBf16, kBf16Tolerance, PathUnderTest::kBlocked);
 }
 
 using Kind = ExplicitMask::Kind;
@@ -474,8 +500,17 @@ void ExpectAllMapModesMatch(AttentionLayer& layer, const AttentionWeights& weigh
     Buffers buffers;
     const absl::StatusOr<ForwardInfo> info = RunLayer(layer, inputs, options, buffers);
     ASSERT_THAT(info, IsOk());
-    EXPECT_EQ(info->kernel_path, "fp32/materialized");
+    // Without maps kAuto runs the blocked path.
+    EXPECT_EQ(info->kernel_path, mode == Maps::kNone ? "fp32/blocked" : "fp32/materialized");
     ExpectMatches(config, inputs, options, buffers, reference, kFp32Tolerance);
+    if (mode == Maps::kNone) {
+      options.attention_path = AttentionPath::kMaterialized;
+      Buffers materialized;
+      const absl::StatusOr<ForwardInfo> forced = RunLayer(layer, inputs, options, materialized);
+      ASSERT_THAT(forced, IsOk());
+      EXPECT_EQ(forced->kernel_path, "fp32/materialized");
+      ExpectMatches(config, inputs, options, materialized, reference, kFp32Tolerance);
+    }
     if (mode != Maps::kNone) {
       EXPECT_LE(MaxRowSumError(buffers.maps, seq_len), 1e-5);
     }
@@ -1144,14 +1179,45 @@ TEST(AttentionLayer, Bf16AsksRunBf16WhereSupportedAndFp32Elsewhere) {
   const ReferenceResult reference = ReferenceLayer(small.config, small.weights, inputs);
   if (Bf16Supported()) {
     EXPECT_EQ(info->precision, Precision::kBf16);
-    EXPECT_EQ(info->kernel_path, "bf16/materialized");
+    EXPECT_EQ(info->kernel_path, "bf16/blocked");
     const double error = RelativeFrobeniusError(buffers.output, reference.output);
     EXPECT_LE(error, kBf16Tolerance);
     EXPECT_GT(error, 1e-6) << "BF16 should not be as exact as FP32";
   } else {
     EXPECT_EQ(info->precision, Precision::kFp32);
-    EXPECT_EQ(info->kernel_path, "fp32/materialized");
+    EXPECT_EQ(info->kernel_path, "fp32/blocked");
     EXPECT_LE(RelativeFrobeniusError(buffers.output, reference.output), kFp32Tolerance);
+  }
+}
+
+TEST(AttentionLayer, BlockedPathAskedWithMapsOrStatisticsIsInvalidArgumentNamingAttentionPath) {
+  std::mt19937_64 rng(7);
+  SmallLayer small = MakeSmallLayer(rng);
+  ASSERT_NE(small.layer, nullptr);
+  const SequenceLayout layout = Padded(2, 5);
+  const std::vector<float> hidden = RandomStates(layout, 32, rng);
+  LayerInputs inputs;
+  inputs.hidden_states = hidden;
+  inputs.layout = layout;
+  for (const bool statistics : {false, true}) {
+    SCOPED_TRACE(statistics ? "head statistics" : "per-head maps");
+    ForwardOptions options;
+    options.attention_path = AttentionPath::kBlocked;
+    if (statistics) {
+      options.head_statistics = true;
+    } else {
+      options.maps.mode = AttentionMapMode::kPerHead;
+    }
+    Buffers buffers;
+    EXPECT_THAT(RunLayer(*small.layer, inputs, options, buffers),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         "attention_path: the blocked path returns neither maps nor head "
+                         "statistics"));
+    // The same request on kAuto runs (materialized).
+    options.attention_path = AttentionPath::kAuto;
+    const absl::StatusOr<ForwardInfo> info = RunLayer(*small.layer, inputs, options, buffers);
+    ASSERT_THAT(info, IsOk());
+    EXPECT_EQ(info->kernel_path, "fp32/materialized");
   }
 }
 

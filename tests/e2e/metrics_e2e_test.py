@@ -183,8 +183,9 @@ class Traffic(unittest.TestCase):
         self.assertEqual(self.delta(f"{duration}_count", method="Attend", model="", code="NOT_FOUND"), 1)
         self.assertNotIn("no-such-model", self.text)
         self.assertEqual(self.delta("attnserve_queue_wait_seconds_count", model="default"), 4)
+        # None of them asks for maps: all run the blocked path.
         self.assertEqual(self.delta("attnserve_compute_seconds_count", model="default",
-                                    kernel_path="fp32/materialized"), 4)
+                                    kernel_path="fp32/blocked"), 4)
         self.assertEqual(self.delta("attnserve_batch_size_sum", model="default"), 1 + 2 + 1 + 1)
         self.assertEqual(self.delta("attnserve_batch_tokens_sum", model="default"), 4 + 6 + 7 + 5)
         self.assertEqual(self.delta("attnserve_tokens_total", model="default"), 4 + 6 + 7 + 5)

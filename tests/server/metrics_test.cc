@@ -603,9 +603,13 @@ TEST_F(MetricsServerTest, CountersAndHistogramsMoveByExactlyTheCallsMade) {
   // Only the 3 requests that reached compute queue and compute.
   const Labels model = {{"model", "default"}};
   EXPECT_EQ(e.Count("attnserve_queue_wait_seconds", model), 3);
+  // The request with maps runs materialized, the two without blocked.
   EXPECT_EQ(e.Count("attnserve_compute_seconds",
                     {{"model", "default"}, {"kernel_path", "fp32/materialized"}}),
-            3);
+            1);
+  EXPECT_EQ(e.Count("attnserve_compute_seconds",
+                    {{"model", "default"}, {"kernel_path", "fp32/blocked"}}),
+            2);
   EXPECT_EQ(e.Count("attnserve_batch_size", model), 3);
   EXPECT_EQ(e.Sum("attnserve_batch_size", model), 1 + 2 + 2);
   EXPECT_EQ(e.Count("attnserve_batch_tokens", model), 3);

@@ -1,0 +1,40 @@
+#ifndef ATTNSERVE_CORE_ONLINE_SOFTMAX_H_
+#define ATTNSERVE_CORE_ONLINE_SOFTMAX_H_
+
+// Private to core/: the row kernels of the blocked (flash-style) attention
+// path. OnlineSoftmaxRow has an AVX-512 version (intrinsics, chosen at run
+// time when the CPU has AVX-512 F/BW/DQ/VL) and a portable one; the others
+// are plain C++ that GCC vectorizes, with AVX-512 and AVX2 clones picked at
+// load time (target_clones). The baseline build runs on any x86-64.
+
+#include <cstdint>
+
+namespace attnserve::core::internal {
+
+// exp(x) for x <= 0 in FP32: 2^(x log2 e) as 2^round * p(frac), p a degree-7
+// Taylor polynomial of 2^f on [-1/2, 1/2]. Relative error below
+// 4e-7 + 7e-8 |x| (the polynomial, and x log2 e rounded to FP32) where
+// exp(x) >= 2^-124; 0 for x < -87; NaN stays NaN.
+float FastExp(float x);
+
+// One step of the online softmax over one row of a key block:
+//   x [width] holds the scaled, masked scores of keys [0, limit) of the block
+//   (entries past limit are ignored).
+//   m_new = max(m, max_j<limit x_j),  alpha = exp(m - m_new),
+//   p_j = exp(x_j - m_new) for j < limit, 0 for limit <= j < width,
+//   l = l * alpha + sum_j p_j,  m = m_new.
+// p goes to x in place (p_bf16 == nullptr) or, rounded to BF16, to
+// p_bf16 [width]. Returns alpha (1 when the row has nothing visible yet: m
+// stays -inf and p is 0). Not thread-safe on the same row.
+float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float& m, float& l,
+                       uint16_t* p_bf16);
+
+// o [n] = o * alpha + add [n] (first == false), or o = add (first == true).
+void ScaleAndAdd(float* o, const float* add, int64_t n, float alpha, bool first);
+
+// o [n] *= factor.
+void ScaleRow(float* o, int64_t n, float factor);
+
+}  // namespace attnserve::core::internal
+
+#endif  // ATTNSERVE_CORE_ONLINE_SOFTMAX_H_

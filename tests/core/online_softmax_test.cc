@@ -1,0 +1,128 @@
+// The row kernels of the blocked path (core/online_softmax.h) against a
+// double-precision computation, on fresh random rows: every width from 1 to 70
+// (the 16-lane loop, its tail and both together), keys past `limit` masked,
+// rows fed in several key blocks, -inf scores, BF16 output.
+#include "core/online_softmax.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tests/core/attention_test_util.h"
+
+namespace attnserve::core::internal {
+namespace {
+
+using ::attnserve::testing::FreshSeed;
+using ::attnserve::testing::SeedTrace;
+
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+float Bf16ToFloat(uint16_t value) {
+  const uint32_t bits = static_cast<uint32_t>(value) << 16;
+  float f = 0.0f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// FastExp's relative error: the polynomial's 4e-7 and the rounding of
+// x log2(e) to FP32, up to |x| 2^-24 log2(e) ln(2) = |x| 6e-8.
+double ExpTolerance(double x) { return 4e-7 + 7e-8 * std::fabs(x); }
+
+TEST(OnlineSoftmax, FastExpMatchesExpWithinItsStatedError) {
+  for (double x = -86.0; x <= 0.0; x += 0.001953125) {  // exp(x) >= 2^-124
+    const double expected = std::exp(x);
+    EXPECT_NEAR(FastExp(static_cast<float>(x)), expected, ExpTolerance(x) * expected) << x;
+  }
+  EXPECT_EQ(FastExp(-100.0f), 0.0f);
+  EXPECT_EQ(FastExp(kMinusInf), 0.0f);
+  EXPECT_TRUE(std::isnan(FastExp(std::numeric_limits<float>::quiet_NaN())));
+}
+
+// Feeds `scores` [width] in key blocks of `block`, the keys at and past
+// `limit` masked, and checks p, the running max and sum against double.
+void CheckRow(const std::vector<float>& scores, int64_t limit, int64_t block, bool bf16) {
+  const int64_t width = static_cast<int64_t>(scores.size());
+  double max = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < limit; ++j) max = std::max(max, static_cast<double>(scores[j]));
+  double sum = 0.0;
+  for (int64_t j = 0; j < limit; ++j) sum += std::exp(scores[j] - max);
+  float m = kMinusInf;
+  float l = 0.0f;
+  for (int64_t j0 = 0; j0 < width; j0 += block) {
+    const int64_t n = std::min(block, width - j0);
+    std::vector<float> x(scores.begin() + j0, scores.begin() + j0 + n);
+    std::vector<uint16_t> p_bf16(static_cast<size_t>(n), 0xffff);
+    const float m_before = m;
+    const float alpha = OnlineSoftmaxRow(x.data(), std::clamp<int64_t>(limit - j0, 0, n), n, m,
+                                         l, bf16 ? p_bf16.data() : nullptr);
+    if (m_before != kMinusInf) {
+      EXPECT_NEAR(alpha, std::exp(static_cast<double>(m_before) - m), 1e-6);
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const double d = static_cast<double>(scores[j0 + j]) - m;
+      const double expected = j0 + j < limit ? std::exp(d) : 0.0;
+      const double actual = bf16 ? Bf16ToFloat(p_bf16[j]) : x[j];
+      // FP32: FastExp's error and the rounding of x - m; BF16: 8 bits.
+      const double tolerance =
+          expected > 0.0 ? (bf16 ? 4e-3 : 2.0 * ExpTolerance(d)) * expected : 0.0;
+      EXPECT_NEAR(actual, expected, tolerance)
+          << "key " << j0 + j << " of " << width << ", limit " << limit;
+    }
+  }
+  if (limit == 0) {
+    EXPECT_EQ(m, kMinusInf);
+    EXPECT_EQ(l, 0.0f);
+    return;
+  }
+  EXPECT_EQ(m, static_cast<float>(max));
+  EXPECT_NEAR(l, sum, 1e-6 * sum);
+}
+
+TEST(OnlineSoftmax, RowsMatchDoublePrecisionAtEveryWidthLimitAndBlock) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int64_t width = 1; width <= 70; ++width) {
+    std::vector<float> scores(static_cast<size_t>(width));
+    for (float& s : scores) s = normal(rng);
+    if (width > 5) scores[3] = kMinusInf;  // a masked key inside the row
+    for (const int64_t limit : {width, width / 2, int64_t{0}}) {
+      for (const int64_t block : {width, int64_t{16}, int64_t{7}}) {
+        for (const bool bf16 : {false, true}) {
+          CheckRow(scores, limit, block, bf16);
+        }
+      }
+    }
+  }
+}
+
+TEST(OnlineSoftmax, OverflowingScoresGiveANonFiniteSum) {
+  // +inf scores (overflowing inputs) must not look like a normal row: the
+  // blocked path gives such rows weights 0 when l is not finite and positive.
+  std::vector<float> x = {1.0f, std::numeric_limits<float>::infinity(), 2.0f};
+  float m = kMinusInf;
+  float l = 0.0f;
+  OnlineSoftmaxRow(x.data(), 3, 3, m, l, nullptr);
+  EXPECT_FALSE(std::isfinite(l) && l > 0.0f);
+}
+
+TEST(OnlineSoftmax, ScaleAndAddAndScaleRow) {
+  std::vector<float> o = {1.0f, 2.0f, 3.0f};
+  const std::vector<float> add = {0.5f, 0.25f, 0.125f};
+  ScaleAndAdd(o.data(), add.data(), 3, 2.0f, /*first=*/false);
+  EXPECT_EQ(o, (std::vector<float>{2.5f, 4.25f, 6.125f}));
+  ScaleAndAdd(o.data(), add.data(), 3, 2.0f, /*first=*/true);
+  EXPECT_EQ(o, add);
+  ScaleRow(o.data(), 3, 4.0f);
+  EXPECT_EQ(o, (std::vector<float>{2.0f, 1.0f, 0.5f}));
+}
+
+}  // namespace
+}  // namespace attnserve::core::internal

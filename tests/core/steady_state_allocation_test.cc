@@ -1,0 +1,110 @@
+// Steady state of AttentionLayer::Forward: after warm-up a repeated request
+// creates no primitives and the core's own code allocates a fixed number of
+// small objects per call, the same at every sequence length; what grows with
+// the sequence is oneDNN's per-execute bookkeeping inside libdnnl (counted
+// apart through the caller's address, see allocation_counter.h).
+#include <cstdint>
+#include <iostream>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "core/attention_inputs.h"
+#include "core/attention_layer.h"
+#include "core/attention_weights.h"
+#include "core/head_config.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/benchmarks/allocation_counter.h"
+#include "tests/core/attention_test_util.h"
+#include "tests/core/reference_attention.h"
+#include "tests/core/status_matchers.h"
+
+namespace attnserve::core {
+namespace {
+
+using ::attnserve::testing::AllocationCount;
+using ::attnserve::testing::IsOk;
+using ::attnserve::testing::kFp32Tolerance;
+using ::attnserve::testing::OneDnnAllocationCount;
+using ::attnserve::testing::RandomStates;
+using ::attnserve::testing::RandomWeights;
+using ::attnserve::testing::ReferenceLayer;
+using ::attnserve::testing::RelativeFrobeniusError;
+using ::attnserve::testing::SetAllocationAttribution;
+
+struct Counts {
+  int64_t total = 0;
+  int64_t onednn = 0;
+  int64_t ours() const { return total - onednn; }
+};
+
+// Allocations of one forward of B=2 sequences of `seq_len` on `path`, after
+// two warm-up forwards of the same request; the output is checked against the
+// reference so that the counted call is a real one.
+Counts CountForward(AttentionPath path, int64_t seq_len, bool causal) {
+  HeadConfig requested;
+  requested.d_model = 32;
+  requested.num_heads = 4;
+  const absl::StatusOr<HeadConfig> config = ResolveHeadConfig(requested);
+  EXPECT_THAT(config, IsOk());
+  std::mt19937_64 rng(static_cast<uint64_t>(seq_len));
+  const AttentionWeights weights = RandomWeights(*config, rng);
+  absl::StatusOr<std::unique_ptr<AttentionLayer>> layer = AttentionLayer::Create(*config, weights);
+  EXPECT_THAT(layer, IsOk());
+  if (!layer.ok()) return {};
+  LayerInputs inputs;
+  inputs.layout = *SequenceLayout::Padded(2, seq_len);
+  const std::vector<float> hidden = RandomStates(inputs.layout, config->d_model, rng);
+  inputs.hidden_states = hidden;
+  inputs.causal = causal;
+  ForwardOptions options;
+  options.attention_path = path;
+  options.block_queries = 16;  // several query and key blocks at every length
+  options.block_keys = 16;
+  std::vector<float> output(hidden.size());
+  ForwardOutputs outputs;
+  outputs.output = absl::MakeSpan(output);
+  for (int i = 0; i < 2; ++i) EXPECT_THAT((*layer)->Forward(inputs, options, outputs), IsOk());
+  Counts counts;
+  SetAllocationAttribution(true);
+  const int64_t total_before = AllocationCount();
+  const int64_t onednn_before = OneDnnAllocationCount();
+  const absl::StatusOr<ForwardInfo> info = (*layer)->Forward(inputs, options, outputs);
+  counts.total = AllocationCount() - total_before;
+  counts.onednn = OneDnnAllocationCount() - onednn_before;
+  SetAllocationAttribution(false);
+  EXPECT_THAT(info, IsOk());
+  EXPECT_LE(RelativeFrobeniusError(output, ReferenceLayer(*config, weights, inputs).output),
+            kFp32Tolerance);
+  return counts;
+}
+
+TEST(SteadyState, CoreAllocationsPerForwardDoNotGrowWithSequenceLength) {
+  for (const AttentionPath path : {AttentionPath::kBlocked, AttentionPath::kMaterialized}) {
+    for (const bool causal : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(path == AttentionPath::kBlocked ? "blocked" : "materialized",
+                                causal ? ", causal" : ""));
+      const Counts short_run = CountForward(path, 32, causal);
+      const Counts long_run = CountForward(path, 256, causal);
+      // The core's own objects: the same count at 8x the length (copies of
+      // the lengths, primitive-cache keys, oneDNN's C++ handles and argument
+      // maps per primitive execution of the projections), and few: 79-86 here.
+      EXPECT_EQ(short_run.ours(), long_run.ours());
+      EXPECT_LE(long_run.ours(), 128);
+      std::cout << (path == AttentionPath::kBlocked ? "blocked" : "materialized")
+                << (causal ? " causal" : "") << ": allocations per forward S=32 "
+                << short_run.total << " (core " << short_run.ours() << "), S=256 "
+                << long_run.total << " (core " << long_run.ours() << ")\n";
+      if (path == AttentionPath::kMaterialized) {
+        // A handful of primitive executions, whatever the length.
+        EXPECT_EQ(short_run.total, long_run.total);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnserve::core
