@@ -195,14 +195,12 @@ struct AttentionServiceImpl::AttendJob final : ScheduledWork {
 };
 
 void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> batch,
-                                    const BatchInfo& info) {
+                                    const BatchInfo& /*info: the timing reports what computed*/) {
   const absl::Time start = absl::Now();
   std::vector<AttendJob*> jobs;
-  int64_t sequences = 0;
   for (const auto& work : batch) {
     auto* job = static_cast<AttendJob*>(work.get());
     job->reactor->Dequeued(start - job->enqueued);
-    sequences += job->plan.queries.batch();
     jobs.push_back(job);
   }
   std::vector<absl::Status> statuses(jobs.size());
@@ -235,12 +233,18 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
     }
   }
   const absl::Duration compute = absl::Now() - start;
-  // A batch that computed anything (not one whose every request failed).
-  for (const absl::Status& status : statuses) {
-    if (status.ok()) {
-      metrics_->OnBatch(jobs[0]->reactor->model_label(), info.requests, sequences, info.tokens);
-      break;
-    }
+  // What the batch computed: its members that succeeded (one refused for a
+  // non-finite input, say, did not run with the others).
+  int64_t computed_requests = 0, computed_sequences = 0, computed_tokens = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (!statuses[i].ok()) continue;
+    ++computed_requests;
+    computed_sequences += jobs[i]->plan.queries.batch();
+    computed_tokens += jobs[i]->tokens;
+  }
+  if (computed_requests > 0) {
+    metrics_->OnBatch(jobs[0]->reactor->model_label(), computed_requests, computed_sequences,
+                      computed_tokens);
   }
   for (size_t i = 0; i < jobs.size(); ++i) {
     AttendJob& job = *jobs[i];
@@ -248,8 +252,8 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
       v1::Timing* timing = job.call->response.mutable_timing();
       SetDuration(start - job.arrival, timing->mutable_queue());
       SetDuration(compute, timing->mutable_compute());
-      timing->set_batch_size(static_cast<int32_t>(info.requests));
-      timing->set_batch_tokens(info.tokens);
+      timing->set_batch_size(static_cast<int32_t>(computed_requests));
+      timing->set_batch_tokens(computed_tokens);
       ObserveCompute(job.plan, job.call->response, compute, *job.reactor, *metrics_);
     }
     job.Finish(std::move(statuses[i]));

@@ -39,6 +39,10 @@ absl::Status CheckRange(absl::string_view flag, int64_t value, int64_t min, int6
 
 // Runs one small forward pass so OpenMP's threads and oneDNN's kernels exist
 // before the first request.
+// Start-up queues at most this many loads at once (below ModelLoaderOptions'
+// default max_pending, which refuses more).
+constexpr int64_t kStartupLoadsInFlight = 32;
+
 absl::Status WarmUp(const Model& model, ComputeExecutor& executor) {
   ATTNSERVE_ASSIGN_OR_RETURN(core::SequenceLayout layout, core::SequenceLayout::Padded(1, 16));
   const int64_t d_model = model.layer->config().d_model;
@@ -252,7 +256,16 @@ absl::Status AttnServer::LoadModelsAndServe() {
     ATTNSERVE_ASSIGN_OR_RETURN(std::vector<std::string> names, repository_->ListModelNames());
     absl::Mutex mu;
     size_t pending = names.size();
+    // Loads not yet answered; kept under the loader's max_pending so that no
+    // folder of a large repository is refused at start-up.
+    int64_t queued_loads = 0;
     for (const std::string& name : names) {
+      {
+        absl::MutexLock lock(&mu);
+        auto has_room = [&queued_loads]() { return queued_loads < kStartupLoadsInFlight; };
+        mu.Await(absl::Condition(&has_room));
+        ++queued_loads;
+      }
       absl::Status queued = loader_->Load(name, [&, name](absl::StatusOr<ModelStatus> loaded) {
         LogLine(loaded.ok()
                     ? absl::StrCat("model '", name, "' loaded and warm after ",
@@ -261,11 +274,13 @@ absl::Status AttnServer::LoadModelsAndServe() {
                     : absl::StrCat("model '", name, "' not loaded: ", loaded.status().ToString()));
         absl::MutexLock lock(&mu);
         --pending;
+        --queued_loads;
       });
       if (!queued.ok()) {
         LogLine(absl::StrCat("model '", name, "' not loaded: ", queued.ToString()));
         absl::MutexLock lock(&mu);
         --pending;
+        --queued_loads;
       }
     }
     {

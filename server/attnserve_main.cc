@@ -180,6 +180,10 @@ int main(int argc, char** argv) {
   if (!options.model_repository.empty() && options.auth_tokens_file.empty()) {
     LogLine("WARNING: LoadModel/UnloadModel are open to every client (no --auth_tokens_file)");
   }
+  if (options.limits.max_request_bytes > options.max_inflight_bytes) {
+    LogLine("WARNING: --max_request_bytes is over --max_inflight_bytes: requests between the two "
+            "are always refused");
+  }
   if (options.metrics_address.empty()) {
     LogLine("metrics endpoint off (--metrics_address is empty)");
   } else {

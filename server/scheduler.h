@@ -35,7 +35,7 @@ struct SchedulerOptions {
   absl::Duration max_queue_delay = absl::ZeroDuration();
   // Bytes that admitted requests (queued or running) may reserve together
   // (ScheduledWork::memory_bytes); over it a Submit is refused.
-  int64_t max_inflight_bytes = int64_t{8} << 30;
+  int64_t max_inflight_bytes = int64_t{6} << 30;
 };
 
 // One request as the scheduler sees it. Subclasses carry the payload; the

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -22,6 +23,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/attn_server.h"
 #include "tests/core/attention_test_util.h"
@@ -234,6 +236,69 @@ TEST(Batching, BatchedRequestsEachGetTheirOwnResultAsTheReferenceAndTheirSoloRun
               bit_identical, shapes.size() - 1);
 }
 
+TEST(Batching, ANonFiniteRequestIsRefusedAloneAndLeavesItsBatchmatesUnchanged) {
+  // Three good requests and one with a NaN in a real token, formed into one
+  // batch (the token budget is exactly their sum, the delay long).
+  const std::vector<Shape> shapes = {Shape::Padded(1, 12), Shape::Packed({5, 4}),
+                                     Shape::Padded(1, 7), Shape::Padded(1, 10)};
+  const size_t bad = 2;
+  int64_t total_tokens = 0, good_tokens = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    total_tokens += shapes[i].Tokens();
+    if (i != bad) good_tokens += shapes[i].Tokens();
+  }
+  ServerOptions options = TestOptions();
+  options.max_batch_tokens = total_tokens;
+  options.max_queue_delay_us = 10 * 1000 * 1000;
+  Server server(options);
+
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<float>> inputs;
+  for (const Shape& s : shapes) inputs.push_back(testing::RandomNormal(s.Rows() * kDModel, rng));
+  inputs[bad][3 * kDModel + 17] = std::numeric_limits<float>::quiet_NaN();  // token 3, real
+
+  std::vector<v1::AttendResponse> responses(shapes.size());
+  std::vector<grpc::Status> statuses(shapes.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    clients.emplace_back([&, i] {
+      statuses[i] = server.Attend(MakeRequest(shapes[i], inputs[i]), &responses[i]);
+    });
+  }
+  for (auto& t : clients) t.join();
+
+  EXPECT_EQ(statuses[bad].error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(statuses[bad].error_message(), ::testing::HasSubstr("hidden_states"));
+  core::HeadConfig requested;
+  requested.d_model = kDModel;
+  requested.num_heads = 12;
+  const core::HeadConfig config = *core::ResolveHeadConfig(requested);
+  const core::AttentionWeights weights = core::SeededWeights(config, kSeed);
+  auto layer = *core::AttentionLayer::Create(config, weights);
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    if (i == bad) continue;
+    SCOPED_TRACE(absl::StrCat("request ", i));
+    ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
+    // It ran in the batch, with the other good ones only.
+    EXPECT_EQ(responses[i].timing().batch_size(), static_cast<int32_t>(shapes.size() - 1));
+    EXPECT_EQ(responses[i].timing().batch_tokens(), good_tokens);
+    const std::vector<float> output = Floats(responses[i].output());
+    core::LayerInputs in;
+    in.hidden_states = inputs[i];
+    in.layout = shapes[i].Layout();
+    std::vector<float> solo(output.size());
+    core::ForwardOutputs out;
+    out.output = absl::MakeSpan(solo);
+    ASSERT_TRUE(layer->Forward(in, {}, out).ok());
+    EXPECT_LT(testing::RelativeFrobeniusError(output, testing::ReferenceLayer(config, weights, in).output),
+              testing::kFp32Tolerance);
+    EXPECT_LT(testing::RelativeFrobeniusError(output, std::vector<double>(solo.begin(), solo.end())),
+              1e-6);
+  }
+}
+
 TEST(Batching, RequestsThatCannotShareAForwardRunAlone) {
   ServerOptions options = TestOptions();
   options.max_batch_tokens = 1 << 20;
@@ -277,7 +342,7 @@ TEST(Batching, CancelledCallReleasesItsQueueSlot) {
   ServerOptions options = TestOptions();
   options.max_queued_requests = 1;
   options.max_batch_tokens = 1 << 20;
-  options.max_queue_delay_us = 5 * 1000 * 1000;
+  options.max_queue_delay_us = 10 * 1000 * 1000;
   Server server(options);
   std::mt19937_64 rng(3);
   const v1::AttendRequest request =
@@ -303,8 +368,17 @@ TEST(Batching, CancelledCallReleasesItsQueueSlot) {
   EXPECT_EQ(cancelled_status.error_code(), grpc::StatusCode::CANCELLED);
 
   // B finds the queue full of a cancelled call, sweeps it and is admitted.
+  // The cancellation reaches the server a moment after the client sees it:
+  // until then B is refused for the slot. Within 3 s (A's queue delay would
+  // hold the slot for 10 s) B must get in.
   v1::AttendResponse response;
-  const grpc::Status status = server.Attend(request, &response);
+  grpc::Status status;
+  const absl::Time give_up = absl::Now() + absl::Seconds(3);
+  do {
+    status = server.Attend(request, &response);
+    if (status.error_code() != grpc::StatusCode::RESOURCE_EXHAUSTED) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  } while (absl::Now() < give_up);
   EXPECT_TRUE(status.ok()) << status.error_message();
   const std::string text = server.server().MetricsText();
   EXPECT_EQ(Sample(text, "attnserve_requests_skipped_total{reason=\"cancelled\"}"), 1) << text;
