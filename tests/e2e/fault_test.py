@@ -352,7 +352,9 @@ class MemoryBombs(FaultCase):
 
 
 class Sigterm(FaultCase):
-    FLAGS = ("--lame_duck_seconds=1",)
+    # The calls gather in one batch that waits up to 3 s for more, so all of
+    # them are in flight together before the signal however fast they compute.
+    FLAGS = ("--lame_duck_seconds=1", "--max_batch_tokens=1000000", "--max_queue_delay_us=3000000")
 
     @classmethod
     def tearDownClass(cls):  # the server is gone already
