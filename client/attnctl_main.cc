@@ -287,20 +287,26 @@ AttendOptions AttendOptionsFromFlags() {
   return o;
 }
 
+// The request `options` describe; a named model's head configuration comes
+// from the server (GetModel), a seeded ad-hoc layer needs none.
+absl::StatusOr<AttendCall> AttendCallFor(const AttentionClient& client,
+                                         const AttendOptions& options) {
+  std::optional<v1::ModelInfo> model;
+  if (!options.layer_seed.has_value()) {
+    absl::StatusOr<v1::ModelInfo> info = client.GetModel(options.model);
+    if (!info.ok()) return info.status();
+    model = *std::move(info);
+  }
+  return BuildAttendRequest(options, model.has_value() ? &model->head_config() : nullptr);
+}
+
 int RunAttend(const AttentionClient& client) {
   const AttendOptions options = AttendOptionsFromFlags();
   const int64_t repeat = absl::GetFlag(FLAGS_repeat);
   if (repeat <= 0) return Fail(absl::InvalidArgumentError("--repeat: must be >= 1"));
   // Flag mistakes first, before any call.
   if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return Fail(status);
-  std::optional<v1::ModelInfo> model;
-  if (!options.layer_seed.has_value()) {
-    absl::StatusOr<v1::ModelInfo> info = client.GetModel(options.model);
-    if (!info.ok()) return Fail(info.status());
-    model = *std::move(info);
-  }
-  absl::StatusOr<AttendCall> call =
-      BuildAttendRequest(options, model.has_value() ? &model->head_config() : nullptr);
+  absl::StatusOr<AttendCall> call = AttendCallFor(client, options);
   if (!call.ok()) return Fail(call.status());
 
   std::vector<double> latencies_ms;
@@ -339,14 +345,7 @@ int RunAttend(const AttentionClient& client) {
 int RunBenchCommand(const AttentionClient& client) {
   const AttendOptions options = AttendOptionsFromFlags();
   if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return Fail(status);
-  std::optional<v1::ModelInfo> model;
-  if (!options.layer_seed.has_value()) {
-    absl::StatusOr<v1::ModelInfo> info = client.GetModel(options.model);
-    if (!info.ok()) return Fail(info.status());
-    model = *std::move(info);
-  }
-  absl::StatusOr<AttendCall> call =
-      BuildAttendRequest(options, model.has_value() ? &model->head_config() : nullptr);
+  absl::StatusOr<AttendCall> call = AttendCallFor(client, options);
   if (!call.ok()) return Fail(call.status());
   BenchOptions bench;
   bench.concurrency = absl::GetFlag(FLAGS_concurrency);

@@ -156,6 +156,71 @@ class Server {
   std::unique_ptr<v1::AttentionService::Stub> stub_;
 };
 
+// A server whose token budget is exactly the tokens of `shapes` and whose
+// queue delay is long (10 s), so that concurrent requests of these shapes form
+// one batch however the machine schedules the clients.
+ServerOptions OneBatchOptions(const std::vector<Shape>& shapes) {
+  ServerOptions options = TestOptions();
+  options.max_batch_tokens = 0;
+  for (const Shape& s : shapes) options.max_batch_tokens += s.Tokens();
+  options.max_queue_delay_us = 10 * 1000 * 1000;
+  return options;
+}
+
+struct CallResult {
+  grpc::Status status;
+  v1::AttendResponse response;
+};
+
+// Sends one request per shape, all at once, each from its own thread.
+std::vector<CallResult> AttendConcurrently(Server& server, const std::vector<Shape>& shapes,
+                                           const std::vector<std::vector<float>>& inputs) {
+  std::vector<CallResult> results(shapes.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    clients.emplace_back([&, i] {
+      results[i].status = server.Attend(MakeRequest(shapes[i], inputs[i]), &results[i].response);
+    });
+  }
+  for (auto& t : clients) t.join();
+  return results;
+}
+
+// The built-in model's layer, in this process: the solo runs and the
+// double-precision reference that batched outputs are compared with.
+class InProcessModel {
+ public:
+  InProcessModel() {
+    core::HeadConfig requested;
+    requested.d_model = kDModel;
+    requested.num_heads = 12;
+    config_ = *core::ResolveHeadConfig(requested);
+    weights_ = core::SeededWeights(config_, kSeed);
+    layer_ = *core::AttentionLayer::Create(config_, weights_);
+  }
+  core::LayerInputs Inputs(const Shape& shape, const std::vector<float>& input) const {
+    core::LayerInputs in;
+    in.hidden_states = input;
+    in.layout = shape.Layout();
+    return in;
+  }
+  std::vector<float> Solo(const Shape& shape, const std::vector<float>& input) {
+    std::vector<float> solo(shape.Rows() * kDModel);
+    core::ForwardOutputs out;
+    out.output = absl::MakeSpan(solo);
+    EXPECT_TRUE(layer_->Forward(Inputs(shape, input), {}, out).ok());
+    return solo;
+  }
+  std::vector<double> Reference(const Shape& shape, const std::vector<float>& input) const {
+    return testing::ReferenceLayer(config_, weights_, Inputs(shape, input)).output;
+  }
+
+ private:
+  core::HeadConfig config_;
+  core::AttentionWeights weights_;
+  std::unique_ptr<core::AttentionLayer> layer_;
+};
+
 TEST(Batching, BatchedRequestsEachGetTheirOwnResultAsTheReferenceAndTheirSoloRun) {
   const std::vector<Shape> shapes = {
       Shape::Padded(1, 16),
@@ -163,13 +228,7 @@ TEST(Batching, BatchedRequestsEachGetTheirOwnResultAsTheReferenceAndTheirSoloRun
       Shape::Packed({3, 7}),
       Shape::Padded(1, 8, {}, v1::DATA_TYPE_BF16),
   };
-  int64_t total_tokens = 0;
-  for (const Shape& s : shapes) total_tokens += s.Tokens();
-  ServerOptions options = TestOptions();
-  // The batch waits (up to 10 s) until exactly these requests fill the
-  // token budget: it forms the same way however the machine schedules us.
-  options.max_batch_tokens = total_tokens;
-  options.max_queue_delay_us = 10 * 1000 * 1000;
+  const ServerOptions options = OneBatchOptions(shapes);
   Server server(options);
 
   const uint64_t seed = testing::FreshSeed();
@@ -177,47 +236,25 @@ TEST(Batching, BatchedRequestsEachGetTheirOwnResultAsTheReferenceAndTheirSoloRun
   std::mt19937_64 rng(seed);
   std::vector<std::vector<float>> inputs;
   for (const Shape& s : shapes) inputs.push_back(testing::RandomNormal(s.Rows() * kDModel, rng));
+  const std::vector<CallResult> results = AttendConcurrently(server, shapes, inputs);
 
-  std::vector<v1::AttendResponse> responses(shapes.size());
-  std::vector<grpc::Status> statuses(shapes.size());
-  std::vector<std::thread> clients;
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    clients.emplace_back([&, i] {
-      statuses[i] = server.Attend(MakeRequest(shapes[i], inputs[i]), &responses[i]);
-    });
-  }
-  for (auto& t : clients) t.join();
-
-  core::HeadConfig requested;
-  requested.d_model = kDModel;
-  requested.num_heads = 12;
-  const core::HeadConfig config = *core::ResolveHeadConfig(requested);
-  const core::AttentionWeights weights = core::SeededWeights(config, kSeed);
-  auto layer = *core::AttentionLayer::Create(config, weights);
+  InProcessModel model;
   int bit_identical = 0;
   for (size_t i = 0; i < shapes.size(); ++i) {
     SCOPED_TRACE(absl::StrCat("request ", i));
-    ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
-    const v1::AttendResponse& response = responses[i];
+    ASSERT_TRUE(results[i].status.ok()) << results[i].status.error_message();
+    const v1::AttendResponse& response = results[i].response;
     EXPECT_EQ(response.timing().batch_size(), static_cast<int32_t>(shapes.size()));
-    EXPECT_EQ(response.timing().batch_tokens(), total_tokens);
+    EXPECT_EQ(response.timing().batch_tokens(), options.max_batch_tokens);
     const std::vector<float> output = Floats(response.output());
     ASSERT_EQ(static_cast<int64_t>(output.size()), shapes[i].Rows() * kDModel);
-
-    // Its solo run in this process, in its own layout.
-    core::LayerInputs in;
-    in.hidden_states = inputs[i];
-    in.layout = shapes[i].Layout();
-    std::vector<float> solo(output.size());
-    core::ForwardOutputs out;
-    out.output = absl::MakeSpan(solo);
-    ASSERT_TRUE(layer->Forward(in, {}, out).ok());
-    const testing::ReferenceResult reference = testing::ReferenceLayer(config, weights, in);
+    const std::vector<float> solo = model.Solo(shapes[i], inputs[i]);
 
     const bool bf16 = shapes[i].output_dtype == v1::DATA_TYPE_BF16;
     // BF16 output: the FP32 result rounded to BF16 (relative error 2^-9).
     const double tolerance = bf16 ? 4e-3 : testing::kFp32Tolerance;
-    EXPECT_LT(testing::RelativeFrobeniusError(output, reference.output), tolerance);
+    EXPECT_LT(testing::RelativeFrobeniusError(output, model.Reference(shapes[i], inputs[i])),
+              tolerance);
     std::vector<double> solo_double(solo.begin(), solo.end());
     EXPECT_LT(testing::RelativeFrobeniusError(output, solo_double), bf16 ? 4e-3 : 1e-6);
     // Padding rows are 0, as in a solo run.
@@ -237,20 +274,11 @@ TEST(Batching, BatchedRequestsEachGetTheirOwnResultAsTheReferenceAndTheirSoloRun
 }
 
 TEST(Batching, ANonFiniteRequestIsRefusedAloneAndLeavesItsBatchmatesUnchanged) {
-  // Three good requests and one with a NaN in a real token, formed into one
-  // batch (the token budget is exactly their sum, the delay long).
+  // Three good requests and one with a NaN in a real token, formed into one batch.
   const std::vector<Shape> shapes = {Shape::Padded(1, 12), Shape::Packed({5, 4}),
                                      Shape::Padded(1, 7), Shape::Padded(1, 10)};
   const size_t bad = 2;
-  int64_t total_tokens = 0, good_tokens = 0;
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    total_tokens += shapes[i].Tokens();
-    if (i != bad) good_tokens += shapes[i].Tokens();
-  }
-  ServerOptions options = TestOptions();
-  options.max_batch_tokens = total_tokens;
-  options.max_queue_delay_us = 10 * 1000 * 1000;
-  Server server(options);
+  Server server(OneBatchOptions(shapes));
 
   const uint64_t seed = testing::FreshSeed();
   SCOPED_TRACE(testing::SeedTrace(seed));
@@ -258,42 +286,24 @@ TEST(Batching, ANonFiniteRequestIsRefusedAloneAndLeavesItsBatchmatesUnchanged) {
   std::vector<std::vector<float>> inputs;
   for (const Shape& s : shapes) inputs.push_back(testing::RandomNormal(s.Rows() * kDModel, rng));
   inputs[bad][3 * kDModel + 17] = std::numeric_limits<float>::quiet_NaN();  // token 3, real
+  const std::vector<CallResult> results = AttendConcurrently(server, shapes, inputs);
 
-  std::vector<v1::AttendResponse> responses(shapes.size());
-  std::vector<grpc::Status> statuses(shapes.size());
-  std::vector<std::thread> clients;
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    clients.emplace_back([&, i] {
-      statuses[i] = server.Attend(MakeRequest(shapes[i], inputs[i]), &responses[i]);
-    });
-  }
-  for (auto& t : clients) t.join();
-
-  EXPECT_EQ(statuses[bad].error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_THAT(statuses[bad].error_message(), ::testing::HasSubstr("hidden_states"));
-  core::HeadConfig requested;
-  requested.d_model = kDModel;
-  requested.num_heads = 12;
-  const core::HeadConfig config = *core::ResolveHeadConfig(requested);
-  const core::AttentionWeights weights = core::SeededWeights(config, kSeed);
-  auto layer = *core::AttentionLayer::Create(config, weights);
+  EXPECT_EQ(results[bad].status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(results[bad].status.error_message(), ::testing::HasSubstr("hidden_states"));
+  int64_t good_tokens = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) good_tokens += i == bad ? 0 : shapes[i].Tokens();
+  InProcessModel model;
   for (size_t i = 0; i < shapes.size(); ++i) {
     if (i == bad) continue;
     SCOPED_TRACE(absl::StrCat("request ", i));
-    ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
+    ASSERT_TRUE(results[i].status.ok()) << results[i].status.error_message();
     // It ran in the batch, with the other good ones only.
-    EXPECT_EQ(responses[i].timing().batch_size(), static_cast<int32_t>(shapes.size() - 1));
-    EXPECT_EQ(responses[i].timing().batch_tokens(), good_tokens);
-    const std::vector<float> output = Floats(responses[i].output());
-    core::LayerInputs in;
-    in.hidden_states = inputs[i];
-    in.layout = shapes[i].Layout();
-    std::vector<float> solo(output.size());
-    core::ForwardOutputs out;
-    out.output = absl::MakeSpan(solo);
-    ASSERT_TRUE(layer->Forward(in, {}, out).ok());
-    EXPECT_LT(testing::RelativeFrobeniusError(output, testing::ReferenceLayer(config, weights, in).output),
+    EXPECT_EQ(results[i].response.timing().batch_size(), static_cast<int32_t>(shapes.size() - 1));
+    EXPECT_EQ(results[i].response.timing().batch_tokens(), good_tokens);
+    const std::vector<float> output = Floats(results[i].response.output());
+    EXPECT_LT(testing::RelativeFrobeniusError(output, model.Reference(shapes[i], inputs[i])),
               testing::kFp32Tolerance);
+    const std::vector<float> solo = model.Solo(shapes[i], inputs[i]);
     EXPECT_LT(testing::RelativeFrobeniusError(output, std::vector<double>(solo.begin(), solo.end())),
               1e-6);
   }
