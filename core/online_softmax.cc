@@ -25,9 +25,11 @@
 // baseline, chosen once by the dynamic loader (GCC's target_clones on ifunc).
 // The inner loops are `omp simd` so that they vectorize at -O2 whatever the
 // cost model says; simdlen(16) asks for full 512-bit vectors in the AVX-512
-// clone.
+// clone. Sanitizer builds take the baseline: an ifunc resolver runs while the
+// dynamic loader relocates, before the sanitizer's runtime is set up, and its
+// instrumented code crashes there (seen under TSan).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_ADDRESS__)
+    !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 #define ATTNSERVE_CLONES \
   __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
 #else
