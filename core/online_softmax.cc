@@ -36,6 +36,14 @@
 #define ATTNSERVE_CLONES
 #endif
 
+// `omp simd` for GCC; clang with sanitizers cannot vectorize these loops and
+// reports it as an error under -Werror, so it gets plain loops.
+#if defined(__clang__)
+#define ATTNSERVE_SIMD_LOOP
+#else
+#define ATTNSERVE_SIMD_LOOP _Pragma("omp simd simdlen(16)")
+#endif
+
 namespace attnserve::core::internal {
 namespace {
 
@@ -220,13 +228,13 @@ void ScaleAndAdd(float* o, const float* add, int64_t n, float alpha, bool first)
     std::memcpy(o, add, static_cast<size_t>(n) * sizeof(float));
     return;
   }
-#pragma omp simd simdlen(16)
+  ATTNSERVE_SIMD_LOOP
   for (int64_t i = 0; i < n; ++i) o[i] = o[i] * alpha + add[i];
 }
 
 ATTNSERVE_CLONES
 void ScaleRow(float* o, int64_t n, float factor) {
-#pragma omp simd simdlen(16)
+  ATTNSERVE_SIMD_LOOP
   for (int64_t i = 0; i < n; ++i) o[i] *= factor;
 }
 
