@@ -266,7 +266,6 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options,
                                            std::optional<TokenSet> tokens, ModelLoader* loader)
     : options_(options),
       registry_(registry),
-      executor_(executor),
       metrics_(metrics),
       tokens_(std::move(tokens)),
       loader_(loader) {

@@ -82,7 +82,6 @@ class AttentionServiceImpl final
   // Constant after construction.
   const ServerOptions options_;
   const ModelRegistry* const registry_;
-  ComputeExecutor* const executor_;
   Metrics* const metrics_;
   const std::optional<TokenSet> tokens_;
   ModelLoader* const loader_;  // null without --model_repository
@@ -110,7 +109,7 @@ class AttentionServiceImpl final
   // Used only on the compute executor.
   LayerCache layer_cache_;
   // Admission, deadlines, memory budget and dynamic batching in front of
-  // `executor_`; created in the constructor.
+  // the compute executor; created in the constructor.
   std::unique_ptr<Scheduler> scheduler_;
 };
 
