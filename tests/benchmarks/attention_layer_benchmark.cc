@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <utility>
@@ -31,6 +32,7 @@
 #include "benchmark/benchmark.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
+#include "core/online_softmax.h"
 #include "dnnl.hpp"
 #include "tests/benchmarks/allocation_counter.h"
 
@@ -274,6 +276,25 @@ void BlockSizes(benchmark::internal::Benchmark* b) {
   }
 }
 BENCHMARK(BM_BlockSizes)->Apply(BlockSizes)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The blocked path's row kernel alone: one online-softmax step over a key
+// block's row of `width` scores (its output feeds the next iteration; the
+// kernel is branch-free, so the values do not change the work). The
+// items_per_second counter is scores per second.
+void BM_OnlineSoftmaxRow(benchmark::State& state) {
+  const int64_t width = state.range(0);
+  std::mt19937_64 rng(1);
+  std::normal_distribution<float> normal;
+  std::vector<float> row(width);
+  for (float& x : row) x = normal(rng);
+  for (auto _ : state) {
+    float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+    benchmark::DoNotOptimize(internal::OnlineSoftmaxRow(row.data(), width, width, m, l, nullptr));
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * width);
+}
+BENCHMARK(BM_OnlineSoftmaxRow)->ArgName("width")->Arg(256)->Arg(2048);
 
 // The ceilings alone.
 void BM_OneDnnMatmulCeiling(benchmark::State& state) {

@@ -5,6 +5,7 @@
 # line per run, prefixed with the variant name.
 #
 #   tests/benchmarks/serving_bench.sh [build dir] [reps]
+#   (a variant is name:flags, its flags separated by commas)
 #   VARIANTS="batched:--max_batch_tokens=4096 solo:--max_batch_tokens=0" \
 #   BENCH="--concurrency=32 --batch=1 --seq=128 --duration=10" tests/benchmarks/serving_bench.sh
 #
