@@ -194,11 +194,14 @@ void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call) {
 }
 
 int64_t ChunkFor(const HeadConfig& config, const SdpaCall& call) {
-  // Sizes validated: these products fit.
   // The blocked path's scratch is per thread, not per sequence.
   if (call.blocked) return call.batch;
-  const int64_t per_sequence = config.num_heads * call.q_len * call.kv_len;
-  return std::clamp<int64_t>(kScoresBudget / per_sequence, 1, call.batch);
+  // One sequence at a time when its scores alone overflow (ForwardScratchBytes
+  // then reports the overflow).
+  const std::optional<int64_t> per_sequence =
+      CheckedProduct({config.num_heads, call.q_len, call.kv_len});
+  if (!per_sequence) return 1;
+  return std::clamp<int64_t>(kScoresBudget / *per_sequence, 1, call.batch);
 }
 
 std::optional<int64_t> KernelScratchBytes(const HeadConfig& config, const SdpaCall& call,
@@ -378,6 +381,7 @@ void AttentionKernels::GatherMaps(const SdpaCall& call, int64_t first, int64_t n
 
 absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t n, const void* q,
                                     const void* k, const void* v, float* context) {
+  if (call.blocked) return SdpaBlocked(call, first, n, q, k, v, context);
   const int64_t heads = config_.num_heads;
   const int64_t kv_heads = config_.num_kv_heads;
   const int64_t g = config_.group_size();
@@ -385,7 +389,6 @@ absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t
   const int64_t t = call.kv_len;
   const int64_t hd = config_.head_dim;
   const memory::data_type operand = OperandType(call.bf16);
-  if (call.blocked) return SdpaBlocked(call, first, n, q, k, v, context);
 
   const bool masked = call.causal || call.mask.kind != ExplicitMask::Kind::kNone ||
                       AnyShorter(call.kv_lengths, first, n, t);
@@ -551,6 +554,12 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
   ATTNSERVE_RETURN_IF_ERROR(Reserve(block_scratchpads_, {threads, pad_stride}, 1));
   while (static_cast<int>(block_streams_.size()) < threads) block_streams_.emplace_back(engine_);
   const int64_t workspace_bytes = BlockWorkspaceBytes(call, hd);
+  // ReserveChunk sized the workspace for omp_get_max_threads() of the same
+  // thread; an embedder changing the thread count in between must not make
+  // the threads run past it.
+  if (block_workspace_.capacity() < threads * workspace_bytes) {
+    return absl::InternalError("blocked attention: the workspace was reserved for fewer threads");
+  }
 
   // Each thread's memory objects and argument arrays per block shape, kept
   // across calls of the same block shapes; the blocks only move their data

@@ -15,23 +15,12 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "core/attention_inputs.h"
+#include "core/bf16.h"
 #include "core/head_config.h"
 #include "core/onednn_util.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace attnserve::core::internal {
-
-// A bfloat16 value: the upper 16 bits of an IEEE float32.
-using Bf16 = uint16_t;
-
-// Round to nearest even; NaN stays NaN.
-inline Bf16 FloatToBf16(float value) {
-  uint32_t bits = 0;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<Bf16>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<Bf16>(bits >> 16);
-}
 
 // to[i] = FloatToBf16(from[i]) for i < n, on the OpenMP threads.
 void ConvertToBf16(const float* from, int64_t n, Bf16* to);
@@ -101,9 +90,9 @@ class AttentionKernels {
   absl::Status Linear(int64_t rows, int64_t in, int64_t out, int64_t w_stride, bool bf16,
                       const void* x, const void* w, const float* b, float* y);
 
-  // How many sequences one SDPA chunk takes: as many as keep the
-  // materialized scores (or, blocked, one block's scores) within a budget, at
-  // least one.
+  // How many sequences one SDPA chunk takes: materialized, as many as keep
+  // the scores within a budget (at least one); blocked, the whole batch (its
+  // scratch is per thread, not per sequence).
   int64_t ChunkSequences(const SdpaCall& call) const;
 
   // Makes the scratch memory ready for chunks of up to `chunk` sequences:

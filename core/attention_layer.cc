@@ -61,7 +61,6 @@ namespace attnserve::core {
 namespace {
 
 using internal::AttentionKernels;
-using internal::Bf16;
 using internal::SdpaCall;
 
 
@@ -323,7 +322,7 @@ void Store(const float* from, int64_t count, T* to) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(to, from, static_cast<size_t>(count) * sizeof(float));
   } else {
-    for (int64_t i = 0; i < count; ++i) to[i] = internal::FloatToBf16(from[i]);
+    for (int64_t i = 0; i < count; ++i) to[i] = FloatToBf16(from[i]);
   }
 }
 
@@ -332,7 +331,7 @@ T FromFloat(float value) {
   if constexpr (std::is_same_v<T, float>) {
     return value;
   } else {
-    return internal::FloatToBf16(value);
+    return FloatToBf16(value);
   }
 }
 

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <limits>
 
+#include "core/bf16.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 // GCC 12's AVX-512 headers start some intrinsics from _mm512_undefined_ps(),
 // which -Wmaybe-uninitialized reports where they are inlined.
@@ -78,11 +80,6 @@ constexpr float kRound = 12582912.0f;
   return x < kExpFloor ? 0.0f : p * scale;
 }
 
-[[gnu::always_inline]] inline uint16_t ToBf16(float value) {
-  uint32_t bits = std::bit_cast<uint32_t>(value);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 }  // namespace
 
@@ -111,7 +108,7 @@ float PortableSoftmaxRow(float* x, int64_t limit, int64_t width, float& m, float
   if (p_bf16 != nullptr) {
     for (int64_t j = 0; j < limit; ++j) {
       const float p = Exp(x[j] - m_new);
-      p_bf16[j] = ToBf16(p);
+      p_bf16[j] = FloatToBf16(p);
       sum += p;
     }
     std::fill(p_bf16 + limit, p_bf16 + width, uint16_t{0});
@@ -153,7 +150,7 @@ ATTNSERVE_AVX512 inline __m512 Exp16(__m512 x) {
   return _mm512_mask_mov_ps(e, below, _mm512_setzero_ps());
 }
 
-// Round to nearest even BF16 (as ToBf16), 16 lanes to 16 halves.
+// Round to nearest even BF16 (as FloatToBf16; p is never NaN), 16 lanes to 16 halves.
 ATTNSERVE_AVX512 inline __m256i ToBf16x16(__m512 p) {
   const __m512i bits = _mm512_castps_si512(p);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/bf16.h"
 #include "core/checked_math.h"
 #include "core/status_macros.h"
 
@@ -205,13 +206,6 @@ float HalfToFloat(uint16_t bits) {
     }
     out = sign | (e << 23) | ((mantissa & 0x3ffu) << 13);
   }
-  float f;
-  std::memcpy(&f, &out, sizeof(f));
-  return f;
-}
-
-float Bfloat16ToFloat(uint16_t bits) {
-  const uint32_t out = static_cast<uint32_t>(bits) << 16;
   float f;
   std::memcpy(&f, &out, sizeof(f));
   return f;

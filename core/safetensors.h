@@ -54,14 +54,15 @@ inline constexpr int64_t kMaxSafetensorsHeaderBytes = int64_t{100} << 20;
 // Errors are INVALID_ARGUMENT (malformed file) or NOT_FOUND (no such tensor),
 // and name the file (as given in `display_name`) and the tensor.
 //
-// Thread-compatible: one thread at a time (reads use pread, so const methods
-// may run concurrently).
+// Thread-compatible: const methods may run concurrently (reads use pread);
+// moving or destroying needs external synchronization.
 class SafetensorsFile {
  public:
   // Takes ownership of `fd` (a regular file opened for reading; closed by the
   // destructor, and on error). `display_name` names the file in messages.
   static absl::StatusOr<SafetensorsFile> FromFd(int fd, std::string display_name);
-  // Opens `path` (O_RDONLY | O_CLOEXEC) and parses it. For tests and tools:
+  // Opens `path` (O_RDONLY | O_CLOEXEC | O_NONBLOCK, so a FIFO never blocks
+  // the open; FromFd then refuses anything but a regular file) and parses it. For tests and tools:
   // the server opens files through server/model_repository.h's checks.
   static absl::StatusOr<SafetensorsFile> Open(const std::string& path);
 
@@ -99,15 +100,15 @@ class SafetensorsFile {
 
 // Parses a safetensors header (the JSON text alone) against a data section of
 // `data_size` bytes, with the checks of SafetensorsFile. `display_name` names
-// the file in messages. Exposed for the fuzzer and tests.
+// the file in messages. Exposed for the header fuzz target
+// (tests/fuzz/safetensors_header_fuzzer.cc).
 absl::Status ParseSafetensorsHeader(
     absl::string_view header, int64_t data_size, absl::string_view display_name,
     std::map<std::string, SafetensorsTensor, std::less<>>* tensors,
     std::map<std::string, std::string, std::less<>>* metadata);
 
-// IEEE binary16 / bfloat16 bits to float (exact).
+// IEEE binary16 bits to float (exact); bfloat16: core/bf16.h.
 float HalfToFloat(uint16_t bits);
-float Bfloat16ToFloat(uint16_t bits);
 
 }  // namespace attnserve::core
 

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/bf16.h"
 #include "core/checked_math.h"
 #include "server/status_util.h"
 
@@ -133,10 +134,9 @@ FloatValues::FloatValues(const v1::Tensor& tensor, const TensorSpec& spec) {
   } else {  // BF16: the upper 16 bits of an FP32.
     storage_.resize(n);
     for (size_t i = 0; i < n; ++i) {
-      uint16_t half;
+      core::Bf16 half;
       std::memcpy(&half, bytes + 2 * i, sizeof(half));
-      const uint32_t bits = static_cast<uint32_t>(half) << 16;
-      std::memcpy(&storage_[i], &bits, sizeof(bits));
+      storage_[i] = core::Bfloat16ToFloat(half);
     }
   }
   values_ = absl::MakeConstSpan(storage_);
@@ -172,15 +172,7 @@ void OutputTensor::Commit() {
   std::string* raw = tensor_->mutable_raw_data();
   raw->resize(scratch_.size() * 2);
   for (size_t i = 0; i < scratch_.size(); ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, &scratch_[i], sizeof(bits));
-    uint16_t half;
-    if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu) != 0) {
-      half = static_cast<uint16_t>((bits >> 16) | 0x0040u);  // NaN stays a (quiet) NaN
-    } else {
-      bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
-      half = static_cast<uint16_t>(bits >> 16);
-    }
+    const core::Bf16 half = core::FloatToBf16(scratch_[i]);
     std::memcpy(&(*raw)[2 * i], &half, sizeof(half));
   }
   std::vector<float>().swap(scratch_);

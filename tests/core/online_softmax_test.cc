@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "core/bf16.h"
 #include "gtest/gtest.h"
 #include "tests/core/attention_test_util.h"
 
@@ -23,12 +24,6 @@ using ::attnserve::testing::SeedTrace;
 
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-float Bf16ToFloat(uint16_t value) {
-  const uint32_t bits = static_cast<uint32_t>(value) << 16;
-  float f = 0.0f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // FastExp's relative error: the polynomial's 4e-7 and the rounding of
 // x log2(e) to FP32, up to |x| 2^-24 log2(e) ln(2) = |x| 6e-8.
@@ -67,7 +62,7 @@ void CheckRow(const std::vector<float>& scores, int64_t limit, int64_t block, bo
     for (int64_t j = 0; j < n; ++j) {
       const double d = static_cast<double>(scores[j0 + j]) - m;
       const double expected = j0 + j < limit ? std::exp(d) : 0.0;
-      const double actual = bf16 ? Bf16ToFloat(p_bf16[j]) : x[j];
+      const double actual = bf16 ? Bfloat16ToFloat(p_bf16[j]) : x[j];
       // FP32: FastExp's error and the rounding of x - m; BF16: 8 bits.
       const double tolerance =
           expected > 0.0 ? (bf16 ? 4e-3 : 2.0 * ExpTolerance(d)) * expected : 0.0;

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/attention_weights.h"
+#include "core/bf16.h"
 #include "core/checkpoint_layouts.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -67,7 +68,9 @@ TEST(Safetensors, RoundTripsFp32Bf16AndFp16) {
   ASSERT_THAT(f16, IsOk());
   for (size_t i = 0; i < values.size(); ++i) {
     EXPECT_EQ((*bf16)[i], Bfloat16ToFloat(FloatToBf16(values[i])));
-    // BF16 keeps 8 bits of mantissa, F16 11: relative errors 2^-9 and 2^-12.
+    EXPECT_EQ((*f16)[i], HalfToFloat(FloatToF16(values[i])));
+    // BF16 keeps 8 significant bits, F16 11: rounding to nearest is within a
+    // relative 2^-8 and 2^-11 (half a unit in the last place of each).
     EXPECT_NEAR((*bf16)[i], values[i], std::abs(values[i]) * 0x1p-8);
     EXPECT_NEAR((*f16)[i], values[i], std::abs(values[i]) * 0x1p-11);
   }
