@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <memory>
 #include <optional>
+#include <utility>
+#include <vector>
 
 #include "attnserve/v1/attention.pb.h"
 #include "google/protobuf/stubs/logging.h"
@@ -42,6 +44,10 @@ float Touch(const v1::Tensor& tensor, const TensorSpec& spec) {
   return sum;
 }
 
+// What the last input came to (for the corpus replay's check of each seed's
+// intent): 0 not an AttendRequest, 1 refused by PlanAttend, 2 planned.
+int last_outcome = 0;
+
 void FuzzOne(const uint8_t* data, size_t size) {
   // Protobuf logs every string field with invalid UTF-8 it parses; fuzzing
   // makes many, and printing them would be most of the time spent.
@@ -50,6 +56,7 @@ void FuzzOne(const uint8_t* data, size_t size) {
     return true;
   }();
   (void)quiet;
+  last_outcome = 0;
   v1::AttendRequest request;
   if (!request.ParseFromArray(data, static_cast<int>(size))) return;
   const RequestLimits limits;
@@ -59,40 +66,35 @@ void FuzzOne(const uint8_t* data, size_t size) {
   // that the seed corpus reaches the parts it is meant to).
   static const bool print_status = std::getenv("ATTNSERVE_FUZZ_PRINT_STATUS") != nullptr;
   if (print_status) std::fprintf(stderr, "%s\n", plan.status().ToString().c_str());
+  last_outcome = plan.ok() ? 2 : 1;
   if (!plan.ok()) return;
 
-  int64_t decoded = plan->output_elements + plan->map_elements;
+  // The input tensors the plan validated, each with its spec.
+  std::vector<std::pair<const v1::Tensor*, const TensorSpec*>> inputs;
   if (plan->projected) {
-    decoded += plan->q.elements + plan->k.elements + plan->v.elements;
+    inputs.push_back({&request.projected().q(), &plan->q});
+    inputs.push_back({&request.projected().k(), &plan->k});
+    inputs.push_back({&request.projected().v(), &plan->v});
   } else {
-    decoded += plan->hidden_states.elements;
-    if (plan->context) decoded += plan->context->elements;
-  }
-  if (plan->mask.kind != core::ExplicitMask::Kind::kNone) decoded += plan->mask.values.elements;
-  if (plan->adhoc) {
-    for (const TensorSpec& w : plan->adhoc->inline_weights) decoded += w.elements;
-  }
-  if (decoded > kMaxDecodedElements) return;
-
-  volatile float sink = 0;
-  if (plan->projected) {
-    sink = sink + Touch(request.projected().q(), plan->q);
-    sink = sink + Touch(request.projected().k(), plan->k);
-    sink = sink + Touch(request.projected().v(), plan->v);
-  } else {
-    sink = sink + Touch(request.hidden_states(), plan->hidden_states);
-    if (plan->context) sink = sink + Touch(request.context(), *plan->context);
+    inputs.push_back({&request.hidden_states(), &plan->hidden_states});
+    if (plan->context) inputs.push_back({&request.context(), &*plan->context});
   }
   if (plan->mask.kind != core::ExplicitMask::Kind::kNone) {
-    sink = sink + Touch(request.mask().values(), plan->mask.values);
+    inputs.push_back({&request.mask().values(), &plan->mask.values});
   }
   if (plan->adhoc && !plan->adhoc->inline_weights.empty()) {
     const v1::LayerWeights& w = request.layer().inline_weights();
     const v1::Tensor* tensors[] = {&w.w_q(), &w.b_q(), &w.w_k(), &w.b_k(),
                                    &w.w_v(), &w.b_v(), &w.w_o(), &w.b_o()};
     const auto& specs = plan->adhoc->inline_weights;
-    for (size_t i = 0; i < specs.size() && i < 8; ++i) sink = sink + Touch(*tensors[i], specs[i]);
+    for (size_t i = 0; i < specs.size() && i < 8; ++i) inputs.push_back({tensors[i], &specs[i]});
   }
+  int64_t decoded = plan->output_elements + plan->map_elements;
+  for (const auto& [tensor, spec] : inputs) decoded += spec->elements;
+  if (decoded > kMaxDecodedElements) return;
+
+  volatile float sink = 0;
+  for (const auto& [tensor, spec] : inputs) sink = sink + Touch(*tensor, *spec);
   // The shapes the plan promises must agree with its element counts.
   int64_t out = 1;
   for (int64_t d : plan->output_shape) out *= d;
@@ -106,6 +108,8 @@ void FuzzOne(const uint8_t* data, size_t size) {
 
 }  // namespace
 }  // namespace attnserve::server
+
+extern "C" int AttnserveFuzzLastOutcome() { return attnserve::server::last_outcome; }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   attnserve::server::FuzzOne(data, size);

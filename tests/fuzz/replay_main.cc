@@ -2,6 +2,11 @@
 // file named on the command line, or found (recursively) in a directory named
 // there, is passed to LLVMFuzzerTestOneInput once. Lets the normal build and
 // CTest replay the checked-in corpus with any compiler.
+//
+// A seed's name says what it is for, and the replay checks that it still gets
+// there (so a seed made stale by an API change fails instead of silently
+// covering nothing): valid_* must plan, invalid_* must parse and be refused,
+// corrupt_* must not plan. Other names, and other targets' seeds, are only run.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -12,6 +17,10 @@
 #include <vector>
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size);
+// The AttendRequest target's verdict on the last input: 0 not an
+// AttendRequest, 1 refused by PlanAttend, 2 planned. Weak: other targets do
+// not define it, and their seeds are only run.
+extern "C" int AttnserveFuzzLastOutcome() __attribute__((weak));
 
 namespace {
 
@@ -23,6 +32,17 @@ bool RunFile(const std::filesystem::path& path) {
   }
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+  if (AttnserveFuzzLastOutcome == nullptr) return true;
+  const std::string name = path.filename().string();
+  const int outcome = AttnserveFuzzLastOutcome();
+  const char* wrong = nullptr;
+  if (name.rfind("valid_", 0) == 0 && outcome != 2) wrong = "a valid_ seed that does not plan";
+  if (name.rfind("invalid_", 0) == 0 && outcome != 1) wrong = "an invalid_ seed that is not refused by PlanAttend";
+  if (name.rfind("corrupt_", 0) == 0 && outcome == 2) wrong = "a corrupt_ seed that plans";
+  if (wrong != nullptr) {
+    std::fprintf(stderr, "replay: %s is %s (rerun tests/fuzz/make_corpus.py)\n", path.c_str(), wrong);
+    return false;
+  }
   return true;
 }
 
