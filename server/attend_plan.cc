@@ -563,8 +563,11 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
 
   // The memory the request holds while it runs: FP32 copies of its inputs,
   // the compute scratch, output and maps as FP32, and the serialized
-  // response. In double, like the scratch: the terms are bounded, not small.
-  double input_elements = static_cast<double>(plan.hidden_states.elements) +
+  // response; hidden states and output twice, for the packed copies a batch
+  // makes of them (server/attend_runner.h). In double, like the scratch: the
+  // terms are bounded, not small.
+  double input_elements = 2.0 * static_cast<double>(plan.hidden_states.elements) +
+                          static_cast<double>(plan.output_elements) +
                           static_cast<double>(plan.q.elements + plan.k.elements + plan.v.elements) +
                           static_cast<double>(plan.mask.values.elements);
   if (plan.context) input_elements += static_cast<double>(plan.context->elements);
@@ -577,7 +580,7 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
         " MiB (inputs, activations, scores, maps and response), over this server's limit of ",
         limits.max_request_bytes >> 20,
         " MiB per request (--max_request_bytes); ask for fewer maps (attention_maps.heads, or "
-        "ATTENTION_MAP_MODE_MEAN_OVER_HEADS), a subset of rows (attention_maps.query_rows), or "
+        "ATTENTION_MAP_MODE_MEAN), a subset of rows (attention_maps.query_rows), or "
         "attention_maps.head_statistics instead of maps, or send fewer or shorter sequences"));
   }
   plan.memory_bytes = static_cast<int64_t>(memory);

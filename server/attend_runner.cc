@@ -78,8 +78,13 @@ absl::Status CheckFinite(absl::Span<const float> values, const core::SequenceLay
   return absl::OkStatus();
 }
 
-v1::Precision ToWirePrecision(core::Precision precision) {
-  return precision == core::Precision::kBf16 ? v1::PRECISION_BF16 : v1::PRECISION_FP32;
+// The response's record of what ran: the model, the precision and the path.
+void SetHowItRan(const core::ForwardInfo& info, const AttendPlan& plan,
+                 v1::AttendResponse* response) {
+  response->set_kernel_path(info.kernel_path);
+  response->set_precision(info.precision == core::Precision::kBf16 ? v1::PRECISION_BF16
+                                                                    : v1::PRECISION_FP32);
+  response->set_model(plan.model != nullptr ? plan.model->name : "");
 }
 
 }  // namespace
@@ -181,9 +186,7 @@ absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request
 
   output.Commit();
   if (maps) maps->Commit();
-  response->set_kernel_path(info->kernel_path);
-  response->set_precision(ToWirePrecision(info->precision));
-  response->set_model(plan.model != nullptr ? plan.model->name : "");
+  SetHowItRan(*info, plan, response);
   return info;
 }
 
@@ -276,9 +279,7 @@ void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
       row += plan.queries.length(b);
     }
     out.Commit();
-    response->set_kernel_path(info->kernel_path);
-    response->set_precision(ToWirePrecision(info->precision));
-    response->set_model(plan.model->name);
+    SetHowItRan(*info, plan, response);
   }
 }
 

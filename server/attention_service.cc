@@ -83,48 +83,15 @@ void FillModelStatus(const ModelStatus& status, const RequestLimits& limits, v1:
   if (!status.failure.ok()) info->set_failure_reason(std::string(status.failure.message()));
 }
 
-// Runs a planned request on the compute executor's thread and fills
-// `response`. DEADLINE_EXCEEDED / CANCELLED when the call ended before or
-// between the layer's stages.
-absl::Status RunAttend(grpc::CallbackServerContext* context, const v1::AttendRequest& request,
-                       const AttendPlan& plan, LayerCache& cache, v1::AttendResponse* response) {
-  const absl::Time deadline = DeadlineOf(*context);
-  const absl::Time start = absl::Now();
-  if (start >= deadline) {
-    return absl::DeadlineExceededError("the deadline passed while the request was queued");
-  }
-  if (context->IsCancelled()) return absl::CancelledError("the client cancelled the call");
-
-  absl::StatusOr<core::ForwardInfo> info = RunAttendPlan(
-      request, plan, cache,
-      [context, deadline] { return context->IsCancelled() || absl::Now() >= deadline; }, response);
-  if (!info.ok()) {
-    response->Clear();
-    if (absl::IsCancelled(info.status()) && absl::Now() >= deadline) {
-      return absl::DeadlineExceededError("the deadline passed during compute");
-    }
-    return info.status();
-  }
-  if (absl::Now() >= deadline) {
-    // The client has given up: count it as it saw it.
-    response->Clear();
-    return absl::DeadlineExceededError("the deadline passed during compute");
-  }
-  return absl::OkStatus();
-}
-
-// Reports a successful compute of `plan`: its time, batch, tokens and the map
-// bytes in `response`.
-void ObserveCompute(const AttendPlan& plan, const v1::AttendResponse& response,
-                    absl::Duration compute, ObservedReactor& reactor, Metrics& metrics) {
-  int64_t tokens = 0;
-  for (int64_t b = 0; b < plan.queries.batch(); ++b) tokens += plan.queries.length(b);
+// Reports a successful compute of a request of `tokens` query tokens: the
+// batch's compute time and the map bytes in `response`.
+void ObserveCompute(int64_t tokens, const v1::AttendResponse& response, absl::Duration compute,
+                    ObservedReactor& reactor, Metrics& metrics) {
   const v1::Tensor& maps = response.attention_maps();
   const auto map_bytes = static_cast<int64_t>(maps.raw_data().size() +
                                               maps.float_data_size() * sizeof(float));
   metrics.OnComputed(reactor.model_label(), response.kernel_path(),
                      {.duration = compute,
-                      .sequences = plan.queries.batch(),
                       .tokens = tokens,
                       .attention_map_bytes = map_bytes});
   reactor.set_compute(compute);
@@ -203,10 +170,21 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
     job->reactor->Dequeued(start - job->enqueued);
     jobs.push_back(job);
   }
+  // The compute stops before a stage (CANCELLED) only when no request of
+  // the batch still wants it.
+  auto should_stop = [&jobs] {
+    const absl::Time now = absl::Now();
+    for (const AttendJob* job : jobs) {
+      if (now < job->deadline && !job->context->IsCancelled()) return false;
+    }
+    return true;
+  };
   std::vector<absl::Status> statuses(jobs.size());
   if (jobs.size() == 1) {
     AttendJob& job = *jobs[0];
-    statuses[0] = RunAttend(job.context, job.call->request, job.plan, layer_cache_, &job.call->response);
+    statuses[0] = RunAttendPlan(job.call->request, job.plan, layer_cache_, should_stop,
+                                &job.call->response)
+                      .status();
   } else {
     std::vector<BatchMember> members(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -214,23 +192,16 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
       members[i].plan = &jobs[i]->plan;
       members[i].response = &jobs[i]->call->response;
     }
-    // The batch stops between stages only when no member still wants it.
-    RunAttendBatch(absl::MakeSpan(members), layer_cache_, [&jobs] {
-      const absl::Time now = absl::Now();
-      for (const AttendJob* job : jobs) {
-        if (now < job->deadline && !job->context->IsCancelled()) return false;
-      }
-      return true;
-    });
-    const absl::Time now = absl::Now();
-    for (size_t i = 0; i < jobs.size(); ++i) {
-      statuses[i] = std::move(members[i].status);
-      // Past its deadline the client has given up: count it as it saw it.
-      if ((statuses[i].ok() || absl::IsCancelled(statuses[i])) && now >= jobs[i]->deadline) {
-        statuses[i] = absl::DeadlineExceededError("the deadline passed during compute");
-      }
-      if (!statuses[i].ok()) jobs[i]->call->response.Clear();
+    RunAttendBatch(absl::MakeSpan(members), layer_cache_, should_stop);
+    for (size_t i = 0; i < jobs.size(); ++i) statuses[i] = std::move(members[i].status);
+  }
+  const absl::Time now = absl::Now();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    // Past its deadline the client has given up: count it as it saw it.
+    if ((statuses[i].ok() || absl::IsCancelled(statuses[i])) && now >= jobs[i]->deadline) {
+      statuses[i] = absl::DeadlineExceededError("the deadline passed before or during compute");
     }
+    if (!statuses[i].ok()) jobs[i]->call->response.Clear();
   }
   const absl::Duration compute = absl::Now() - start;
   // What the batch computed: its members that succeeded (one refused for a
@@ -254,7 +225,7 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
       SetDuration(compute, timing->mutable_compute());
       timing->set_batch_size(static_cast<int32_t>(computed_requests));
       timing->set_batch_tokens(computed_tokens);
-      ObserveCompute(job.plan, job.call->response, compute, *job.reactor, *metrics_);
+      ObserveCompute(job.tokens, job.call->response, compute, *job.reactor, *metrics_);
     }
     job.Finish(std::move(statuses[i]));
   }

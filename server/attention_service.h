@@ -38,7 +38,8 @@ namespace attnserve::server {
 // parsed, validated or anything is allocated for it): UNAUTHENTICATED without
 // a valid "authorization: Bearer <token>". Without it, calls are open.
 //
-// Thread-safe. `registry`, `executor` and `metrics` must outlive the service,
+// Thread-safe. `registry`, `executor`, `metrics` and `loader` (when given)
+// must outlive the service,
 // and the executor must be shut down (running what its scheduler queued)
 // before the service is destroyed.
 class AttentionServiceImpl final

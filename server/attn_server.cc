@@ -37,12 +37,12 @@ absl::Status CheckRange(absl::string_view flag, int64_t value, int64_t min, int6
       absl::StrCat("--", flag, ": ", value, " is outside [", min, ", ", max, "]"));
 }
 
-// Runs one small forward pass so OpenMP's threads and oneDNN's kernels exist
-// before the first request.
 // Start-up queues at most this many loads at once (below ModelLoaderOptions'
 // default max_pending, which refuses more).
-constexpr int64_t kStartupLoadsInFlight = 32;
+constexpr size_t kStartupLoadsInFlight = 32;
 
+// Runs one small forward pass so OpenMP's threads and oneDNN's kernels exist
+// before the first request.
 absl::Status WarmUp(const Model& model, ComputeExecutor& executor) {
   ATTNSERVE_ASSIGN_OR_RETURN(core::SequenceLayout layout, core::SequenceLayout::Padded(1, 16));
   const int64_t d_model = model.layer->config().d_model;
@@ -254,17 +254,16 @@ absl::Status AttnServer::LoadModelsAndServe() {
   const absl::Time start = absl::Now();
   if (loader_ != nullptr) {
     ATTNSERVE_ASSIGN_OR_RETURN(std::vector<std::string> names, repository_->ListModelNames());
+    // Loads answered so far. Loads started and not answered stay under the
+    // loader's max_pending, so no folder of a large repository is refused.
     absl::Mutex mu;
-    size_t pending = names.size();
-    // Loads not yet answered; kept under the loader's max_pending so that no
-    // folder of a large repository is refused at start-up.
-    int64_t queued_loads = 0;
-    for (const std::string& name : names) {
+    size_t finished = 0;
+    for (size_t started = 0; started < names.size(); ++started) {
+      const std::string& name = names[started];
       {
         absl::MutexLock lock(&mu);
-        auto has_room = [&queued_loads]() { return queued_loads < kStartupLoadsInFlight; };
+        auto has_room = [&]() { return started - finished < kStartupLoadsInFlight; };
         mu.Await(absl::Condition(&has_room));
-        ++queued_loads;
       }
       absl::Status queued = loader_->Load(name, [&, name](absl::StatusOr<ModelStatus> loaded) {
         LogLine(loaded.ok()
@@ -273,19 +272,17 @@ absl::Status AttnServer::LoadModelsAndServe() {
                                    loaded->model->description)
                     : absl::StrCat("model '", name, "' not loaded: ", loaded.status().ToString()));
         absl::MutexLock lock(&mu);
-        --pending;
-        --queued_loads;
+        ++finished;
       });
       if (!queued.ok()) {
         LogLine(absl::StrCat("model '", name, "' not loaded: ", queued.ToString()));
         absl::MutexLock lock(&mu);
-        --pending;
-        --queued_loads;
+        ++finished;
       }
     }
     {
       absl::MutexLock lock(&mu);
-      auto done = [&pending]() { return pending == 0; };
+      auto done = [&]() { return finished == names.size(); };
       mu.Await(absl::Condition(&done));
     }
     LogLine(absl::StrCat("model repository '", options_.model_repository, "': ", names.size(),

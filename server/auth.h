@@ -13,9 +13,8 @@
 
 namespace attnserve::server {
 
-// Who a bearer token belongs to. Admin RPCs (model load/unload, still to
-// come) will require is_admin; every AttentionService RPC today needs only a
-// valid token.
+// Who a bearer token belongs to. LoadModel and UnloadModel need is_admin;
+// the other AttentionService RPCs need a valid token.
 struct Principal {
   bool is_admin = false;
 };

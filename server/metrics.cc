@@ -88,6 +88,7 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
               StatusCode::kAlreadyExists,
               StatusCode::kFailedPrecondition,
               StatusCode::kAborted,
+              StatusCode::kResourceExhausted,  // the loader's queue is full
               StatusCode::kUnavailable,
               StatusCode::kUnauthenticated,
               StatusCode::kPermissionDenied};
@@ -203,11 +204,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                         .Register(r);
   m->compute_ = &prometheus::BuildHistogram()
                      .Name("attnserve_compute_seconds")
-                     .Help("Compute time of successful Attend requests, by kernel path.")
+                     .Help("Compute time of the batch each successful Attend request ran in, by kernel path.")
                      .Register(r);
   m->batch_size_ = &prometheus::BuildHistogram()
                         .Name("attnserve_batch_size")
-                        .Help("Sequences per compute batch.")
+                        .Help("Sequences per compute batch (all its requests' sequences).")
                         .Register(r);
   m->batch_tokens_ = &prometheus::BuildHistogram()
                           .Name("attnserve_batch_tokens")

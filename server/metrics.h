@@ -95,7 +95,6 @@ class Metrics {
   // reported by OnBatch).
   struct Compute {
     absl::Duration duration;
-    int64_t sequences = 0;            // the request's sequences
     int64_t tokens = 0;               // query tokens, padding excluded
     int64_t attention_map_bytes = 0;  // map bytes in the response
   };

@@ -14,11 +14,12 @@ struct RequestLimits {
   // The most weight bytes (as FP32) of an ad-hoc layer a request may carry or
   // ask to be seeded: 64 MiB holds a d_model 2048 layer.
   int64_t max_adhoc_weight_bytes = int64_t{64} << 20;
-  // The most compute scratch one request may need (estimated before compute:
-  // projections, scores and masks of one chunk of sequences). By that
-  // estimate the built-in model's largest requests under the default message
-  // limit need up to 1.7 GB (BF16 input), so they all pass; ad-hoc layers with
-  // very many or very wide heads do not.
+  // The most compute scratch one request may need, estimated before compute
+  // by core::ForwardScratchBytes (projections, then per chunk of sequences
+  // the materialized scores and masks, or the blocked path's per-thread
+  // blocks). Requests with maps or statistics at long sequences and ad-hoc
+  // layers with very many or very wide heads reach it; the blocked path
+  // stays far below it.
   int64_t max_scratch_bytes = int64_t{2} << 30;
   // The most memory one request may hold while it runs (AttendPlan's
   // memory_bytes: inputs, scratch, output, maps, response), estimated from
