@@ -77,13 +77,18 @@ class Server:
             raise RuntimeError("attnserve did not report its port")
         self.target = f"127.0.0.1:{self.port}"
 
-    def scrape(self):
-        """The server's /metrics as {(name, frozenset(labels.items())): value}."""
+    def scrape_text(self):
+        """The server's /metrics exposition text (once its metrics port is known)."""
         if not self._metrics_seen.wait(60):
             raise RuntimeError("attnserve did not report its metrics port")
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=10) as response:
-            return parse_exposition(response.read().decode())
+            assert response.status == 200, response.status
+            return response.read().decode()
+
+    def scrape(self):
+        """The server's /metrics as {(name, frozenset(labels.items())): value}."""
+        return parse_exposition(self.scrape_text())
 
     def cpu_seconds(self):
         """User + system CPU time the server process has used (/proc/<pid>/stat)."""

@@ -61,26 +61,17 @@ class AttnServe:
         import health_pb2
         import health_pb2_grpc
         self.pb = attention_pb2
-        self.server = Server(ARGS.server, "--metrics_address=127.0.0.1:0", *flags)
-        deadline = time.monotonic() + 30
-        self.metrics_port = None
-        while self.metrics_port is None and time.monotonic() < deadline:
-            for line in list(self.server.log):
-                m = re.search(r"metrics on port (\d+)", line)
-                if m:
-                    self.metrics_port = int(m.group(1))
-            time.sleep(0.02)
-        if self.metrics_port is None:
-            self.server.stop()
-            raise AssertionError("attnserve did not log 'metrics on port N'")
+        self.server = Server(ARGS.server, *flags)  # metrics on a free loopback port
         self.channel = grpc.insecure_channel(self.server.target)
         self.stub = attention_pb2_grpc.AttentionServiceStub(self.channel)
         wait_serving(health_pb2_grpc.HealthStub(self.channel), health_pb2)
 
     def scrape(self):
-        status, text = http_get(f"http://127.0.0.1:{self.metrics_port}/metrics")
-        assert status == 200, status
-        return text
+        return self.server.scrape_text()
+
+    @property
+    def metrics_port(self):
+        return self.server.metrics_port
 
     def attend(self, batch, seq, d_model=768, model="default", metadata=()):
         """The status code name of an Attend call, and its call object."""
