@@ -242,11 +242,9 @@ int RunHealth(const AttentionClient& client) {
 // A one-line progress bar on stderr, redrawn in place when it is a terminal.
 void ShowProgress(int64_t done, int64_t total) {
   if (!isatty(STDERR_FILENO) || total < 2) return;
-  constexpr int kWidth = 30;
-  const int filled = static_cast<int>(kWidth * done / total);
-  std::fprintf(stderr, "\r[%s%s] %lld/%lld", std::string(filled, '=').c_str(),
-               std::string(kWidth - filled, ' ').c_str(), static_cast<long long>(done),
-               static_cast<long long>(total));
+  std::fprintf(stderr, "\r%s %lld/%lld",
+               ProgressBar(static_cast<double>(done) / static_cast<double>(total)).c_str(),
+               static_cast<long long>(done), static_cast<long long>(total));
   if (done == total) std::fprintf(stderr, "\n");
 }
 
@@ -325,15 +323,12 @@ int RunAttend(const AttentionClient& client) {
   std::printf("server: queue %s, compute %s\n", DurationText(response->timing().queue()).c_str(),
               DurationText(response->timing().compute()).c_str());
   std::sort(latencies_ms.begin(), latencies_ms.end());
-  auto percentile = [&](double p) {
-    const size_t index = static_cast<size_t>(std::ceil(p / 100.0 * latencies_ms.size())) - 1;
-    return latencies_ms[std::min(index, latencies_ms.size() - 1)];
-  };
   if (repeat == 1) {
     std::printf("round trip %.3f ms\n", latencies_ms[0]);
   } else {
     std::printf("round trip over %lld calls: p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, max %.3f ms\n",
-                static_cast<long long>(repeat), percentile(50), percentile(90), percentile(99),
+                static_cast<long long>(repeat), Percentile(latencies_ms, 50), Percentile(latencies_ms, 90),
+                Percentile(latencies_ms, 99),
                 latencies_ms.back());
   }
   absl::StatusOr<std::vector<std::string>> written = SaveAttendFiles(options, *call, *response);
@@ -359,13 +354,10 @@ int RunBenchCommand(const AttentionClient& client) {
     const double fraction =
         bench.requests > 0 ? static_cast<double>(finished) / static_cast<double>(bench.requests)
                            : elapsed / bench.duration_seconds;
-    const double clamped = std::min(1.0, std::max(0.0, fraction));
+    const double clamped = std::clamp(fraction, 0.0, 1.0);
     if (tty) {
-      constexpr int kWidth = 30;
-      const int filled = static_cast<int>(kWidth * clamped);
-      std::fprintf(stderr, "\r[%s%s] %3.0f%% %lld calls %.1f s", std::string(filled, '=').c_str(),
-                   std::string(kWidth - filled, ' ').c_str(), 100 * clamped,
-                   static_cast<long long>(finished), elapsed);
+      std::fprintf(stderr, "\r%s %3.0f%% %lld calls %.1f s", ProgressBar(clamped).c_str(),
+                   100 * clamped, static_cast<long long>(finished), elapsed);
     } else if (static_cast<int64_t>(elapsed) > *last_line) {
       *last_line = static_cast<int64_t>(elapsed);
       std::fprintf(stderr, "bench: %.0f%% %lld calls %.0f s\n", 100 * clamped,

@@ -104,14 +104,10 @@ class Recorder {
     r.errors = errors_;
     r.throughput_rps = elapsed_seconds > 0 ? r.ok / elapsed_seconds : 0;
     std::sort(latencies_ms_.begin(), latencies_ms_.end());
-    auto percentile = [this](double p) {
-      const auto index = static_cast<size_t>(std::ceil(p / 100.0 * latencies_ms_.size()));
-      return latencies_ms_[std::min(std::max<size_t>(index, 1), latencies_ms_.size()) - 1];
-    };
     if (!latencies_ms_.empty()) {
-      r.p50_ms = percentile(50);
-      r.p90_ms = percentile(90);
-      r.p99_ms = percentile(99);
+      r.p50_ms = Percentile(latencies_ms_, 50);
+      r.p90_ms = Percentile(latencies_ms_, 90);
+      r.p99_ms = Percentile(latencies_ms_, 99);
       r.max_ms = latencies_ms_.back();
       double sum = 0;
       for (double l : latencies_ms_) sum += l;
@@ -177,6 +173,18 @@ int64_t QueryTokens(const v1::AttendRequest& request) {
 }
 
 }  // namespace
+
+double Percentile(const std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return 0;
+  const auto rank = static_cast<size_t>(std::ceil(p / 100.0 * static_cast<double>(sorted.size())));
+  return sorted[std::clamp<size_t>(rank, 1, sorted.size()) - 1];
+}
+
+std::string ProgressBar(double fraction) {
+  constexpr int kWidth = 30;
+  const int filled = static_cast<int>(kWidth * std::clamp(fraction, 0.0, 1.0));
+  return "[" + std::string(filled, '=') + std::string(kWidth - filled, ' ') + "]";
+}
 
 absl::StatusOr<BenchResult> RunBench(const AttentionClient& client, const v1::AttendRequest& request,
                                      const BenchOptions& options, BenchProgress progress) {

@@ -5,6 +5,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
@@ -57,6 +58,13 @@ using BenchProgress = std::function<void(int64_t finished, double elapsed_second
 // run; the calls' own errors are counted in the result, not returned.
 absl::StatusOr<BenchResult> RunBench(const AttentionClient& client, const v1::AttendRequest& request,
                                      const BenchOptions& options, BenchProgress progress = nullptr);
+
+// The nearest-rank p-th percentile (0 < p <= 100) of `sorted` (ascending);
+// 0 when it is empty.
+double Percentile(const std::vector<double>& sorted, double p);
+
+// "[=====     ]": a 30-column bar `fraction` (clamped to [0, 1]) full.
+std::string ProgressBar(double fraction);
 
 // A human-readable summary, several lines.
 std::string FormatBenchText(const BenchResult& result);

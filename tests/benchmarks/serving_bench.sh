@@ -17,20 +17,7 @@ VARIANTS="${VARIANTS:-batched:--max_batch_tokens=4096 solo:--max_batch_tokens=0}
 BENCH="${BENCH:---concurrency=32 --batch=1 --seq=128 --duration=10}"
 SERVER_ENV="${SERVER_ENV:-}"
 
-start_server() {  # flags... ; sets PID and PORT
-  local log
-  log="$(mktemp)"
-  env $SERVER_ENV "$BUILD/server/attnserve" --listen_address=127.0.0.1:0 --metrics_address= "$@" \
-    >"$log" 2>&1 &
-  PID=$!
-  for _ in $(seq 100); do
-    grep -q SERVING "$log" && break
-    sleep 0.1
-  done
-  PORT="$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$log" | head -1)"
-  rm -f "$log"
-  [[ -n "$PORT" ]] || { echo "server did not start" >&2; exit 1; }
-}
+source "$(dirname "$0")/server_lib.sh"
 
 for rep in $(seq "$REPS"); do
   for variant in $VARIANTS; do

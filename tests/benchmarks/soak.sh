@@ -18,18 +18,13 @@ BENCH_SHAPE="${BENCH_SHAPE:---batch=1 --seq=128}"
 SERVER_FLAGS="${SERVER_FLAGS:-}"
 OUT="${OUT:-/tmp/attnserve_soak_rss.csv}"
 
-log="$(mktemp)"
-"$BUILD/server/attnserve" --listen_address=127.0.0.1:0 --metrics_address= $SERVER_FLAGS >"$log" 2>&1 &
-PID=$!
-trap 'kill $PID 2>/dev/null || true; rm -f "$log"' EXIT
-for _ in $(seq 100); do grep -q SERVING "$log" && break; sleep 0.1; done
-PORT="$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$log" | head -1)"
-TARGET="127.0.0.1:$PORT"
-rss() { awk '/VmRSS/ {print $2}' "/proc/$PID/status"; }
+source "$(dirname "$0")/server_lib.sh"
+start_server $SERVER_FLAGS
+trap 'kill $PID 2>/dev/null || true' EXIT
 
 if [[ -z "${RATE:-}" ]]; then
   capacity="$("$BUILD/client/attnctl" bench --target="$TARGET" --concurrency=32 --duration=15 \
-    $BENCH_SHAPE --json 2>/dev/null | sed -n 's/.*"throughput_rps":\([0-9.]*\).*/\1/p')"
+    $BENCH_SHAPE --json 2>/dev/null | json_number throughput_rps)"
   RATE="$(awk -v c="$capacity" -v f="$FRACTION" 'BEGIN {printf "%.1f", c * f}')"
   echo "soak: capacity $capacity requests/s; rate $RATE/s ($FRACTION)"
 fi
