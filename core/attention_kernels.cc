@@ -131,8 +131,12 @@ absl::Status Reserve(ScratchBuffer& buffer, std::initializer_list<int64_t> dims,
 }  // namespace
 
 void ConvertToBf16(const float* from, int64_t n, Bf16* to) {
-#pragma omp parallel for schedule(static) if (n > kParallelGrain)
-  for (int64_t i = 0; i < n; ++i) to[i] = FloatToBf16(from[i]);
+  const int64_t pieces = (n + kParallelGrain - 1) / kParallelGrain;
+#pragma omp parallel for schedule(static) if (pieces > 1)
+  for (int64_t piece = 0; piece < pieces; ++piece) {
+    const int64_t begin = piece * kParallelGrain;
+    FloatsToBf16(from + begin, std::min(kParallelGrain, n - begin), to + begin);
+  }
 }
 
 AttentionKernels::AttentionKernels(const HeadConfig& config, dnnl::engine engine)

@@ -322,7 +322,7 @@ void Store(const float* from, int64_t count, T* to) {
   if constexpr (std::is_same_v<T, float>) {
     std::memcpy(to, from, static_cast<size_t>(count) * sizeof(float));
   } else {
-    for (int64_t i = 0; i < count; ++i) to[i] = FloatToBf16(from[i]);
+    FloatsToBf16(from, count, to);
   }
 }
 

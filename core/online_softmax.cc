@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "core/bf16.h"
+#include "core/simd.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 // GCC 12's AVX-512 headers start some intrinsics from _mm512_undefined_ps(),
@@ -21,29 +22,6 @@
 #pragma GCC diagnostic pop
 #endif
 #define ATTNSERVE_AVX512_ROW 1
-#endif
-
-// Each exported function has an AVX-512 clone, an AVX2 clone and the
-// baseline, chosen once by the dynamic loader (GCC's target_clones on ifunc).
-// The inner loops are `omp simd` so that they vectorize at -O2 whatever the
-// cost model says; simdlen(16) asks for full 512-bit vectors in the AVX-512
-// clone. Sanitizer builds take the baseline: an ifunc resolver runs while the
-// dynamic loader relocates, before the sanitizer's runtime is set up, and its
-// instrumented code crashes there (seen under TSan).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-#define ATTNSERVE_CLONES \
-  __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-#else
-#define ATTNSERVE_CLONES
-#endif
-
-// `omp simd` for GCC; clang with sanitizers cannot vectorize these loops and
-// reports it as an error under -Werror, so it gets plain loops.
-#if defined(__clang__)
-#define ATTNSERVE_SIMD_LOOP
-#else
-#define ATTNSERVE_SIMD_LOOP _Pragma("omp simd simdlen(16)")
 #endif
 
 namespace attnserve::core::internal {

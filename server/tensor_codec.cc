@@ -171,10 +171,9 @@ void OutputTensor::Commit() {
   if (dtype_ != v1::DATA_TYPE_BF16) return;
   std::string* raw = tensor_->mutable_raw_data();
   raw->resize(scratch_.size() * 2);
-  for (size_t i = 0; i < scratch_.size(); ++i) {
-    const core::Bf16 half = core::FloatToBf16(scratch_[i]);
-    std::memcpy(&(*raw)[2 * i], &half, sizeof(half));
-  }
+  // Little-endian halves (x86-64, as everywhere the wire format is read raw).
+  core::FloatsToBf16(scratch_.data(), static_cast<int64_t>(scratch_.size()),
+                     reinterpret_cast<core::Bf16*>(raw->data()));
   std::vector<float>().swap(scratch_);
   values_ = {};
 }
