@@ -77,7 +77,8 @@ int64_t BlockWorkspaceBytes(const SdpaCall& call, int64_t head_dim) {
   auto line = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   const int64_t bq = call.block_queries;
   const int64_t bk = call.block_keys;
-  return line(bq * bk * 4) + (call.bf16 ? line(bq * bk * 2) : 0) + line(bq * head_dim * 4) +
+  // scores, (BF16) probabilities, P V, the output accumulator, row state.
+  return line(bq * bk * 4) + (call.bf16 ? line(bq * bk * 2) : 0) + 2 * line(bq * head_dim * 4) +
          line(3 * bq * 4);
 }
 
@@ -174,12 +175,12 @@ memory AttentionKernels::Memory(const memory::desc& desc, const void* data) cons
 
 absl::Status AttentionKernels::Linear(int64_t rows, int64_t in, int64_t out, int64_t w_stride,
                                       bool bf16, const void* x, const void* w, const float* b,
-                                      float* y) {
+                                      void* y, bool y_bf16) {
   const memory::desc x_desc({rows, in}, OperandType(bf16), Tag::ab);
   const memory::desc w_desc({in, out}, OperandType(bf16), memory::dims{w_stride, 1});
   const memory::desc b_desc({1, out}, kF32, Tag::ab);
-  const memory::desc y_desc({rows, out}, kF32, Tag::ab);
-  const Step step = GetStep<dnnl::matmul>({kLinear, rows, in, out, w_stride, bf16}, [&] {
+  const memory::desc y_desc({rows, out}, OperandType(y_bf16), Tag::ab);
+  const Step step = GetStep<dnnl::matmul>({kLinear, rows, in, out, w_stride, bf16, y_bf16}, [&] {
     return dnnl::matmul::primitive_desc(dnnl::matmul::desc(x_desc, w_desc, b_desc, y_desc),
                                         UserScratchpad(), engine_);
   });
@@ -187,6 +188,16 @@ absl::Status AttentionKernels::Linear(int64_t rows, int64_t in, int64_t out, int
                     {DNNL_ARG_WEIGHTS, Memory(w_desc, w)},
                     {DNNL_ARG_BIAS, Memory(b_desc, b)},
                     {DNNL_ARG_DST, Memory(y_desc, y)}});
+}
+
+HeadRows DenseHeadRows(const void* data, int64_t n, int64_t heads, int64_t len, int64_t head_dim) {
+  HeadRows rows;
+  rows.data = const_cast<void*>(data);
+  rows.row_stride = head_dim;
+  rows.head_stride = len * head_dim;
+  rows.first_rows.resize(static_cast<size_t>(n));
+  for (int64_t c = 0; c < n; ++c) rows.first_rows[c] = c * heads * len;
+  return rows;
 }
 
 void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call) {
@@ -385,7 +396,16 @@ void AttentionKernels::GatherMaps(const SdpaCall& call, int64_t first, int64_t n
 
 absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t n, const void* q,
                                     const void* k, const void* v, float* context) {
-  if (call.blocked) return SdpaBlocked(call, first, n, q, k, v, context);
+  if (call.blocked) {
+    const int64_t heads = config_.num_heads;
+    const int64_t kv_heads = config_.num_kv_heads;
+    const int64_t hd = config_.head_dim;
+    return SdpaBlocked(call, first, n, DenseHeadRows(q, n, heads, call.q_len, hd),
+                       DenseHeadRows(k, n, kv_heads, call.kv_len, hd),
+                       DenseHeadRows(v, n, kv_heads, call.kv_len, hd),
+                       DenseHeadRows(context, n, heads, call.q_len, hd), /*context_bf16=*/false,
+                       /*zero_rows_past_length=*/true);
+  }
   const int64_t heads = config_.num_heads;
   const int64_t kv_heads = config_.num_kv_heads;
   const int64_t g = config_.group_size();
@@ -505,10 +525,10 @@ absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t
 // blocks) are made before the parallel region; each thread has its own
 // stream, workspace and oneDNN scratchpad.
 absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, int64_t n,
-                                           const void* q, const void* k, const void* v,
-                                           float* context) {
+                                           const HeadRows& q, const HeadRows& k,
+                                           const HeadRows& v, const HeadRows& context,
+                                           bool context_bf16, bool zero_rows_past_length) {
   const int64_t heads = config_.num_heads;
-  const int64_t kv_heads = config_.num_kv_heads;
   const int64_t g = config_.group_size();
   const int64_t s = call.q_len;
   const int64_t t = call.kv_len;
@@ -532,19 +552,20 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
       const int64_t mq = last_q ? (s - 1) % bq + 1 : bq;
       const int64_t mk = last_k ? (t - 1) % bk + 1 : bk;
       BlockSteps& step = steps[last_q][last_k];
-      step.q_desc = memory::desc({mq, hd}, operand, memory::dims{hd, 1});
-      step.k_t_desc = memory::desc({hd, mk}, operand, memory::dims{1, hd});
+      step.q_desc = memory::desc({mq, hd}, operand, memory::dims{q.row_stride, 1});
+      step.k_t_desc = memory::desc({hd, mk}, operand, memory::dims{1, k.row_stride});
       step.s_desc = memory::desc({mq, mk}, kF32, Tag::ab);
       step.p_desc = memory::desc({mq, mk}, operand, Tag::ab);
-      step.v_desc = memory::desc({mk, hd}, operand, memory::dims{hd, 1});
+      step.v_desc = memory::desc({mk, hd}, operand, memory::dims{v.row_stride, 1});
       step.pv_desc = memory::desc({mq, hd}, kF32, Tag::ab);
-      step.scores = GetStep<dnnl::matmul>({kBlockScores, mq, mk, hd, call.bf16}, [&] {
+      step.scores = GetStep<dnnl::matmul>(
+          {kBlockScores, mq, mk, hd, call.bf16, q.row_stride, k.row_stride}, [&] {
         dnnl::primitive_attr attr = UserScratchpad();
         attr.set_output_scales(0, {config_.scale});
         return dnnl::matmul::primitive_desc(
             dnnl::matmul::desc(step.q_desc, step.k_t_desc, step.s_desc), attr, engine_);
       });
-      step.values = GetStep<dnnl::matmul>({kBlockValues, mq, mk, hd, call.bf16}, [&] {
+      step.values = GetStep<dnnl::matmul>({kBlockValues, mq, mk, hd, call.bf16, v.row_stride}, [&] {
         return dnnl::matmul::primitive_desc(
             dnnl::matmul::desc(step.p_desc, step.v_desc, step.pv_desc), UserScratchpad(),
             engine_);
@@ -569,7 +590,9 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
   // across calls of the same block shapes; the blocks only move their data
   // handles (oneDNN's execute then allocates only its own execution context).
   if (static_cast<int>(block_args_.size()) < threads) block_args_.resize(threads);
-  const BlockArgsKey args_key = {bq, bk, (s - 1) % bq + 1, (t - 1) % bk + 1, hd, call.bf16};
+  const BlockArgsKey args_key = {bq,           bk,           (s - 1) % bq + 1, (t - 1) % bk + 1,
+                                 hd,           call.bf16,    q.row_stride,     k.row_stride,
+                                 v.row_stride};
   for (int thread = 0; thread < threads; ++thread) {
     BlockArgsSet& set = block_args_[thread];
     char* const workspace = static_cast<char*>(block_workspace_.data()) + thread * workspace_bytes;
@@ -630,7 +653,8 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
         call.bf16 ? reinterpret_cast<Bf16*>(workspace + line(bq * bk * 4)) : nullptr;
     float* const values = reinterpret_cast<float*>(workspace + line(bq * bk * 4) +
                                                    (call.bf16 ? line(bq * bk * 2) : 0));
-    float* const row_max = values + line(bq * hd * 4) / 4;
+    float* const acc = values + line(bq * hd * 4) / 4;  // [mq, hd]: sum of P V so far
+    float* const row_max = acc + line(bq * hd * 4) / 4;
     float* const row_sum = row_max + bq;
     float* const row_alpha = row_sum + bq;
     dnnl::stream& stream = block_streams_[thread];
@@ -649,9 +673,14 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
       const int64_t b = first + c;
       const int64_t kv_group = h / g;
       const char* const q_rows =
-          static_cast<const char*>(q) + ((c * heads + h) * s + i0) * hd * operand_bytes;
-      const int64_t kv_offset = (c * kv_heads + kv_group) * t * hd;
-      float* const o = context + ((c * heads + h) * s + i0) * hd;
+          static_cast<const char*>(q.data) +
+          ((q.first_rows[c] + i0) * q.row_stride + h * q.head_stride) * operand_bytes;
+      const char* const k_base = static_cast<const char*>(k.data) +
+                                 (k.first_rows[c] * k.row_stride + kv_group * k.head_stride) *
+                                     operand_bytes;
+      const char* const v_base = static_cast<const char*>(v.data) +
+                                 (v.first_rows[c] * v.row_stride + kv_group * v.head_stride) *
+                                     operand_bytes;
       std::fill(row_max, row_max + mq, kMasked);
       std::fill(row_sum, row_sum + mq, 0.0f);
       const int64_t key_end =
@@ -661,10 +690,8 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
           const int64_t mk = std::min(bk, t - j0);
           const BlockSteps& step = steps[mq != bq][mk != bk];
           BlockArgs& a = block_args[mq != bq][mk != bk];
-          const char* const k_rows =
-              static_cast<const char*>(k) + (kv_offset + j0 * hd) * operand_bytes;
-          const char* const v_rows =
-              static_cast<const char*>(v) + (kv_offset + j0 * hd) * operand_bytes;
+          const char* const k_rows = k_base + j0 * k.row_stride * operand_bytes;
+          const char* const v_rows = v_base + j0 * v.row_stride * operand_bytes;
           // oneDNN takes non-const handles; the operands are only read.
           a.q.set_data_handle(const_cast<char*>(q_rows));
           a.k_t.set_data_handle(const_cast<char*>(k_rows));
@@ -690,7 +717,7 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
           }
           execute(step.values, a.values_args, a.values_count);
           for (int64_t r = 0; r < mq; ++r) {
-            ScaleAndAdd(o + r * hd, values + r * hd, hd, row_alpha[r], j0 == 0);
+            ScaleAndAdd(acc + r * hd, values + r * hd, hd, row_alpha[r], j0 == 0);
           }
         }
       } catch (const dnnl::error& e) {
@@ -700,15 +727,28 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
           failure = StatusFromDnnlError(e, "running a blocked attention matmul").ToString();
         }
       }
-      // O *= head_mask[h] / l; rows past a query length and dead rows: 0.
+      // O = acc * head_mask[h] / l; dead rows (every key masked): 0; rows past
+      // a query length: 0 or untouched.
       const float weight = call.head_mask.empty() ? 1.0f : call.head_mask[h];
+      const int64_t context_bytes = context_bf16 ? 2 : 4;
       for (int64_t r = 0; r < mq; ++r) {
-        float* const row = o + r * hd;
+        const bool past_length = i0 + r >= call.q_lengths[b];
+        if (past_length && !zero_rows_past_length) continue;
+        char* const row = static_cast<char*>(context.data) +
+                          ((context.first_rows[c] + i0 + r) * context.row_stride +
+                           h * context.head_stride) *
+                              context_bytes;
         const float l = row_sum[r];
-        if (i0 + r >= call.q_lengths[b] || !(l > 0.0f) || !std::isfinite(l)) {
-          std::fill(row, row + hd, 0.0f);
+        if (past_length || !(l > 0.0f) || !std::isfinite(l)) {
+          std::memset(row, 0, static_cast<size_t>(hd * context_bytes));
+          continue;
+        }
+        float* const o = acc + r * hd;
+        if (context_bf16) {
+          ScaleRow(o, hd, weight / l);
+          FloatsToBf16(o, hd, reinterpret_cast<Bf16*>(row));
         } else {
-          ScaleRow(row, hd, weight / l);
+          ScaleInto(o, hd, weight / l, reinterpret_cast<float*>(row));
         }
       }
     }

@@ -52,6 +52,23 @@ struct SdpaCall {
   absl::Span<float> head_max_weight;
 };
 
+// Where the blocked path finds one operand's rows: row `pos` of head h of
+// the chunk's sequence c starts at element
+//   (first_rows[c] + pos) * row_stride + h * head_stride
+// of `data`. Dense [n, heads, len, head_dim] operands are one case
+// (DenseHeadRows); the projections' token-major rows [tokens, heads *
+// head_dim] another (row_stride the projection's width, head_stride head_dim,
+// first_rows the sequences' row offsets). Inputs are only read.
+struct HeadRows {
+  void* data = nullptr;
+  int64_t row_stride = 0;
+  int64_t head_stride = 0;
+  std::vector<int64_t> first_rows;  // [n]
+};
+
+// data as [n, heads, len, head_dim], dense.
+HeadRows DenseHeadRows(const void* data, int64_t n, int64_t heads, int64_t len, int64_t head_dim);
+
 // The block sizes the blocked path uses when the caller leaves them 0:
 // measured on Zen 4 (BM_BlockSizes, docs/measurements.md) at S=2048, where
 // 256 x 256 was among the fastest (the single-thread time is flat from 64 x 256
@@ -86,9 +103,10 @@ class AttentionKernels {
 
   // y [rows, out] = x [rows, in] w [in, out] + b [out], row-major, w with a
   // row stride of w_stride >= out elements (a column block of a wider
-  // matrix); x and w are FP32 or (bf16) BF16, b and y FP32.
+  // matrix); x and w are FP32 or (bf16) BF16, b FP32, y FP32 or (y_bf16)
+  // BF16.
   absl::Status Linear(int64_t rows, int64_t in, int64_t out, int64_t w_stride, bool bf16,
-                      const void* x, const void* w, const float* b, float* y);
+                      const void* x, const void* w, const float* b, void* y, bool y_bf16);
 
   // How many sequences one SDPA chunk takes: materialized, as many as keep
   // the scores within a budget (at least one); blocked, the whole batch (its
@@ -121,6 +139,19 @@ class AttentionKernels {
   absl::Status Sdpa(const SdpaCall& call, int64_t first, int64_t n, const void* q, const void* k,
                     const void* v, float* context);
 
+  // The blocked path of Sdpa (call.blocked) on operands anywhere (HeadRows):
+  // the same attention, for sequences [first, first + n) of `call`, with
+  // q [num_heads heads], k and v [num_kv_heads heads] in the call's operand
+  // type (padding rows inside a sequence's max_length finite; rows past the
+  // chunk's last sequence are never read when every sequence has the max
+  // length), and context [num_heads heads] written as FP32 or (context_bf16)
+  // BF16. Rows of a query past its sequence's length are written as zeros when
+  // zero_rows_past_length, else left as they are (token-major outputs, where
+  // such rows belong to padding or another sequence).
+  absl::Status SdpaBlocked(const SdpaCall& call, int64_t first, int64_t n, const HeadRows& q,
+                           const HeadRows& k, const HeadRows& v, const HeadRows& context,
+                           bool context_bf16, bool zero_rows_past_length);
+
  private:
   using Args = std::unordered_map<int, dnnl::memory>;
   using Key = std::vector<int64_t>;
@@ -150,9 +181,6 @@ class AttentionKernels {
                            float* probs);
   // Copies the selected maps of the chunk out of probs.
   void GatherMaps(const SdpaCall& call, int64_t first, int64_t n, const float* probs);
-  // The blocked path of Sdpa.
-  absl::Status SdpaBlocked(const SdpaCall& call, int64_t first, int64_t n, const void* q,
-                           const void* k, const void* v, float* context);
 
   // Constant after construction.
   const HeadConfig config_;
@@ -178,8 +206,8 @@ class AttentionKernels {
     int scores_count = 3;
     int values_count = 3;
   };
-  // bq, bk, last mq, last mk, head_dim, bf16.
-  using BlockArgsKey = std::array<int64_t, 6>;
+  // bq, bk, last mq, last mk, head_dim, bf16, the row strides of q, k, v.
+  using BlockArgsKey = std::array<int64_t, 9>;
   struct BlockArgsSet {
     BlockArgsKey key = {};
     BlockArgs args[2][2];

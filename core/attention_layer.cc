@@ -314,6 +314,19 @@ ForwardInfo MakeInfo(const SdpaCall& call) {
   return info;
 }
 
+// Token-major rows [tokens, width] of `data` as the blocked path's HeadRows
+// for sequences [first, first + n) of `layout`: head h at column h * head_dim.
+internal::HeadRows TokenRows(void* data, int64_t width, int64_t head_dim,
+                             const SequenceLayout& layout, int64_t first, int64_t n) {
+  internal::HeadRows rows;
+  rows.data = data;
+  rows.row_stride = width;
+  rows.head_stride = head_dim;
+  rows.first_rows.resize(static_cast<size_t>(n));
+  for (int64_t c = 0; c < n; ++c) rows.first_rows[c] = layout.row_offset(first + c);
+  return rows;
+}
+
 // --- Staging: token-major or head-major FP32 rows into the kernels' padded,
 // head-major operands (FP32 or BF16), with RoPE on the way.
 
@@ -451,7 +464,7 @@ std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const Seque
     add({rows, q_width + kv_width}, 4);
   }
   add({rows, q_width}, element);                                       // concatenated heads
-  add({chunk, config.num_heads, call.q_len, config.head_dim}, 4);      // context heads
+  if (!call.blocked) add({chunk, config.num_heads, call.q_len, config.head_dim}, 4);  // context heads
   if (bf16) {
     add({rows, config.d_model}, 2);
     if (cross_attention) add({kv_rows, config.context_dim}, 2);
@@ -502,10 +515,10 @@ class AttentionLayer::Impl {
   absl::StatusOr<ForwardInfo> ForwardLocked(const LayerInputs& inputs,
                                             const ForwardOptions& options, ForwardOutputs outputs)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Where the projected rows of Q, K or V are: row r of head h starts at
-  // base + r * stride + h * head_dim.
+  // Where the projected rows of Q, K or V are in projected_: row r of head h
+  // starts at element offset + r * stride + h * head_dim.
   struct Projected {
-    const float* base = nullptr;
+    int64_t offset = 0;
     int64_t stride = 0;
   };
   // Stages the chunk's Q, K, V (see AttentionKernels::q_stage) from the
@@ -692,9 +705,28 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
   const int64_t kv_rows = keys.rows();
   const int64_t element = bf16 ? sizeof(Bf16) : sizeof(float);
 
+  const SdpaCall call =
+      MakeCall(layout, keys, inputs.causal, inputs.mask, inputs.head_mask, options, outputs, bf16);
+  // In BF16 the blocked path reads Q, K and V where the projections leave
+  // them (written in BF16 by the projection matmul) when that is measured
+  // faster than staging dense copies: staging costs a pass over every token,
+  // reading the projections' wide rows slows every block matmul, and the
+  // blocks re-read each key block once per query block. At B=8 S=128 and
+  // S=512 reading directly was 4-8% faster, at S=2048 equal, at S=4096 3%
+  // slower (docs/measurements.md), hence up to 4 query blocks. In FP32
+  // staging is a plain copy and the dense copies were faster from S=512 on.
+  // Never with RoPE (it rewrites Q and K) or when a sequence is shorter than
+  // the longest (a block would reach into padding, which may hold anything,
+  // or into the next sequence).
+  const bool direct = bf16 && call.blocked && call.q_len <= 4 * call.block_queries &&
+                      config_.rotary.rotary_dim == 0 && layout.is_uniform() &&
+                      keys.is_uniform();
+  const bool projected_bf16 = direct;
+  const int64_t projected_element = projected_bf16 ? sizeof(Bf16) : sizeof(float);
+
   // Sizes below were checked by Validate.
-  ATTNSERVE_RETURN_IF_ERROR(
-      projected_.Reserve((cross ? rows * q_width + kv_rows * kv_width : rows * n_width) * 4));
+  ATTNSERVE_RETURN_IF_ERROR(projected_.Reserve(
+      (cross ? rows * q_width + kv_rows * kv_width : rows * n_width) * projected_element));
   ATTNSERVE_RETURN_IF_ERROR(context_tokens_.Reserve(rows * q_width * element));
 
   // Stage 1: projections.
@@ -716,24 +748,25 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
     w_o = w_o_bf16_.data();
   }
   const InputWeights w_in = GetInputWeights(bf16);
-  float* const projected = projected_.floats();
+  char* const projected = static_cast<char*>(projected_.data());
   Projected qkv[3];  // Q, K, V
   if (cross) {
-    float* const kv = projected + rows * q_width;
+    const int64_t kv = rows * q_width;
     ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(rows, d, q_width, w_in.q_stride, bf16, x, w_in.q,
-                                              b_qkv_.data(), projected));
-    ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(kv_rows, context_dim, kv_width, w_in.kv_stride, bf16,
-                                              c, w_in.kv, b_qkv_.data() + q_width, kv));
-    qkv[0] = {projected, q_width};
+                                              b_qkv_.data(), projected, projected_bf16));
+    ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(
+        kv_rows, context_dim, kv_width, w_in.kv_stride, bf16, c, w_in.kv, b_qkv_.data() + q_width,
+        projected + kv * projected_element, projected_bf16));
+    qkv[0] = {0, q_width};
     qkv[1] = {kv, kv_width};
     qkv[2] = {kv + config_.kv_width(), kv_width};
   } else {
     // Fused (Validate checked context_dim == d_model).
-    ATTNSERVE_RETURN_IF_ERROR(
-        kernels_.Linear(rows, d, n_width, n_width, bf16, x, w_in.q, b_qkv_.data(), projected));
-    qkv[0] = {projected, n_width};
-    qkv[1] = {projected + q_width, n_width};
-    qkv[2] = {projected + q_width + config_.kv_width(), n_width};
+    ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(rows, d, n_width, n_width, bf16, x, w_in.q,
+                                              b_qkv_.data(), projected, projected_bf16));
+    qkv[0] = {0, n_width};
+    qkv[1] = {q_width, n_width};
+    qkv[2] = {q_width + config_.kv_width(), n_width};
   }
   if (config_.rotary.rotary_dim > 0) {
     // Queries at position_offsets[b] + i. Keys: the same positions in
@@ -742,20 +775,43 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
     if (cross) RotaryTables(keys, {}, inverse_frequencies_, k_cos_, k_sin_);
   }
 
-  // Stage 2: attention, a chunk of sequences at a time.
-  const SdpaCall call =
-      MakeCall(layout, keys, inputs.causal, inputs.mask, inputs.head_mask, options, outputs, bf16);
+  // Stage 2: attention, a chunk of sequences at a time (the blocked path: the
+  // whole batch at once), into the token-major rows of context_tokens_.
   const int64_t chunk = kernels_.ChunkSequences(call);
   ATTNSERVE_RETURN_IF_ERROR(kernels_.ReserveChunk(call, chunk));
-  ATTNSERVE_RETURN_IF_ERROR(
-      context_heads_.Reserve(chunk * config_.num_heads * call.q_len * config_.head_dim * 4));
+  if (!call.blocked) {
+    ATTNSERVE_RETURN_IF_ERROR(
+        context_heads_.Reserve(chunk * config_.num_heads * call.q_len * config_.head_dim * 4));
+  }
+  const int64_t hd = config_.head_dim;
   for (int64_t first = 0; first < call.batch; first += chunk) {
     if (ShouldStop(options)) return Cancelled();
     const int64_t n = std::min(chunk, call.batch - first);
-    if (bf16) {
-      Stage<Bf16>(inputs, keys, qkv, call, first, n);
-    } else {
-      Stage<float>(inputs, keys, qkv, call, first, n);
+    if (!direct) {
+      if (bf16) {
+        Stage<Bf16>(inputs, keys, qkv, call, first, n);
+      } else {
+        Stage<float>(inputs, keys, qkv, call, first, n);
+      }
+    }
+    if (call.blocked) {
+      auto projected_rows = [&](const Projected& part, const SequenceLayout& of) {
+        return TokenRows(projected + part.offset * projected_element, part.stride, hd, of, first,
+                         n);
+      };
+      const int64_t heads = config_.num_heads;
+      const int64_t kv_heads = config_.num_kv_heads;
+      ATTNSERVE_RETURN_IF_ERROR(kernels_.SdpaBlocked(
+          call, first, n,
+          direct ? projected_rows(qkv[0], layout)
+                 : internal::DenseHeadRows(kernels_.q_stage(), n, heads, call.q_len, hd),
+          direct ? projected_rows(qkv[1], keys)
+                 : internal::DenseHeadRows(kernels_.k_stage(), n, kv_heads, call.kv_len, hd),
+          direct ? projected_rows(qkv[2], keys)
+                 : internal::DenseHeadRows(kernels_.v_stage(), n, kv_heads, call.kv_len, hd),
+          TokenRows(context_tokens_.data(), q_width, hd, layout, first, n), bf16,
+          /*zero_rows_past_length=*/false));
+      continue;
     }
     ATTNSERVE_RETURN_IF_ERROR(kernels_.Sdpa(call, first, n, kernels_.q_stage(), kernels_.k_stage(),
                                             kernels_.v_stage(), context_heads_.floats()));
@@ -783,7 +839,8 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
                 static_cast<size_t>((end - begin) * q_width * element));
   }
   ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(rows, q_width, d, d, bf16, context_tokens_.data(), w_o,
-                                            b_o_.data(), outputs.output.data()));
+                                            b_o_.data(), outputs.output.data(),
+                                            /*y_bf16=*/false));
   kernels_.Wait();
   for (const auto& [begin, end] : padding) {
     std::fill(outputs.output.begin() + begin * d, outputs.output.begin() + end * d, 0.0f);
@@ -809,7 +866,7 @@ void AttentionLayer::Impl::Stage(const LayerInputs& inputs, const SequenceLayout
         HeadRow row;
         if (pos >= layout.length(b)) return row;
         const int64_t r = layout.row_offset(b) + pos;
-        row.values = qkv[0].base + r * qkv[0].stride + h * hd;
+        row.values = projected_.floats() + qkv[0].offset + r * qkv[0].stride + h * hd;
         if (half > 0) {
           row.cos = q_cos_.data() + r * half;
           row.sin = q_sin_.data() + r * half;
@@ -826,7 +883,8 @@ void AttentionLayer::Impl::Stage(const LayerInputs& inputs, const SequenceLayout
           HeadRow row;
           if (pos >= keys.length(b)) return row;
           const int64_t r = keys.row_offset(b) + pos;
-          row.values = qkv[1 + which].base + r * qkv[1 + which].stride + g * hd;
+          row.values =
+              projected_.floats() + qkv[1 + which].offset + r * qkv[1 + which].stride + g * hd;
           if (rotate) {
             row.cos = k_cos.data() + r * half;
             row.sin = k_sin.data() + r * half;

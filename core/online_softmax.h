@@ -35,6 +35,9 @@ void ScaleAndAdd(float* o, const float* add, int64_t n, float alpha, bool first)
 // o [n] *= factor.
 void ScaleRow(float* o, int64_t n, float factor);
 
+// to [n] = from [n] * factor.
+void ScaleInto(const float* from, int64_t n, float factor, float* to);
+
 }  // namespace attnserve::core::internal
 
 #endif  // ATTNSERVE_CORE_ONLINE_SOFTMAX_H_
