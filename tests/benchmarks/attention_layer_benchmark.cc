@@ -26,6 +26,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -40,45 +41,71 @@
 namespace attnserve::core {
 namespace {
 
-// oneDNN's matmul on 2048^3 in FP32 or BF16 (FP32 output), built once.
-class Ceiling {
+// One oneDNN matmul, [m, k] x [k, n] (+ bias [n]) in FP32 or BF16 operands
+// with FP32 output, on fixed inputs, built once.
+class Matmul {
  public:
-  explicit Ceiling(bool bf16)
-      : engine_(dnnl::engine::kind::cpu, 0),
+  Matmul(int64_t m, int64_t k, int64_t n, bool bf16, bool bias)
+      : flop_(2.0 * m * k * n),
+        engine_(dnnl::engine::kind::cpu, 0),
         stream_(engine_),
-        in_desc_({kN, kN}, bf16 ? memory::data_type::bf16 : memory::data_type::f32,
-                 memory::format_tag::ab),
-        out_desc_({kN, kN}, memory::data_type::f32, memory::format_tag::ab),
-        matmul_(dnnl::matmul::primitive_desc(dnnl::matmul::desc(in_desc_, in_desc_, out_desc_),
-                                             engine_)),
-        a_(in_desc_, engine_),
-        b_(in_desc_, engine_),
-        c_(out_desc_, engine_) {
-    for (memory* m : {&a_, &b_}) {
-      char* p = static_cast<char*>(m->get_data_handle());
-      for (size_t i = 0; i < in_desc_.get_size(); ++i) p[i] = static_cast<char>(i % 7 + 60);
+        matmul_(dnnl::matmul::primitive_desc(
+            bias ? dnnl::matmul::desc(Desc({m, k}, bf16), Desc({k, n}, bf16),
+                                      Desc({1, n}, false), Desc({m, n}, false))
+                 : dnnl::matmul::desc(Desc({m, k}, bf16), Desc({k, n}, bf16),
+                                      Desc({m, n}, false)),
+            engine_)),
+        a_(Desc({m, k}, bf16), engine_),
+        b_(Desc({k, n}, bf16), engine_),
+        c_(Desc({m, n}, false), engine_) {
+    args_ = {{DNNL_ARG_SRC, a_}, {DNNL_ARG_WEIGHTS, b_}, {DNNL_ARG_DST, c_}};
+    if (bias) {
+      bias_ = memory(Desc({1, n}, false), engine_);
+      args_[DNNL_ARG_BIAS] = bias_;
     }
-    Sample();  // warm-up
+    for (const auto& [arg, m] : args_) {
+      if (arg == DNNL_ARG_DST) continue;
+      char* p = static_cast<char*>(m.get_data_handle());
+      // Small finite values in either type.
+      for (size_t i = 0; i < m.get_desc().get_size(); ++i) p[i] = static_cast<char>(i % 7 + 60);
+    }
+    Seconds();  // warm-up
   }
 
-  // GFLOP/s of one run.
-  double Sample() {
+  // Seconds of one run.
+  double Seconds() {
     const auto start = std::chrono::steady_clock::now();
-    matmul_.execute(stream_, {{DNNL_ARG_SRC, a_}, {DNNL_ARG_WEIGHTS, b_}, {DNNL_ARG_DST, c_}});
+    matmul_.execute(stream_, args_);
     stream_.wait();
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return 2.0 * kN * kN * kN / seconds * 1e-9;
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
+  double flop() const { return flop_; }
 
  private:
   using memory = dnnl::memory;
-  static constexpr int64_t kN = 2048;
+  static memory::desc Desc(const memory::dims& dims, bool bf16) {
+    return memory::desc(dims, bf16 ? memory::data_type::bf16 : memory::data_type::f32,
+                        memory::format_tag::ab);
+  }
+  double flop_;
   dnnl::engine engine_;
   dnnl::stream stream_;
-  memory::desc in_desc_, out_desc_;
   dnnl::matmul matmul_;
-  memory a_, b_, c_;
+  memory a_, b_, c_, bias_;
+  std::unordered_map<int, memory> args_;
+};
+
+// oneDNN's matmul on 2048^3 in FP32 or BF16 (FP32 output): the ceiling.
+class Ceiling {
+ public:
+  explicit Ceiling(bool bf16) : matmul_(kN, kN, kN, bf16, /*bias=*/false) {}
+
+  // GFLOP/s of one run.
+  double Sample() { return matmul_.flop() / matmul_.Seconds() * 1e-9; }
+
+ private:
+  static constexpr int64_t kN = 2048;
+  Matmul matmul_;
 };
 
 double Median(std::vector<double> values) {
@@ -269,6 +296,16 @@ void BlockSizes(benchmark::internal::Benchmark* b) {
       }
     }
   }
+  // BF16, where the matmuls take half the time and the softmax the same.
+  for (const int64_t seq : {512, 2048}) {
+    for (const auto& [bq, bk] : std::vector<std::pair<int64_t, int64_t>>{
+             {256, 256}, {256, 512}, {512, 512}, {128, 512}, {256, 1024}}) {
+      if (bq <= seq && bk <= seq) b->Args({1, seq, 768, 12, 12, kBlocked | kBf16, bq, bk});
+    }
+  }
+  for (const int64_t bk : {256, 512, 1024, 2048}) {
+    b->Args({1, 4096, 1024, 16, 16, kBlocked | kBf16, 256, bk});
+  }
   // Causal: the diagonal blocks are computed whole (half of them masked).
   for (const auto& [bq, bk] : std::vector<std::pair<int64_t, int64_t>>{
            {256, 256}, {128, 256}, {128, 128}, {64, 128}, {64, 64}}) {
@@ -295,6 +332,47 @@ void BM_OnlineSoftmaxRow(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * width);
 }
 BENCHMARK(BM_OnlineSoftmaxRow)->ArgName("width")->Arg(256)->Arg(2048);
+
+// The layer's two projections alone, as oneDNN runs them at its best: the
+// fused Q/K/V matmul [B*S, D] x [D, (Hq + 2 Hkv) hd] and the output matmul
+// [B*S, Hq hd] x [Hq hd, D], with bias, in the precision of `flags`, on
+// dense inputs. Work any implementation of the layer does, at oneDNN's
+// speed; bound_ms adds the attention's FLOPs at the ceiling's GFLOP/s
+// (measured here): a floor under any layer's time built on these matmuls,
+// which compare_with_pytorch.py divides PyTorch's time by.
+void BM_ProjectionsAlone(benchmark::State& state) {
+  const int64_t batch = state.range(0), seq = state.range(1), d = state.range(2),
+                heads = state.range(3), kv_heads = state.range(4), flags = state.range(5);
+  const bool bf16 = flags & kBf16;
+  const int64_t hd = d / heads;
+  const int64_t tokens = batch * seq;
+  Matmul qkv(tokens, d, (heads + 2 * kv_heads) * hd, bf16, /*bias=*/true);
+  Matmul out(tokens, heads * hd, d, bf16, /*bias=*/true);
+  std::vector<double> seconds;
+  for (auto _ : state) {
+    const double run = qkv.Seconds() + out.Seconds();
+    state.SetIterationTime(run);
+    seconds.push_back(run);
+  }
+  const double ceiling = CeilingGflops(bf16);
+  const double attention = 4.0 * batch * heads * seq * seq * hd * ((flags & kCausal) ? 0.5 : 1.0);
+  const double projections_ms = Median(seconds) * 1e3;
+  state.counters["GFLOP"] = benchmark::Counter((qkv.flop() + out.flop()) * 1e-9,
+                                               benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["ceiling_GFLOP"] = ceiling;
+  state.counters["projections_ms"] = projections_ms;
+  state.counters["bound_ms"] = projections_ms + attention / (ceiling * 1e9) * 1e3;
+}
+BENCHMARK(BM_ProjectionsAlone)
+    ->ArgNames({"B", "S", "D", "H", "Hkv", "flags"})
+    ->Args({8, 128, 768, 12, 12, kBf16})
+    ->Args({1, 512, 768, 12, 12, kBf16})
+    ->Args({1, 2048, 768, 12, 12, kBf16})
+    ->Args({1, 4096, 1024, 16, 16, kBf16})
+    ->Args({8, 128, 768, 12, 12, 0})
+    ->Args({1, 512, 768, 12, 12, 0})
+    ->Unit(benchmark::kMillisecond)
+    ->UseManualTime();
 
 // The ceilings alone.
 void BM_OneDnnMatmulCeiling(benchmark::State& state) {
