@@ -204,11 +204,10 @@ void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call) {
   call.blocked = true;
   call.block_queries =
       std::clamp<int64_t>(block_queries > 0 ? block_queries : kDefaultBlockQueries, 1, call.q_len);
-  call.block_keys =
-      std::clamp<int64_t>(block_keys > 0                   ? block_keys
-                          : call.bf16 && !call.causal ? kDefaultBlockKeysBf16
-                                                      : kDefaultBlockKeys,
-                          1, call.kv_len);
+  call.block_keys = std::clamp<int64_t>(block_keys > 0              ? block_keys
+                                        : call.bf16 && !call.causal ? kDefaultBlockKeysBf16
+                                                                    : kDefaultBlockKeys,
+                                        1, call.kv_len);
 }
 
 int64_t ChunkFor(const HeadConfig& config, const SdpaCall& call) {
@@ -528,9 +527,9 @@ absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t
 // blocks) are made before the parallel region; each thread has its own
 // stream, workspace and oneDNN scratchpad.
 absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, int64_t n,
-                                           const HeadRows& q, const HeadRows& k,
-                                           const HeadRows& v, const HeadRows& context,
-                                           bool context_bf16, bool zero_rows_past_length) {
+                                           const HeadRows& q, const HeadRows& k, const HeadRows& v,
+                                           const HeadRows& context, bool context_bf16,
+                                           bool zero_rows_past_length) {
   const int64_t heads = config_.num_heads;
   const int64_t g = config_.group_size();
   const int64_t s = call.q_len;
@@ -563,11 +562,11 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
       step.pv_desc = memory::desc({mq, hd}, kF32, Tag::ab);
       step.scores = GetStep<dnnl::matmul>(
           {kBlockScores, mq, mk, hd, call.bf16, q.row_stride, k.row_stride}, [&] {
-        dnnl::primitive_attr attr = UserScratchpad();
-        attr.set_output_scales(0, {config_.scale});
-        return dnnl::matmul::primitive_desc(
-            dnnl::matmul::desc(step.q_desc, step.k_t_desc, step.s_desc), attr, engine_);
-      });
+            dnnl::primitive_attr attr = UserScratchpad();
+            attr.set_output_scales(0, {config_.scale});
+            return dnnl::matmul::primitive_desc(
+                dnnl::matmul::desc(step.q_desc, step.k_t_desc, step.s_desc), attr, engine_);
+          });
       step.values = GetStep<dnnl::matmul>({kBlockValues, mq, mk, hd, call.bf16, v.row_stride}, [&] {
         return dnnl::matmul::primitive_desc(
             dnnl::matmul::desc(step.p_desc, step.v_desc, step.pv_desc), UserScratchpad(),
@@ -593,9 +592,8 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
   // across calls of the same block shapes; the blocks only move their data
   // handles (oneDNN's execute then allocates only its own execution context).
   if (static_cast<int>(block_args_.size()) < threads) block_args_.resize(threads);
-  const BlockArgsKey args_key = {bq,           bk,           (s - 1) % bq + 1, (t - 1) % bk + 1,
-                                 hd,           call.bf16,    q.row_stride,     k.row_stride,
-                                 v.row_stride};
+  const BlockArgsKey args_key = {bq,        bk,           (s - 1) % bq + 1, (t - 1) % bk + 1, hd,
+                                 call.bf16, q.row_stride, k.row_stride,     v.row_stride};
   for (int thread = 0; thread < threads; ++thread) {
     BlockArgsSet& set = block_args_[thread];
     char* const workspace = static_cast<char*>(block_workspace_.data()) + thread * workspace_bytes;
@@ -678,12 +676,12 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
       const char* const q_rows =
           static_cast<const char*>(q.data) +
           ((q.first_rows[c] + i0) * q.row_stride + h * q.head_stride) * operand_bytes;
-      const char* const k_base = static_cast<const char*>(k.data) +
-                                 (k.first_rows[c] * k.row_stride + kv_group * k.head_stride) *
-                                     operand_bytes;
-      const char* const v_base = static_cast<const char*>(v.data) +
-                                 (v.first_rows[c] * v.row_stride + kv_group * v.head_stride) *
-                                     operand_bytes;
+      const char* const k_base =
+          static_cast<const char*>(k.data) +
+          (k.first_rows[c] * k.row_stride + kv_group * k.head_stride) * operand_bytes;
+      const char* const v_base =
+          static_cast<const char*>(v.data) +
+          (v.first_rows[c] * v.row_stride + kv_group * v.head_stride) * operand_bytes;
       std::fill(row_max, row_max + mq, kMasked);
       std::fill(row_sum, row_sum + mq, 0.0f);
       const int64_t key_end =
@@ -737,10 +735,10 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
       for (int64_t r = 0; r < mq; ++r) {
         const bool past_length = i0 + r >= call.q_lengths[b];
         if (past_length && !zero_rows_past_length) continue;
-        char* const row = static_cast<char*>(context.data) +
-                          ((context.first_rows[c] + i0 + r) * context.row_stride +
-                           h * context.head_stride) *
-                              context_bytes;
+        char* const row =
+            static_cast<char*>(context.data) +
+            ((context.first_rows[c] + i0 + r) * context.row_stride + h * context.head_stride) *
+                context_bytes;
         const float l = row_sum[r];
         if (past_length || !(l > 0.0f) || !std::isfinite(l)) {
           std::memset(row, 0, static_cast<size_t>(hd * context_bytes));

@@ -464,7 +464,8 @@ std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const Seque
     add({rows, q_width + kv_width}, 4);
   }
   add({rows, q_width}, element);                                       // concatenated heads
-  if (!call.blocked) add({chunk, config.num_heads, call.q_len, config.head_dim}, 4);  // context heads
+  if (!call.blocked)
+    add({chunk, config.num_heads, call.q_len, config.head_dim}, 4);  // context heads
   if (bf16) {
     add({rows, config.d_model}, 2);
     if (cross_attention) add({kv_rows, config.context_dim}, 2);
@@ -719,8 +720,7 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
   // the longest (a block would reach into padding, which may hold anything,
   // or into the next sequence).
   const bool direct = bf16 && call.blocked && call.q_len <= 4 * call.block_queries &&
-                      config_.rotary.rotary_dim == 0 && layout.is_uniform() &&
-                      keys.is_uniform();
+                      config_.rotary.rotary_dim == 0 && layout.is_uniform() && keys.is_uniform();
   const bool projected_bf16 = direct;
   const int64_t projected_element = projected_bf16 ? sizeof(Bf16) : sizeof(float);
 
@@ -754,9 +754,9 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
     const int64_t kv = rows * q_width;
     ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(rows, d, q_width, w_in.q_stride, bf16, x, w_in.q,
                                               b_qkv_.data(), projected, projected_bf16));
-    ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(
-        kv_rows, context_dim, kv_width, w_in.kv_stride, bf16, c, w_in.kv, b_qkv_.data() + q_width,
-        projected + kv * projected_element, projected_bf16));
+    ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(kv_rows, context_dim, kv_width, w_in.kv_stride, bf16,
+                                              c, w_in.kv, b_qkv_.data() + q_width,
+                                              projected + kv * projected_element, projected_bf16));
     qkv[0] = {0, q_width};
     qkv[1] = {kv, kv_width};
     qkv[2] = {kv + config_.kv_width(), kv_width};

@@ -193,8 +193,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void NativeProba
     const float* p, int64_t width, uint16_t* p_bf16) {
   for (int64_t j = 0; j < width; j += 16) {
     const int64_t left = width - j;
-    const __mmask16 k =
-        left >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << left) - 1u);
+    const __mmask16 k = left >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << left) - 1u);
     const __m256bh halves = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, p + j));
     _mm256_mask_storeu_epi16(p_bf16 + j, k, reinterpret_cast<const __m256i&>(halves));
   }

@@ -24,8 +24,8 @@ float FastExp(float x);
 //   p_j = exp(x_j - m_new) for j < limit, 0 for limit <= j < width,
 //   l = l * alpha + sum_j p_j,  m = m_new.
 // p goes to x in place (p_bf16 == nullptr) or, rounded to BF16, to
-// p_bf16 [width] (x is then left unspecified). Returns alpha (1 when the row has nothing visible yet: m
-// stays -inf and p is 0). Not thread-safe on the same row.
+// p_bf16 [width] (x is then left unspecified). Returns alpha (1 when the row has nothing visible
+// yet: m stays -inf and p is 0). Not thread-safe on the same row.
 float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float& m, float& l,
                        uint16_t* p_bf16);
 

@@ -10,7 +10,10 @@ for BF16, need_weights=False unless maps are asked for), then prints medians:
 
   shape, mode, precision, our ms, PyTorch ms, ratio (PyTorch ms / our ms),
   our fraction of oneDNN's matmul ceiling (2048^3, same precision, same process),
-  peak RSS of our process and of torch's.
+  the floor (BM_ProjectionsAlone: the layer's two projection matmuls alone in
+  oneDNN plus the attention's FLOPs at the ceiling: no layer built on these
+  matmuls runs faster) and the best ratio (PyTorch ms / floor ms) any such
+  layer could show, peak RSS of our process and of torch's.
 
 Usage:
   /usr/bin/python3 tests/benchmarks/compare_with_pytorch.py [--build build]
@@ -90,11 +93,18 @@ def run_ours(binary, case, threads, reps):
     runs = [r for r in json.loads(out)["benchmarks"] if r.get("run_type") == "iteration"]
     if not runs:
         raise RuntimeError(f"our benchmark did not run {name} (a shape outside its list?)")
+    floor_name = name.replace("BM_AttentionLayer/", "BM_ProjectionsAlone/")
+    out = subprocess.run([binary, f"--benchmark_filter=^{floor_name}", "--benchmark_format=json",
+                          "--benchmark_min_time=0.1"],
+                         check=True, capture_output=True, text=True, env=env).stdout
+    floors = [r["bound_ms"] for r in json.loads(out)["benchmarks"]
+              if r.get("run_type") == "iteration"]
     return {
         "ms": statistics.median(r["real_time"] for r in runs),
         "of_ceiling": statistics.median(r["of_ceiling"] for r in runs),
         "rss_mb": max(r["peak_rss_mb"] for r in runs),
         "path": runs[0].get("label", ""),
+        "floor_ms": floors[0] if floors else float("nan"),
     }
 
 
@@ -135,7 +145,7 @@ def main():
     cases = QUICK_CASES if args.quick else (
         parse_shapes(args.shapes) if args.shapes else DEFAULT_CASES)
     header = ("shape", "mode", "precision", "ours ms", "PyTorch ms", "ratio", "of ceiling",
-              "RSS ours MiB", "RSS torch MiB", "our path")
+              "floor ms", "best ratio", "RSS ours MiB", "RSS torch MiB", "our path")
     rows = []
     for case in cases:
         ours, theirs = [], []
@@ -145,9 +155,11 @@ def main():
         our_ms = statistics.median(o["ms"] for o in ours)
         torch_ms = statistics.median(t["ms"] for t in theirs)
         b, s, d, h, _, mode, precision = case
+        floor_ms = statistics.median(o["floor_ms"] for o in ours)
         rows.append((f"B={b} S={s} D={d} H={h}", mode, precision, f"{our_ms:.2f}",
                      f"{torch_ms:.2f}", f"{torch_ms / our_ms:.2f}x",
                      f"{100 * statistics.median(o['of_ceiling'] for o in ours):.0f}%",
+                     f"{floor_ms:.2f}", f"{torch_ms / floor_ms:.2f}x",
                      f"{max(o['rss_mb'] for o in ours):.0f}",
                      f"{max(t['rss_mb'] for t in theirs):.0f}", ours[0]["path"]))
     print("| " + " | ".join(header) + " |")

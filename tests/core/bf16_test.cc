@@ -59,11 +59,11 @@ std::vector<float> SpecialValues() {
           -std::numeric_limits<float>::max(),
           std::numeric_limits<float>::min(),
           std::numeric_limits<float>::denorm_min(),
-          FromBits(0x3f808000u),  // exactly between 0x3f80 and 0x3f81: to even (0x3f80)
-          FromBits(0x3f818000u),  // exactly between 0x3f81 and 0x3f82: to even (0x3f82)
-          FromBits(0x3f808001u),  // just above half: up
-          FromBits(0x3f807fffu),  // just below half: down
-          FromBits(0x7f7fffffu),  // the largest float rounds to infinity
+          FromBits(0x3f808000u),   // exactly between 0x3f80 and 0x3f81: to even (0x3f80)
+          FromBits(0x3f818000u),   // exactly between 0x3f81 and 0x3f82: to even (0x3f82)
+          FromBits(0x3f808001u),   // just above half: up
+          FromBits(0x3f807fffu),   // just below half: down
+          FromBits(0x7f7fffffu),   // the largest float rounds to infinity
           FromBits(0x007fffffu)};  // the largest subnormal
 }
 
