@@ -710,15 +710,17 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
       MakeCall(layout, keys, inputs.causal, inputs.mask, inputs.head_mask, options, outputs, bf16);
   // In BF16 the blocked path reads Q, K and V where the projections leave
   // them (written in BF16 by the projection matmul) when that is measured
-  // faster than staging dense copies: staging costs a pass over every token,
-  // reading the projections' wide rows slows every block matmul, and the
-  // blocks re-read each key block once per query block. At B=8 S=128 and
-  // S=512 reading directly was 4-8% faster, at S=2048 equal, at S=4096 3%
-  // slower (docs/measurements.md), hence up to 4 query blocks. In FP32
-  // staging is a plain copy and the dense copies were faster from S=512 on.
-  // Never with RoPE (it rewrites Q and K) or when a sequence is shorter than
-  // the longest (a block would reach into padding, which may hold anything,
-  // or into the next sequence).
+  // faster than staging dense copies. Staging costs a pass over every token;
+  // reading the projections' rows, which lie a whole projection width apart,
+  // takes oneDNN 2.6's block matmuls off brg:avx512_core* onto gemm:jit (its
+  // brgemm matmul wants dense operands), which is slower per block, and each
+  // key block is read once per query block. BF16 at B=8 S=128 and S=512 ran
+  // 4-8% faster reading directly, at S=2048 equal, at S=4096 3% slower
+  // (docs/measurements.md), hence up to 4 query blocks. In FP32 staging is a
+  // plain copy and the dense copies were faster from S=512 on. Never with RoPE
+  // (it rewrites Q and K) or when a sequence is shorter than the longest (a
+  // block would reach into padding, which may hold anything, or into the next
+  // sequence).
   const bool direct = bf16 && call.blocked && call.q_len <= 4 * call.block_queries &&
                       config_.rotary.rotary_dim == 0 && layout.is_uniform() && keys.is_uniform();
   const bool projected_bf16 = direct;
