@@ -71,8 +71,8 @@ enum StepKind : int64_t {
 };
 
 // Bytes of one thread's workspace on the blocked path: scores [bq, bk] FP32,
-// P [bq, bk] BF16 (BF16 only), P V [bq, hd] FP32, row state [3, bq] FP32,
-// each rounded up to a cache line.
+// P [bq, bk] BF16 (BF16 only), P V [bq, hd] FP32, the output accumulator
+// [bq, hd] FP32, row state [3, bq] FP32, each rounded up to a cache line.
 int64_t BlockWorkspaceBytes(const SdpaCall& call, int64_t head_dim) {
   auto line = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   const int64_t bq = call.block_queries;
@@ -248,14 +248,18 @@ int64_t AttentionKernels::ChunkSequences(const SdpaCall& call) const {
   return ChunkFor(config_, call);
 }
 
-absl::Status AttentionKernels::ReserveChunk(const SdpaCall& call, int64_t chunk) {
+absl::Status AttentionKernels::ReserveChunk(const SdpaCall& call, int64_t chunk, bool staging) {
   const int64_t operand_bytes = call.bf16 ? 2 : 4;
   const int64_t s = call.q_len;
   const int64_t t = call.kv_len;
   const int64_t hd = config_.head_dim;
-  ATTNSERVE_RETURN_IF_ERROR(Reserve(q_stage_, {chunk, config_.num_heads, s, hd}, operand_bytes));
-  ATTNSERVE_RETURN_IF_ERROR(Reserve(k_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
-  ATTNSERVE_RETURN_IF_ERROR(Reserve(v_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
+  if (staging) {
+    ATTNSERVE_RETURN_IF_ERROR(Reserve(q_stage_, {chunk, config_.num_heads, s, hd}, operand_bytes));
+    ATTNSERVE_RETURN_IF_ERROR(
+        Reserve(k_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
+    ATTNSERVE_RETURN_IF_ERROR(
+        Reserve(v_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
+  }
   if (call.blocked) {
     return Reserve(block_workspace_, {omp_get_max_threads(), BlockWorkspaceBytes(call, hd)}, 1);
   }
@@ -508,19 +512,22 @@ absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t
 // [i0, i0 + mq)), spread over the OpenMP threads; each runs its key blocks
 // [j0, j0 + mk) in turn (bq, bk: the block sizes; the last blocks may be
 // shorter) with oneDNN matmuls that run single-threaded inside the parallel
-// region (oneDNN's OpenMP runtime does not nest), on 2-D views of the staged
-// operands (no copies; K/V of head g = h / G are read by each of its G query
-// heads, from cache when the items of a group run in turn):
+// region (oneDNN's OpenMP runtime does not nest), on 2-D views of the
+// operands where HeadRows says they are (no copies; K/V of head g = h / G are
+// read by each of its G query heads, from cache when the items of a group run
+// in turn):
 //
-//   S  [mq, mk] = Q_h [mq, hd] x K_g^T [hd, mk] * scale     (brg, K^T by strides)
+//   S  [mq, mk] = Q_h [mq, hd] x K_g^T [hd, mk] * scale     (K^T by strides;
+//        brg on dense operands, gemm:jit on rows further apart than head_dim)
 //   per row: mask (padding keys, causal, explicit), online softmax
 //        (running max m, sum l; alpha = exp(m_old - m_new)), P in place (FP32)
 //        or as BF16 beside it
 //   PV [mq, hd] = P x V_g [mk, hd]
-//   O  = alpha * O + PV, O the item's rows of `context`
-//   after the last key block: O *= head_mask[h] / l (rows with l = 0, NaN or
-//        inf -- every key masked, or overflowing scores -- get 0; rows past a
-//        query length get 0)
+//   O  = alpha * O + PV, O the thread's FP32 accumulator
+//   after the last key block: the item's rows of `context` = O * head_mask[h]
+//        / l, FP32 or BF16 (rows with l = 0, NaN or inf -- every key masked, or
+//        overflowing scores -- get 0; rows past a query length get 0 or are
+//        left alone)
 //
 // Causal: key blocks entirely after the item's last query row are never
 // computed. The primitives (at most four shapes per matmul: full and last

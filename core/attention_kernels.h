@@ -120,13 +120,14 @@ class AttentionKernels {
   int64_t ChunkSequences(const SdpaCall& call) const;
 
   // Makes the scratch memory ready for chunks of up to `chunk` sequences:
-  // the staging buffers below and the scores. RESOURCE_EXHAUSTED when the
-  // memory is not available.
-  absl::Status ReserveChunk(const SdpaCall& call, int64_t chunk);
+  // the staging buffers below (when `staging`: the caller copies its operands
+  // there) and the scores or blocks. RESOURCE_EXHAUSTED when the memory is not
+  // available.
+  absl::Status ReserveChunk(const SdpaCall& call, int64_t chunk, bool staging);
 
   // Staging for a chunk's operands, dense row-major, FP32 or (call.bf16) BF16:
   // q [chunk, num_heads, q_len, head_dim], k and v [chunk, num_kv_heads,
-  // kv_len, head_dim]. Valid after ReserveChunk.
+  // kv_len, head_dim]. Valid after ReserveChunk with staging.
   void* q_stage() const { return q_stage_.data(); }
   void* k_stage() const { return k_stage_.data(); }
   void* v_stage() const { return v_stage_.data(); }

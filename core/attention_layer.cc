@@ -444,6 +444,8 @@ std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const Seque
     internal::MakeBlocked(options.block_queries, options.block_keys, call);
   }
   const int64_t chunk = internal::ChunkFor(config, call);
+  // Counts the staging buffers also where BF16 reads the projections in place
+  // and skips them: an upper bound.
   std::optional<int64_t> total = internal::KernelScratchBytes(config, call, chunk);
   auto add = [&total](std::initializer_list<int64_t> dims, int64_t element_bytes) {
     const std::optional<int64_t> elements = CheckedProduct(dims);
@@ -780,7 +782,7 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
   // Stage 2: attention, a chunk of sequences at a time (the blocked path: the
   // whole batch at once), into the token-major rows of context_tokens_.
   const int64_t chunk = kernels_.ChunkSequences(call);
-  ATTNSERVE_RETURN_IF_ERROR(kernels_.ReserveChunk(call, chunk));
+  ATTNSERVE_RETURN_IF_ERROR(kernels_.ReserveChunk(call, chunk, /*staging=*/!direct));
   if (!call.blocked) {
     ATTNSERVE_RETURN_IF_ERROR(
         context_heads_.Reserve(chunk * config_.num_heads * call.q_len * config_.head_dim * 4));
@@ -1150,10 +1152,10 @@ absl::StatusOr<ForwardInfo> AttentionCore::Impl::RunLocked(const CoreInputs& inp
   const SdpaCall call =
       MakeCall(queries, keys, inputs.causal, inputs.mask, inputs.head_mask, options, outputs, bf16);
   const int64_t chunk = kernels_.ChunkSequences(call);
-  ATTNSERVE_RETURN_IF_ERROR(kernels_.ReserveChunk(call, chunk));
   // Padding may hold anything (NaN too): operands with padding are copied with
   // zeros there, so that masked keys multiply finite values.
   const bool stage = bf16 || !queries.is_uniform() || !keys.is_uniform();
+  ATTNSERVE_RETURN_IF_ERROR(kernels_.ReserveChunk(call, chunk, stage));
   const int64_t q_block = config_.num_heads * call.q_len * config_.head_dim;
   const int64_t kv_block = config_.num_kv_heads * call.kv_len * config_.head_dim;
   for (int64_t first = 0; first < call.batch; first += chunk) {

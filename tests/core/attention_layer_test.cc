@@ -449,6 +449,25 @@ std::vector<Scenario> Scenarios() {
   add("HeadDimWiderThanDModel", [](Scenario& s) {
     s.d_model = 16, s.num_heads = 2, s.head_dim = 24, s.lengths = {5, 3}, s.causal = true;
   });
+  // Uniform lengths without RoPE: in BF16 the blocked path reads Q/K/V where
+  // the projection writes them (up to four query blocks); GQA, MQA, head mask,
+  // cross-attention and packed layouts on that route, and a uniform batch
+  // past four query blocks (staged again).
+  add("GroupedUniformHeadMaskNoMaps", [](Scenario& s) {
+    s.d_model = 64, s.num_heads = 8, s.num_kv_heads = 2, s.head_dim = 8, s.lengths = {6, 6};
+    s.head_mask = true, s.maps = Maps::kNone, s.statistics = false;
+  });
+  add("MultiQueryPackedUniformCausalNoMaps", [](Scenario& s) {
+    s.num_kv_heads = 1, s.lengths = {5, 5, 5}, s.packed = true, s.causal = true;
+    s.maps = Maps::kNone, s.statistics = false;
+  });
+  add("CrossUniformNarrowerContextGqaNoMaps", [](Scenario& s) {
+    s.context_dim = 24, s.num_kv_heads = 2, s.lengths = {4, 4}, s.context_lengths = {7, 7};
+    s.maps = Maps::kNone, s.statistics = false;
+  });
+  add("UniformPastFourQueryBlocksNoMaps", [](Scenario& s) {
+    s.lengths = {17, 17}, s.maps = Maps::kNone, s.statistics = false;
+  });
   // Larger: BERT-base widths, and enough sequences to run in several chunks.
   add("BertBasePackedRaggedCausal", [](Scenario& s) {
     s.d_model = 768, s.num_heads = 12, s.lengths = {33, 16}, s.packed = true, s.causal = true;

@@ -13,9 +13,13 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/core/attention_test_util.h"
 
 namespace attnserve::core {
 namespace {
+
+using ::attnserve::testing::FreshSeed;
+using ::attnserve::testing::SeedTrace;
 
 float FromBits(uint32_t bits) {
   float value = 0.0f;
@@ -68,7 +72,9 @@ std::vector<float> SpecialValues() {
 }
 
 TEST(Bf16, RoundsToTheNearestEvenAsAnIndependentReferenceDoes) {
-  std::mt19937 random(std::random_device{}());
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 random(seed);
   std::vector<float> values = SpecialValues();
   std::uniform_int_distribution<uint32_t> any_bits;
   while (values.size() < 200000) {
@@ -90,7 +96,9 @@ TEST(Bf16, NanStaysAQuietNanWithItsSign) {
 }
 
 TEST(Bf16, BulkConversionEqualsTheScalarOneForEveryLengthAndOffset) {
-  std::mt19937 random(std::random_device{}());
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 random(seed);
   std::normal_distribution<float> normal(0.0f, 100.0f);
   std::vector<float> values = SpecialValues();
   values.push_back(std::numeric_limits<float>::quiet_NaN());

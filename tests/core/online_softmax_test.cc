@@ -108,6 +108,33 @@ TEST(OnlineSoftmax, OverflowingScoresGiveANonFiniteSum) {
   EXPECT_FALSE(std::isfinite(l) && l > 0.0f);
 }
 
+TEST(OnlineSoftmax, Bf16ProbabilitiesAreTheFp32OnesRoundedToNearestEven) {
+  // Whichever conversion the CPU gets (VCVTNEPS2BF16 or the integer rounding),
+  // the BF16 row is FloatToBf16 of the FP32 row, bit for bit, down to scores
+  // 90 below the row's max (probabilities near exp's floor) and past limit.
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> below_max(-90.0f, 0.0f);
+  for (const int64_t width : {1, 15, 16, 17, 64, 257}) {
+    std::vector<float> scores(static_cast<size_t>(width));
+    for (float& x : scores) x = below_max(rng);
+    const int64_t limit = width - width / 4;
+    std::vector<float> fp32 = scores;
+    float m32 = kMinusInf, l32 = 0.0f;
+    OnlineSoftmaxRow(fp32.data(), limit, width, m32, l32, nullptr);
+    std::vector<float> x = scores;
+    std::vector<uint16_t> p_bf16(static_cast<size_t>(width), 0xffff);
+    float m16 = kMinusInf, l16 = 0.0f;
+    OnlineSoftmaxRow(x.data(), limit, width, m16, l16, p_bf16.data());
+    EXPECT_EQ(m16, m32);
+    EXPECT_EQ(l16, l32);
+    for (int64_t j = 0; j < width; ++j) {
+      ASSERT_EQ(p_bf16[j], FloatToBf16(fp32[j])) << "width " << width << " j " << j;
+    }
+  }
+}
+
 TEST(OnlineSoftmax, ScaleAndAddAndScaleRow) {
   std::vector<float> o = {1.0f, 2.0f, 3.0f};
   const std::vector<float> add = {0.5f, 0.25f, 0.125f};
@@ -117,6 +144,10 @@ TEST(OnlineSoftmax, ScaleAndAddAndScaleRow) {
   EXPECT_EQ(o, add);
   ScaleRow(o.data(), 3, 4.0f);
   EXPECT_EQ(o, (std::vector<float>{2.0f, 1.0f, 0.5f}));
+  std::vector<float> to(3, -1.0f);
+  ScaleInto(o.data(), 3, 0.5f, to.data());
+  EXPECT_EQ(to, (std::vector<float>{1.0f, 0.5f, 0.25f}));
+  EXPECT_EQ(o, (std::vector<float>{2.0f, 1.0f, 0.5f}));  // the source unchanged
 }
 
 }  // namespace
