@@ -27,6 +27,7 @@ namespace {
 
 using ::attnserve::testing::AllocationCount;
 using ::attnserve::testing::IsOk;
+using ::attnserve::testing::kBf16Tolerance;
 using ::attnserve::testing::kFp32Tolerance;
 using ::attnserve::testing::OneDnnAllocationCount;
 using ::attnserve::testing::RandomStates;
@@ -41,10 +42,11 @@ struct Counts {
   int64_t ours() const { return total - onednn; }
 };
 
-// Allocations of one forward of B=2 sequences of `seq_len` on `path`, after
-// two warm-up forwards of the same request; the output is checked against the
-// reference so that the counted call is a real one.
-Counts CountForward(AttentionPath path, int64_t seq_len, bool causal) {
+// Allocations of one forward of B=2 sequences of `seq_len` on `path` in
+// `precision`, after two warm-up forwards of the same request; the output is
+// checked against the reference so that the counted call is a real one.
+Counts CountForward(AttentionPath path, int64_t seq_len, bool causal,
+                    Precision precision = Precision::kFp32, int64_t block_queries = 16) {
   HeadConfig requested;
   requested.d_model = 32;
   requested.num_heads = 4;
@@ -62,7 +64,8 @@ Counts CountForward(AttentionPath path, int64_t seq_len, bool causal) {
   inputs.causal = causal;
   ForwardOptions options;
   options.attention_path = path;
-  options.block_queries = 16;  // several query and key blocks at every length
+  options.precision = precision;
+  options.block_queries = block_queries;  // several blocks at every length
   options.block_keys = 16;
   std::vector<float> output(hidden.size());
   ForwardOutputs outputs;
@@ -78,7 +81,7 @@ Counts CountForward(AttentionPath path, int64_t seq_len, bool causal) {
   SetAllocationAttribution(false);
   EXPECT_THAT(info, IsOk());
   EXPECT_LE(RelativeFrobeniusError(output, ReferenceLayer(*config, weights, inputs).output),
-            kFp32Tolerance);
+            precision == Precision::kBf16 ? kBf16Tolerance : kFp32Tolerance);
   return counts;
 }
 
@@ -91,7 +94,7 @@ TEST(SteadyState, CoreAllocationsPerForwardDoNotGrowWithSequenceLength) {
       const Counts long_run = CountForward(path, 256, causal);
       // The core's own objects: the same count at 8x the length (copies of
       // the lengths, primitive-cache keys, oneDNN's C++ handles and argument
-      // maps per primitive execution of the projections), and few: 79-86 here.
+      // maps per primitive execution of the projections), and few: 79-90 here.
       EXPECT_EQ(short_run.ours(), long_run.ours());
       EXPECT_LE(long_run.ours(), 128);
       std::cout << (path == AttentionPath::kBlocked ? "blocked" : "materialized")
@@ -103,6 +106,25 @@ TEST(SteadyState, CoreAllocationsPerForwardDoNotGrowWithSequenceLength) {
         EXPECT_EQ(short_run.total, long_run.total);
       }
     }
+  }
+}
+
+// BF16 on the blocked path with query blocks of 128: both lengths read Q/K/V
+// in place from the BF16 projections (at most four query blocks), in key
+// blocks of 16.
+TEST(SteadyState, Bf16InPlaceCoreAllocationsPerForwardDoNotGrowWithSequenceLength) {
+  if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
+  for (const bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "bidirectional");
+    const Counts short_run = CountForward(AttentionPath::kBlocked, 32, causal, Precision::kBf16,
+                                          /*block_queries=*/128);
+    const Counts long_run = CountForward(AttentionPath::kBlocked, 256, causal, Precision::kBf16,
+                                         /*block_queries=*/128);
+    EXPECT_EQ(short_run.ours(), long_run.ours());
+    EXPECT_LE(long_run.ours(), 128);
+    std::cout << "blocked BF16" << (causal ? " causal" : "") << ": allocations per forward S=32 "
+              << short_run.total << " (core " << short_run.ours() << "), S=256 " << long_run.total
+              << " (core " << long_run.ours() << ")\n";
   }
 }
 
