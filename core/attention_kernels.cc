@@ -204,10 +204,8 @@ void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call) {
   call.blocked = true;
   call.block_queries =
       std::clamp<int64_t>(block_queries > 0 ? block_queries : kDefaultBlockQueries, 1, call.q_len);
-  call.block_keys = std::clamp<int64_t>(block_keys > 0              ? block_keys
-                                        : call.bf16 && !call.causal ? kDefaultBlockKeysBf16
-                                                                    : kDefaultBlockKeys,
-                                        1, call.kv_len);
+  const int64_t default_keys = call.causal ? kDefaultBlockKeysCausal : kDefaultBlockKeys;
+  call.block_keys = std::clamp<int64_t>(block_keys > 0 ? block_keys : default_keys, 1, call.kv_len);
 }
 
 int64_t ChunkFor(const HeadConfig& config, const SdpaCall& call) {

@@ -69,21 +69,21 @@ struct HeadRows {
 // data as [n, heads, len, head_dim], dense.
 HeadRows DenseHeadRows(const void* data, int64_t n, int64_t heads, int64_t len, int64_t head_dim);
 
-// The block sizes the blocked path uses when the caller leaves them 0:
-// measured on Zen 4 (BM_BlockSizes, docs/measurements.md) at S=2048, where
-// 256 x 256 was among the fastest (the single-thread time is flat from 64 x 256
-// to 256 x 2048) and smaller key blocks waste less on the causal diagonal.
-// In BF16 without a causal mask the key blocks are wider: the matmuls take
-// half the time there while each block's softmax and bookkeeping do not, and
-// 256 x 512 measured 1.5-3 points of the ceiling above 256 x 256 at S=2048
-// and S=4096 (BM_BlockSizes, flags:18). Causal keeps 256: a wider diagonal
-// block computes more masked scores.
+// The block sizes the blocked path uses when the caller leaves them 0,
+// measured on Zen 4 (BM_BlockSizes, one configuration per process, three
+// alternations; docs/measurements.md). Query blocks of 256. Causal: key
+// blocks of 256 (a wider diagonal block computes more masked scores; 256 x 256
+// was among the fastest at S=2048). Without a causal mask: key blocks of 1024,
+// fewer block steps, each with its softmax bookkeeping and oneDNN executions:
+// FP32 S=4096 86-89% of the ceiling against 85-86% with 256; BF16 S=2048
+// 79-80% against 77%, S=4096 77-78% against 74-76%; S=512 takes all 512 keys
+// either way.
 constexpr int64_t kDefaultBlockQueries = 256;
-constexpr int64_t kDefaultBlockKeys = 256;
-constexpr int64_t kDefaultBlockKeysBf16 = 512;
+constexpr int64_t kDefaultBlockKeysCausal = 256;
+constexpr int64_t kDefaultBlockKeys = 1024;
 
 // Sets call.blocked and resolves its block sizes from the requested ones (0:
-// the defaults for call.bf16 and call.causal), clamped to the call's lengths.
+// the defaults for call.causal), clamped to the call's lengths.
 void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call);
 
 // Scratch bytes AttentionKernels needs for `call` in chunks of `chunk`

@@ -305,6 +305,7 @@ void BlockSizes(benchmark::internal::Benchmark* b) {
   for (const int64_t bk : {256, 512, 1024, 2048}) {
     b->Args({1, 4096, 1024, 16, 16, kBlocked | kBf16, 256, bk});
   }
+  for (const int64_t bk : {256, 512, 1024}) b->Args({1, 4096, 1024, 16, 16, kBlocked, 256, bk});
   // Causal: the diagonal blocks are computed whole (half of them masked).
   for (const auto& [bq, bk] : std::vector<std::pair<int64_t, int64_t>>{
            {256, 256}, {128, 256}, {128, 128}, {64, 128}, {64, 64}}) {
