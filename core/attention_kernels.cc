@@ -398,24 +398,28 @@ void AttentionKernels::GatherMaps(const SdpaCall& call, int64_t first, int64_t n
   }
 }
 
+AttentionKernels::Operands AttentionKernels::Dense(const SdpaCall& call, int64_t n, const void* q,
+                                                   const void* k, const void* v) const {
+  const int64_t hd = config_.head_dim;
+  return {DenseHeadRows(q, n, config_.num_heads, call.q_len, hd),
+          DenseHeadRows(k, n, config_.num_kv_heads, call.kv_len, hd),
+          DenseHeadRows(v, n, config_.num_kv_heads, call.kv_len, hd)};
+}
+
 absl::Status AttentionKernels::Sdpa(const SdpaCall& call, int64_t first, int64_t n, const void* q,
                                     const void* k, const void* v, float* context) {
-  if (call.blocked) {
-    const int64_t heads = config_.num_heads;
-    const int64_t kv_heads = config_.num_kv_heads;
-    const int64_t hd = config_.head_dim;
-    return SdpaBlocked(call, first, n, DenseHeadRows(q, n, heads, call.q_len, hd),
-                       DenseHeadRows(k, n, kv_heads, call.kv_len, hd),
-                       DenseHeadRows(v, n, kv_heads, call.kv_len, hd),
-                       DenseHeadRows(context, n, heads, call.q_len, hd), /*context_bf16=*/false,
-                       /*zero_rows_past_length=*/true);
-  }
   const int64_t heads = config_.num_heads;
   const int64_t kv_heads = config_.num_kv_heads;
   const int64_t g = config_.group_size();
   const int64_t s = call.q_len;
   const int64_t t = call.kv_len;
   const int64_t hd = config_.head_dim;
+  if (call.blocked) {
+    const Operands dense = Dense(call, n, q, k, v);
+    return SdpaBlocked(call, first, n, dense.q, dense.k, dense.v,
+                       DenseHeadRows(context, n, heads, s, hd), /*context_bf16=*/false,
+                       /*zero_rows_past_length=*/true);
+  }
   const memory::data_type operand = OperandType(call.bf16);
 
   const bool masked = call.causal || call.mask.kind != ExplicitMask::Kind::kNone ||

@@ -159,6 +159,14 @@ class AttentionKernels {
                            const HeadRows& k, const HeadRows& v, const HeadRows& context,
                            bool context_bf16, bool zero_rows_past_length);
 
+  // The operands of SdpaBlocked; Dense: q, k, v as Sdpa takes them (dense
+  // [n, heads, len, head_dim]).
+  struct Operands {
+    HeadRows q, k, v;
+  };
+  Operands Dense(const SdpaCall& call, int64_t n, const void* q, const void* k,
+                 const void* v) const;
+
  private:
   using Args = std::unordered_map<int, dnnl::memory>;
   using Key = std::vector<int64_t>;

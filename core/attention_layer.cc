@@ -725,8 +725,8 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
   // sequence).
   const bool direct = bf16 && call.blocked && call.q_len <= 4 * call.block_queries &&
                       config_.rotary.rotary_dim == 0 && layout.is_uniform() && keys.is_uniform();
-  const bool projected_bf16 = direct;
-  const int64_t projected_element = projected_bf16 ? sizeof(Bf16) : sizeof(float);
+  // On the direct route the projection matmul writes BF16.
+  const int64_t projected_element = direct ? sizeof(Bf16) : sizeof(float);
 
   // Sizes below were checked by Validate.
   ATTNSERVE_RETURN_IF_ERROR(projected_.Reserve(
@@ -757,17 +757,17 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
   if (cross) {
     const int64_t kv = rows * q_width;
     ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(rows, d, q_width, w_in.q_stride, bf16, x, w_in.q,
-                                              b_qkv_.data(), projected, projected_bf16));
+                                              b_qkv_.data(), projected, direct));
     ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(kv_rows, context_dim, kv_width, w_in.kv_stride, bf16,
                                               c, w_in.kv, b_qkv_.data() + q_width,
-                                              projected + kv * projected_element, projected_bf16));
+                                              projected + kv * projected_element, direct));
     qkv[0] = {0, q_width};
     qkv[1] = {kv, kv_width};
     qkv[2] = {kv + config_.kv_width(), kv_width};
   } else {
     // Fused (Validate checked context_dim == d_model).
     ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(rows, d, n_width, n_width, bf16, x, w_in.q,
-                                              b_qkv_.data(), projected, projected_bf16));
+                                              b_qkv_.data(), projected, direct));
     qkv[0] = {0, n_width};
     qkv[1] = {q_width, n_width};
     qkv[2] = {q_width + config_.kv_width(), n_width};
@@ -803,16 +803,14 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
         return TokenRows(projected + part.offset * projected_element, part.stride, hd, of, first,
                          n);
       };
-      const int64_t heads = config_.num_heads;
-      const int64_t kv_heads = config_.num_kv_heads;
+      const internal::AttentionKernels::Operands operands =
+          direct
+              ? internal::AttentionKernels::Operands{projected_rows(qkv[0], layout),
+                                                     projected_rows(qkv[1], keys),
+                                                     projected_rows(qkv[2], keys)}
+              : kernels_.Dense(call, n, kernels_.q_stage(), kernels_.k_stage(), kernels_.v_stage());
       ATTNSERVE_RETURN_IF_ERROR(kernels_.SdpaBlocked(
-          call, first, n,
-          direct ? projected_rows(qkv[0], layout)
-                 : internal::DenseHeadRows(kernels_.q_stage(), n, heads, call.q_len, hd),
-          direct ? projected_rows(qkv[1], keys)
-                 : internal::DenseHeadRows(kernels_.k_stage(), n, kv_heads, call.kv_len, hd),
-          direct ? projected_rows(qkv[2], keys)
-                 : internal::DenseHeadRows(kernels_.v_stage(), n, kv_heads, call.kv_len, hd),
+          call, first, n, operands.q, operands.k, operands.v,
           TokenRows(context_tokens_.data(), q_width, hd, layout, first, n), bf16,
           /*zero_rows_past_length=*/false));
       continue;
