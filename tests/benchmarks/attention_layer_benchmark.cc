@@ -316,56 +316,32 @@ BENCHMARK(BM_BlockSizes)->Apply(BlockSizes)->Unit(benchmark::kMillisecond)->UseR
 
 // The blocked path's row kernel alone: one online-softmax step over a key
 // block's row of `width` scores (its output feeds the next iteration; the
-// kernel is branch-free, so the values do not change the work). The
-// items_per_second counter is scores per second.
+// kernel is branch-free, so the values do not change the work), writing the
+// probabilities in place (bf16 0) or as BF16 beside them (bf16 1, the BF16
+// path's row). The items_per_second counter is scores per second.
 void BM_OnlineSoftmaxRow(benchmark::State& state) {
   const int64_t width = state.range(0);
   std::mt19937_64 rng(1);
   std::normal_distribution<float> normal;
   std::vector<float> row(width);
   for (float& x : row) x = normal(rng);
+  std::vector<uint16_t> p_bf16(state.range(1) != 0 ? width : 0);
   for (auto _ : state) {
     float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
-    benchmark::DoNotOptimize(internal::OnlineSoftmaxRow(row.data(), width, width, m, l, nullptr));
+    benchmark::DoNotOptimize(internal::OnlineSoftmaxRow(
+        row.data(), width, width, m, l, p_bf16.empty() ? nullptr : p_bf16.data()));
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * width);
 }
-BENCHMARK(BM_OnlineSoftmaxRow)->ArgName("width")->Arg(256)->Arg(2048);
-
-// The layer's two projections alone, as oneDNN runs them at its best: the
-// fused Q/K/V matmul [B*S, D] x [D, (Hq + 2 Hkv) hd] and the output matmul
-// [B*S, Hq hd] x [Hq hd, D], with bias, in the precision of `flags`, on
-// dense inputs. Work any implementation of the layer does, at oneDNN's
-// speed; bound_ms adds the attention's FLOPs at the ceiling's GFLOP/s
-// (measured here): a floor under any layer's time built on these matmuls,
-// which compare_with_pytorch.py divides PyTorch's time by.
-void BM_ProjectionsAlone(benchmark::State& state) {
-  const int64_t batch = state.range(0), seq = state.range(1), d = state.range(2),
-                heads = state.range(3), kv_heads = state.range(4), flags = state.range(5);
-  const bool bf16 = flags & kBf16;
-  const int64_t hd = d / heads;
-  const int64_t tokens = batch * seq;
-  Matmul qkv(tokens, d, (heads + 2 * kv_heads) * hd, bf16, /*bias=*/true);
-  Matmul out(tokens, heads * hd, d, bf16, /*bias=*/true);
-  std::vector<double> seconds;
-  for (auto _ : state) {
-    const double run = qkv.Seconds() + out.Seconds();
-    state.SetIterationTime(run);
-    seconds.push_back(run);
-  }
-  const double ceiling = CeilingGflops(bf16);
-  const double attention = 4.0 * batch * heads * seq * seq * hd * ((flags & kCausal) ? 0.5 : 1.0);
-  const double projections_ms = Median(seconds) * 1e3;
-  state.counters["GFLOP"] = benchmark::Counter((qkv.flop() + out.flop()) * 1e-9,
-                                               benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["ceiling_GFLOP"] = ceiling;
-  state.counters["projections_ms"] = projections_ms;
-  state.counters["bound_ms"] = projections_ms + attention / (ceiling * 1e9) * 1e3;
-}
-// (The shapes of BM_AttentionLayer; its flags other than BF16 and causal do
-// not change the matmuls.)
-BENCHMARK(BM_ProjectionsAlone)->Apply(Shapes)->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_OnlineSoftmaxRow)
+    ->ArgNames({"width", "bf16"})
+    ->Args({256, 0})
+    ->Args({256, 1})
+    ->Args({1024, 0})
+    ->Args({1024, 1})
+    ->Args({2048, 0})
+    ->Args({2048, 1});
 
 // The ceilings alone.
 void BM_OneDnnMatmulCeiling(benchmark::State& state) {
