@@ -343,6 +343,40 @@ BENCHMARK(BM_OnlineSoftmaxRow)
     ->Args({2048, 0})
     ->Args({2048, 1});
 
+// The layer's two projections alone, as oneDNN runs them at its best: the
+// fused Q/K/V matmul [B*S, D] x [D, (Hq + 2 Hkv) hd] and the output matmul
+// [B*S, Hq hd] x [Hq hd, D], with bias, in the precision of `flags`, on
+// dense inputs. Work any implementation of the layer does, at oneDNN's
+// speed; bound_ms adds the attention's FLOPs at the ceiling's GFLOP/s
+// (measured here): a floor under any layer's time built on these matmuls,
+// which compare_with_pytorch.py divides PyTorch's time by.
+void BM_ProjectionsAlone(benchmark::State& state) {
+  const int64_t batch = state.range(0), seq = state.range(1), d = state.range(2),
+                heads = state.range(3), kv_heads = state.range(4), flags = state.range(5);
+  const bool bf16 = flags & kBf16;
+  const int64_t hd = d / heads;
+  const int64_t tokens = batch * seq;
+  Matmul qkv(tokens, d, (heads + 2 * kv_heads) * hd, bf16, /*bias=*/true);
+  Matmul out(tokens, heads * hd, d, bf16, /*bias=*/true);
+  std::vector<double> seconds;
+  for (auto _ : state) {
+    const double run = qkv.Seconds() + out.Seconds();
+    state.SetIterationTime(run);
+    seconds.push_back(run);
+  }
+  const double ceiling = CeilingGflops(bf16);
+  const double attention = 4.0 * batch * heads * seq * seq * hd * ((flags & kCausal) ? 0.5 : 1.0);
+  const double projections_ms = Median(seconds) * 1e3;
+  state.counters["GFLOP"] = benchmark::Counter((qkv.flop() + out.flop()) * 1e-9,
+                                               benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["ceiling_GFLOP"] = ceiling;
+  state.counters["projections_ms"] = projections_ms;
+  state.counters["bound_ms"] = projections_ms + attention / (ceiling * 1e9) * 1e3;
+}
+// (The shapes of BM_AttentionLayer; its flags other than BF16 and causal do
+// not change the matmuls.)
+BENCHMARK(BM_ProjectionsAlone)->Apply(Shapes)->Unit(benchmark::kMillisecond)->UseManualTime();
+
 // The ceilings alone.
 void BM_OneDnnMatmulCeiling(benchmark::State& state) {
   double gflops = 0;
