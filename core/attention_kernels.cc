@@ -3,21 +3,24 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <optional>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "core/block_kernels.h"
 #include "core/checked_math.h"
 #include "core/onednn_util.h"
 #include "core/online_softmax.h"
 #include "core/status_macros.h"
-#include "oneapi/dnnl/dnnl.hpp"
 #include "omp.h"
+#include "oneapi/dnnl/dnnl.hpp"
 
 // The attention of a chunk of n sequences, S queries and T keys each, with
 // G = Hq / Hkv query heads per key/value head, viewed GQA-style so that one
@@ -70,16 +73,28 @@ enum StepKind : int64_t {
   kBlockValues
 };
 
-// Bytes of one thread's workspace on the blocked path: scores [bq, bk] FP32,
-// P [bq, bk] BF16 (BF16 only), P V [bq, hd] FP32, the output accumulator
-// [bq, hd] FP32, row state [3, bq] FP32, each rounded up to a cache line.
+int64_t Line(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// Bytes of one thread's workspace on the blocked path, each part rounded up
+// to a cache line. oneDNN blocks: scores [bq, bk] FP32, P [bq, bk] BF16 (BF16
+// only), P V [bq, hd] FP32. Own kernels: a strip's scores [kStripRows,
+// padded bk] FP32 and P (BF16 only). Both: the output accumulator [bq, hd]
+// FP32 and row state [3, bq] FP32.
 int64_t BlockWorkspaceBytes(const SdpaCall& call, int64_t head_dim) {
-  auto line = [](int64_t bytes) { return (bytes + 63) / 64 * 64; };
   const int64_t bq = call.block_queries;
   const int64_t bk = call.block_keys;
-  // scores, (BF16) probabilities, P V, the output accumulator, row state.
-  return line(bq * bk * 4) + (call.bf16 ? line(bq * bk * 2) : 0) + 2 * line(bq * head_dim * 4) +
-         line(3 * bq * 4);
+  const int64_t common = Line(bq * head_dim * 4) + Line(3 * bq * 4);
+  if (call.own_block_kernels) {
+    const int64_t strip = kStripRows * ((bk + kKeyTile - 1) / kKeyTile * kKeyTile);
+    return Line(strip * 4) + (call.bf16 ? Line(strip * 2) : 0) + common;
+  }
+  return Line(bq * bk * 4) + (call.bf16 ? Line(bq * bk * 2) : 0) + Line(bq * head_dim * 4) + common;
+}
+
+// Packed blocks of the own block kernels: per (sequence, key/value head, key
+// block) the key block, and in BF16 the value block after it.
+int64_t PackedBlocksBytes(const SdpaCall& call, int64_t head_dim) {
+  return PackedBlockElements(call.block_keys, head_dim) * (call.bf16 ? 2 * 2 : 4);
 }
 
 dnnl::primitive_attr UserScratchpad() {
@@ -127,6 +142,61 @@ absl::Status Reserve(ScratchBuffer& buffer, std::initializer_list<int64_t> dims,
       elements ? CheckedMul(*elements, element_bytes) : std::nullopt;
   if (!bytes) return absl::ResourceExhaustedError("attention scratch memory overflows int64");
   return buffer.Reserve(*bytes);
+}
+
+// Keys of key block [j0, j0 + mk) that query row i of sequence b sees before
+// the explicit mask: those before the sequence's end and (causal) not after i.
+int64_t VisibleKeys(const SdpaCall& call, int64_t b, int64_t i, int64_t j0, int64_t mk) {
+  int64_t limit = std::clamp<int64_t>(call.kv_lengths[b] - j0, 0, mk);
+  if (call.causal) limit = std::clamp<int64_t>(i + 1 - j0, 0, limit);
+  return limit;
+}
+
+// Scales the scores x [limit] of row i against keys [j0, j0 + limit) and
+// applies the explicit mask to them: x * scale + mask (additive) or -inf where
+// the mask disallows.
+void ApplyExplicitMask(const ExplicitMask& mask, int64_t b, int64_t i, int64_t j0, int64_t limit,
+                       float scale, float* x) {
+  for (int64_t j = 0; j < limit; ++j) {
+    const float value = ExplicitValue(mask, b, i, j0 + j);
+    if (mask.kind == ExplicitMask::Kind::kAllowed) {
+      x[j] = value == 0.0f ? kMasked : x[j] * scale;
+    } else {
+      x[j] = x[j] * scale + value;
+    }
+  }
+}
+
+// The end of a blocked work item: rows [i0, i0 + mq) of head h of chunk
+// sequence c (batch index b) of `context` = acc * head_mask[h] / l, FP32 or
+// BF16; rows with l = 0, NaN or inf (every key masked, or overflowing scores):
+// 0; rows past the query length: 0 or (!zero_rows_past_length) untouched.
+// acc [mq, hd] is scaled in place.
+void WriteContextRows(const SdpaCall& call, int64_t b, int64_t c, int64_t h, int64_t i0, int64_t mq,
+                      int64_t hd, float* acc, const float* row_sum, const HeadRows& context,
+                      bool context_bf16, bool zero_rows_past_length) {
+  const float weight = call.head_mask.empty() ? 1.0f : call.head_mask[h];
+  const int64_t context_bytes = context_bf16 ? 2 : 4;
+  for (int64_t r = 0; r < mq; ++r) {
+    const bool past_length = i0 + r >= call.q_lengths[b];
+    if (past_length && !zero_rows_past_length) continue;
+    char* const row =
+        static_cast<char*>(context.data) +
+        ((context.first_rows[c] + i0 + r) * context.row_stride + h * context.head_stride) *
+            context_bytes;
+    const float l = row_sum[r];
+    if (past_length || !(l > 0.0f) || !std::isfinite(l)) {
+      std::memset(row, 0, static_cast<size_t>(hd * context_bytes));
+      continue;
+    }
+    float* const o = acc + r * hd;
+    if (context_bf16) {
+      ScaleRow(o, hd, weight / l);
+      FloatsToBf16(o, hd, reinterpret_cast<Bf16*>(row));
+    } else {
+      ScaleInto(o, hd, weight / l, reinterpret_cast<float*>(row));
+    }
+  }
 }
 
 }  // namespace
@@ -200,8 +270,12 @@ HeadRows DenseHeadRows(const void* data, int64_t n, int64_t heads, int64_t len, 
   return rows;
 }
 
-void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call) {
+void MakeBlocked(const HeadConfig& config, int64_t block_queries, int64_t block_keys,
+                 SdpaCall& call) {
   call.blocked = true;
+  const char* const choice = std::getenv("ATTNSERVE_BLOCK_KERNELS");
+  const bool onednn = choice != nullptr && std::string_view(choice) == "onednn";
+  call.own_block_kernels = !onednn && OwnBlockKernelsAvailable(call.bf16, config.head_dim);
   call.block_queries =
       std::clamp<int64_t>(block_queries > 0 ? block_queries : kDefaultBlockQueries, 1, call.q_len);
   const int64_t default_keys = call.causal ? kDefaultBlockKeysCausal : kDefaultBlockKeys;
@@ -235,6 +309,11 @@ std::optional<int64_t> KernelScratchBytes(const HeadConfig& config, const SdpaCa
   add({2, chunk, config.num_kv_heads, call.kv_len, hd}, operand_bytes);
   if (call.blocked) {
     add({omp_get_max_threads(), BlockWorkspaceBytes(call, hd)}, 1);
+    if (call.own_block_kernels) {
+      add({chunk, config.num_kv_heads, (call.kv_len + call.block_keys - 1) / call.block_keys,
+           PackedBlocksBytes(call, hd)},
+          1);
+    }
   } else {
     add({chunk, heads, call.q_len, call.kv_len}, call.bf16 ? 6 : 4);
     add({chunk, config.group_size(), call.q_len, call.kv_len}, 4);
@@ -259,6 +338,13 @@ absl::Status AttentionKernels::ReserveChunk(const SdpaCall& call, int64_t chunk,
         Reserve(v_stage_, {chunk, config_.num_kv_heads, t, hd}, operand_bytes));
   }
   if (call.blocked) {
+    if (call.own_block_kernels) {
+      ATTNSERVE_RETURN_IF_ERROR(
+          Reserve(block_packs_,
+                  {chunk, config_.num_kv_heads, (t + call.block_keys - 1) / call.block_keys,
+                   PackedBlocksBytes(call, hd)},
+                  1));
+    }
     return Reserve(block_workspace_, {omp_get_max_threads(), BlockWorkspaceBytes(call, hd)}, 1);
   }
   ATTNSERVE_RETURN_IF_ERROR(Reserve(scores_, {chunk, config_.num_heads, s, t}, 4));
@@ -539,6 +625,9 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
                                            const HeadRows& q, const HeadRows& k, const HeadRows& v,
                                            const HeadRows& context, bool context_bf16,
                                            bool zero_rows_past_length) {
+  if (call.own_block_kernels) {
+    return OwnBlocks(call, first, n, q, k, v, context, context_bf16, zero_rows_past_length);
+  }
   const int64_t heads = config_.num_heads;
   const int64_t g = config_.group_size();
   const int64_t s = call.q_len;
@@ -708,21 +797,11 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
           a.v.set_data_handle(const_cast<char*>(v_rows));
           execute(step.scores, a.scores_args, a.scores_count);
           for (int64_t r = 0; r < mq; ++r) {
-            const int64_t i = i0 + r;
             float* const x = scores + r * mk;
-            int64_t limit = std::clamp<int64_t>(call.kv_lengths[b] - j0, 0, mk);
-            if (call.causal) limit = std::clamp<int64_t>(i + 1 - j0, 0, limit);
-            if (has_mask) {
-              for (int64_t j = 0; j < limit; ++j) {
-                const float value = ExplicitValue(explicit_mask, b, i, j0 + j);
-                if (explicit_mask.kind == ExplicitMask::Kind::kAllowed) {
-                  if (value == 0.0f) x[j] = kMasked;
-                } else {
-                  x[j] += value;
-                }
-              }
-            }
-            row_alpha[r] = OnlineSoftmaxRow(x, limit, mk, row_max[r], row_sum[r],
+            const int64_t limit = VisibleKeys(call, b, i0 + r, j0, mk);
+            // (The scores matmul applied the scale.)
+            if (has_mask) ApplyExplicitMask(explicit_mask, b, i0 + r, j0, limit, 1.0f, x);
+            row_alpha[r] = OnlineSoftmaxRow(x, limit, mk, 1.0f, row_max[r], row_sum[r],
                                             probs != nullptr ? probs + r * mk : nullptr);
           }
           execute(step.values, a.values_args, a.values_count);
@@ -737,33 +816,158 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
           failure = StatusFromDnnlError(e, "running a blocked attention matmul").ToString();
         }
       }
-      // O = acc * head_mask[h] / l; dead rows (every key masked): 0; rows past
-      // a query length: 0 or untouched.
-      const float weight = call.head_mask.empty() ? 1.0f : call.head_mask[h];
-      const int64_t context_bytes = context_bf16 ? 2 : 4;
-      for (int64_t r = 0; r < mq; ++r) {
-        const bool past_length = i0 + r >= call.q_lengths[b];
-        if (past_length && !zero_rows_past_length) continue;
-        char* const row =
-            static_cast<char*>(context.data) +
-            ((context.first_rows[c] + i0 + r) * context.row_stride + h * context.head_stride) *
-                context_bytes;
-        const float l = row_sum[r];
-        if (past_length || !(l > 0.0f) || !std::isfinite(l)) {
-          std::memset(row, 0, static_cast<size_t>(hd * context_bytes));
-          continue;
-        }
-        float* const o = acc + r * hd;
-        if (context_bf16) {
-          ScaleRow(o, hd, weight / l);
-          FloatsToBf16(o, hd, reinterpret_cast<Bf16*>(row));
-        } else {
-          ScaleInto(o, hd, weight / l, reinterpret_cast<float*>(row));
-        }
-      }
+      WriteContextRows(call, b, c, h, i0, mq, hd, acc, row_sum, context, context_bf16,
+                       zero_rows_past_length);
     }
   }
   if (failed) return absl::InternalError(failure);
+  return absl::OkStatus();
+}
+
+// SdpaBlocked on the own block kernels (core/block_kernels.h). The same work
+// items; first, every key block of the chunk is packed once (per sequence,
+// key/value head and key block, spread over the threads), then each item runs
+// its key blocks in strips of kStripRows query rows:
+//
+//   S [rows, keys] = Q [rows, hd] x K^T           keys: the strip's visible
+//                                                 keys rounded up to 16
+//   per row: online softmax of S * scale (+ explicit mask) as above (P in
+//        place, or BF16)
+//   O [rows, hd] = alpha * O + P x V              (one kernel; O in the
+//                                                 thread's accumulator)
+//
+// A strip's scores and P stay in L1; the packed K and V block in L2 serve
+// every strip of the item. Causal: strips that see no key of a block skip it;
+// the diagonal strips compute only the key tiles they see.
+absl::Status AttentionKernels::OwnBlocks(const SdpaCall& call, int64_t first, int64_t n,
+                                         const HeadRows& q, const HeadRows& k, const HeadRows& v,
+                                         const HeadRows& context, bool context_bf16,
+                                         bool zero_rows_past_length) {
+  const int64_t heads = config_.num_heads;
+  const int64_t kv_heads = config_.num_kv_heads;
+  const int64_t g = config_.group_size();
+  const int64_t s = call.q_len;
+  const int64_t t = call.kv_len;
+  const int64_t hd = config_.head_dim;
+  const int64_t bq = call.block_queries;
+  const int64_t bk = call.block_keys;
+  const bool bf16 = call.bf16;
+  const int64_t operand_bytes = bf16 ? 2 : 4;
+  const ExplicitMask& explicit_mask = call.mask;
+  const bool has_mask = explicit_mask.kind != ExplicitMask::Kind::kNone;
+  const float softmax_scale = has_mask ? 1.0f : config_.scale;
+  const int64_t key_blocks = (t + bk - 1) / bk;
+  const int64_t packed_elements = PackedBlockElements(bk, hd);
+  const int64_t packed_bytes = PackedBlocksBytes(call, hd);
+  const int64_t strip_stride = packed_elements / hd;  // bk rounded up to kKeyTile
+  const int threads = omp_get_max_threads();
+  const int64_t workspace_bytes = BlockWorkspaceBytes(call, hd);
+  // ReserveChunk sized these for omp_get_max_threads() and the chunk; an
+  // embedder changing the thread count in between must not make the threads
+  // run past them.
+  if (block_workspace_.capacity() < threads * workspace_bytes ||
+      block_packs_.capacity() < n * kv_heads * key_blocks * packed_bytes) {
+    return absl::InternalError("blocked attention: the scratch was reserved for a smaller call");
+  }
+  char* const packs = static_cast<char*>(block_packs_.data());
+  auto packed_block = [&](int64_t c, int64_t group, int64_t kb) {
+    return packs + ((c * kv_heads + group) * key_blocks + kb) * packed_bytes;
+  };
+
+  const int64_t q_blocks = (s + bq - 1) / bq;
+  const int64_t items = n * heads * q_blocks;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < n * kv_heads * key_blocks; ++unit) {
+      const int64_t c = unit / (kv_heads * key_blocks);
+      const int64_t group = unit / key_blocks % kv_heads;
+      const int64_t kb = unit % key_blocks;
+      const int64_t j0 = kb * bk;
+      const int64_t mk = std::min(bk, t - j0);
+      const int64_t valid = std::clamp<int64_t>(call.kv_lengths[first + c] - j0, 0, mk);
+      char* const to = packed_block(c, group, kb);
+      const char* const k_rows =
+          static_cast<const char*>(k.data) +
+          ((k.first_rows[c] + j0) * k.row_stride + group * k.head_stride) * operand_bytes;
+      PackKeyBlock(k_rows, k.row_stride, mk, valid, hd, bf16, to);
+      if (bf16) {
+        const Bf16* const v_rows = static_cast<const Bf16*>(v.data) +
+                                   (v.first_rows[c] + j0) * v.row_stride + group * v.head_stride;
+        PackValueBlockBf16(v_rows, v.row_stride, mk, valid, hd,
+                           reinterpret_cast<Bf16*>(to) + packed_elements);
+      }
+    }  // (the threads wait here for every block to be packed)
+
+    char* const workspace =
+        static_cast<char*>(block_workspace_.data()) + omp_get_thread_num() * workspace_bytes;
+    float* const scores = reinterpret_cast<float*>(workspace);  // [kStripRows, strip_stride]
+    const int64_t scores_bytes = Line(kStripRows * strip_stride * 4);
+    Bf16* const probs = bf16 ? reinterpret_cast<Bf16*>(workspace + scores_bytes) : nullptr;
+    float* const acc = reinterpret_cast<float*>(workspace + scores_bytes +
+                                                (bf16 ? Line(kStripRows * strip_stride * 2) : 0));
+    float* const row_max = acc + Line(bq * hd * 4) / 4;
+    float* const row_sum = row_max + bq;
+    float* const row_alpha = row_sum + bq;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t c = item / (heads * q_blocks);
+      const int64_t h = item / q_blocks % heads;
+      const int64_t i0 = item % q_blocks * bq;
+      const int64_t mq = std::min(bq, s - i0);
+      const int64_t b = first + c;
+      const int64_t group = h / g;
+      const char* const q_rows =
+          static_cast<const char*>(q.data) +
+          ((q.first_rows[c] + i0) * q.row_stride + h * q.head_stride) * operand_bytes;
+      // FP32 values are read in place.
+      const float* const v_base = bf16 ? nullptr
+                                       : static_cast<const float*>(v.data) +
+                                             v.first_rows[c] * v.row_stride + group * v.head_stride;
+      std::fill(row_max, row_max + mq, kMasked);
+      std::fill(row_sum, row_sum + mq, 0.0f);
+      const int64_t key_end = std::min(call.kv_lengths[b], call.causal ? std::min(t, i0 + mq) : t);
+      for (int64_t j0 = 0; j0 < key_end; j0 += bk) {
+        const int64_t mk = std::min(bk, t - j0);
+        const char* const block = packed_block(c, group, j0 / bk);
+        for (int64_t r0 = 0; r0 < mq; r0 += kStripRows) {
+          const int64_t rows = std::min(kStripRows, mq - r0);
+          int64_t limits[kStripRows];
+          int64_t strip_limit = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            limits[r] = VisibleKeys(call, b, i0 + r0 + r, j0, mk);
+            strip_limit = std::max(strip_limit, limits[r]);
+          }
+          // Only past the first key block (causal): nothing to add, alpha 1.
+          if (strip_limit == 0) continue;
+          const int64_t tiles = (strip_limit + kKeyTile - 1) / kKeyTile;
+          const int64_t width = tiles * kKeyTile;
+          BlockScores(bf16, q_rows + r0 * q.row_stride * operand_bytes, q.row_stride, rows, block,
+                      tiles, hd, scores, strip_stride);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* const x = scores + r * strip_stride;
+            // The scale goes into the exponent, or, with a mask, before it.
+            if (has_mask) {
+              ApplyExplicitMask(explicit_mask, b, i0 + r0 + r, j0, limits[r], config_.scale, x);
+            }
+            row_alpha[r0 + r] =
+                OnlineSoftmaxRow(x, limits[r], width, softmax_scale, row_max[r0 + r],
+                                 row_sum[r0 + r], bf16 ? probs + r * strip_stride : nullptr);
+          }
+          if (bf16) {
+            BlockValuesBf16(probs, strip_stride, rows, (strip_limit + 1) / 2 * 2,
+                            reinterpret_cast<const Bf16*>(block) + packed_elements, hd,
+                            row_alpha + r0, j0 == 0, acc + r0 * hd, hd);
+          } else {
+            BlockValuesFp32(scores, strip_stride, rows, strip_limit, v_base + j0 * v.row_stride,
+                            v.row_stride, hd, row_alpha + r0, j0 == 0, acc + r0 * hd, hd);
+          }
+        }
+      }
+      WriteContextRows(call, b, c, h, i0, mq, hd, acc, row_sum, context, context_bf16,
+                       zero_rows_past_length);
+    }
+  }
   return absl::OkStatus();
 }
 

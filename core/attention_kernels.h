@@ -45,6 +45,9 @@ struct SdpaCall {
   bool blocked = false;
   int64_t block_queries = 0;
   int64_t block_keys = 0;
+  // The blocked path runs its blocks on attnserve's own AVX-512 kernels
+  // (core/block_kernels.h) rather than on oneDNN matmuls; set by MakeBlocked.
+  bool own_block_kernels = false;
   // The caller's buffers (sizes validated): maps as MapSelection says,
   // statistics [batch, num_heads].
   absl::Span<float> attention_maps;
@@ -83,8 +86,12 @@ constexpr int64_t kDefaultBlockKeysCausal = 256;
 constexpr int64_t kDefaultBlockKeys = 1024;
 
 // Sets call.blocked and resolves its block sizes from the requested ones (0:
-// the defaults for call.causal), clamped to the call's lengths.
-void MakeBlocked(int64_t block_queries, int64_t block_keys, SdpaCall& call);
+// the defaults for call.causal), clamped to the call's lengths. Chooses the
+// own block kernels where this CPU and head_dim allow them, unless the
+// environment variable ATTNSERVE_BLOCK_KERNELS is "onednn" (read on each call:
+// for comparing the two, and the fallback's tests).
+void MakeBlocked(const HeadConfig& config, int64_t block_queries, int64_t block_keys,
+                 SdpaCall& call);
 
 // Scratch bytes AttentionKernels needs for `call` in chunks of `chunk`
 // sequences (staging, scores or blocks, masks), or nullopt on overflow.
@@ -194,6 +201,10 @@ class AttentionKernels {
   // head mask, accumulates the statistics. probs: [n, num_heads, S, T].
   void FinishProbabilities(const SdpaCall& call, int64_t first, int64_t n, bool dead_rows,
                            float* probs);
+  // SdpaBlocked on the own block kernels (call.own_block_kernels).
+  absl::Status OwnBlocks(const SdpaCall& call, int64_t first, int64_t n, const HeadRows& q,
+                         const HeadRows& k, const HeadRows& v, const HeadRows& context,
+                         bool context_bf16, bool zero_rows_past_length);
   // Copies the selected maps of the chunk out of probs.
   void GatherMaps(const SdpaCall& call, int64_t first, int64_t n, const float* probs);
 
@@ -228,6 +239,8 @@ class AttentionKernels {
     BlockArgs args[2][2];
   };
   ScratchBuffer block_workspace_;
+  // The own block kernels' packed key (and BF16 value) blocks of a chunk.
+  ScratchBuffer block_packs_;
   ScratchBuffer block_scratchpads_;
   std::vector<dnnl::stream> block_streams_;
   std::vector<BlockArgsSet> block_args_;

@@ -282,9 +282,10 @@ bool UsesBlocked(const ForwardOptions& options) {
   return options.maps.mode == AttentionMapMode::kNone && !options.head_statistics;
 }
 
-SdpaCall MakeCall(const SequenceLayout& queries, const SequenceLayout& keys, bool causal,
-                  const ExplicitMask& mask, absl::Span<const float> head_mask,
-                  const ForwardOptions& options, const ForwardOutputs& outputs, bool bf16) {
+SdpaCall MakeCall(const HeadConfig& config, const SequenceLayout& queries,
+                  const SequenceLayout& keys, bool causal, const ExplicitMask& mask,
+                  absl::Span<const float> head_mask, const ForwardOptions& options,
+                  const ForwardOutputs& outputs, bool bf16) {
   SdpaCall call;
   call.batch = queries.batch();
   call.q_len = queries.max_length();
@@ -298,7 +299,7 @@ SdpaCall MakeCall(const SequenceLayout& queries, const SequenceLayout& keys, boo
   call.statistics = options.head_statistics;
   call.bf16 = bf16;
   if (UsesBlocked(options)) {
-    internal::MakeBlocked(options.block_queries, options.block_keys, call);
+    internal::MakeBlocked(config, options.block_queries, options.block_keys, call);
   }
   call.attention_maps = outputs.attention_maps;
   call.head_entropy = outputs.head_entropy;
@@ -441,7 +442,7 @@ std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const Seque
   call.kv_len = keys.max_length();
   call.bf16 = bf16;
   if (UsesBlocked(options)) {
-    internal::MakeBlocked(options.block_queries, options.block_keys, call);
+    internal::MakeBlocked(config, options.block_queries, options.block_keys, call);
   }
   const int64_t chunk = internal::ChunkFor(config, call);
   // Counts the staging buffers also where BF16 reads the projections in place
@@ -708,8 +709,8 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
   const int64_t kv_rows = keys.rows();
   const int64_t element = bf16 ? sizeof(Bf16) : sizeof(float);
 
-  const SdpaCall call =
-      MakeCall(layout, keys, inputs.causal, inputs.mask, inputs.head_mask, options, outputs, bf16);
+  const SdpaCall call = MakeCall(config_, layout, keys, inputs.causal, inputs.mask,
+                                 inputs.head_mask, options, outputs, bf16);
   // In BF16 the blocked path reads Q, K and V where the projections leave
   // them (written in BF16 by the projection matmul) when that is measured
   // faster than staging dense copies. Staging costs a pass over every token;
@@ -1147,8 +1148,8 @@ absl::StatusOr<ForwardInfo> AttentionCore::Impl::RunLocked(const CoreInputs& inp
                                                            ForwardOutputs outputs) {
   if (ShouldStop(options)) return Cancelled();
   const bool bf16 = options.precision == Precision::kBf16 && Bf16Supported();
-  const SdpaCall call =
-      MakeCall(queries, keys, inputs.causal, inputs.mask, inputs.head_mask, options, outputs, bf16);
+  const SdpaCall call = MakeCall(config_, queries, keys, inputs.causal, inputs.mask,
+                                 inputs.head_mask, options, outputs, bf16);
   const int64_t chunk = kernels_.ChunkSequences(call);
   // Padding may hold anything (NaN too): operands with padding are copied with
   // zeros there, so that masked keys multiply finite values.

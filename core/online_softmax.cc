@@ -68,7 +68,7 @@ namespace {
 // The portable row step. Neither GCC nor clang vectorizes its loops (the max
 // and the exp's range checks are control flow to them; `omp simd` did not
 // help, and clang reports that as an error under -Werror).
-float PortableSoftmaxRow(float* x, int64_t limit, int64_t width, float& m, float& l,
+float PortableSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, float& m, float& l,
                          uint16_t* p_bf16) {
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   float block_max = kMinusInf;
@@ -85,20 +85,20 @@ float PortableSoftmaxRow(float* x, int64_t limit, int64_t width, float& m, float
   float sum = 0.0f;
   if (p_bf16 != nullptr) {
     for (int64_t j = 0; j < limit; ++j) {
-      const float p = Exp(x[j] - m_new);
+      const float p = Exp((x[j] - m_new) * scale);
       p_bf16[j] = FloatToBf16(p);
       sum += p;
     }
     std::fill(p_bf16 + limit, p_bf16 + width, uint16_t{0});
   } else {
     for (int64_t j = 0; j < limit; ++j) {
-      const float p = Exp(x[j] - m_new);
+      const float p = Exp((x[j] - m_new) * scale);
       x[j] = p;
       sum += p;
     }
     std::fill(x + limit, x + width, 0.0f);
   }
-  const float alpha = Exp(m - m_new);  // m == -inf: 0
+  const float alpha = Exp((m - m_new) * scale);  // m == -inf: 0
   l = l * alpha + sum;
   m = m_new;
   return alpha;
@@ -107,25 +107,27 @@ float PortableSoftmaxRow(float* x, int64_t limit, int64_t width, float& m, float
 #ifdef ATTNSERVE_AVX512_ROW
 #define ATTNSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
-// Exp above on 16 lanes: the same polynomial and range, branch-free. NaN
-// stays NaN (max(floor, NaN) is NaN: MAXPS returns its second operand when
-// either is NaN).
-ATTNSERVE_AVX512 inline __m512 Exp16(__m512 x) {
-  const __m512 floor = _mm512_set1_ps(kExpFloor);
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(floor, x), _mm512_set1_ps(kLog2e));
+// 2^t on 16 lanes for t = y log2(e), y <= 0: Exp(y) branch-free, with the
+// polynomial of degree kDegree (7: Exp's; 4: for probabilities kept in BF16,
+// relative error 4.2e-5 = (ln 2 / 2)^5 / 5!, a hundredth of BF16's rounding).
+// Lanes outside `keep`, and below Exp's floor, are 0. NaN stays NaN
+// (max(floor, NaN) is NaN: MAXPS returns its second operand when either is
+// NaN).
+template <int kDegree>
+ATTNSERVE_AVX512 inline __m512 Exp2x16(__m512 t, __mmask16 keep) {
+  static_assert(kDegree >= 1 && kDegree <= 7);
+  constexpr float kCoefficients[8] = {1.0f, kC1, kC2, kC3, kC4, kC5, kC6, kC7};
+  const __m512 floor = _mm512_set1_ps(kExpFloor * kLog2e);
+  const __mmask16 below = _mm512_cmp_ps_mask(t, floor, _CMP_LT_OQ);
+  t = _mm512_max_ps(floor, t);
   const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, r);
-  __m512 p = _mm512_set1_ps(kC7);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC5));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC4));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC3));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC2));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kC1));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __m512 e = _mm512_scalef_ps(p, r);  // p * 2^r
-  const __mmask16 below = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
-  return _mm512_mask_mov_ps(e, below, _mm512_setzero_ps());
+  __m512 p = _mm512_set1_ps(kCoefficients[kDegree]);
+#pragma GCC unroll 7
+  for (int k = kDegree - 1; k >= 0; --k) {
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kCoefficients[k]));
+  }
+  return _mm512_maskz_scalef_ps(keep & static_cast<__mmask16>(~below), p, r);  // p * 2^r
 }
 
 // Round to nearest even BF16 (as FloatToBf16; p is never NaN), 16 lanes to 16 halves.
@@ -137,34 +139,54 @@ ATTNSERVE_AVX512 inline __m256i ToBf16x16(__m512 p) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-ATTNSERVE_AVX512 float Avx512SoftmaxRow(float* x, int64_t limit, int64_t width, float& m,
-                                        float& l, uint16_t* p_bf16) {
-  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
-  auto tail = [](int64_t left) -> __mmask16 {
-    return left >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << left) - 1u);
-  };
-  __m512 max16 = _mm512_set1_ps(kMinusInf);
+ATTNSERVE_AVX512 inline __mmask16 FirstLanes(int64_t left) {
+  return left >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// The parts of the AVX-512 row step around its exp loop: m_new (the new
+// running max; -inf when nothing is visible yet, and then p = 0 is written
+// and the state stays), and the state update from the row's sum of p.
+ATTNSERVE_AVX512 inline float NewMax(const float* x, int64_t limit, float m) {
+  __m512 max16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < limit; j += 16) {
-    const __mmask16 k = tail(limit - j);
+    const __mmask16 k = FirstLanes(limit - j);
     max16 = _mm512_mask_max_ps(max16, k, _mm512_maskz_loadu_ps(k, x + j), max16);
   }
-  const float m_new = std::max(m, _mm512_reduce_max_ps(max16));
-  if (m_new == kMinusInf) {
-    if (p_bf16 != nullptr) {
-      std::memset(p_bf16, 0, static_cast<size_t>(width) * sizeof(uint16_t));
-    } else {
-      std::fill(x, x + width, 0.0f);
-    }
-    return 1.0f;
+  return std::max(m, _mm512_reduce_max_ps(max16));
+}
+
+ATTNSERVE_AVX512 inline float UpdateState(float m_new, __m512 sum16, float scale, float& m,
+                                          float& l) {
+  const float alpha = Exp((m - m_new) * scale);  // m == -inf: 0
+  l = l * alpha + _mm512_reduce_add_ps(sum16);
+  m = m_new;
+  return alpha;
+}
+
+float NothingVisible(float* x, int64_t width, uint16_t* p_bf16) {
+  if (p_bf16 != nullptr) {
+    std::memset(p_bf16, 0, static_cast<size_t>(width) * sizeof(uint16_t));
+  } else {
+    std::fill(x, x + width, 0.0f);
   }
+  return 1.0f;
+}
+
+// FP32 probabilities in place, or BF16 rounded in integer lanes (CPUs
+// without AVX512-BF16).
+ATTNSERVE_AVX512 float Avx512SoftmaxRow(float* x, int64_t limit, int64_t width, float scale,
+                                        float& m, float& l, uint16_t* p_bf16) {
+  const float m_new = NewMax(x, limit, m);
+  if (m_new == -std::numeric_limits<float>::infinity()) return NothingVisible(x, width, p_bf16);
   const __m512 shift = _mm512_set1_ps(m_new);
+  const __m512 to_log2 = _mm512_set1_ps(scale * kLog2e);
   __m512 sum16 = _mm512_setzero_ps();
   for (int64_t j = 0; j < width; j += 16) {
-    const __mmask16 k = tail(width - j);
-    const __mmask16 visible = j < limit ? tail(limit - j) : __mmask16{0};
+    const __mmask16 k = FirstLanes(width - j);
+    const __mmask16 visible = j < limit ? FirstLanes(limit - j) : __mmask16{0};
     // Lanes past limit are 0.
     const __m512 scores = _mm512_maskz_loadu_ps(visible, x + j);
-    const __m512 p = _mm512_maskz_mov_ps(visible, Exp16(_mm512_sub_ps(scores, shift)));
+    const __m512 p = Exp2x16<7>(_mm512_mul_ps(_mm512_sub_ps(scores, shift), to_log2), visible);
     sum16 = _mm512_add_ps(sum16, p);
     if (p_bf16 != nullptr) {
       _mm256_mask_storeu_epi16(p_bf16 + j, k, ToBf16x16(p));
@@ -172,10 +194,32 @@ ATTNSERVE_AVX512 float Avx512SoftmaxRow(float* x, int64_t limit, int64_t width, 
       _mm512_mask_storeu_ps(x + j, k, p);
     }
   }
-  const float alpha = Exp(m - m_new);  // m == -inf: 0
-  l = l * alpha + _mm512_reduce_add_ps(sum16);
-  m = m_new;
-  return alpha;
+  return UpdateState(m_new, sum16, scale, m, l);
+}
+
+// BF16 probabilities through VCVTNEPS2BF16 (round to nearest even; p is 0 or
+// a normal number, never subnormal, which it would flush), with the degree-4
+// exponential: the FP32 row is never stored.
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) float
+Avx512SoftmaxRowNativeBf16(const float* x, int64_t limit, int64_t width, float scale, float& m,
+                           float& l, uint16_t* p_bf16) {
+  const float m_new = NewMax(x, limit, m);
+  if (m_new == -std::numeric_limits<float>::infinity()) {
+    return NothingVisible(nullptr, width, p_bf16);
+  }
+  const __m512 shift = _mm512_set1_ps(m_new);
+  const __m512 to_log2 = _mm512_set1_ps(scale * kLog2e);
+  __m512 sum16 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 k = FirstLanes(width - j);
+    const __mmask16 visible = j < limit ? FirstLanes(limit - j) : __mmask16{0};
+    const __m512 scores = _mm512_maskz_loadu_ps(visible, x + j);
+    const __m512 p = Exp2x16<4>(_mm512_mul_ps(_mm512_sub_ps(scores, shift), to_log2), visible);
+    sum16 = _mm512_add_ps(sum16, p);
+    const __m256bh halves = _mm512_cvtneps_pbh(p);
+    _mm256_mask_storeu_epi16(p_bf16 + j, k, reinterpret_cast<const __m256i&>(halves));
+  }
+  return UpdateState(m_new, sum16, scale, m, l);
 }
 
 bool HasAvx512() {
@@ -186,19 +230,6 @@ bool HasAvx512() {
   return has;
 }
 
-// p [width] (FP32 probabilities: 0 or normal numbers, never subnormal, which
-// VCVTNEPS2BF16 would flush) to BF16 with the CPU's own rounding, which then
-// equals FloatToBf16.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void NativeProbabilitiesToBf16(
-    const float* p, int64_t width, uint16_t* p_bf16) {
-  for (int64_t j = 0; j < width; j += 16) {
-    const int64_t left = width - j;
-    const __mmask16 k = left >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << left) - 1u);
-    const __m256bh halves = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(k, p + j));
-    _mm256_mask_storeu_epi16(p_bf16 + j, k, reinterpret_cast<const __m256i&>(halves));
-  }
-}
-
 bool HasAvx512Bf16() {
   static const bool has = HasAvx512() && __builtin_cpu_supports("avx512bf16");
   return has;
@@ -207,20 +238,15 @@ bool HasAvx512Bf16() {
 
 }  // namespace
 
-float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float& m, float& l,
+float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, float& m, float& l,
                        uint16_t* p_bf16) {
 #ifdef ATTNSERVE_AVX512_ROW
   if (p_bf16 != nullptr && HasAvx512Bf16()) {
-    // The FP32 row in place, then the CPU's conversion: cheaper than rounding
-    // in integer lanes inside the row loop (measured: the BF16 row step
-    // 79 -> 65 thousand cycles per 256 x 256 block).
-    const float alpha = Avx512SoftmaxRow(x, limit, width, m, l, nullptr);
-    NativeProbabilitiesToBf16(x, width, p_bf16);
-    return alpha;
+    return Avx512SoftmaxRowNativeBf16(x, limit, width, scale, m, l, p_bf16);
   }
-  if (HasAvx512()) return Avx512SoftmaxRow(x, limit, width, m, l, p_bf16);
+  if (HasAvx512()) return Avx512SoftmaxRow(x, limit, width, scale, m, l, p_bf16);
 #endif
-  return PortableSoftmaxRow(x, limit, width, m, l, p_bf16);
+  return PortableSoftmaxRow(x, limit, width, scale, m, l, p_bf16);
 }
 
 ATTNSERVE_CLONES

@@ -33,6 +33,7 @@
 #include "benchmark/benchmark.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
+#include "core/block_kernels.h"
 #include "core/online_softmax.h"
 #include "dnnl.hpp"
 #include "tests/benchmarks/allocation_counter.h"
@@ -328,8 +329,8 @@ void BM_OnlineSoftmaxRow(benchmark::State& state) {
   std::vector<uint16_t> p_bf16(state.range(1) != 0 ? width : 0);
   for (auto _ : state) {
     float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
-    benchmark::DoNotOptimize(internal::OnlineSoftmaxRow(
-        row.data(), width, width, m, l, p_bf16.empty() ? nullptr : p_bf16.data()));
+    benchmark::DoNotOptimize(internal::OnlineSoftmaxRow(row.data(), width, width, 0.125f, m, l,
+                                                        p_bf16.empty() ? nullptr : p_bf16.data()));
     benchmark::ClobberMemory();
   }
   state.SetItemsProcessed(state.iterations() * width);
@@ -342,6 +343,109 @@ BENCHMARK(BM_OnlineSoftmaxRow)
     ->Args({1024, 1})
     ->Args({2048, 0})
     ->Args({2048, 1});
+
+// The attention alone (AttentionCore, blocked path: scores, online softmax,
+// P V), on dense FP32 Q/K/V [B, H, S, hd] (BF16: converted inside, as the
+// core does). GFLOP counts 4*B*H*S^2*hd (halved when causal); of_ceiling
+// divides it by the matmul ceiling measured before and after. Run it with
+// ATTNSERVE_BLOCK_KERNELS=onednn in another process to compare the block
+// kernels. args: batch, seq, heads, head_dim, flags (causal, BF16).
+void BM_AttentionCore(benchmark::State& state) {
+  const int64_t batch = state.range(0), seq = state.range(1), heads = state.range(2),
+                hd = state.range(3), flags = state.range(4);
+  const bool bf16 = flags & kBf16;
+  HeadConfig requested;
+  requested.d_model = heads * hd;
+  requested.num_heads = heads;
+  requested.head_dim = hd;
+  const HeadConfig config = *ResolveHeadConfig(requested);
+  auto core = *AttentionCore::Create(config);
+  std::mt19937 rng(1);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(batch * heads * seq * hd), k(q.size()), v(q.size()), output(q.size());
+  for (std::vector<float>* x : {&q, &k, &v}) {
+    for (float& e : *x) e = normal(rng);
+  }
+  CoreInputs inputs{q, k, v, batch, seq, seq, {}, {}, (flags & kCausal) != 0, {}, {}};
+  ForwardOptions options;
+  options.precision = bf16 ? Precision::kBf16 : Precision::kFp32;
+  options.attention_path = AttentionPath::kBlocked;
+  ForwardOutputs outputs;
+  outputs.output = absl::MakeSpan(output);
+  const absl::StatusOr<ForwardInfo> info = core->Run(inputs, options, outputs);
+  if (!info.ok()) {
+    state.SkipWithError(std::string(info.status().message()).c_str());
+    return;
+  }
+  const double before = CeilingGflops(bf16);
+  for (auto _ : state) benchmark::DoNotOptimize(core->Run(inputs, options, outputs));
+  const double ceiling = 0.5 * (before + CeilingGflops(bf16));
+  const double flop = 4.0 * batch * heads * seq * seq * hd * ((flags & kCausal) ? 0.5 : 1.0);
+  state.counters["GFLOP"] =
+      benchmark::Counter(flop * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["ceiling_GFLOP"] = ceiling;
+  state.counters["of_ceiling"] =
+      benchmark::Counter(flop * 1e-9 / ceiling, benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel(info->kernel_path);
+}
+BENCHMARK(BM_AttentionCore)
+    ->Args({8, 128, 12, 64, 0})
+    ->Args({8, 128, 12, 64, kBf16})
+    ->Args({1, 512, 12, 64, 0})
+    ->Args({1, 512, 12, 64, kBf16})
+    ->Args({1, 2048, 12, 64, 0})
+    ->Args({1, 2048, 12, 64, kBf16})
+    ->Args({1, 2048, 12, 64, kCausal})
+    ->Args({1, 2048, 12, 64, kCausal | kBf16})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// The own block kernels alone on one thread (core/block_kernels.h): a query
+// block of 256 rows in strips of kStripRows against one packed key block,
+// scores then P V (P fixed, no softmax), operands in cache. GFLOP counts
+// 4 * 256 * keys * head_dim. args: keys, head_dim, bf16.
+void BM_BlockKernels(benchmark::State& state) {
+  const int64_t keys = state.range(0), hd = state.range(1);
+  const bool bf16 = state.range(2) != 0;
+  if (!internal::OwnBlockKernelsAvailable(bf16, hd)) {
+    state.SkipWithError("the own block kernels do not run on this CPU");
+    return;
+  }
+  constexpr int64_t kRows = 256;
+  const int64_t element = bf16 ? 2 : 4;
+  std::vector<char> q(kRows * hd * element, 0x3c), k(keys * hd * element, 0x3c),
+      v(keys * hd * element, 0x3c);
+  std::vector<char> k_packed(internal::PackedBlockElements(keys, hd) * element);
+  std::vector<Bf16> v_packed(internal::PackedBlockElements(keys, hd));
+  internal::PackKeyBlock(k.data(), hd, keys, keys, hd, bf16, k_packed.data());
+  internal::PackValueBlockBf16(reinterpret_cast<const Bf16*>(v.data()), hd, keys, keys, hd,
+                               v_packed.data());
+  const int64_t stride = (keys + 15) / 16 * 16;
+  std::vector<float> scores(internal::kStripRows * stride, 0.01f), acc(kRows * hd);
+  std::vector<Bf16> probs(internal::kStripRows * stride, 0x3c00);
+  const std::vector<float> alpha(internal::kStripRows, 1.0f);
+  for (auto _ : state) {
+    for (int64_t r0 = 0; r0 < kRows; r0 += internal::kStripRows) {
+      internal::BlockScores(bf16, q.data() + r0 * hd * element, hd, internal::kStripRows,
+                            k_packed.data(), stride / 16, hd, scores.data(), stride);
+      if (bf16) {
+        internal::BlockValuesBf16(probs.data(), stride, internal::kStripRows, stride,
+                                  v_packed.data(), hd, alpha.data(), false, acc.data() + r0 * hd,
+                                  hd);
+      } else {
+        internal::BlockValuesFp32(scores.data(), stride, internal::kStripRows, keys,
+                                  reinterpret_cast<const float*>(v.data()), hd, hd, alpha.data(),
+                                  false, acc.data() + r0 * hd, hd);
+      }
+    }
+    benchmark::DoNotOptimize(acc.data());
+  }
+  state.counters["GFLOP"] = benchmark::Counter(4.0 * kRows * keys * hd * 1e-9,
+                                               benchmark::Counter::kIsIterationInvariantRate);
+}
+BENCHMARK(BM_BlockKernels)
+    ->ArgNames({"keys", "hd", "bf16"})
+    ->ArgsProduct({{128, 256, 512, 1024}, {64}, {0, 1}});
 
 // The layer's two projections alone, as oneDNN runs them at its best: the
 // fused Q/K/V matmul [B*S, D] x [D, (Hq + 2 Hkv) hd] and the output matmul

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -172,7 +173,9 @@ void ExpectMatches(const HeadConfig& config, const LayerInputs& inputs,
 
 struct Scenario {
   std::string name;
-  int64_t d_model = 32;
+  // With 4 heads, head_dim 16: the blocked path's own block kernels (the
+  // scenarios with head_dim 8 or 24 run their blocks on oneDNN).
+  int64_t d_model = 64;
   int64_t num_heads = 4;
   int64_t num_kv_heads = 0;
   int64_t head_dim = 0;
@@ -280,8 +283,24 @@ ScenarioCall MakeScenarioCall(const Scenario& s, std::mt19937_64& rng, Precision
 // The path a scenario runs on: as asked (maps and statistics: materialized),
 // or forced onto the blocked path without maps and statistics, with small
 // blocks so that block edges fall inside the sequences (the last blocks
-// shorter, causal diagonals inside blocks).
-enum class PathUnderTest { kAsAsked, kBlocked };
+// shorter, causal diagonals inside blocks), on the block kernels MakeBlocked
+// picks (attnserve's own where the CPU and head_dim allow) or on oneDNN's
+// (ATTNSERVE_BLOCK_KERNELS=onednn).
+enum class PathUnderTest { kAsAsked, kBlocked, kBlockedOnOneDnn };
+
+// Sets an environment variable for its lifetime.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    if (value != nullptr) setenv(name, value, 1);
+  }
+  ~ScopedEnv() { unsetenv(name_); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+};
 
 class AttentionLayerScenarios : public ::testing::TestWithParam<Scenario> {
  protected:
@@ -291,7 +310,7 @@ class AttentionLayerScenarios : public ::testing::TestWithParam<Scenario> {
     std::mt19937_64 rng(seed);
     ScenarioCall call = MakeScenarioCall(GetParam(), rng, precision);
     std::string expected_path = "materialized";
-    if (path == PathUnderTest::kBlocked) {
+    if (path != PathUnderTest::kAsAsked) {
       call.options.maps = {};
       call.options.head_statistics = false;
       call.options.attention_path = AttentionPath::kBlocked;
@@ -305,6 +324,8 @@ class AttentionLayerScenarios : public ::testing::TestWithParam<Scenario> {
         AttentionLayer::Create(call.config, call.weights);
     ASSERT_THAT(layer, IsOk());
     Buffers buffers;
+    const ScopedEnv block_kernels("ATTNSERVE_BLOCK_KERNELS",
+                                  path == PathUnderTest::kBlockedOnOneDnn ? "onednn" : nullptr);
     const absl::StatusOr<ForwardInfo> info = RunLayer(**layer, call.inputs, call.options, buffers);
     ASSERT_THAT(info, IsOk());
     EXPECT_EQ(info->precision, precision);
@@ -328,6 +349,15 @@ TEST_P(AttentionLayerScenarios, Fp32BlockedMatchesReference) {
 TEST_P(AttentionLayerScenarios, Bf16BlockedMatchesReference) {
   if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
   Check(Precision::kBf16, kBf16Tolerance, PathUnderTest::kBlocked);
+}
+
+TEST_P(AttentionLayerScenarios, Fp32BlockedOnOneDnnMatchesReference) {
+  Check(Precision::kFp32, kFp32Tolerance, PathUnderTest::kBlockedOnOneDnn);
+}
+
+TEST_P(AttentionLayerScenarios, Bf16BlockedOnOneDnnMatchesReference) {
+  if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
+  Check(Precision::kBf16, kBf16Tolerance, PathUnderTest::kBlockedOnOneDnn);
 }
 
 using Kind = ExplicitMask::Kind;

@@ -1,9 +1,15 @@
 // Steady state of AttentionLayer::Forward: after warm-up a repeated request
-// creates no primitives and the core's own code allocates a fixed number of
-// small objects per call, the same at every sequence length; what grows with
-// the sequence is oneDNN's per-execute bookkeeping inside libdnnl (counted
-// apart through the caller's address, see allocation_counter.h).
+// creates no primitives and allocates a fixed number of small objects per
+// call, the same at every sequence length: the core's own (copies of the
+// lengths, primitive-cache keys) and oneDNN's per-execute bookkeeping inside
+// libdnnl (counted apart through the caller's address, see
+// allocation_counter.h) for the projections and, on the materialized path, a
+// handful of attention matmuls. The blocked path's block products run on the
+// core's own kernels (head_dim 16 here); only when they run on oneDNN
+// (ATTNSERVE_BLOCK_KERNELS=onednn, or a CPU without AVX-512) do oneDNN's
+// allocations grow with the number of blocks.
 #include <cstdint>
+#include <cstdlib>
 #include <iostream>
 #include <memory>
 #include <random>
@@ -14,6 +20,7 @@
 #include "core/attention_inputs.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
+#include "core/block_kernels.h"
 #include "core/head_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -48,7 +55,7 @@ struct Counts {
 Counts CountForward(AttentionPath path, int64_t seq_len, bool causal,
                     Precision precision = Precision::kFp32, int64_t block_queries = 16) {
   HeadConfig requested;
-  requested.d_model = 32;
+  requested.d_model = 64;
   requested.num_heads = 4;
   const absl::StatusOr<HeadConfig> config = ResolveHeadConfig(requested);
   EXPECT_THAT(config, IsOk());
@@ -85,34 +92,39 @@ Counts CountForward(AttentionPath path, int64_t seq_len, bool causal,
   return counts;
 }
 
-TEST(SteadyState, CoreAllocationsPerForwardDoNotGrowWithSequenceLength) {
+bool OwnBlockKernels(Precision precision) {
+  return internal::OwnBlockKernelsAvailable(precision == Precision::kBf16, 16);
+}
+
+void Print(const std::string& what, const Counts& short_run, const Counts& long_run) {
+  std::cout << what << ": allocations per forward S=32 " << short_run.total << " (core "
+            << short_run.ours() << "), S=256 " << long_run.total << " (core " << long_run.ours()
+            << ")\n";
+}
+
+TEST(SteadyState, AllocationsPerForwardDoNotGrowWithSequenceLength) {
   for (const AttentionPath path : {AttentionPath::kBlocked, AttentionPath::kMaterialized}) {
     for (const bool causal : {false, true}) {
-      SCOPED_TRACE(absl::StrCat(path == AttentionPath::kBlocked ? "blocked" : "materialized",
-                                causal ? ", causal" : ""));
+      const std::string what = absl::StrCat(
+          path == AttentionPath::kBlocked ? "blocked" : "materialized", causal ? " causal" : "");
+      SCOPED_TRACE(what);
       const Counts short_run = CountForward(path, 32, causal);
       const Counts long_run = CountForward(path, 256, causal);
-      // The core's own objects: the same count at 8x the length (copies of
-      // the lengths, primitive-cache keys, oneDNN's C++ handles and argument
-      // maps per primitive execution of the projections), and few: 79-90 here.
+      // The core's own objects: the same count at 8x the length, and few.
       EXPECT_EQ(short_run.ours(), long_run.ours());
       EXPECT_LE(long_run.ours(), 128);
-      std::cout << (path == AttentionPath::kBlocked ? "blocked" : "materialized")
-                << (causal ? " causal" : "") << ": allocations per forward S=32 "
-                << short_run.total << " (core " << short_run.ours() << "), S=256 "
-                << long_run.total << " (core " << long_run.ours() << ")\n";
-      if (path == AttentionPath::kMaterialized) {
-        // A handful of primitive executions, whatever the length.
+      // oneDNN's: a handful of primitive executions, whatever the length.
+      if (path == AttentionPath::kMaterialized || OwnBlockKernels(Precision::kFp32)) {
         EXPECT_EQ(short_run.total, long_run.total);
       }
+      Print(what, short_run, long_run);
     }
   }
 }
 
 // BF16 on the blocked path with query blocks of 128: both lengths read Q/K/V
-// in place from the BF16 projections (at most four query blocks), in key
-// blocks of 16.
-TEST(SteadyState, Bf16InPlaceCoreAllocationsPerForwardDoNotGrowWithSequenceLength) {
+// in place from the BF16 projections, in key blocks of 16.
+TEST(SteadyState, Bf16AllocationsPerForwardDoNotGrowWithSequenceLength) {
   if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
   for (const bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "bidirectional");
@@ -122,10 +134,24 @@ TEST(SteadyState, Bf16InPlaceCoreAllocationsPerForwardDoNotGrowWithSequenceLengt
                                          /*block_queries=*/128);
     EXPECT_EQ(short_run.ours(), long_run.ours());
     EXPECT_LE(long_run.ours(), 128);
-    std::cout << "blocked BF16" << (causal ? " causal" : "") << ": allocations per forward S=32 "
-              << short_run.total << " (core " << short_run.ours() << "), S=256 " << long_run.total
-              << " (core " << long_run.ours() << ")\n";
+    if (OwnBlockKernels(Precision::kBf16)) {
+      EXPECT_EQ(short_run.total, long_run.total);
+    }
+    Print(absl::StrCat("blocked BF16", causal ? " causal" : ""), short_run, long_run);
   }
+}
+
+// The blocked path on oneDNN's block matmuls: the core's own allocations stay
+// fixed; oneDNN's grow with the blocks (each execute builds its argument map
+// and execution context on the heap), which the own kernels avoid.
+TEST(SteadyState, BlocksOnOneDnnGrowOnlyOneDnnsAllocations) {
+  setenv("ATTNSERVE_BLOCK_KERNELS", "onednn", 1);
+  const Counts short_run = CountForward(AttentionPath::kBlocked, 32, false);
+  const Counts long_run = CountForward(AttentionPath::kBlocked, 256, false);
+  unsetenv("ATTNSERVE_BLOCK_KERNELS");
+  EXPECT_EQ(short_run.ours(), long_run.ours());
+  EXPECT_GT(long_run.onednn, short_run.onednn);
+  Print("blocked on oneDNN's block matmuls", short_run, long_run);
 }
 
 }  // namespace
