@@ -294,7 +294,7 @@ int64_t ChunkFor(const HeadConfig& config, const SdpaCall& call) {
 }
 
 std::optional<int64_t> KernelScratchBytes(const HeadConfig& config, const SdpaCall& call,
-                                          int64_t chunk) {
+                                          int64_t chunk, bool staging) {
   const int64_t operand_bytes = call.bf16 ? 2 : 4;
   const int64_t hd = config.head_dim;
   const int64_t heads = config.num_heads;
@@ -305,8 +305,10 @@ std::optional<int64_t> KernelScratchBytes(const HeadConfig& config, const SdpaCa
         elements ? CheckedMul(*elements, element_bytes) : std::nullopt;
     total = total && bytes ? CheckedAdd(*total, *bytes) : std::nullopt;
   };
-  add({chunk, heads, call.q_len, hd}, operand_bytes);
-  add({2, chunk, config.num_kv_heads, call.kv_len, hd}, operand_bytes);
+  if (staging) {
+    add({chunk, heads, call.q_len, hd}, operand_bytes);
+    add({2, chunk, config.num_kv_heads, call.kv_len, hd}, operand_bytes);
+  }
   if (call.blocked) {
     add({omp_get_max_threads(), BlockWorkspaceBytes(call, hd)}, 1);
     if (call.own_block_kernels) {
@@ -926,12 +928,15 @@ absl::Status AttentionKernels::OwnBlocks(const SdpaCall& call, int64_t first, in
                                              v.first_rows[c] * v.row_stride + group * v.head_stride;
       std::fill(row_max, row_max + mq, kMasked);
       std::fill(row_sum, row_sum + mq, 0.0f);
+      // Rows past the query length are never read (they may lie in padding,
+      // in the next sequence or past the end of the operand).
+      const int64_t valid_rows = std::clamp<int64_t>(call.q_lengths[b] - i0, 0, mq);
       const int64_t key_end = std::min(call.kv_lengths[b], call.causal ? std::min(t, i0 + mq) : t);
-      for (int64_t j0 = 0; j0 < key_end; j0 += bk) {
+      for (int64_t j0 = 0; valid_rows > 0 && j0 < key_end; j0 += bk) {
         const int64_t mk = std::min(bk, t - j0);
         const char* const block = packed_block(c, group, j0 / bk);
-        for (int64_t r0 = 0; r0 < mq; r0 += kStripRows) {
-          const int64_t rows = std::min(kStripRows, mq - r0);
+        for (int64_t r0 = 0; r0 < valid_rows; r0 += kStripRows) {
+          const int64_t rows = std::min(kStripRows, valid_rows - r0);
           int64_t limits[kStripRows];
           int64_t strip_limit = 0;
           for (int64_t r = 0; r < rows; ++r) {

@@ -94,9 +94,10 @@ void MakeBlocked(const HeadConfig& config, int64_t block_queries, int64_t block_
                  SdpaCall& call);
 
 // Scratch bytes AttentionKernels needs for `call` in chunks of `chunk`
-// sequences (staging, scores or blocks, masks), or nullopt on overflow.
+// sequences (staging when `staging`, scores or blocks and packed blocks,
+// masks), or nullopt on overflow.
 std::optional<int64_t> KernelScratchBytes(const HeadConfig& config, const SdpaCall& call,
-                                          int64_t chunk);
+                                          int64_t chunk, bool staging);
 
 // Sequences per chunk for `call` (see AttentionKernels::ChunkSequences).
 int64_t ChunkFor(const HeadConfig& config, const SdpaCall& call);

@@ -431,6 +431,35 @@ std::optional<int64_t> AttentionMapElements(const HeadConfig& config, const Sequ
   return std::nullopt;
 }
 
+// Whether the blocked path reads Q, K and V where the projections leave them
+// (token-major rows, written in the operand type by the projection matmul)
+// instead of from staged dense copies. Never with RoPE (staging applies it).
+// The own block kernels read any rows (Q by broadcasts, K and V once into
+// their packed blocks), only those within each sequence's length: always.
+// oneDNN's block matmuls leave brg:avx512_core* for gemm:jit on rows a whole
+// projection width apart (its brgemm matmul wants dense operands), and read
+// every row of a block, padding included: only BF16 up to four query blocks
+// (measured 4-8% faster than staging at B=8 S=128 and S=512, equal at S=2048,
+// 3% slower at S=4096; docs/measurements.md), uniform lengths only.
+bool ReadsProjectionsInPlace(const HeadConfig& config, const SdpaCall& call,
+                             const SequenceLayout& queries, const SequenceLayout& keys) {
+  if (!call.blocked || config.rotary.rotary_dim > 0) return false;
+  if (call.own_block_kernels) return true;
+  return call.bf16 && call.q_len <= 4 * call.block_queries && queries.is_uniform() &&
+         keys.is_uniform();
+}
+
+// Whether AttentionCore copies the caller's Q, K and V into the kernels'
+// staging: to convert them to BF16, and where padding (which may hold
+// anything, NaN too) would otherwise be read -- everywhere but in the own
+// block kernels, which read rows within the lengths only.
+bool CoreStages(const SdpaCall& call, const SequenceLayout& queries,
+                const SequenceLayout& keys) {
+  if (call.bf16) return true;
+  if (call.blocked && call.own_block_kernels) return false;
+  return !queries.is_uniform() || !keys.is_uniform();
+}
+
 std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const SequenceLayout& queries,
                                            const SequenceLayout& keys, bool cross_attention,
                                            bool projected_inputs, const ForwardOptions& options) {
@@ -445,9 +474,9 @@ std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const Seque
     internal::MakeBlocked(config, options.block_queries, options.block_keys, call);
   }
   const int64_t chunk = internal::ChunkFor(config, call);
-  // Counts the staging buffers also where BF16 reads the projections in place
-  // and skips them: an upper bound.
-  std::optional<int64_t> total = internal::KernelScratchBytes(config, call, chunk);
+  const bool staging = projected_inputs ? CoreStages(call, queries, keys)
+                                        : !ReadsProjectionsInPlace(config, call, queries, keys);
+  std::optional<int64_t> total = internal::KernelScratchBytes(config, call, chunk, staging);
   auto add = [&total](std::initializer_list<int64_t> dims, int64_t element_bytes) {
     const std::optional<int64_t> elements = CheckedProduct(dims);
     const std::optional<int64_t> bytes =
@@ -460,11 +489,13 @@ std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const Seque
   const int64_t q_width = config.q_width();
   const int64_t kv_width = 2 * config.kv_width();
   const int64_t element = bf16 ? 2 : 4;
+  // The projections (FP32, or BF16 when read in place).
+  const int64_t projected_element = !staging && bf16 ? 2 : 4;
   if (cross_attention) {
-    add({rows, q_width}, 4);
-    add({kv_rows, kv_width}, 4);
+    add({rows, q_width}, projected_element);
+    add({kv_rows, kv_width}, projected_element);
   } else {
-    add({rows, q_width + kv_width}, 4);
+    add({rows, q_width + kv_width}, projected_element);
   }
   add({rows, q_width}, element);                                       // concatenated heads
   if (!call.blocked)
@@ -711,23 +742,10 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
 
   const SdpaCall call = MakeCall(config_, layout, keys, inputs.causal, inputs.mask,
                                  inputs.head_mask, options, outputs, bf16);
-  // In BF16 the blocked path reads Q, K and V where the projections leave
-  // them (written in BF16 by the projection matmul) when that is measured
-  // faster than staging dense copies. Staging costs a pass over every token;
-  // reading the projections' rows, which lie a whole projection width apart,
-  // takes oneDNN 2.6's block matmuls off brg:avx512_core* onto gemm:jit (its
-  // brgemm matmul wants dense operands), which is slower per block, and each
-  // key block is read once per query block. BF16 at B=8 S=128 and S=512 ran
-  // 4-8% faster reading directly, at S=2048 equal, at S=4096 3% slower
-  // (docs/measurements.md), hence up to 4 query blocks. In FP32 staging is a
-  // plain copy and the dense copies were faster from S=512 on. Never with RoPE
-  // (it rewrites Q and K) or when a sequence is shorter than the longest (a
-  // block would reach into padding, which may hold anything, or into the next
-  // sequence).
-  const bool direct = bf16 && call.blocked && call.q_len <= 4 * call.block_queries &&
-                      config_.rotary.rotary_dim == 0 && layout.is_uniform() && keys.is_uniform();
-  // On the direct route the projection matmul writes BF16.
-  const int64_t projected_element = direct ? sizeof(Bf16) : sizeof(float);
+  const bool direct = ReadsProjectionsInPlace(config_, call, layout, keys);
+  // On the direct route the projection matmul writes the operand type.
+  const bool projected_bf16 = direct && bf16;
+  const int64_t projected_element = projected_bf16 ? sizeof(Bf16) : sizeof(float);
 
   // Sizes below were checked by Validate.
   ATTNSERVE_RETURN_IF_ERROR(projected_.Reserve(
@@ -758,17 +776,17 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardLocked(const LayerInput
   if (cross) {
     const int64_t kv = rows * q_width;
     ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(rows, d, q_width, w_in.q_stride, bf16, x, w_in.q,
-                                              b_qkv_.data(), projected, direct));
+                                              b_qkv_.data(), projected, projected_bf16));
     ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(kv_rows, context_dim, kv_width, w_in.kv_stride, bf16,
                                               c, w_in.kv, b_qkv_.data() + q_width,
-                                              projected + kv * projected_element, direct));
+                                              projected + kv * projected_element, projected_bf16));
     qkv[0] = {0, q_width};
     qkv[1] = {kv, kv_width};
     qkv[2] = {kv + config_.kv_width(), kv_width};
   } else {
     // Fused (Validate checked context_dim == d_model).
     ATTNSERVE_RETURN_IF_ERROR(kernels_.Linear(rows, d, n_width, n_width, bf16, x, w_in.q,
-                                              b_qkv_.data(), projected, direct));
+                                              b_qkv_.data(), projected, projected_bf16));
     qkv[0] = {0, n_width};
     qkv[1] = {q_width, n_width};
     qkv[2] = {q_width + config_.kv_width(), n_width};
@@ -1151,9 +1169,7 @@ absl::StatusOr<ForwardInfo> AttentionCore::Impl::RunLocked(const CoreInputs& inp
   const SdpaCall call = MakeCall(config_, queries, keys, inputs.causal, inputs.mask,
                                  inputs.head_mask, options, outputs, bf16);
   const int64_t chunk = kernels_.ChunkSequences(call);
-  // Padding may hold anything (NaN too): operands with padding are copied with
-  // zeros there, so that masked keys multiply finite values.
-  const bool stage = bf16 || !queries.is_uniform() || !keys.is_uniform();
+  const bool stage = CoreStages(call, queries, keys);
   ATTNSERVE_RETURN_IF_ERROR(kernels_.ReserveChunk(call, chunk, stage));
   const int64_t q_block = config_.num_heads * call.q_len * config_.head_dim;
   const int64_t kv_block = config_.num_kv_heads * call.kv_len * config_.head_dim;

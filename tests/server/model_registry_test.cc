@@ -4,6 +4,7 @@
 #include "server/model_registry.h"
 
 #include <atomic>
+#include <iostream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -162,16 +163,35 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
   stop = true;
   requests.join();
   EXPECT_EQ(unexpected.load(), 0);
-  EXPECT_GT(loads.load(), 0);
   EXPECT_GT(unloads.load(), 0);
   EXPECT_GT(stable_calls.load(), 0);
   // Whatever the interleaving, only settled states remain and the stable
-  // model is READY.
+  // model is READY. (How many churn loads completed rather than being aborted
+  // by another thread's unload depends on the timing: it was 0 in about one
+  // run in ten on a busy machine, so it is printed, not asserted.)
+  std::cout << "churn: " << loads.load() << " loads completed, " << unloads.load()
+            << " unloads\n";
   for (const ModelStatus& s : registry.List()) {
     EXPECT_NE(s.state, ModelState::kLoading) << s.name;
     EXPECT_NE(s.state, ModelState::kFailed) << s.name << ": " << s.failure;
   }
   EXPECT_EQ(registry.Get("stable")->state, ModelState::kReady);
+  // After the churn, each churned model loads and serves again.
+  for (int i = 0; i < kChurnModels; ++i) {
+    const std::string name = absl::StrCat("m", i);
+    if (registry.Find(name).ok()) continue;
+    absl::Notification loaded;
+    ASSERT_THAT(loader.Load(name, [&](absl::StatusOr<ModelStatus> s) {
+      EXPECT_THAT(s, IsOk()) << name;
+      loaded.Notify();
+    }), IsOk());
+    loaded.WaitForNotification();
+  }
+  for (int i = 0; i < kChurnModels; ++i) {
+    absl::StatusOr<std::shared_ptr<const Model>> model = registry.Find(absl::StrCat("m", i));
+    ASSERT_THAT(model, IsOk());
+    EXPECT_THAT(RunOnce(**model, **executor), IsOk());
+  }
   loader.Shutdown();
   (*executor)->Shutdown();
 }
