@@ -110,16 +110,15 @@ float PortableSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, fl
 // 2^t on 16 lanes for t = y log2(e), y <= 0: Exp(y) branch-free, with the
 // polynomial of degree kDegree (7: Exp's; 4: for probabilities kept in BF16,
 // relative error 4.2e-5 = (ln 2 / 2)^5 / 5!, a hundredth of BF16's rounding).
-// Lanes outside `keep`, and below Exp's floor, are 0. NaN stays NaN
-// (max(floor, NaN) is NaN: MAXPS returns its second operand when either is
-// NaN).
+// Lanes outside `keep` are 0. t is clamped at -160, where p 2^t is 0; between
+// that and Exp's floor (exp(y) < 2^-125) the result is subnormal or 0 (Exp
+// gives 0 there). NaN stays NaN (max(floor, NaN) is NaN: MAXPS returns its
+// second operand when either is NaN).
 template <int kDegree>
 ATTNSERVE_AVX512 inline __m512 Exp2x16(__m512 t, __mmask16 keep) {
   static_assert(kDegree >= 1 && kDegree <= 7);
   constexpr float kCoefficients[8] = {1.0f, kC1, kC2, kC3, kC4, kC5, kC6, kC7};
-  const __m512 floor = _mm512_set1_ps(kExpFloor * kLog2e);
-  const __mmask16 below = _mm512_cmp_ps_mask(t, floor, _CMP_LT_OQ);
-  t = _mm512_max_ps(floor, t);
+  t = _mm512_max_ps(_mm512_set1_ps(-160.0f), t);
   const __m512 r = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, r);
   __m512 p = _mm512_set1_ps(kCoefficients[kDegree]);
@@ -127,7 +126,17 @@ ATTNSERVE_AVX512 inline __m512 Exp2x16(__m512 t, __mmask16 keep) {
   for (int k = kDegree - 1; k >= 0; --k) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kCoefficients[k]));
   }
-  return _mm512_maskz_scalef_ps(keep & static_cast<__mmask16>(~below), p, r);  // p * 2^r
+  return _mm512_maskz_scalef_ps(keep, p, r);  // p * 2^r
+}
+
+// t = (x - m) scale log2(e) for FP32 probabilities (x - m exact when close,
+// then one rounding); for BF16 ones one FMA, x c - m c, whose rounding of m c
+// (|m c| 2^-24) stays far below BF16's.
+ATTNSERVE_AVX512 inline __m512 ExponentFp32(__m512 x, __m512 m, __m512 c) {
+  return _mm512_mul_ps(_mm512_sub_ps(x, m), c);
+}
+ATTNSERVE_AVX512 inline __m512 ExponentBf16(__m512 x, __m512 m_times_c, __m512 c) {
+  return _mm512_fmsub_ps(x, c, m_times_c);
 }
 
 // Round to nearest even BF16 (as FloatToBf16; p is never NaN), 16 lanes to 16 halves.
@@ -186,7 +195,7 @@ ATTNSERVE_AVX512 float Avx512SoftmaxRow(float* x, int64_t limit, int64_t width, 
     const __mmask16 visible = j < limit ? FirstLanes(limit - j) : __mmask16{0};
     // Lanes past limit are 0.
     const __m512 scores = _mm512_maskz_loadu_ps(visible, x + j);
-    const __m512 p = Exp2x16<7>(_mm512_mul_ps(_mm512_sub_ps(scores, shift), to_log2), visible);
+    const __m512 p = Exp2x16<7>(ExponentFp32(scores, shift, to_log2), visible);
     sum16 = _mm512_add_ps(sum16, p);
     if (p_bf16 != nullptr) {
       _mm256_mask_storeu_epi16(p_bf16 + j, k, ToBf16x16(p));
@@ -207,20 +216,96 @@ Avx512SoftmaxRowNativeBf16(const float* x, int64_t limit, int64_t width, float s
   if (m_new == -std::numeric_limits<float>::infinity()) {
     return NothingVisible(nullptr, width, p_bf16);
   }
-  const __m512 shift = _mm512_set1_ps(m_new);
+  const __m512 shift_c = _mm512_set1_ps(m_new * scale * kLog2e);
   const __m512 to_log2 = _mm512_set1_ps(scale * kLog2e);
   __m512 sum16 = _mm512_setzero_ps();
   for (int64_t j = 0; j < width; j += 16) {
     const __mmask16 k = FirstLanes(width - j);
     const __mmask16 visible = j < limit ? FirstLanes(limit - j) : __mmask16{0};
     const __m512 scores = _mm512_maskz_loadu_ps(visible, x + j);
-    const __m512 p = Exp2x16<4>(_mm512_mul_ps(_mm512_sub_ps(scores, shift), to_log2), visible);
+    const __m512 p = Exp2x16<4>(ExponentBf16(scores, shift_c, to_log2), visible);
     sum16 = _mm512_add_ps(sum16, p);
     const __m256bh halves = _mm512_cvtneps_pbh(p);
     _mm256_mask_storeu_epi16(p_bf16 + j, k, reinterpret_cast<const __m256i&>(halves));
   }
   return UpdateState(m_new, sum16, scale, m, l);
 }
+
+// OnlineSoftmaxStrip for R rows on CPUs with AVX512-BF16: the rows' passes
+// interleaved (R independent dependency chains in the max and the sum), FP32
+// probabilities in place or BF16 ones (degree-4 exponential) through
+// VCVTNEPS2BF16, as the row functions above compute them.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) void Avx512SoftmaxStrip(
+    float* x, int64_t stride, const int64_t* limits, int64_t width, float scale, float* m,
+    float* l, float* alpha, uint16_t* p_bf16) {
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  int64_t limit[R];
+  int64_t longest = 0;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    limit[r] = limits[r];
+    longest = std::max(longest, limit[r]);
+  }
+  __m512 max16[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) max16[r] = _mm512_set1_ps(kMinusInf);
+  for (int64_t j = 0; j < longest; j += 16) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __mmask16 k = j < limit[r] ? FirstLanes(limit[r] - j) : __mmask16{0};
+      max16[r] = _mm512_mask_max_ps(max16[r], k, _mm512_maskz_loadu_ps(k, x + r * stride + j),
+                                    max16[r]);
+    }
+  }
+  __m512 shift[R], sum16[R];
+  float m_new[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    m_new[r] = std::max(m[r], _mm512_reduce_max_ps(max16[r]));
+    // Nothing visible yet: p = 0 (every lane masked), the state stays.
+    if (m_new[r] == kMinusInf) limit[r] = 0;
+    shift[r] = _mm512_set1_ps(p_bf16 != nullptr ? m_new[r] * scale * kLog2e : m_new[r]);
+    sum16[r] = _mm512_setzero_ps();
+  }
+  const __m512 to_log2 = _mm512_set1_ps(scale * kLog2e);
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 k = FirstLanes(width - j);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __mmask16 visible = j < limit[r] ? FirstLanes(limit[r] - j) : __mmask16{0};
+      const __m512 scores = _mm512_maskz_loadu_ps(visible, x + r * stride + j);
+      if (p_bf16 != nullptr) {
+        const __m512 p = Exp2x16<4>(ExponentBf16(scores, shift[r], to_log2), visible);
+        sum16[r] = _mm512_add_ps(sum16[r], p);
+        const __m256bh halves = _mm512_cvtneps_pbh(p);
+        _mm256_mask_storeu_epi16(p_bf16 + r * stride + j, k,
+                                 reinterpret_cast<const __m256i&>(halves));
+      } else {
+        const __m512 p = Exp2x16<7>(ExponentFp32(scores, shift[r], to_log2), visible);
+        sum16[r] = _mm512_add_ps(sum16[r], p);
+        _mm512_mask_storeu_ps(x + r * stride + j, k, p);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    if (m_new[r] == kMinusInf) {
+      alpha[r] = 1.0f;
+      continue;
+    }
+    alpha[r] = Exp((m[r] - m_new[r]) * scale);  // m == -inf: 0
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum16[r]);
+    m[r] = m_new[r];
+  }
+}
+
+using SoftmaxStripFn = void (*)(float*, int64_t, const int64_t*, int64_t, float, float*, float*,
+                                float*, uint16_t*);
+constexpr SoftmaxStripFn kSoftmaxStrips[8] = {
+    &Avx512SoftmaxStrip<1>, &Avx512SoftmaxStrip<2>, &Avx512SoftmaxStrip<3>,
+    &Avx512SoftmaxStrip<4>, &Avx512SoftmaxStrip<5>, &Avx512SoftmaxStrip<6>,
+    &Avx512SoftmaxStrip<7>, &Avx512SoftmaxStrip<8>};
 
 bool HasAvx512() {
   static const bool has = __builtin_cpu_supports("avx512f") &&
@@ -247,6 +332,24 @@ float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, floa
   if (HasAvx512()) return Avx512SoftmaxRow(x, limit, width, scale, m, l, p_bf16);
 #endif
   return PortableSoftmaxRow(x, limit, width, scale, m, l, p_bf16);
+}
+
+void OnlineSoftmaxStrip(float* x, int64_t stride, int64_t rows, const int64_t* limits,
+                        int64_t width, float scale, float* m, float* l, float* alpha,
+                        uint16_t* p_bf16) {
+#ifdef ATTNSERVE_AVX512_ROW
+  // FP32 strips wider than 512 keys go row by row: the interleaved passes
+  // over 8 such rows (in place, 16+ KiB each way) left L1 and were slower
+  // (BM_OnlineSoftmaxStrip: 3.05 against 3.26 G scores/s at 1024).
+  if (rows >= 1 && rows <= 8 && HasAvx512Bf16() && (p_bf16 != nullptr || width <= 512)) {
+    kSoftmaxStrips[rows - 1](x, stride, limits, width, scale, m, l, alpha, p_bf16);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    alpha[r] = OnlineSoftmaxRow(x + r * stride, limits[r], width, scale, m[r], l[r],
+                                p_bf16 != nullptr ? p_bf16 + r * stride : nullptr);
+  }
 }
 
 ATTNSERVE_CLONES

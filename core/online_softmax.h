@@ -33,6 +33,15 @@ float FastExp(float x);
 float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, float& m, float& l,
                        uint16_t* p_bf16);
 
+// OnlineSoftmaxRow for rows [0, rows) of a strip, row r at x + r * stride
+// with limits[r] visible keys and its state m[r], l[r]; alpha[r] gets its
+// alpha; BF16 probabilities go to p_bf16 + r * stride. The same results as
+// the rows one by one (on CPUs with AVX512-BF16 computed together, up to 8
+// rows, for their independent dependency chains).
+void OnlineSoftmaxStrip(float* x, int64_t stride, int64_t rows, const int64_t* limits,
+                        int64_t width, float scale, float* m, float* l, float* alpha,
+                        uint16_t* p_bf16);
+
 // o [n] = o * alpha + add [n] (first == false), or o = add (first == true).
 void ScaleAndAdd(float* o, const float* add, int64_t n, float alpha, bool first);
 

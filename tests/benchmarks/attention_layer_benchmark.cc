@@ -452,6 +452,44 @@ BENCHMARK(BM_BlockKernels)
     ->ArgNames({"keys", "hd", "bf16"})
     ->ArgsProduct({{128, 256, 512, 1024}, {64}, {0, 1}});
 
+// The own kernels' softmax step over a strip of 8 rows of a key block
+// (OnlineSoftmaxStrip: the rows' passes interleaved) against the same rows one
+// call each (OnlineSoftmaxRow), FP32 in place or BF16. items_per_second is
+// scores per second. args: width, bf16, strip (1) or rows (0).
+void BM_OnlineSoftmaxStrip(benchmark::State& state) {
+  const int64_t width = state.range(0);
+  const bool bf16 = state.range(1) != 0, strip = state.range(2) != 0;
+  constexpr int64_t kRows = 8;
+  std::mt19937_64 rng(1);
+  std::normal_distribution<float> normal;
+  // Rows one tile apart beyond the width, as the kernels lay out a strip.
+  const int64_t stride = width + 16;
+  std::vector<float> scores(kRows * stride);
+  for (float& x : scores) x = normal(rng);
+  std::vector<uint16_t> p_bf16(bf16 ? scores.size() : 0);
+  const std::vector<int64_t> limits(kRows, width);
+  std::vector<float> m(kRows), l(kRows), alpha(kRows);
+  for (auto _ : state) {
+    std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+    std::fill(l.begin(), l.end(), 0.0f);
+    uint16_t* const p = bf16 ? p_bf16.data() : nullptr;
+    if (strip) {
+      internal::OnlineSoftmaxStrip(scores.data(), stride, kRows, limits.data(), width, 0.125f,
+                                   m.data(), l.data(), alpha.data(), p);
+    } else {
+      for (int64_t r = 0; r < kRows; ++r) {
+        alpha[r] = internal::OnlineSoftmaxRow(scores.data() + r * stride, width, width, 0.125f,
+                                              m[r], l[r], p != nullptr ? p + r * stride : nullptr);
+      }
+    }
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * kRows * width);
+}
+BENCHMARK(BM_OnlineSoftmaxStrip)
+    ->ArgNames({"width", "bf16", "strip"})
+    ->ArgsProduct({{128, 512, 1024}, {0, 1}, {0, 1}});
+
 // The layer's two projections alone, as oneDNN runs them at its best: the
 // fused Q/K/V matmul [B*S, D] x [D, (Hq + 2 Hkv) hd] and the output matmul
 // [B*S, Hq hd] x [Hq hd, D], with bias, in the precision of `flags`, on
