@@ -1,6 +1,9 @@
 #include "core/attention_kernels.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -179,9 +182,9 @@ void ApplyExplicitMask(const ExplicitMask& mask, int64_t b, int64_t i, int64_t j
 // sequence c (batch index b) of `context` = acc * head_mask[h] / l, FP32 or
 // BF16; rows with l = 0, NaN or inf (every key masked, or overflowing scores):
 // 0; rows past the query length: 0 or (!zero_rows_past_length) untouched.
-// acc [mq, hd] is scaled in place.
+// acc [mq, hd] is only read.
 void WriteContextRows(const SdpaCall& call, int64_t b, int64_t c, int64_t h, int64_t i0, int64_t mq,
-                      int64_t hd, float* acc, const float* row_sum, const HeadRows& context,
+                      int64_t hd, const float* acc, const float* row_sum, const HeadRows& context,
                       bool context_bf16, bool zero_rows_past_length) {
   const float weight = call.head_mask.empty() ? 1.0f : call.head_mask[h];
   const int64_t context_bytes = context_bf16 ? 2 : 4;
@@ -197,10 +200,9 @@ void WriteContextRows(const SdpaCall& call, int64_t b, int64_t c, int64_t h, int
       std::memset(row, 0, static_cast<size_t>(hd * context_bytes));
       continue;
     }
-    float* const o = acc + r * hd;
+    const float* const o = acc + r * hd;
     if (context_bf16) {
-      ScaleRow(o, hd, weight / l);
-      FloatsToBf16(o, hd, reinterpret_cast<Bf16*>(row));
+      ScaledFloatsToBf16(o, hd, weight / l, reinterpret_cast<Bf16*>(row));
     } else {
       ScaleInto(o, hd, weight / l, reinterpret_cast<float*>(row));
     }
@@ -884,30 +886,40 @@ absl::Status AttentionKernels::OwnBlocks(const SdpaCall& call, int64_t first, in
     return packs + ((c * kv_heads + group) * key_blocks + kb) * packed_bytes;
   };
 
+  // Each block is packed by the first item that needs it, right before its
+  // use (hot in that thread's cache), while items needing it on the other
+  // threads wait: 0 not packed, 1 being packed, 2 ready.
+  const int64_t units = n * kv_heads * key_blocks;
+  pack_states_.assign(static_cast<size_t>(units), 0);  // capacity kept: no allocation
+  auto ensure_packed = [&](int64_t c, int64_t group, int64_t kb) {
+    std::atomic_ref<int32_t> state(pack_states_[(c * kv_heads + group) * key_blocks + kb]);
+    if (state.load(std::memory_order_acquire) == 2) return;
+    int32_t unpacked = 0;
+    if (!state.compare_exchange_strong(unpacked, 1, std::memory_order_acq_rel)) {
+      while (state.load(std::memory_order_acquire) != 2) _mm_pause();
+      return;
+    }
+    const int64_t j0 = kb * bk;
+    const int64_t mk = std::min(bk, t - j0);
+    const int64_t valid = std::clamp<int64_t>(call.kv_lengths[first + c] - j0, 0, mk);
+    char* const to = packed_block(c, group, kb);
+    const char* const k_rows =
+        static_cast<const char*>(k.data) +
+        ((k.first_rows[c] + j0) * k.row_stride + group * k.head_stride) * operand_bytes;
+    PackKeyBlock(k_rows, k.row_stride, mk, valid, hd, bf16, to);
+    if (bf16) {
+      const Bf16* const v_rows = static_cast<const Bf16*>(v.data) +
+                                 (v.first_rows[c] + j0) * v.row_stride + group * v.head_stride;
+      PackValueBlockBf16(v_rows, v.row_stride, mk, valid, hd,
+                         reinterpret_cast<Bf16*>(to) + packed_elements);
+    }
+    state.store(2, std::memory_order_release);
+  };
+
   const int64_t q_blocks = (s + bq - 1) / bq;
   const int64_t items = n * heads * q_blocks;
 #pragma omp parallel num_threads(threads)
   {
-#pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < n * kv_heads * key_blocks; ++unit) {
-      const int64_t c = unit / (kv_heads * key_blocks);
-      const int64_t group = unit / key_blocks % kv_heads;
-      const int64_t kb = unit % key_blocks;
-      const int64_t j0 = kb * bk;
-      const int64_t mk = std::min(bk, t - j0);
-      const int64_t valid = std::clamp<int64_t>(call.kv_lengths[first + c] - j0, 0, mk);
-      char* const to = packed_block(c, group, kb);
-      const char* const k_rows =
-          static_cast<const char*>(k.data) +
-          ((k.first_rows[c] + j0) * k.row_stride + group * k.head_stride) * operand_bytes;
-      PackKeyBlock(k_rows, k.row_stride, mk, valid, hd, bf16, to);
-      if (bf16) {
-        const Bf16* const v_rows = static_cast<const Bf16*>(v.data) +
-                                   (v.first_rows[c] + j0) * v.row_stride + group * v.head_stride;
-        PackValueBlockBf16(v_rows, v.row_stride, mk, valid, hd,
-                           reinterpret_cast<Bf16*>(to) + packed_elements);
-      }
-    }  // (the threads wait here for every block to be packed)
 
     char* const workspace =
         static_cast<char*>(block_workspace_.data()) + omp_get_thread_num() * workspace_bytes;
@@ -942,6 +954,7 @@ absl::Status AttentionKernels::OwnBlocks(const SdpaCall& call, int64_t first, in
       const int64_t key_end = std::min(call.kv_lengths[b], call.causal ? std::min(t, i0 + mq) : t);
       for (int64_t j0 = 0; valid_rows > 0 && j0 < key_end; j0 += bk) {
         const int64_t mk = std::min(bk, t - j0);
+        ensure_packed(c, group, j0 / bk);
         const char* const block = packed_block(c, group, j0 / bk);
         for (int64_t r0 = 0; r0 < valid_rows; r0 += kStripRows) {
           const int64_t rows = std::min(kStripRows, valid_rows - r0);

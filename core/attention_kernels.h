@@ -240,8 +240,11 @@ class AttentionKernels {
     BlockArgs args[2][2];
   };
   ScratchBuffer block_workspace_;
-  // The own block kernels' packed key (and BF16 value) blocks of a chunk.
+  // The own block kernels' packed key (and BF16 value) blocks of a chunk,
+  // and whether each is packed yet (read and written through
+  // std::atomic_ref by the OpenMP threads).
   ScratchBuffer block_packs_;
+  std::vector<int32_t> pack_states_;
   ScratchBuffer block_scratchpads_;
   std::vector<dnnl::stream> block_streams_;
   std::vector<BlockArgsSet> block_args_;

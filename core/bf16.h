@@ -33,6 +33,9 @@ inline float Bfloat16ToFloat(Bf16 bits) {
 // (AVX-512 or AVX2 where the CPU has them). The ranges must not overlap.
 void FloatsToBf16(const float* from, int64_t n, Bf16* to);
 
+// to[i] = FloatToBf16(from[i] * factor) for i < n, in one pass, as above.
+void ScaledFloatsToBf16(const float* from, int64_t n, float factor, Bf16* to);
+
 }  // namespace attnserve::core
 
 #endif  // ATTNSERVE_CORE_BF16_H_
