@@ -1,6 +1,7 @@
 // FloatToBf16 against an independent rounding (the nearest of the two
 // neighbouring bfloat16 values, compared in double precision), and the
-// vectorized FloatsToBf16 against it element by element.
+// vectorized FloatsToBf16 and ScaledFloatsToBf16 against it element by
+// element.
 
 #include "core/bf16.h"
 
@@ -105,7 +106,9 @@ TEST(Bf16, BulkConversionEqualsTheScalarOneForEveryLengthAndOffset) {
   values.push_back(-std::numeric_limits<float>::quiet_NaN());
   while (values.size() < 4099) values.push_back(normal(random));
   std::shuffle(values.begin(), values.end(), random);
-  // Lengths around the vector widths and offsets that misalign the rows.
+  // Lengths around the vector widths and offsets that misalign the rows;
+  // ScaledFloatsToBf16 (the blocked path's context rows) with factors that
+  // move values across BF16's rounding boundaries and into overflow.
   for (int64_t offset : {0, 1, 3, 7}) {
     for (int64_t n : {0, 1, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 4000}) {
       std::vector<Bf16> bulk(static_cast<size_t>(n) + 1, 0xabcd);
@@ -114,6 +117,15 @@ TEST(Bf16, BulkConversionEqualsTheScalarOneForEveryLengthAndOffset) {
         ASSERT_EQ(bulk[i], FloatToBf16(values[offset + i])) << "n " << n << " i " << i;
       }
       EXPECT_EQ(bulk[n], 0xabcd) << "wrote past n = " << n;
+      for (const float factor : {1.0f, 0.37f, 3.0e37f}) {
+        std::vector<Bf16> scaled(static_cast<size_t>(n) + 1, 0xabcd);
+        ScaledFloatsToBf16(values.data() + offset, n, factor, scaled.data());
+        for (int64_t i = 0; i < n; ++i) {
+          ASSERT_EQ(scaled[i], FloatToBf16(values[offset + i] * factor))
+              << "n " << n << " i " << i << " factor " << factor;
+        }
+        EXPECT_EQ(scaled[n], 0xabcd) << "wrote past n = " << n;
+      }
     }
   }
 }

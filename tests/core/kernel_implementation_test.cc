@@ -2,7 +2,9 @@
 // oneDNN's own verbose log: never a reference (`ref:`) implementation, which
 // would be 10-500x slower (e.g. a mask post-op of the wrong shape falls back to
 // ref:any). Matmuls run brg (dense operands) or gemm:jit (BF16 blocks read in
-// place from the projections' rows), softmax jit.
+// place from the projections' rows), softmax jit. The cases have head_dim 8,
+// so their blocked path runs its blocks on oneDNN; with head_dim 16 it runs
+// them on the core's own kernels, and only the projections run in oneDNN.
 
 #include <cstdint>
 #include <functional>
@@ -17,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/attention_layer.h"
+#include "core/block_kernels.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -34,6 +37,7 @@ struct Case {
   std::string name;
   Precision precision = Precision::kFp32;
   AttentionPath path = AttentionPath::kAuto;
+  int64_t num_heads = 8;  // d_model 64: head_dim 8
   int64_t num_kv_heads = 0;
   std::vector<int64_t> lengths = {40, 40};
   bool causal = false;
@@ -65,7 +69,7 @@ std::map<std::string, int> ExecutedImplementations(const std::function<void()>& 
 std::map<std::string, int> Implementations(const Case& c) {
   HeadConfig requested;
   requested.d_model = 64;
-  requested.num_heads = 8;
+  requested.num_heads = c.num_heads;
   requested.num_kv_heads = c.num_kv_heads;
   const HeadConfig config = *ResolveHeadConfig(requested);
   std::mt19937_64 rng(7);
@@ -155,6 +159,38 @@ TEST_P(KernelImplementation, EveryPrimitiveRunsAJitImplementation) {
       EXPECT_THAT(name,
                   ::testing::AnyOf(::testing::HasSubstr("brg:"), ::testing::HasSubstr("gemm:jit")))
           << name;
+    }
+  }
+}
+
+// head_dim 16: the blocked path's blocks run on the core's own kernels, so a
+// forward executes exactly the projections in oneDNN -- the fused Q/K/V (or,
+// in cross-attention, the query and the key/value matmul) and the output --
+// and nothing per block.
+TEST(KernelImplementation, OwnBlockKernelsLeaveOnlyTheProjectionsToOneDnn) {
+  for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    if (precision == Precision::kBf16 && !Bf16Supported()) continue;
+    if (!internal::OwnBlockKernelsAvailable(precision == Precision::kBf16, 16)) continue;
+    for (const bool cross : {false, true}) {
+      Case c;
+      c.precision = precision;
+      c.num_heads = 4;
+      c.num_kv_heads = 2;
+      c.lengths = {40, 17};
+      c.causal = true;
+      c.mask = true;
+      c.cross = cross;
+      SCOPED_TRACE(absl::StrCat(PrecisionName(precision), cross ? " cross" : " self"));
+      int matmuls = 0;
+      for (const auto& [name, count] : Implementations(c)) {
+        // (Cross-attention's query and key/value weights are column blocks
+        // of wider matrices: gemm:jit.)
+        EXPECT_TRUE(absl::StartsWith(name, "matmul,brg:") ||
+                    absl::StartsWith(name, "matmul,gemm:jit"))
+            << name << " x" << count;
+        matmuls += count;
+      }
+      EXPECT_EQ(matmuls, cross ? 3 : 2);
     }
   }
 }
