@@ -1,7 +1,5 @@
 #include "core/attention_kernels.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -21,6 +19,7 @@
 #include "core/checked_math.h"
 #include "core/onednn_util.h"
 #include "core/online_softmax.h"
+#include "core/simd.h"
 #include "core/status_macros.h"
 #include "omp.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -155,6 +154,25 @@ absl::Status Reserve(ScratchBuffer& buffer, std::initializer_list<int64_t> dims,
   return buffer.Reserve(*bytes);
 }
 
+// A spin-wait's pause.
+inline void CpuRelax() {
+#ifdef ATTNSERVE_X86_INTRINSICS
+  _mm_pause();
+#endif
+}
+
+// A work item of the blocked path: sequence c of the chunk, query head h,
+// query rows [i0, i0 + mq). Items run c-major, then h, then query blocks.
+struct BlockedItem {
+  int64_t c, h, i0, mq;
+};
+BlockedItem DecodeItem(int64_t item, int64_t heads, int64_t q_blocks, int64_t block_queries,
+                       int64_t q_len) {
+  const int64_t i0 = item % q_blocks * block_queries;
+  return {item / (heads * q_blocks), item / q_blocks % heads, i0,
+          std::min(block_queries, q_len - i0)};
+}
+
 // Keys of key block [j0, j0 + mk) that query row i of sequence b sees before
 // the explicit mask: those before the sequence's end and (causal) not after i.
 int64_t VisibleKeys(const SdpaCall& call, int64_t b, int64_t i, int64_t j0, int64_t mk) {
@@ -191,10 +209,7 @@ void WriteContextRows(const SdpaCall& call, int64_t b, int64_t c, int64_t h, int
   for (int64_t r = 0; r < mq; ++r) {
     const bool past_length = i0 + r >= call.q_lengths[b];
     if (past_length && !zero_rows_past_length) continue;
-    char* const row =
-        static_cast<char*>(context.data) +
-        ((context.first_rows[c] + i0 + r) * context.row_stride + h * context.head_stride) *
-            context_bytes;
+    char* const row = context.Row(c, i0 + r, h, context_bytes);
     const float l = row_sum[r];
     if (past_length || !(l > 0.0f) || !std::isfinite(l)) {
       std::memset(row, 0, static_cast<size_t>(hd * context_bytes));
@@ -777,21 +792,12 @@ absl::Status AttentionKernels::SdpaBlocked(const SdpaCall& call, int64_t first, 
     };
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t c = item / (heads * q_blocks);
-      const int64_t h = item / q_blocks % heads;
-      const int64_t i0 = item % q_blocks * bq;
-      const int64_t mq = std::min(bq, s - i0);
+      const auto [c, h, i0, mq] = DecodeItem(item, heads, q_blocks, bq, s);
       const int64_t b = first + c;
       const int64_t kv_group = h / g;
-      const char* const q_rows =
-          static_cast<const char*>(q.data) +
-          ((q.first_rows[c] + i0) * q.row_stride + h * q.head_stride) * operand_bytes;
-      const char* const k_base =
-          static_cast<const char*>(k.data) +
-          (k.first_rows[c] * k.row_stride + kv_group * k.head_stride) * operand_bytes;
-      const char* const v_base =
-          static_cast<const char*>(v.data) +
-          (v.first_rows[c] * v.row_stride + kv_group * v.head_stride) * operand_bytes;
+      const char* const q_rows = q.Row(c, i0, h, operand_bytes);
+      const char* const k_base = k.Row(c, 0, kv_group, operand_bytes);
+      const char* const v_base = v.Row(c, 0, kv_group, operand_bytes);
       std::fill(row_max, row_max + mq, kMasked);
       std::fill(row_sum, row_sum + mq, 0.0f);
       const int64_t key_end =
@@ -896,21 +902,17 @@ absl::Status AttentionKernels::OwnBlocks(const SdpaCall& call, int64_t first, in
     if (state.load(std::memory_order_acquire) == 2) return;
     int32_t unpacked = 0;
     if (!state.compare_exchange_strong(unpacked, 1, std::memory_order_acq_rel)) {
-      while (state.load(std::memory_order_acquire) != 2) _mm_pause();
+      while (state.load(std::memory_order_acquire) != 2) CpuRelax();
       return;
     }
     const int64_t j0 = kb * bk;
     const int64_t mk = std::min(bk, t - j0);
     const int64_t valid = std::clamp<int64_t>(call.kv_lengths[first + c] - j0, 0, mk);
     char* const to = packed_block(c, group, kb);
-    const char* const k_rows =
-        static_cast<const char*>(k.data) +
-        ((k.first_rows[c] + j0) * k.row_stride + group * k.head_stride) * operand_bytes;
-    PackKeyBlock(k_rows, k.row_stride, mk, valid, hd, bf16, to);
+    PackKeyBlock(k.Row(c, j0, group, operand_bytes), k.row_stride, mk, valid, hd, bf16, to);
     if (bf16) {
-      const Bf16* const v_rows = static_cast<const Bf16*>(v.data) +
-                                 (v.first_rows[c] + j0) * v.row_stride + group * v.head_stride;
-      PackValueBlockBf16(v_rows, v.row_stride, mk, valid, hd,
+      PackValueBlockBf16(reinterpret_cast<const Bf16*>(v.Row(c, j0, group, operand_bytes)),
+                         v.row_stride, mk, valid, hd,
                          reinterpret_cast<Bf16*>(to) + packed_elements);
     }
     state.store(2, std::memory_order_release);
@@ -933,19 +935,13 @@ absl::Status AttentionKernels::OwnBlocks(const SdpaCall& call, int64_t first, in
     float* const row_alpha = row_sum + bq;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
-      const int64_t c = item / (heads * q_blocks);
-      const int64_t h = item / q_blocks % heads;
-      const int64_t i0 = item % q_blocks * bq;
-      const int64_t mq = std::min(bq, s - i0);
+      const auto [c, h, i0, mq] = DecodeItem(item, heads, q_blocks, bq, s);
       const int64_t b = first + c;
       const int64_t group = h / g;
-      const char* const q_rows =
-          static_cast<const char*>(q.data) +
-          ((q.first_rows[c] + i0) * q.row_stride + h * q.head_stride) * operand_bytes;
+      const char* const q_rows = q.Row(c, i0, h, operand_bytes);
       // FP32 values are read in place.
-      const float* const v_base = bf16 ? nullptr
-                                       : static_cast<const float*>(v.data) +
-                                             v.first_rows[c] * v.row_stride + group * v.head_stride;
+      const float* const v_base =
+          bf16 ? nullptr : reinterpret_cast<const float*>(v.Row(c, 0, group, operand_bytes));
       std::fill(row_max, row_max + mq, kMasked);
       std::fill(row_sum, row_sum + mq, 0.0f);
       // Rows past the query length are never read (they may lie in padding,

@@ -67,6 +67,12 @@ struct HeadRows {
   int64_t row_stride = 0;
   int64_t head_stride = 0;
   std::vector<int64_t> first_rows;  // [n]
+
+  // Row `pos` of head h of sequence c, elements of element_bytes each.
+  char* Row(int64_t c, int64_t pos, int64_t h, int64_t element_bytes) const {
+    return static_cast<char*>(data) +
+           ((first_rows[c] + pos) * row_stride + h * head_stride) * element_bytes;
+  }
 };
 
 // data as [n, heads, len, head_dim], dense.

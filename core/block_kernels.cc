@@ -3,20 +3,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-// GCC 12's AVX-512 headers start some intrinsics from _mm512_undefined_ps(),
-// which -Wmaybe-uninitialized reports where they are inlined.
-#if !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#define ATTNSERVE_BLOCK_KERNELS 1
-#endif
+#include "core/simd.h"
 
 // The register tiles. Scores: kStripRows rows x up to 3 key tiles (24 FP32
 // accumulators of the 32 vector registers; per step of the reduction 3 vector
@@ -41,7 +28,7 @@ inline uint32_t Unit(const void* from) {
   return unit;
 }
 
-#ifdef ATTNSERVE_BLOCK_KERNELS
+#ifdef ATTNSERVE_X86_INTRINSICS
 #define ATTNSERVE_F32_KERNEL __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define ATTNSERVE_BF16_KERNEL \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
@@ -155,6 +142,42 @@ ATTNSERVE_F32_KERNEL void PackValueBlockAvx512(const Bf16* v, int64_t row_stride
   }
 }
 
+// ---- The accumulator tiles (inlined into the FP32 and BF16 kernels). ----
+
+template <int R, int C>
+[[gnu::always_inline]] ATTNSERVE_F32_KERNEL inline void ZeroTile(__m512 (&acc)[R][C]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+}
+
+// acc = 0 (first) or o * alpha[r].
+template <int R, int C>
+[[gnu::always_inline]] ATTNSERVE_F32_KERNEL inline void LoadScaledTile(
+    __m512 (&acc)[R][C], const float* o, int64_t o_stride, const float* alpha, bool first) {
+  if (first) return ZeroTile(acc);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + c * 16), a);
+    }
+  }
+}
+
+template <int R, int C>
+[[gnu::always_inline]] ATTNSERVE_F32_KERNEL inline void StoreTile(const __m512 (&acc)[R][C],
+                                                                  float* o, int64_t o_stride) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + r * o_stride + c * 16, acc[r][c]);
+  }
+}
+
 // ---- Scores: s[r][16 c + l] = sum_d q[r][d] k[16 c + l][d]. ----
 
 // R rows x C key tiles. BF16: the reduction runs over pairs of dimensions
@@ -164,11 +187,7 @@ ATTNSERVE_BF16_KERNEL void ScoresTileBf16(const Bf16* q, int64_t q_stride, const
                                           int64_t tile_elements, int64_t pairs, float* s,
                                           int64_t s_stride) {
   __m512 acc[R][C];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  }
+  ZeroTile(acc);
   for (int64_t p = 0; p < pairs; ++p) {
     __m512i keys[C];
 #pragma GCC unroll 4
@@ -182,13 +201,7 @@ ATTNSERVE_BF16_KERNEL void ScoresTileBf16(const Bf16* q, int64_t q_stride, const
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      _mm512_storeu_ps(s + r * s_stride + c * 16, acc[r][c]);
-    }
-  }
+  StoreTile(acc, s, s_stride);
 }
 
 template <int R, int C>
@@ -196,11 +209,7 @@ ATTNSERVE_F32_KERNEL void ScoresTileF32(const float* q, int64_t q_stride, const 
                                         int64_t tile_elements, int64_t dims, float* s,
                                         int64_t s_stride) {
   __m512 acc[R][C];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  }
+  ZeroTile(acc);
   for (int64_t d = 0; d < dims; ++d) {
     __m512 keys[C];
 #pragma GCC unroll 4
@@ -212,13 +221,7 @@ ATTNSERVE_F32_KERNEL void ScoresTileF32(const float* q, int64_t q_stride, const 
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(x, keys[c], acc[r][c]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      _mm512_storeu_ps(s + r * s_stride + c * 16, acc[r][c]);
-    }
-  }
+  StoreTile(acc, s, s_stride);
 }
 
 // R rows against `tiles` key tiles, kScoreTiles at a time.
@@ -282,15 +285,7 @@ ATTNSERVE_BF16_KERNEL void ValuesTileBf16(const Bf16* p, int64_t p_stride, int64
                                           const Bf16* v, int64_t pair_stride, const float* alpha,
                                           bool first, float* o, int64_t o_stride) {
   __m512 acc[R][D];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-    for (int d = 0; d < D; ++d) {
-      acc[r][d] = first ? _mm512_setzero_ps()
-                        : _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + d * 16), a);
-    }
-  }
+  LoadScaledTile(acc, o, o_stride, alpha, first);
   for (int64_t j = 0; j < pairs; ++j) {
     __m512i values[D];
 #pragma GCC unroll 4
@@ -304,11 +299,7 @@ ATTNSERVE_BF16_KERNEL void ValuesTileBf16(const Bf16* p, int64_t p_stride, int64
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int d = 0; d < D; ++d) _mm512_storeu_ps(o + r * o_stride + d * 16, acc[r][d]);
-  }
+  StoreTile(acc, o, o_stride);
 }
 
 template <int R, int D>
@@ -316,15 +307,7 @@ ATTNSERVE_F32_KERNEL void ValuesTileF32(const float* p, int64_t p_stride, int64_
                                         const float* v, int64_t v_stride, const float* alpha,
                                         bool first, float* o, int64_t o_stride) {
   __m512 acc[R][D];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const __m512 a = _mm512_set1_ps(alpha[r]);
-#pragma GCC unroll 4
-    for (int d = 0; d < D; ++d) {
-      acc[r][d] = first ? _mm512_setzero_ps()
-                        : _mm512_mul_ps(_mm512_loadu_ps(o + r * o_stride + d * 16), a);
-    }
-  }
+  LoadScaledTile(acc, o, o_stride, alpha, first);
   for (int64_t j = 0; j < keys; ++j) {
     __m512 values[D];
 #pragma GCC unroll 4
@@ -336,11 +319,7 @@ ATTNSERVE_F32_KERNEL void ValuesTileF32(const float* p, int64_t p_stride, int64_
       for (int d = 0; d < D; ++d) acc[r][d] = _mm512_fmadd_ps(x, values[d], acc[r][d]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int d = 0; d < D; ++d) _mm512_storeu_ps(o + r * o_stride + d * 16, acc[r][d]);
-  }
+  StoreTile(acc, o, o_stride);
 }
 
 // R rows over every output dimension, kValueTiles at a time. head_dim is a
@@ -390,12 +369,12 @@ using ValuesRowsF32Fn = void (*)(const float*, int64_t, int64_t, const float*, i
 constexpr ValuesRowsF32Fn kValuesRowsF32[kStripRows] = {
     &ValuesRowsF32<1>, &ValuesRowsF32<2>, &ValuesRowsF32<3>, &ValuesRowsF32<4>,
     &ValuesRowsF32<5>, &ValuesRowsF32<6>, &ValuesRowsF32<7>, &ValuesRowsF32<8>};
-#endif  // ATTNSERVE_BLOCK_KERNELS
+#endif  // ATTNSERVE_X86_INTRINSICS
 
 }  // namespace
 
 bool OwnBlockKernelsAvailable(bool bf16, int64_t head_dim) {
-#ifdef ATTNSERVE_BLOCK_KERNELS
+#ifdef ATTNSERVE_X86_INTRINSICS
   if (head_dim <= 0 || head_dim % 16 != 0) return false;
   return bf16 ? HasAvx512Bf16() : HasAvx512();
 #else
@@ -411,7 +390,7 @@ int64_t PackedBlockElements(int64_t keys, int64_t head_dim) {
 
 void PackKeyBlock(const void* k, int64_t row_stride, int64_t keys, int64_t valid, int64_t head_dim,
                   bool bf16, void* packed) {
-#ifdef ATTNSERVE_BLOCK_KERNELS
+#ifdef ATTNSERVE_X86_INTRINSICS
   PackKeyBlockAvx512(k, row_stride, keys, valid, head_dim, bf16, packed);
 #else
   (void)k, (void)row_stride, (void)keys, (void)valid, (void)head_dim, (void)bf16, (void)packed;
@@ -420,7 +399,7 @@ void PackKeyBlock(const void* k, int64_t row_stride, int64_t keys, int64_t valid
 
 void PackValueBlockBf16(const Bf16* v, int64_t row_stride, int64_t keys, int64_t valid,
                         int64_t head_dim, Bf16* packed) {
-#ifdef ATTNSERVE_BLOCK_KERNELS
+#ifdef ATTNSERVE_X86_INTRINSICS
   PackValueBlockAvx512(v, row_stride, keys, valid, head_dim, packed);
 #else
   (void)v, (void)row_stride, (void)keys, (void)valid, (void)head_dim, (void)packed;
@@ -429,7 +408,7 @@ void PackValueBlockBf16(const Bf16* v, int64_t row_stride, int64_t keys, int64_t
 
 void BlockScores(bool bf16, const void* q, int64_t q_stride, int64_t rows, const void* k_packed,
                  int64_t tiles, int64_t head_dim, float* scores, int64_t scores_stride) {
-#ifdef ATTNSERVE_BLOCK_KERNELS
+#ifdef ATTNSERVE_X86_INTRINSICS
   if (rows < 1 || rows > kStripRows || tiles < 1) return;
   const ScoresRowsFn run = bf16 ? kScoresRowsBf16[rows - 1] : kScoresRowsF32[rows - 1];
   run(q, q_stride, k_packed, tiles, head_dim, scores, scores_stride);
@@ -442,7 +421,7 @@ void BlockScores(bool bf16, const void* q, int64_t q_stride, int64_t rows, const
 void BlockValuesBf16(const Bf16* p, int64_t p_stride, int64_t rows, int64_t keys,
                      const Bf16* v_packed, int64_t head_dim, const float* alpha, bool first,
                      float* acc, int64_t acc_stride) {
-#ifdef ATTNSERVE_BLOCK_KERNELS
+#ifdef ATTNSERVE_X86_INTRINSICS
   if (rows < 1 || rows > kStripRows) return;
   kValuesRowsBf16[rows - 1](p, p_stride, keys, v_packed, head_dim, alpha, first, acc, acc_stride);
 #else
@@ -454,7 +433,7 @@ void BlockValuesBf16(const Bf16* p, int64_t p_stride, int64_t rows, int64_t keys
 void BlockValuesFp32(const float* p, int64_t p_stride, int64_t rows, int64_t keys, const float* v,
                      int64_t v_stride, int64_t head_dim, const float* alpha, bool first, float* acc,
                      int64_t acc_stride) {
-#ifdef ATTNSERVE_BLOCK_KERNELS
+#ifdef ATTNSERVE_X86_INTRINSICS
   if (rows < 1 || rows > kStripRows) return;
   kValuesRowsF32[rows - 1](p, p_stride, keys, v, v_stride, head_dim, alpha, first, acc, acc_stride);
 #else

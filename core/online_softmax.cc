@@ -9,20 +9,6 @@
 #include "core/bf16.h"
 #include "core/simd.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-// GCC 12's AVX-512 headers start some intrinsics from _mm512_undefined_ps(),
-// which -Wmaybe-uninitialized reports where they are inlined.
-#if !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#define ATTNSERVE_AVX512_ROW 1
-#endif
 
 namespace attnserve::core::internal {
 namespace {
@@ -104,7 +90,7 @@ float PortableSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, fl
   return alpha;
 }
 
-#ifdef ATTNSERVE_AVX512_ROW
+#ifdef ATTNSERVE_X86_INTRINSICS
 #define ATTNSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 // 2^t on 16 lanes for t = y log2(e), y <= 0: Exp(y) branch-free, with the
@@ -206,31 +192,6 @@ ATTNSERVE_AVX512 float Avx512SoftmaxRow(float* x, int64_t limit, int64_t width, 
   return UpdateState(m_new, sum16, scale, m, l);
 }
 
-// BF16 probabilities through VCVTNEPS2BF16 (round to nearest even; p is 0 or
-// a normal number, never subnormal, which it would flush), with the degree-4
-// exponential: the FP32 row is never stored.
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) float
-Avx512SoftmaxRowNativeBf16(const float* x, int64_t limit, int64_t width, float scale, float& m,
-                           float& l, uint16_t* p_bf16) {
-  const float m_new = NewMax(x, limit, m);
-  if (m_new == -std::numeric_limits<float>::infinity()) {
-    return NothingVisible(nullptr, width, p_bf16);
-  }
-  const __m512 shift_c = _mm512_set1_ps(m_new * scale * kLog2e);
-  const __m512 to_log2 = _mm512_set1_ps(scale * kLog2e);
-  __m512 sum16 = _mm512_setzero_ps();
-  for (int64_t j = 0; j < width; j += 16) {
-    const __mmask16 k = FirstLanes(width - j);
-    const __mmask16 visible = j < limit ? FirstLanes(limit - j) : __mmask16{0};
-    const __m512 scores = _mm512_maskz_loadu_ps(visible, x + j);
-    const __m512 p = Exp2x16<4>(ExponentBf16(scores, shift_c, to_log2), visible);
-    sum16 = _mm512_add_ps(sum16, p);
-    const __m256bh halves = _mm512_cvtneps_pbh(p);
-    _mm256_mask_storeu_epi16(p_bf16 + j, k, reinterpret_cast<const __m256i&>(halves));
-  }
-  return UpdateState(m_new, sum16, scale, m, l);
-}
-
 // OnlineSoftmaxStrip for R rows on CPUs with AVX512-BF16: the rows' passes
 // interleaved (R independent dependency chains in the max and the sum), FP32
 // probabilities in place or BF16 ones (degree-4 exponential) through
@@ -319,15 +280,17 @@ bool HasAvx512Bf16() {
   static const bool has = HasAvx512() && __builtin_cpu_supports("avx512bf16");
   return has;
 }
-#endif  // ATTNSERVE_AVX512_ROW
+#endif  // ATTNSERVE_X86_INTRINSICS
 
 }  // namespace
 
 float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, float& m, float& l,
                        uint16_t* p_bf16) {
-#ifdef ATTNSERVE_AVX512_ROW
-  if (p_bf16 != nullptr && HasAvx512Bf16()) {
-    return Avx512SoftmaxRowNativeBf16(x, limit, width, scale, m, l, p_bf16);
+#ifdef ATTNSERVE_X86_INTRINSICS
+  if (HasAvx512Bf16()) {  // a strip of one row
+    float alpha = 1.0f;
+    kSoftmaxStrips[0](x, width, &limit, width, scale, &m, &l, &alpha, p_bf16);
+    return alpha;
   }
   if (HasAvx512()) return Avx512SoftmaxRow(x, limit, width, scale, m, l, p_bf16);
 #endif
@@ -337,7 +300,7 @@ float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, floa
 void OnlineSoftmaxStrip(float* x, int64_t stride, int64_t rows, const int64_t* limits,
                         int64_t width, float scale, float* m, float* l, float* alpha,
                         uint16_t* p_bf16) {
-#ifdef ATTNSERVE_AVX512_ROW
+#ifdef ATTNSERVE_X86_INTRINSICS
   // FP32 strips wider than 512 keys go row by row: the interleaved passes
   // over 8 such rows (in place, 16+ KiB each way) left L1 and were slower
   // (BM_OnlineSoftmaxStrip: 3.05 against 3.26 G scores/s at 1024).

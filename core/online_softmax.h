@@ -2,10 +2,12 @@
 #define ATTNSERVE_CORE_ONLINE_SOFTMAX_H_
 
 // Private to core/: the row kernels of the blocked (flash-style) attention
-// path. OnlineSoftmaxRow has an AVX-512 version (intrinsics, chosen at run
-// time when the CPU has AVX-512 F/BW/DQ/VL) and a portable one; the others
-// are plain C++ that GCC vectorizes, with AVX-512 and AVX2 clones picked at
-// load time (target_clones). The baseline build runs on any x86-64.
+// path. The online softmax has AVX-512 versions in intrinsics, chosen at run
+// time: strips of up to 8 rows where the CPU has AVX512-BF16 (a single row is
+// a strip of one), a row kernel where it has AVX-512 F/BW/DQ/VL only, and a
+// portable row elsewhere. The others are plain C++ that GCC vectorizes, with
+// AVX-512 and AVX2 clones picked at load time (target_clones). The baseline
+// build runs on any x86-64.
 
 #include <cstdint>
 

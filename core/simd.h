@@ -15,6 +15,24 @@
 // vectors in the AVX-512 clone. clang with sanitizers cannot vectorize such
 // loops and reports that as an error under -Werror, so it gets plain loops.
 
+// ATTNSERVE_X86_INTRINSICS is defined where <immintrin.h> is included (x86-64
+// with GCC or clang): the hand-written AVX-512 kernels, in functions with
+// target attributes, chosen at run time (__builtin_cpu_supports).
+#if defined(__x86_64__) && defined(__GNUC__)
+// GCC 12's AVX-512 headers start some intrinsics from _mm512_undefined_ps(),
+// which -Wmaybe-uninitialized reports where they are inlined.
+#if !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#define ATTNSERVE_X86_INTRINSICS 1
+#endif
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 #define ATTNSERVE_CLONES \
