@@ -284,17 +284,47 @@ bool HasAvx512Bf16() {
 
 }  // namespace
 
-float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, float& m, float& l,
-                       uint16_t* p_bf16) {
+bool SoftmaxKernelRuns(SoftmaxKernel kernel) {
+  switch (kernel) {
+    case SoftmaxKernel::kPortable:
+      return true;
 #ifdef ATTNSERVE_X86_INTRINSICS
-  if (HasAvx512Bf16()) {  // a strip of one row
+    case SoftmaxKernel::kAvx512:
+      return HasAvx512();
+    case SoftmaxKernel::kAvx512Bf16:
+      return HasAvx512Bf16();
+#else
+    case SoftmaxKernel::kAvx512:
+    case SoftmaxKernel::kAvx512Bf16:
+      return false;
+#endif
+  }
+  return false;
+}
+
+float OnlineSoftmaxRowOn(SoftmaxKernel kernel, float* x, int64_t limit, int64_t width, float scale,
+                         float& m, float& l, uint16_t* p_bf16) {
+#ifdef ATTNSERVE_X86_INTRINSICS
+  if (kernel == SoftmaxKernel::kAvx512Bf16) {  // a strip of one row
     float alpha = 1.0f;
     kSoftmaxStrips[0](x, width, &limit, width, scale, &m, &l, &alpha, p_bf16);
     return alpha;
   }
-  if (HasAvx512()) return Avx512SoftmaxRow(x, limit, width, scale, m, l, p_bf16);
+  if (kernel == SoftmaxKernel::kAvx512) {
+    return Avx512SoftmaxRow(x, limit, width, scale, m, l, p_bf16);
+  }
 #endif
   return PortableSoftmaxRow(x, limit, width, scale, m, l, p_bf16);
+}
+
+float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, float& m, float& l,
+                       uint16_t* p_bf16) {
+  static const SoftmaxKernel best = SoftmaxKernelRuns(SoftmaxKernel::kAvx512Bf16)
+                                        ? SoftmaxKernel::kAvx512Bf16
+                                    : SoftmaxKernelRuns(SoftmaxKernel::kAvx512)
+                                        ? SoftmaxKernel::kAvx512
+                                        : SoftmaxKernel::kPortable;
+  return OnlineSoftmaxRowOn(best, x, limit, width, scale, m, l, p_bf16);
 }
 
 void OnlineSoftmaxStrip(float* x, int64_t stride, int64_t rows, const int64_t* limits,

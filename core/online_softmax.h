@@ -35,6 +35,15 @@ float FastExp(float x);
 float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, float& m, float& l,
                        uint16_t* p_bf16);
 
+// The implementations of the row step; OnlineSoftmaxRow takes the first
+// that runs on this CPU of kAvx512Bf16 (a strip of one row), kAvx512 (FP32
+// and BF16 rounded in integer lanes, degree-7 exponential) and kPortable.
+// Tests run each one that runs here through OnlineSoftmaxRowOn.
+enum class SoftmaxKernel { kPortable, kAvx512, kAvx512Bf16 };
+bool SoftmaxKernelRuns(SoftmaxKernel kernel);
+float OnlineSoftmaxRowOn(SoftmaxKernel kernel, float* x, int64_t limit, int64_t width, float scale,
+                         float& m, float& l, uint16_t* p_bf16);
+
 // OnlineSoftmaxRow for rows [0, rows) of a strip, row r at x + r * stride
 // with limits[r] visible keys and its state m[r], l[r]; alpha[r] gets its
 // alpha; BF16 probabilities go to p_bf16 + r * stride. The same results as

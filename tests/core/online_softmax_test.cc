@@ -1,7 +1,9 @@
 // The row kernels of the blocked path (core/online_softmax.h) against a
 // double-precision computation, on fresh random rows: every width from 1 to 70
 // (the 16-lane loop, its tail and both together), keys past `limit` masked,
-// rows fed in several key blocks, -inf scores, BF16 output.
+// rows fed in several key blocks, -inf scores, BF16 output -- on each
+// implementation that runs on this CPU (portable, AVX-512, AVX512-BF16), and
+// strips of rows against the same rows one by one.
 #include "core/online_softmax.h"
 
 #include <algorithm>
@@ -23,6 +25,28 @@ using ::attnserve::testing::FreshSeed;
 using ::attnserve::testing::SeedTrace;
 
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+// The row kernels that run on this CPU (the portable one always).
+std::vector<SoftmaxKernel> Kernels() {
+  std::vector<SoftmaxKernel> kernels;
+  for (const SoftmaxKernel kernel :
+       {SoftmaxKernel::kPortable, SoftmaxKernel::kAvx512, SoftmaxKernel::kAvx512Bf16}) {
+    if (SoftmaxKernelRuns(kernel)) kernels.push_back(kernel);
+  }
+  return kernels;
+}
+
+const char* KernelName(SoftmaxKernel kernel) {
+  switch (kernel) {
+    case SoftmaxKernel::kPortable:
+      return "portable";
+    case SoftmaxKernel::kAvx512:
+      return "avx512";
+    case SoftmaxKernel::kAvx512Bf16:
+      return "avx512-bf16";
+  }
+  return "?";
+}
 
 
 // FastExp's relative error: the polynomial's 4e-7 and the rounding of
@@ -49,8 +73,8 @@ constexpr double kBf16Tolerance = 4e-3;
 // Feeds `scores` [width] in key blocks of `block`, the keys at and past
 // `limit` masked, and checks p = exp(scale (x - max)), the running max and
 // sum against double.
-void CheckRow(const std::vector<float>& scores, int64_t limit, int64_t block, bool bf16,
-              float scale) {
+void CheckRow(SoftmaxKernel kernel, const std::vector<float>& scores, int64_t limit,
+              int64_t block, bool bf16, float scale) {
   const int64_t width = static_cast<int64_t>(scores.size());
   double max = -std::numeric_limits<double>::infinity();
   for (int64_t j = 0; j < limit; ++j) max = std::max(max, static_cast<double>(scores[j]));
@@ -63,7 +87,7 @@ void CheckRow(const std::vector<float>& scores, int64_t limit, int64_t block, bo
     std::vector<float> x(scores.begin() + j0, scores.begin() + j0 + n);
     std::vector<uint16_t> p_bf16(static_cast<size_t>(n), 0xffff);
     const float m_before = m;
-    const float alpha = OnlineSoftmaxRow(x.data(), std::clamp<int64_t>(limit - j0, 0, n), n, scale,
+    const float alpha = OnlineSoftmaxRowOn(kernel, x.data(), std::clamp<int64_t>(limit - j0, 0, n), n, scale,
                                          m, l, bf16 ? p_bf16.data() : nullptr);
     if (m_before != kMinusInf) {
       EXPECT_NEAR(alpha, std::exp(scale * (static_cast<double>(m_before) - m)), 1e-6);
@@ -100,7 +124,12 @@ TEST(OnlineSoftmax, RowsMatchDoublePrecisionAtEveryWidthLimitAndBlock) {
     for (const int64_t limit : {width, width / 2, int64_t{0}}) {
       for (const int64_t block : {width, int64_t{16}, int64_t{7}}) {
         for (const bool bf16 : {false, true}) {
-          for (const float scale : {1.0f, 0.125f}) CheckRow(scores, limit, block, bf16, scale);
+          for (const float scale : {1.0f, 0.125f}) {
+            for (const SoftmaxKernel kernel : Kernels()) {
+              SCOPED_TRACE(KernelName(kernel));
+              CheckRow(kernel, scores, limit, block, bf16, scale);
+            }
+          }
         }
       }
     }
@@ -115,6 +144,15 @@ TEST(OnlineSoftmax, OverflowingScoresGiveANonFiniteSum) {
   float l = 0.0f;
   OnlineSoftmaxRow(x.data(), 3, 3, 1.0f, m, l, nullptr);
   EXPECT_FALSE(std::isfinite(l) && l > 0.0f);
+  for (const SoftmaxKernel kernel : Kernels()) {
+    for (const bool bf16 : {false, true}) {
+      std::vector<float> y = {1.0f, std::numeric_limits<float>::infinity(), 2.0f};
+      std::vector<uint16_t> p(3);
+      float m2 = kMinusInf, l2 = 0.0f;
+      OnlineSoftmaxRowOn(kernel, y.data(), 3, 3, 1.0f, m2, l2, bf16 ? p.data() : nullptr);
+      EXPECT_FALSE(std::isfinite(l2) && l2 > 0.0f) << KernelName(kernel) << " bf16 " << bf16;
+    }
+  }
 }
 
 TEST(OnlineSoftmax, Bf16ProbabilitiesHoldDownToExpsFloor) {
@@ -134,10 +172,12 @@ TEST(OnlineSoftmax, Bf16ProbabilitiesHoldDownToExpsFloor) {
     std::vector<float> fp32 = scores;
     float m32 = kMinusInf, l32 = 0.0f;
     OnlineSoftmaxRow(fp32.data(), limit, width, 1.0f, m32, l32, nullptr);
+    for (const SoftmaxKernel kernel : Kernels()) {
+    SCOPED_TRACE(KernelName(kernel));
     std::vector<float> x = scores;
     std::vector<uint16_t> p_bf16(static_cast<size_t>(width), 0xffff);
     float m16 = kMinusInf, l16 = 0.0f;
-    OnlineSoftmaxRow(x.data(), limit, width, 1.0f, m16, l16, p_bf16.data());
+    OnlineSoftmaxRowOn(kernel, x.data(), limit, width, 1.0f, m16, l16, p_bf16.data());
     EXPECT_EQ(m16, m32);
     EXPECT_NEAR(l16, l32, kBf16SumTolerance * l32);
     for (int64_t j = 0; j < width; ++j) {
@@ -147,6 +187,59 @@ TEST(OnlineSoftmax, Bf16ProbabilitiesHoldDownToExpsFloor) {
         ASSERT_LE(actual, 2e-37) << "width " << width << " j " << j;
       } else {
         ASSERT_NEAR(actual, expected, kBf16Tolerance * expected) << "width " << width << " j " << j;
+      }
+    }
+    }
+  }
+}
+
+TEST(OnlineSoftmax, AStripEqualsItsRowsOneByOne) {
+  // Rows of different limits (0, partial, full; -inf scores), a state carried
+  // from an earlier block, FP32 in place and BF16, every strip height: the
+  // strip's interleaved passes give each row exactly what OnlineSoftmaxRow gives.
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (const int64_t width : {16, 48, 512, 1024}) {
+    for (int64_t rows = 1; rows <= 8; ++rows) {
+      for (const bool bf16 : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << "width " << width << " rows " << rows << " bf16 " << bf16);
+        const int64_t stride = width + 16;
+        std::vector<float> scores(static_cast<size_t>(rows * stride));
+        for (float& x : scores) x = normal(rng);
+        std::vector<int64_t> limits(static_cast<size_t>(rows));
+        std::vector<float> m(static_cast<size_t>(rows)), l(static_cast<size_t>(rows));
+        for (int64_t r = 0; r < rows; ++r) {
+          limits[r] = std::uniform_int_distribution<int64_t>(0, width)(rng);
+          if (r == 0) limits[r] = 0;
+          if (r == 1) limits[r] = width;
+          scores[r * stride + width / 2] = kMinusInf;
+          m[r] = r % 3 == 0 ? kMinusInf : normal(rng);
+          l[r] = m[r] == kMinusInf ? 0.0f : 1.5f;
+        }
+        std::vector<float> strip_x = scores, strip_m = m, strip_l = l;
+        std::vector<float> strip_alpha(static_cast<size_t>(rows));
+        std::vector<uint16_t> strip_p(scores.size(), 0xffff), row_p(scores.size(), 0xffff);
+        OnlineSoftmaxStrip(strip_x.data(), stride, rows, limits.data(), width, 0.125f,
+                           strip_m.data(), strip_l.data(), strip_alpha.data(),
+                           bf16 ? strip_p.data() : nullptr);
+        std::vector<float> row_x = scores;
+        for (int64_t r = 0; r < rows; ++r) {
+          const float alpha =
+              OnlineSoftmaxRow(row_x.data() + r * stride, limits[r], width, 0.125f, m[r], l[r],
+                               bf16 ? row_p.data() + r * stride : nullptr);
+          ASSERT_EQ(strip_alpha[r], alpha) << "row " << r;
+          ASSERT_EQ(strip_m[r], m[r]) << "row " << r;
+          ASSERT_EQ(strip_l[r], l[r]) << "row " << r;
+          for (int64_t j = 0; j < width; ++j) {
+            if (bf16) {
+              ASSERT_EQ(strip_p[r * stride + j], row_p[r * stride + j]) << r << " " << j;
+            } else {
+              ASSERT_EQ(strip_x[r * stride + j], row_x[r * stride + j]) << r << " " << j;
+            }
+          }
+        }
       }
     }
   }
