@@ -101,6 +101,11 @@ int64_t BlockWorkspaceBytes(const SdpaCall& call, int64_t head_dim) {
   return Line(bq * bk * 4) + (call.bf16 ? Line(bq * bk * 2) : 0) + Line(bq * head_dim * 4) + common;
 }
 
+// Key blocks of the blocked path (the last may be shorter).
+int64_t KeyBlocks(const SdpaCall& call) {
+  return (call.kv_len + call.block_keys - 1) / call.block_keys;
+}
+
 // Packed blocks of the own block kernels: per (sequence, key/value head, key
 // block) the key block, and in BF16 the value block after it.
 int64_t PackedBlocksBytes(const SdpaCall& call, int64_t head_dim) {
@@ -337,9 +342,7 @@ std::optional<int64_t> KernelScratchBytes(const HeadConfig& config, const SdpaCa
   if (call.blocked) {
     add({omp_get_max_threads(), BlockWorkspaceBytes(call, hd)}, 1);
     if (call.own_block_kernels) {
-      add({chunk, config.num_kv_heads, (call.kv_len + call.block_keys - 1) / call.block_keys,
-           PackedBlocksBytes(call, hd)},
-          1);
+      add({chunk, config.num_kv_heads, KeyBlocks(call), PackedBlocksBytes(call, hd)}, 1);
     }
   } else {
     add({chunk, heads, call.q_len, call.kv_len}, call.bf16 ? 6 : 4);
@@ -368,9 +371,7 @@ absl::Status AttentionKernels::ReserveChunk(const SdpaCall& call, int64_t chunk,
     if (call.own_block_kernels) {
       ATTNSERVE_RETURN_IF_ERROR(
           Reserve(block_packs_,
-                  {chunk, config_.num_kv_heads, (t + call.block_keys - 1) / call.block_keys,
-                   PackedBlocksBytes(call, hd)},
-                  1));
+                  {chunk, config_.num_kv_heads, KeyBlocks(call), PackedBlocksBytes(call, hd)}, 1));
     }
     return Reserve(block_workspace_, {omp_get_max_threads(), BlockWorkspaceBytes(call, hd)}, 1);
   }
@@ -874,7 +875,7 @@ absl::Status AttentionKernels::OwnBlocks(const SdpaCall& call, int64_t first, in
   const ExplicitMask& explicit_mask = call.mask;
   const bool has_mask = explicit_mask.kind != ExplicitMask::Kind::kNone;
   const float softmax_scale = has_mask ? 1.0f : config_.scale;
-  const int64_t key_blocks = (t + bk - 1) / bk;
+  const int64_t key_blocks = KeyBlocks(call);
   const int64_t packed_elements = PackedBlockElements(bk, hd);
   const int64_t packed_bytes = PackedBlocksBytes(call, hd);
   const int64_t strip_stride = StripStride(bk);

@@ -29,20 +29,6 @@ inline uint32_t Unit(const void* from) {
 }
 
 #ifdef ATTNSERVE_X86_INTRINSICS
-#define ATTNSERVE_F32_KERNEL __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-#define ATTNSERVE_BF16_KERNEL \
-  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
-
-bool HasAvx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return has;
-}
-
-bool HasAvx512Bf16() {
-  static const bool has = HasAvx512() && __builtin_cpu_supports("avx512bf16");
-  return has;
-}
 
 // ---- Packing. ----
 
@@ -50,7 +36,7 @@ bool HasAvx512Bf16() {
 // Unpacking pairs of units, then pairs of pairs, leaves 4 x 4 blocks
 // transposed within each 128-bit lane; two rounds of lane shuffles put the
 // blocks in place.
-ATTNSERVE_F32_KERNEL inline void Transpose16x16(__m512i r[16]) {
+ATTNSERVE_TARGET_AVX512 inline void Transpose16x16(__m512i r[16]) {
   __m512i t[16];
 #pragma GCC unroll 8
   for (int i = 0; i < 16; i += 2) {
@@ -78,13 +64,9 @@ ATTNSERVE_F32_KERNEL inline void Transpose16x16(__m512i r[16]) {
   }
 }
 
-inline __mmask16 FirstLanes(int64_t n) {
-  return n >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1u);
-}
-
 // Both key layouts are the transpose of 4-byte units (a BF16 pair or an FP32)
 // within each tile of 16 keys: 16 x 16 units at a time.
-ATTNSERVE_F32_KERNEL void PackKeyBlockAvx512(const void* k, int64_t row_stride, int64_t keys,
+ATTNSERVE_TARGET_AVX512 void PackKeyBlockAvx512(const void* k, int64_t row_stride, int64_t keys,
                                              int64_t valid, int64_t head_dim, bool bf16,
                                              void* packed) {
   const int64_t element_bytes = bf16 ? 2 : 4;
@@ -114,7 +96,7 @@ ATTNSERVE_F32_KERNEL void PackKeyBlockAvx512(const void* k, int64_t row_stride, 
 
 // Pairs of key rows interleaved: packed row j / 2 = v[j][0], v[j+1][0],
 // v[j][1], ... 32 dimensions at a time.
-ATTNSERVE_F32_KERNEL void PackValueBlockAvx512(const Bf16* v, int64_t row_stride, int64_t keys,
+ATTNSERVE_TARGET_AVX512 void PackValueBlockAvx512(const Bf16* v, int64_t row_stride, int64_t keys,
                                                int64_t valid, int64_t head_dim, Bf16* packed) {
   alignas(64) static constexpr int16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
@@ -145,7 +127,7 @@ ATTNSERVE_F32_KERNEL void PackValueBlockAvx512(const Bf16* v, int64_t row_stride
 // ---- The accumulator tiles (inlined into the FP32 and BF16 kernels). ----
 
 template <int R, int C>
-[[gnu::always_inline]] ATTNSERVE_F32_KERNEL inline void ZeroTile(__m512 (&acc)[R][C]) {
+[[gnu::always_inline]] ATTNSERVE_TARGET_AVX512 inline void ZeroTile(__m512 (&acc)[R][C]) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 4
@@ -155,7 +137,7 @@ template <int R, int C>
 
 // acc = 0 (first) or o * alpha[r].
 template <int R, int C>
-[[gnu::always_inline]] ATTNSERVE_F32_KERNEL inline void LoadScaledTile(
+[[gnu::always_inline]] ATTNSERVE_TARGET_AVX512 inline void LoadScaledTile(
     __m512 (&acc)[R][C], const float* o, int64_t o_stride, const float* alpha, bool first) {
   if (first) return ZeroTile(acc);
 #pragma GCC unroll 8
@@ -169,7 +151,7 @@ template <int R, int C>
 }
 
 template <int R, int C>
-[[gnu::always_inline]] ATTNSERVE_F32_KERNEL inline void StoreTile(const __m512 (&acc)[R][C],
+[[gnu::always_inline]] ATTNSERVE_TARGET_AVX512 inline void StoreTile(const __m512 (&acc)[R][C],
                                                                   float* o, int64_t o_stride) {
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -183,7 +165,7 @@ template <int R, int C>
 // R rows x C key tiles. BF16: the reduction runs over pairs of dimensions
 // (q's pair broadcast, the tiles' pairs loaded), FP32 over dimensions.
 template <int R, int C>
-ATTNSERVE_BF16_KERNEL void ScoresTileBf16(const Bf16* q, int64_t q_stride, const Bf16* k,
+ATTNSERVE_TARGET_AVX512_BF16 void ScoresTileBf16(const Bf16* q, int64_t q_stride, const Bf16* k,
                                           int64_t tile_elements, int64_t pairs, float* s,
                                           int64_t s_stride) {
   __m512 acc[R][C];
@@ -205,7 +187,7 @@ ATTNSERVE_BF16_KERNEL void ScoresTileBf16(const Bf16* q, int64_t q_stride, const
 }
 
 template <int R, int C>
-ATTNSERVE_F32_KERNEL void ScoresTileF32(const float* q, int64_t q_stride, const float* k,
+ATTNSERVE_TARGET_AVX512 void ScoresTileF32(const float* q, int64_t q_stride, const float* k,
                                         int64_t tile_elements, int64_t dims, float* s,
                                         int64_t s_stride) {
   __m512 acc[R][C];
@@ -226,7 +208,7 @@ ATTNSERVE_F32_KERNEL void ScoresTileF32(const float* q, int64_t q_stride, const 
 
 // R rows against `tiles` key tiles, kScoreTiles at a time.
 template <int R>
-ATTNSERVE_BF16_KERNEL void ScoresRowsBf16(const void* q, int64_t q_stride, const void* k,
+ATTNSERVE_TARGET_AVX512_BF16 void ScoresRowsBf16(const void* q, int64_t q_stride, const void* k,
                                           int64_t tiles, int64_t head_dim, float* s,
                                           int64_t s_stride) {
   const Bf16* const qb = static_cast<const Bf16*>(q);
@@ -248,7 +230,7 @@ ATTNSERVE_BF16_KERNEL void ScoresRowsBf16(const void* q, int64_t q_stride, const
 }
 
 template <int R>
-ATTNSERVE_F32_KERNEL void ScoresRowsF32(const void* q, int64_t q_stride, const void* k,
+ATTNSERVE_TARGET_AVX512 void ScoresRowsF32(const void* q, int64_t q_stride, const void* k,
                                         int64_t tiles, int64_t head_dim, float* s,
                                         int64_t s_stride) {
   const float* const qf = static_cast<const float*>(q);
@@ -281,7 +263,7 @@ constexpr ScoresRowsFn kScoresRowsF32[kStripRows] = {
 
 // R rows x D tiles of 16 output dimensions; v points at the first tile.
 template <int R, int D>
-ATTNSERVE_BF16_KERNEL void ValuesTileBf16(const Bf16* p, int64_t p_stride, int64_t pairs,
+ATTNSERVE_TARGET_AVX512_BF16 void ValuesTileBf16(const Bf16* p, int64_t p_stride, int64_t pairs,
                                           const Bf16* v, int64_t pair_stride, const float* alpha,
                                           bool first, float* o, int64_t o_stride) {
   __m512 acc[R][D];
@@ -303,7 +285,7 @@ ATTNSERVE_BF16_KERNEL void ValuesTileBf16(const Bf16* p, int64_t p_stride, int64
 }
 
 template <int R, int D>
-ATTNSERVE_F32_KERNEL void ValuesTileF32(const float* p, int64_t p_stride, int64_t keys,
+ATTNSERVE_TARGET_AVX512 void ValuesTileF32(const float* p, int64_t p_stride, int64_t keys,
                                         const float* v, int64_t v_stride, const float* alpha,
                                         bool first, float* o, int64_t o_stride) {
   __m512 acc[R][D];
@@ -325,7 +307,7 @@ ATTNSERVE_F32_KERNEL void ValuesTileF32(const float* p, int64_t p_stride, int64_
 // R rows over every output dimension, kValueTiles at a time. head_dim is a
 // multiple of 16.
 template <int R>
-ATTNSERVE_BF16_KERNEL void ValuesRowsBf16(const Bf16* p, int64_t p_stride, int64_t keys,
+ATTNSERVE_TARGET_AVX512_BF16 void ValuesRowsBf16(const Bf16* p, int64_t p_stride, int64_t keys,
                                           const Bf16* v, int64_t head_dim, const float* alpha,
                                           bool first, float* o, int64_t o_stride) {
   const int64_t tiles = head_dim / 16;
@@ -343,7 +325,7 @@ ATTNSERVE_BF16_KERNEL void ValuesRowsBf16(const Bf16* p, int64_t p_stride, int64
 }
 
 template <int R>
-ATTNSERVE_F32_KERNEL void ValuesRowsF32(const float* p, int64_t p_stride, int64_t keys,
+ATTNSERVE_TARGET_AVX512 void ValuesRowsF32(const float* p, int64_t p_stride, int64_t keys,
                                         const float* v, int64_t v_stride, int64_t head_dim,
                                         const float* alpha, bool first, float* o,
                                         int64_t o_stride) {
@@ -376,7 +358,7 @@ constexpr ValuesRowsF32Fn kValuesRowsF32[kStripRows] = {
 bool OwnBlockKernelsAvailable(bool bf16, int64_t head_dim) {
 #ifdef ATTNSERVE_X86_INTRINSICS
   if (head_dim <= 0 || head_dim % 16 != 0) return false;
-  return bf16 ? HasAvx512Bf16() : HasAvx512();
+  return bf16 ? CpuHasAvx512Bf16() : CpuHasAvx512();
 #else
   (void)bf16;
   (void)head_dim;

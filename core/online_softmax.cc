@@ -9,7 +9,6 @@
 #include "core/bf16.h"
 #include "core/simd.h"
 
-
 namespace attnserve::core::internal {
 namespace {
 
@@ -51,6 +50,16 @@ float FastExp(float x) { return Exp(x); }
 
 namespace {
 
+// A row with nothing visible so far: p = 0, the state stays, alpha 1.
+float NothingVisible(float* x, int64_t width, uint16_t* p_bf16) {
+  if (p_bf16 != nullptr) {
+    std::memset(p_bf16, 0, static_cast<size_t>(width) * sizeof(uint16_t));
+  } else {
+    std::fill(x, x + width, 0.0f);
+  }
+  return 1.0f;
+}
+
 // The portable row step. Neither GCC nor clang vectorizes its loops (the max
 // and the exp's range checks are control flow to them; `omp simd` did not
 // help, and clang reports that as an error under -Werror).
@@ -60,14 +69,7 @@ float PortableSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, fl
   float block_max = kMinusInf;
   for (int64_t j = 0; j < limit; ++j) block_max = std::max(block_max, x[j]);
   const float m_new = std::max(m, block_max);
-  if (m_new == kMinusInf) {  // nothing visible so far: p = 0, state unchanged
-    if (p_bf16 != nullptr) {
-      std::memset(p_bf16, 0, static_cast<size_t>(width) * sizeof(uint16_t));
-    } else {
-      std::fill(x, x + width, 0.0f);
-    }
-    return 1.0f;
-  }
+  if (m_new == kMinusInf) return NothingVisible(x, width, p_bf16);
   float sum = 0.0f;
   if (p_bf16 != nullptr) {
     for (int64_t j = 0; j < limit; ++j) {
@@ -91,7 +93,6 @@ float PortableSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, fl
 }
 
 #ifdef ATTNSERVE_X86_INTRINSICS
-#define ATTNSERVE_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 
 // 2^t on 16 lanes for t = y log2(e), y <= 0: Exp(y) branch-free, with the
 // polynomial of degree kDegree (7: Exp's; 4: for probabilities kept in BF16,
@@ -101,7 +102,7 @@ float PortableSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, fl
 // gives 0 there). NaN stays NaN (max(floor, NaN) is NaN: MAXPS returns its
 // second operand when either is NaN).
 template <int kDegree>
-ATTNSERVE_AVX512 inline __m512 Exp2x16(__m512 t, __mmask16 keep) {
+ATTNSERVE_TARGET_AVX512 inline __m512 Exp2x16(__m512 t, __mmask16 keep) {
   static_assert(kDegree >= 1 && kDegree <= 7);
   constexpr float kCoefficients[8] = {1.0f, kC1, kC2, kC3, kC4, kC5, kC6, kC7};
   t = _mm512_max_ps(_mm512_set1_ps(-160.0f), t);
@@ -118,15 +119,15 @@ ATTNSERVE_AVX512 inline __m512 Exp2x16(__m512 t, __mmask16 keep) {
 // t = (x - m) scale log2(e) for FP32 probabilities (x - m exact when close,
 // then one rounding); for BF16 ones one FMA, x c - m c, whose rounding of m c
 // (|m c| 2^-24) stays far below BF16's.
-ATTNSERVE_AVX512 inline __m512 ExponentFp32(__m512 x, __m512 m, __m512 c) {
+ATTNSERVE_TARGET_AVX512 inline __m512 ExponentFp32(__m512 x, __m512 m, __m512 c) {
   return _mm512_mul_ps(_mm512_sub_ps(x, m), c);
 }
-ATTNSERVE_AVX512 inline __m512 ExponentBf16(__m512 x, __m512 m_times_c, __m512 c) {
+ATTNSERVE_TARGET_AVX512 inline __m512 ExponentBf16(__m512 x, __m512 m_times_c, __m512 c) {
   return _mm512_fmsub_ps(x, c, m_times_c);
 }
 
 // Round to nearest even BF16 (as FloatToBf16; p is never NaN), 16 lanes to 16 halves.
-ATTNSERVE_AVX512 inline __m256i ToBf16x16(__m512 p) {
+ATTNSERVE_TARGET_AVX512 inline __m256i ToBf16x16(__m512 p) {
   const __m512i bits = _mm512_castps_si512(p);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded =
@@ -134,14 +135,10 @@ ATTNSERVE_AVX512 inline __m256i ToBf16x16(__m512 p) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 
-ATTNSERVE_AVX512 inline __mmask16 FirstLanes(int64_t left) {
-  return left >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << left) - 1u);
-}
-
 // The parts of the AVX-512 row step around its exp loop: m_new (the new
 // running max; -inf when nothing is visible yet, and then p = 0 is written
 // and the state stays), and the state update from the row's sum of p.
-ATTNSERVE_AVX512 inline float NewMax(const float* x, int64_t limit, float m) {
+ATTNSERVE_TARGET_AVX512 inline float NewMax(const float* x, int64_t limit, float m) {
   __m512 max16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < limit; j += 16) {
     const __mmask16 k = FirstLanes(limit - j);
@@ -150,7 +147,7 @@ ATTNSERVE_AVX512 inline float NewMax(const float* x, int64_t limit, float m) {
   return std::max(m, _mm512_reduce_max_ps(max16));
 }
 
-ATTNSERVE_AVX512 inline float UpdateState(float m_new, __m512 sum16, float scale, float& m,
+ATTNSERVE_TARGET_AVX512 inline float UpdateState(float m_new, __m512 sum16, float scale, float& m,
                                           float& l) {
   const float alpha = Exp((m - m_new) * scale);  // m == -inf: 0
   l = l * alpha + _mm512_reduce_add_ps(sum16);
@@ -158,18 +155,9 @@ ATTNSERVE_AVX512 inline float UpdateState(float m_new, __m512 sum16, float scale
   return alpha;
 }
 
-float NothingVisible(float* x, int64_t width, uint16_t* p_bf16) {
-  if (p_bf16 != nullptr) {
-    std::memset(p_bf16, 0, static_cast<size_t>(width) * sizeof(uint16_t));
-  } else {
-    std::fill(x, x + width, 0.0f);
-  }
-  return 1.0f;
-}
-
 // FP32 probabilities in place, or BF16 rounded in integer lanes (CPUs
 // without AVX512-BF16).
-ATTNSERVE_AVX512 float Avx512SoftmaxRow(float* x, int64_t limit, int64_t width, float scale,
+ATTNSERVE_TARGET_AVX512 float Avx512SoftmaxRow(float* x, int64_t limit, int64_t width, float scale,
                                         float& m, float& l, uint16_t* p_bf16) {
   const float m_new = NewMax(x, limit, m);
   if (m_new == -std::numeric_limits<float>::infinity()) return NothingVisible(x, width, p_bf16);
@@ -197,7 +185,7 @@ ATTNSERVE_AVX512 float Avx512SoftmaxRow(float* x, int64_t limit, int64_t width, 
 // probabilities in place or BF16 ones (degree-4 exponential) through
 // VCVTNEPS2BF16, as the row functions above compute them.
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16"))) void Avx512SoftmaxStrip(
+ATTNSERVE_TARGET_AVX512_BF16 void Avx512SoftmaxStrip(
     float* x, int64_t stride, const int64_t* limits, int64_t width, float scale, float* m,
     float* l, float* alpha, uint16_t* p_bf16) {
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
@@ -268,18 +256,6 @@ constexpr SoftmaxStripFn kSoftmaxStrips[8] = {
     &Avx512SoftmaxStrip<4>, &Avx512SoftmaxStrip<5>, &Avx512SoftmaxStrip<6>,
     &Avx512SoftmaxStrip<7>, &Avx512SoftmaxStrip<8>};
 
-bool HasAvx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") &&
-                          __builtin_cpu_supports("avx512vl");
-  return has;
-}
-
-bool HasAvx512Bf16() {
-  static const bool has = HasAvx512() && __builtin_cpu_supports("avx512bf16");
-  return has;
-}
 #endif  // ATTNSERVE_X86_INTRINSICS
 
 }  // namespace
@@ -290,9 +266,9 @@ bool SoftmaxKernelRuns(SoftmaxKernel kernel) {
       return true;
 #ifdef ATTNSERVE_X86_INTRINSICS
     case SoftmaxKernel::kAvx512:
-      return HasAvx512();
+      return CpuHasAvx512();
     case SoftmaxKernel::kAvx512Bf16:
-      return HasAvx512Bf16();
+      return CpuHasAvx512Bf16();
 #else
     case SoftmaxKernel::kAvx512:
     case SoftmaxKernel::kAvx512Bf16:
@@ -334,7 +310,7 @@ void OnlineSoftmaxStrip(float* x, int64_t stride, int64_t rows, const int64_t* l
   // FP32 strips wider than 512 keys go row by row: the interleaved passes
   // over 8 such rows (in place, 16+ KiB each way) left L1 and were slower
   // (BM_OnlineSoftmaxStrip: 3.05 against 3.26 G scores/s at 1024).
-  if (rows >= 1 && rows <= 8 && HasAvx512Bf16() && (p_bf16 != nullptr || width <= 512)) {
+  if (rows >= 1 && rows <= 8 && CpuHasAvx512Bf16() && (p_bf16 != nullptr || width <= 512)) {
     kSoftmaxStrips[rows - 1](x, stride, limits, width, scale, m, l, alpha, p_bf16);
     return;
   }

@@ -31,6 +31,32 @@
 #pragma GCC diagnostic pop
 #endif
 #define ATTNSERVE_X86_INTRINSICS 1
+
+// The two instruction sets of those kernels, as function attributes, and
+// whether this CPU has them (checked once).
+#define ATTNSERVE_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+#define ATTNSERVE_TARGET_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+
+namespace attnserve::core::internal {
+
+inline bool CpuHasAvx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+inline bool CpuHasAvx512Bf16() {
+  static const bool has = CpuHasAvx512() && __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+// The mask of the first min(n, 16) lanes (n >= 0).
+ATTNSERVE_TARGET_AVX512 inline __mmask16 FirstLanes(int64_t n) {
+  return n >= 16 ? __mmask16{0xffff} : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+}  // namespace attnserve::core::internal
 #endif
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \

@@ -33,6 +33,7 @@ namespace {
 
 using ::attnserve::testing::FreshSeed;
 using ::attnserve::testing::IsOk;
+using ::attnserve::testing::ScopedEnv;
 using ::attnserve::testing::kBf16Tolerance;
 using ::attnserve::testing::kFp32Tolerance;
 using ::attnserve::testing::MaxRowSumError;
@@ -287,20 +288,6 @@ ScenarioCall MakeScenarioCall(const Scenario& s, std::mt19937_64& rng, Precision
 // picks (attnserve's own where the CPU and head_dim allow) or on oneDNN's
 // (ATTNSERVE_BLOCK_KERNELS=onednn).
 enum class PathUnderTest { kAsAsked, kBlocked, kBlockedOnOneDnn };
-
-// Sets an environment variable for its lifetime.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (value != nullptr) setenv(name, value, 1);
-  }
-  ~ScopedEnv() { unsetenv(name_); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-};
 
 class AttentionLayerScenarios : public ::testing::TestWithParam<Scenario> {
  protected:

@@ -41,6 +41,7 @@ using ::attnserve::testing::RandomStates;
 using ::attnserve::testing::RandomWeights;
 using ::attnserve::testing::ReferenceLayer;
 using ::attnserve::testing::RelativeFrobeniusError;
+using ::attnserve::testing::ScopedEnv;
 using ::attnserve::testing::SetAllocationAttribution;
 
 struct Counts {
@@ -145,10 +146,12 @@ TEST(SteadyState, Bf16AllocationsPerForwardDoNotGrowWithSequenceLength) {
 // fixed; oneDNN's grow with the blocks (each execute builds its argument map
 // and execution context on the heap), which the own kernels avoid.
 TEST(SteadyState, BlocksOnOneDnnGrowOnlyOneDnnsAllocations) {
-  setenv("ATTNSERVE_BLOCK_KERNELS", "onednn", 1);
-  const Counts short_run = CountForward(AttentionPath::kBlocked, 32, false);
-  const Counts long_run = CountForward(AttentionPath::kBlocked, 256, false);
-  unsetenv("ATTNSERVE_BLOCK_KERNELS");
+  Counts short_run, long_run;
+  {
+    const ScopedEnv onednn_blocks("ATTNSERVE_BLOCK_KERNELS", "onednn");
+    short_run = CountForward(AttentionPath::kBlocked, 32, false);
+    long_run = CountForward(AttentionPath::kBlocked, 256, false);
+  }
   EXPECT_EQ(short_run.ours(), long_run.ours());
   EXPECT_GT(long_run.onednn, short_run.onednn);
   Print("blocked on oneDNN's block matmuls", short_run, long_run);
