@@ -332,12 +332,6 @@ void ScaleAndAdd(float* o, const float* add, int64_t n, float alpha, bool first)
 }
 
 ATTNSERVE_CLONES
-void ScaleRow(float* o, int64_t n, float factor) {
-  ATTNSERVE_SIMD_LOOP
-  for (int64_t i = 0; i < n; ++i) o[i] *= factor;
-}
-
-ATTNSERVE_CLONES
 void ScaleInto(const float* from, int64_t n, float factor, float* to) {
   ATTNSERVE_SIMD_LOOP
   for (int64_t i = 0; i < n; ++i) to[i] = from[i] * factor;

@@ -56,9 +56,6 @@ void OnlineSoftmaxStrip(float* x, int64_t stride, int64_t rows, const int64_t* l
 // o [n] = o * alpha + add [n] (first == false), or o = add (first == true).
 void ScaleAndAdd(float* o, const float* add, int64_t n, float alpha, bool first);
 
-// o [n] *= factor.
-void ScaleRow(float* o, int64_t n, float factor);
-
 // to [n] = from [n] * factor.
 void ScaleInto(const float* from, int64_t n, float factor, float* to);
 
