@@ -183,7 +183,13 @@ double Percentile(const std::vector<double>& sorted, double p) {
 std::string ProgressBar(double fraction) {
   constexpr int kWidth = 30;
   const int filled = static_cast<int>(kWidth * std::clamp(fraction, 0.0, 1.0));
-  return "[" + std::string(filled, '=') + std::string(kWidth - filled, ' ') + "]";
+  std::string bar;
+  bar.reserve(kWidth + 2);
+  bar.push_back('[');
+  bar.append(filled, '=');
+  bar.append(kWidth - filled, ' ');
+  bar.push_back(']');
+  return bar;
 }
 
 absl::StatusOr<BenchResult> RunBench(const AttentionClient& client, const v1::AttendRequest& request,

@@ -2,8 +2,9 @@
 # Installs the Debian 12 packages attnserve needs. Idempotent: when everything is
 # present it only checks (a second or two) and installs nothing.
 #
-#   deploy/install_deps.sh            build + test dependencies (default)
-#   deploy/install_deps.sh --build    only what building needs (the Dockerfile's build stage)
+#   deploy/install_deps.sh            build + test dependencies (default; deploy/test.sh)
+#   deploy/install_deps.sh --build    only what building the server and attnctl needs
+#                                     (deploy/serve.sh, the Dockerfile's build stage)
 #   deploy/install_deps.sh --runtime  only what the built binaries need at run time
 #   deploy/install_deps.sh --print-runtime  print that list
 #   deploy/install_deps.sh --fuzz     clang and its sanitizer/libFuzzer runtimes (deploy/fuzz.sh; not CI)
@@ -13,8 +14,10 @@ BUILD_PKGS=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev prometheus-cpp-dev
-  libgtest-dev libgmock-dev libbenchmark-dev zlib1g-dev libssl-dev nlohmann-json3-dev
+  zlib1g-dev libssl-dev nlohmann-json3-dev
 )
+# Libraries only the tests and benchmarks link (ATTNSERVE_BUILD_TESTS=ON).
+TEST_BUILD_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev)
 # Real peers the tests talk to: Python's gRPC client, NumPy and PyTorch as
 # references (torch with OpenBLAS: without it torch falls back to the
 # reference BLAS, 20x slower).
@@ -22,9 +25,10 @@ BUILD_PKGS=(
 # the alert rules (python3-yaml derives the test's scrape config).
 # The deployment checks: yamllint and docker-compose (`config` validates the
 # compose file offline) lint deploy/, nginx balances gRPC over local replicas,
-# kubectl renders the Kubernetes manifests offline.
+# kubectl renders the Kubernetes manifests offline. stress-ng keeps every core
+# busy while deploy/test.sh runs the server tests once more.
 TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-torch libopenblas0
-  prometheus python3-yaml yamllint nginx docker-compose openssl)
+  prometheus python3-yaml yamllint nginx docker-compose openssl stress-ng)
 # Debian's kubectl, unless a kubectl is installed already: another package's
 # /usr/bin/kubectl (e.g. the Google Cloud SDK's) conflicts with it.
 if ! command -v kubectl > /dev/null; then TEST_PKGS+=(kubernetes-client); fi
@@ -41,9 +45,9 @@ case "${1:-}" in
   --build) PKGS=("${BUILD_PKGS[@]}") ;;
   --runtime) PKGS=("${RUNTIME_PKGS[@]}") ;;
   --print-runtime) echo "${RUNTIME_PKGS[@]}"; exit 0 ;;
-  --fuzz) PKGS=("${BUILD_PKGS[@]}" "${FUZZ_PKGS[@]}") ;;
-  "" | --all) PKGS=("${BUILD_PKGS[@]}" "${TEST_PKGS[@]}") ;;
-  -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
+  --fuzz) PKGS=("${BUILD_PKGS[@]}" "${TEST_BUILD_PKGS[@]}" "${FUZZ_PKGS[@]}") ;;
+  "" | --all) PKGS=("${BUILD_PKGS[@]}" "${TEST_BUILD_PKGS[@]}" "${TEST_PKGS[@]}") ;;
+  -h | --help) sed -n '2,11p' "$0"; exit 0 ;;
   *) echo "install_deps.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
 esac
 
