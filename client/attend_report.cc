@@ -12,9 +12,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/attention_client.h"
+#include "client/bench.h"
 #include "client/heatmap.h"
 #include "client/npy.h"
 #include "client/png.h"
+#include "google/protobuf/struct.pb.h"
+#include "google/protobuf/util/json_util.h"
 
 namespace attnserve::client {
 namespace {
@@ -260,6 +263,108 @@ std::string FormatAttendSummary(const AttendCall& call, const v1::AttendResponse
     }
   }
   return text;
+}
+
+absl::StatusOr<std::string> JsonLine(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = false;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string json;
+  const auto status = google::protobuf::util::MessageToJsonString(message, &json, options);
+  if (!status.ok()) {
+    return absl::InternalError(absl::StrCat("JSON of ", message.GetTypeName(), ": ",
+                                            status.ToString()));
+  }
+  return json;
+}
+
+namespace {
+
+using google::protobuf::ListValue;
+using google::protobuf::Struct;
+
+void SetNumber(Struct& s, const std::string& key, double number) {
+  (*s.mutable_fields())[key].set_number_value(number);
+}
+
+void SetString(Struct& s, const std::string& key, const std::string& text) {
+  (*s.mutable_fields())[key].set_string_value(text);
+}
+
+Struct& SetStruct(Struct& s, const std::string& key) {
+  return *(*s.mutable_fields())[key].mutable_struct_value();
+}
+
+// {"dtype": "DATA_TYPE_FP32", "shape": [2, 8, 768]}
+void SetTensorShape(Struct& s, const std::string& key, const v1::Tensor& tensor) {
+  Struct& t = SetStruct(s, key);
+  SetString(t, "dtype", v1::DataType_Name(tensor.dtype()));
+  ListValue* shape = (*t.mutable_fields())["shape"].mutable_list_value();
+  for (int64_t d : tensor.shape()) shape->add_values()->set_number_value(static_cast<double>(d));
+}
+
+// A [batch, num_heads] statistic as nested lists; its dtype and shape when
+// it cannot be decoded.
+void SetStatistic(Struct& s, const std::string& key, const v1::Tensor& tensor) {
+  absl::StatusOr<std::vector<float>> values = TensorValues(tensor);
+  if (!values.ok() || tensor.shape_size() != 2) {
+    SetTensorShape(s, key, tensor);
+    return;
+  }
+  ListValue* rows = (*s.mutable_fields())[key].mutable_list_value();
+  const int64_t heads = tensor.shape(1);
+  for (int64_t b = 0; b < tensor.shape(0); ++b) {
+    ListValue* row = rows->add_values()->mutable_list_value();
+    for (int64_t h = 0; h < heads; ++h) row->add_values()->set_number_value((*values)[b * heads + h]);
+  }
+}
+
+double Millis(const google::protobuf::Duration& d) {
+  return static_cast<double>(d.seconds()) * 1e3 + d.nanos() / 1e6;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> FormatAttendJson(const AttendCall& call,
+                                             const v1::AttendResponse& response,
+                                             const std::vector<double>& latencies_ms,
+                                             const std::vector<std::string>& files) {
+  Struct json;
+  SetString(json, "model", response.model());
+  SetString(json, "kernel_path", response.kernel_path());
+  SetString(json, "precision", v1::Precision_Name(response.precision()));
+  SetString(json, "input_source", call.input_source);
+  SetTensorShape(json, "output", response.output());
+  if (response.has_attention_maps()) {
+    SetTensorShape(json, "attention_maps", response.attention_maps());
+  }
+  if (response.has_head_statistics()) {
+    Struct& stats = SetStruct(json, "head_statistics");
+    SetStatistic(stats, "entropy", response.head_statistics().entropy());
+    SetStatistic(stats, "max_weight", response.head_statistics().max_weight());
+    if (response.head_statistics().has_contribution()) {
+      SetStatistic(stats, "contribution", response.head_statistics().contribution());
+    }
+  }
+  Struct& server = SetStruct(json, "server");
+  SetNumber(server, "queue_ms", Millis(response.timing().queue()));
+  SetNumber(server, "compute_ms", Millis(response.timing().compute()));
+  SetNumber(server, "batch_size", response.timing().batch_size());
+  SetNumber(server, "batch_tokens", static_cast<double>(response.timing().batch_tokens()));
+  SetNumber(json, "calls", static_cast<double>(latencies_ms.size()));
+  Struct& latency = SetStruct(json, "latency_ms");
+  double sum = 0;
+  for (double ms : latencies_ms) sum += ms;
+  SetNumber(latency, "p50", Percentile(latencies_ms, 50));
+  SetNumber(latency, "p90", Percentile(latencies_ms, 90));
+  SetNumber(latency, "p99", Percentile(latencies_ms, 99));
+  SetNumber(latency, "max", latencies_ms.empty() ? 0 : latencies_ms.back());
+  SetNumber(latency, "mean",
+            latencies_ms.empty() ? 0 : sum / static_cast<double>(latencies_ms.size()));
+  ListValue* written = (*json.mutable_fields())["files"].mutable_list_value();
+  for (const std::string& line : files) written->add_values()->set_string_value(line);
+  return JsonLine(json);
 }
 
 absl::StatusOr<std::vector<std::string>> SaveAttendFiles(const AttendOptions& options,

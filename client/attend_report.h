@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
 #include "client/request_builder.h"
+#include "google/protobuf/message.h"
 
 namespace attnserve::client {
 
@@ -31,6 +32,26 @@ absl::StatusOr<std::string> FormatMapSummary(const AttendCall& call, const v1::T
 // INVALID_ARGUMENT when the statistics are not [batch, num_heads].
 absl::StatusOr<std::string> FormatHeadStatistics(const AttendCall& call,
                                                  const v1::HeadStatistics& stats);
+
+// `message` as one line of JSON in protobuf's JSON mapping: fields under their
+// proto names (snake_case), default values included, enums by name, int64 as
+// strings. The one JSON writer of attnctl's --json outputs. INTERNAL if
+// protobuf cannot print it.
+absl::StatusOr<std::string> JsonLine(const google::protobuf::Message& message);
+
+// `attnctl attend --json`: one JSON object (one line) of what the server
+// returned -- model, kernel_path, precision (enum name); output and
+// attention_maps as dtype and shape (their values go to --save_output and
+// --save_maps); head_statistics decoded, [batch][num_heads] each; the last
+// call's timing as "server" {queue_ms, compute_ms, batch_size, batch_tokens}
+// -- and of the calls: input_source, "calls", their round trips as
+// "latency_ms" {p50, p90, p99, max, mean} (the names bench --json uses), and
+// "files" (SaveAttendFiles' lines). `latencies_ms`: one per call, ascending.
+// INTERNAL if the JSON cannot be printed.
+absl::StatusOr<std::string> FormatAttendJson(const AttendCall& call,
+                                             const v1::AttendResponse& response,
+                                             const std::vector<double>& latencies_ms,
+                                             const std::vector<std::string>& files);
 
 // Writes the files `options` asks for (output and maps as '<f4' .npy, the
 // maps' heatmap as .png) and returns a line per file written. The first error

@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -32,17 +33,26 @@ template <typename Response, typename Stub, typename Request>
 absl::StatusOr<Response> Call(Stub& stub,
                               grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
                                                            Response*),
-                              const Request& request, double timeout_seconds,
-                              const std::string& bearer_token = "") {
+                              const Request& request, const ClientOptions& options,
+                              bool with_token = true) {
   grpc::ClientContext context;
-  if (!bearer_token.empty()) context.AddMetadata("authorization", "Bearer " + bearer_token);
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::microseconds(static_cast<int64_t>(timeout_seconds * 1e6)));
+  if (with_token && !options.bearer_token.empty()) {
+    context.AddMetadata("authorization", "Bearer " + options.bearer_token);
+  }
+  context.set_deadline(
+      std::chrono::system_clock::now() +
+      std::chrono::microseconds(static_cast<int64_t>(options.timeout_seconds * 1e6)));
   Response response;
   grpc::Status status = (stub.*method)(&context, request, &response);
-  if (!status.ok()) return FromGrpc(status);
+  if (!status.ok()) {
+    return ExplainMessageSizeError(FromGrpc(status), static_cast<int64_t>(request.ByteSizeLong()),
+                                   options.max_receive_message_bytes);
+  }
   return response;
 }
+
+// gRPC's words for a message over a receive limit (message_size filter).
+constexpr absl::string_view kLargerThanMax = "Received message larger than max (";
 
 // Requests up to this size stay retryable: the server's default
 // --max_receive_message_bytes. The buffer holds a call's request only while
@@ -113,6 +123,47 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
 }
 
 }  // namespace
+
+absl::Status ExplainMessageSizeError(const absl::Status& status, int64_t request_bytes,
+                                     int64_t client_limit) {
+  if (status.code() != absl::StatusCode::kResourceExhausted) return status;
+  // "Received message larger than max (<size> vs. <limit>)"
+  const absl::string_view message = status.message();
+  const size_t at = message.find(kLargerThanMax);
+  if (at == absl::string_view::npos) return status;
+  absl::string_view numbers = message.substr(at + kLargerThanMax.size());
+  numbers = numbers.substr(0, numbers.find(')'));
+  const std::vector<absl::string_view> parts = absl::StrSplit(numbers, " vs. ");
+  int64_t size = 0, limit = 0;
+  if (parts.size() != 2 || !absl::SimpleAtoi(parts[0], &size) ||
+      !absl::SimpleAtoi(parts[1], &limit)) {
+    return status;
+  }
+  // The request's own size names the server's limit; a limit equal to ours
+  // (with another size) names this client's.
+  const bool request = size == request_bytes;
+  const bool response = limit == client_limit && !request;
+  std::string explained;
+  if (request) {
+    explained = absl::StrCat(
+        "the request (", size, " bytes) is over the server's limit of ", limit,
+        " bytes (attnserve --max_receive_message_bytes): send less per call (fewer or shorter "
+        "sequences) or raise the server's --max_receive_message_bytes");
+  } else if (response) {
+    explained = absl::StrCat(
+        "the response (", size, " bytes) is over this client's limit of ", limit,
+        " bytes (--max_receive_message_bytes): ask for less per call (fewer or shorter "
+        "sequences, fewer attention maps: --heads, --rows, --maps=mean) or raise this client's "
+        "--max_receive_message_bytes");
+  } else {
+    explained = absl::StrCat(
+        "a message (", size, " bytes) is over a limit of ", limit,
+        " bytes: the request over the server's (attnserve --max_receive_message_bytes) or the "
+        "response over this client's (--max_receive_message_bytes); send or ask for less per "
+        "call, or raise the limit");
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(explained, " (gRPC: ", message, ")"));
+}
 
 absl::StatusOr<std::string> ChannelTarget(absl::string_view target) {
   target = absl::StripAsciiWhitespace(target);
@@ -204,6 +255,12 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
   if (!(options.timeout_seconds > 0)) {
     return absl::InvalidArgumentError("timeout_seconds: must be positive");
   }
+  if (options.max_receive_message_bytes <= 0 ||
+      options.max_receive_message_bytes > std::numeric_limits<int>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_receive_message_bytes: ", options.max_receive_message_bytes,
+                     " is outside [1, ", std::numeric_limits<int>::max(), "]"));
+  }
   absl::StatusOr<std::string> service_config = ServiceConfigJson(options);
   if (!service_config.ok()) return service_config.status();
   grpc::ChannelArguments args;
@@ -229,35 +286,29 @@ AttentionClient::AttentionClient(const ClientOptions& options,
       health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
 
 absl::StatusOr<v1::ListModelsResponse> AttentionClient::ListModels() const {
-  return Call(*stub_, &v1::AttentionService::Stub::ListModels, v1::ListModelsRequest(),
-              options_.timeout_seconds, options_.bearer_token);
+  return Call(*stub_, &v1::AttentionService::Stub::ListModels, v1::ListModelsRequest(), options_);
 }
 
 absl::StatusOr<v1::ModelInfo> AttentionClient::GetModel(absl::string_view name) const {
   v1::GetModelRequest request;
   request.set_name(std::string(name));
-  return Call(*stub_, &v1::AttentionService::Stub::GetModel, request, options_.timeout_seconds,
-              options_.bearer_token);
+  return Call(*stub_, &v1::AttentionService::Stub::GetModel, request, options_);
 }
 
 absl::StatusOr<v1::LoadModelResponse> AttentionClient::LoadModel(absl::string_view name) const {
   v1::LoadModelRequest request;
   request.set_name(std::string(name));
-  return Call(*stub_, &v1::AttentionService::Stub::LoadModel, request, options_.timeout_seconds,
-              options_.bearer_token);
+  return Call(*stub_, &v1::AttentionService::Stub::LoadModel, request, options_);
 }
 
 absl::Status AttentionClient::UnloadModel(absl::string_view name) const {
   v1::UnloadModelRequest request;
   request.set_name(std::string(name));
-  return Call(*stub_, &v1::AttentionService::Stub::UnloadModel, request, options_.timeout_seconds,
-              options_.bearer_token)
-      .status();
+  return Call(*stub_, &v1::AttentionService::Stub::UnloadModel, request, options_).status();
 }
 
 absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendRequest& request) const {
-  return Call(*stub_, &v1::AttentionService::Stub::Attend, request, options_.timeout_seconds,
-              options_.bearer_token);
+  return Call(*stub_, &v1::AttentionService::Stub::Attend, request, options_);
 }
 
 void AttentionClient::AttendAsync(grpc::ClientContext* context, const v1::AttendRequest* request,
@@ -275,8 +326,10 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> AttentionCl
     absl::string_view service) const {
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(std::string(service));
-  absl::StatusOr<grpc::health::v1::HealthCheckResponse> response = Call(
-      *health_stub_, &grpc::health::v1::Health::Stub::Check, request, options_.timeout_seconds);
+  // Health checks go without the token (the server leaves them open).
+  absl::StatusOr<grpc::health::v1::HealthCheckResponse> response =
+      Call(*health_stub_, &grpc::health::v1::Health::Stub::Check, request, options_,
+           /*with_token=*/false);
   if (!response.ok()) return response.status();
   return response->status();
 }

@@ -59,7 +59,7 @@ struct ClientOptions {
   RetryOptions retry;
   // Deadline of each call, retries included.
   double timeout_seconds = 30;
-  // Largest response accepted (outputs and maps can be large).
+  // Largest response accepted (outputs and maps can be large), in (0, 2^31).
   int64_t max_receive_message_bytes = int64_t{256} << 20;
   TlsOptions tls;
   // Sent as "authorization: Bearer <token>" on AttentionService calls (not on
@@ -82,14 +82,28 @@ absl::StatusOr<std::string> ChannelTarget(absl::string_view target);
 // max_attempts in [1, 5] or positive backoffs (multiplier >= 1).
 absl::StatusOr<std::string> ServiceConfigJson(const ClientOptions& options);
 
+// gRPC fails a message over a receive limit, on either side, with
+// RESOURCE_EXHAUSTED "Received message larger than max (<size> vs. <limit>)",
+// which names no limit. This says which one and how to get past it: the
+// request (`request_bytes` serialized) over the server's limit (attnserve
+// --max_receive_message_bytes), or the response over this client's
+// (`client_limit`, ClientOptions::max_receive_message_bytes, attnctl
+// --max_receive_message_bytes); it tells them apart by the sizes. The code
+// stays RESOURCE_EXHAUSTED and gRPC's text stays at the end. Any other status
+// is returned as it is.
+absl::Status ExplainMessageSizeError(const absl::Status& status, int64_t request_bytes,
+                                     int64_t client_limit);
+
 // A thin C++ client of attnserve.v1.AttentionService and grpc.health.v1.
 // Calls return the server's status as an absl::Status with the same code and
-// message. Thread-safe (gRPC channels and stubs are).
+// message, except that a message over a size limit is explained
+// (ExplainMessageSizeError). Thread-safe (gRPC channels and stubs are).
 class AttentionClient {
  public:
-  // INVALID_ARGUMENT for an empty target or a non-positive timeout, a TLS
-  // file that cannot be read (naming the field) or a client cert without key,
-  // and as ChannelTarget and ServiceConfigJson say.
+  // INVALID_ARGUMENT for an empty target or a non-positive timeout, a
+  // max_receive_message_bytes outside (0, 2^31), a TLS file that cannot be
+  // read (naming the field) or a client cert without key, and as
+  // ChannelTarget and ServiceConfigJson say.
   static absl::StatusOr<std::unique_ptr<AttentionClient>> Create(const ClientOptions& options);
 
   absl::StatusOr<v1::ListModelsResponse> ListModels() const;

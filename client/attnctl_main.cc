@@ -12,19 +12,22 @@
 #include <utility>
 #include <vector>
 
+#include <grpcpp/grpcpp.h>
+
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cli/build_info.h"
+#include "cli/command_line.h"
 #include "client/attend_report.h"
 #include "client/attention_client.h"
 #include "client/bench.h"
 #include "client/file_io.h"
+#include "client/npy.h"
 #include "client/request_builder.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051",
@@ -44,6 +47,11 @@ ABSL_FLAG(int, max_attempts, attnserve::client::RetryOptions().max_attempts,
           "Attempts per call, retries of UNAVAILABLE included (1: no retries; at most 5); "
           "with --lb_policy=round_robin a retry goes to another replica");
 ABSL_FLAG(double, timeout_seconds, 30, "Deadline of each call, retries included");
+ABSL_FLAG(int64_t, max_receive_message_bytes,
+          attnserve::client::ClientOptions().max_receive_message_bytes,
+          "Largest response accepted, in bytes (outputs and attention maps can be large); a "
+          "larger one fails with RESOURCE_EXHAUSTED naming this flag. Requests are limited by "
+          "the server's own --max_receive_message_bytes");
 ABSL_FLAG(std::string, tls_ca, "",
           "Use TLS; PEM CA bundle that signed the server's certificate (with --tls_cert alone: "
           "the system roots)");
@@ -68,8 +76,9 @@ ABSL_FLAG(uint64_t, seed, 1,
           "attend: seed of the random hidden states, context and projected heads (normal, std 1)");
 ABSL_FLAG(
     std::string, input, "",
-    "attend: .npy file of hidden states ('<f4') instead of random ones: [batch, seq, d_model], "
-    "or packed [tokens, d_model] with --lengths");
+    "attend: .npy file of hidden states instead of random ones: [batch, seq, d_model], or packed "
+    "[tokens, d_model] with --lengths; float32, or float64/float16/integers converted to float32 "
+    "(said on stderr)");
 ABSL_FLAG(attnserve::client::Int64List, lengths, {},
           "attend: per-sequence query lengths, e.g. 3,5,8 (sequence_lengths; ragged batch)");
 ABSL_FLAG(
@@ -87,7 +96,8 @@ ABSL_FLAG(bool, projected, false,
 // attend: how attention runs.
 ABSL_FLAG(bool, causal, false, "attend: query i sees only keys j <= i");
 ABSL_FLAG(std::string, mask, "",
-          "attend: .npy mask [batch or 1, seq_q or 1, seq_kv or 1]: '|b1'/'|u1' or '<f4'");
+          "attend: .npy mask [batch or 1, seq_q or 1, seq_kv or 1]: bool or uint8, or float32 "
+          "(float64/float16/integers converted to float32, said on stderr)");
 ABSL_FLAG(std::string, mask_kind, "",
           "attend: allowed (nonzero = may attend; the default) or additive ('<f4' added to the "
           "scores, -inf forbids)");
@@ -127,7 +137,10 @@ ABSL_FLAG(int64_t, concurrency, 0,
 ABSL_FLAG(double, rate, 0, "bench: open loop, start this many calls per second");
 ABSL_FLAG(double, duration, 10, "bench: seconds to run (unless --requests)");
 ABSL_FLAG(int64_t, requests, 0, "bench: calls to send (0: run for --duration)");
-ABSL_FLAG(bool, json, false, "bench: print the results as one JSON object");
+ABSL_FLAG(bool, json, false,
+          "attend, bench, models, model: print the result as one JSON object on one line "
+          "(models and model: the server's ListModelsResponse / ModelInfo in protobuf's JSON "
+          "mapping, int64 as strings)");
 ABSL_FLAG(int64_t, repeat, 1,
           "attend: send the request this many times and report latency percentiles");
 
@@ -149,6 +162,7 @@ Commands:
                           ran), the inputs, the output's first values, per-head map
                           row sums, and latency percentiles with --repeat
   health [--service=S]    print the server's health (exit 0 only when SERVING)
+  help                    print this text (as --help does)
   bench [flags]           load generator: send the request that attend's flags describe,
                           closed loop (--concurrency=N calls outstanding) or open loop
                           (--rate=R calls/s), for --duration=S seconds or --requests=N;
@@ -175,11 +189,41 @@ Examples:
   attnctl bench --rate=500 --batch=1 --seq=16 --requests=5000 --json
   attnctl attend --target=127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003 \
       --lb_policy=round_robin --repeat=300      # spread over three replicas
+
+--json prints the result of attend, bench, models and model as one JSON object.
+Exit status: 0 done (health: SERVING); 1 a call failed (health: not SERVING) or a
+file could not be read or written; 2 the command line is wrong (unknown command
+or flag, a value that does not parse, flags that do not fit together).
 )";
 
+// A failed call or file: exit 1.
 int Fail(const absl::Status& status) {
   std::fprintf(stderr, "attnctl: %s\n", status.ToString().c_str());
-  return 1;
+  return cli::kExitFailure;
+}
+
+// A command line that cannot work, found before any call: exit 2.
+int UsageFail(const absl::Status& status) {
+  return cli::UsageError("attnctl", status.ToString());
+}
+
+// Prints `message` as one JSON line (--json).
+int PrintJson(const google::protobuf::Message& message) {
+  absl::StatusOr<std::string> json = JsonLine(message);
+  if (!json.ok()) return Fail(json.status());
+  std::printf("%s\n", json->c_str());
+  return cli::kExitOk;
+}
+
+// Says on stderr when --input or --mask is converted as it is read (float64
+// -> float32, ...). From the file's header; a file that cannot be read is
+// reported when the request is built.
+void NoteNpyConversion(const std::string& path) {
+  if (path.empty()) return;
+  absl::StatusOr<NpyArray> header = ReadNpyHeader(path);
+  if (!header.ok()) return;
+  const std::string note = NpyConversionNote(*header);
+  if (!note.empty()) std::fprintf(stderr, "attnctl: %s: %s\n", path.c_str(), note.c_str());
 }
 
 std::string DurationText(const google::protobuf::Duration& d) {
@@ -207,6 +251,7 @@ void PrintModel(const v1::ModelInfo& model) {
 int RunModels(const AttentionClient& client) {
   absl::StatusOr<v1::ListModelsResponse> models = client.ListModels();
   if (!models.ok()) return Fail(models.status());
+  if (absl::GetFlag(FLAGS_json)) return PrintJson(*models);
   if (models->models().empty()) std::printf("(no models loaded)\n");
   for (const v1::ModelInfo& model : models->models()) PrintModel(model);
   return 0;
@@ -215,6 +260,7 @@ int RunModels(const AttentionClient& client) {
 int RunModel(const AttentionClient& client) {
   absl::StatusOr<v1::ModelInfo> model = client.GetModel(absl::GetFlag(FLAGS_model));
   if (!model.ok()) return Fail(model.status());
+  if (absl::GetFlag(FLAGS_json)) return PrintJson(*model);
   PrintModel(*model);
   return 0;
 }
@@ -301,9 +347,11 @@ absl::StatusOr<AttendCall> AttendCallFor(const AttentionClient& client,
 int RunAttend(const AttentionClient& client) {
   const AttendOptions options = AttendOptionsFromFlags();
   const int64_t repeat = absl::GetFlag(FLAGS_repeat);
-  if (repeat <= 0) return Fail(absl::InvalidArgumentError("--repeat: must be >= 1"));
+  if (repeat <= 0) return UsageFail(absl::InvalidArgumentError("--repeat: must be >= 1"));
   // Flag mistakes first, before any call.
-  if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return Fail(status);
+  if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return UsageFail(status);
+  NoteNpyConversion(options.input);
+  NoteNpyConversion(options.mask);
   absl::StatusOr<AttendCall> call = AttendCallFor(client, options);
   if (!call.ok()) return Fail(call.status());
 
@@ -319,10 +367,18 @@ int RunAttend(const AttentionClient& client) {
     ShowProgress(i + 1, repeat);
   }
 
+  std::sort(latencies_ms.begin(), latencies_ms.end());
+  if (absl::GetFlag(FLAGS_json)) {
+    absl::StatusOr<std::vector<std::string>> written = SaveAttendFiles(options, *call, *response);
+    if (!written.ok()) return Fail(written.status());
+    absl::StatusOr<std::string> json = FormatAttendJson(*call, *response, latencies_ms, *written);
+    if (!json.ok()) return Fail(json.status());
+    std::printf("%s\n", json->c_str());
+    return cli::kExitOk;
+  }
   std::printf("%s", FormatAttendSummary(*call, *response).c_str());
   std::printf("server: queue %s, compute %s\n", DurationText(response->timing().queue()).c_str(),
               DurationText(response->timing().compute()).c_str());
-  std::sort(latencies_ms.begin(), latencies_ms.end());
   if (repeat == 1) {
     std::printf("round trip %.3f ms\n", latencies_ms[0]);
   } else {
@@ -339,7 +395,9 @@ int RunAttend(const AttentionClient& client) {
 
 int RunBenchCommand(const AttentionClient& client) {
   const AttendOptions options = AttendOptionsFromFlags();
-  if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return Fail(status);
+  if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return UsageFail(status);
+  NoteNpyConversion(options.input);
+  NoteNpyConversion(options.mask);
   absl::StatusOr<AttendCall> call = AttendCallFor(client, options);
   if (!call.ok()) return Fail(call.status());
   BenchOptions bench;
@@ -379,19 +437,54 @@ int RunBenchCommand(const AttentionClient& client) {
 }  // namespace attnserve::client
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(attnserve::client::kUsage);
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
-  if (args.size() != 2) {
-    std::fprintf(stderr, "attnctl: %s", attnserve::client::kUsage);
-    return 2;
+  namespace cli = attnserve::cli;
+  using attnserve::client::kUsage;
+  const absl::StatusOr<cli::CommandLine> command_line = cli::ParseCommandLine(argc, argv);
+  if (!command_line.ok()) return cli::UsageError("attnctl", command_line.status().message());
+  const bool help_command =
+      command_line->positional.size() == 1 && command_line->positional[0] == "help";
+  if (command_line->action == cli::CommandLine::Action::kHelp || help_command) {
+    std::fputs(cli::HelpText(absl::StrCat("attnctl: ", kUsage)).c_str(), stdout);
+    return cli::kExitOk;
   }
-  const std::string command = args[1];
+  if (command_line->action == cli::CommandLine::Action::kVersion) {
+    const cli::Component grpc_version = {"gRPC", grpc::Version()};
+    std::fputs(cli::VersionText("attnctl", {&grpc_version, 1}).c_str(), stdout);
+    return cli::kExitOk;
+  }
+  if (command_line->positional.empty()) {
+    return cli::UsageError("attnctl", "no command (models, model, load, unload, attend, health, "
+                                      "bench)");
+  }
+  if (command_line->positional.size() > 1) {
+    return cli::UsageError("attnctl", absl::StrCat("unexpected argument '",
+                                                   command_line->positional[1],
+                                                   "' (one command, then flags)"));
+  }
+  const std::string& command = command_line->positional[0];
+  using Runner = int (*)(const attnserve::client::AttentionClient&);
+  const std::pair<const char*, Runner> commands[] = {
+      {"models", attnserve::client::RunModels}, {"model", attnserve::client::RunModel},
+      {"load", attnserve::client::RunLoad},     {"unload", attnserve::client::RunUnload},
+      {"attend", attnserve::client::RunAttend}, {"health", attnserve::client::RunHealth},
+      {"bench", attnserve::client::RunBenchCommand}};
+  Runner run = nullptr;
+  for (const auto& [name, runner] : commands) {
+    if (command == name) run = runner;
+  }
+  if (run == nullptr) {
+    return cli::UsageError("attnctl", absl::StrCat("unknown command '", command,
+                                                   "' (models, model, load, unload, attend, "
+                                                   "health, bench)"));
+  }
+
   attnserve::client::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.lb_policy = absl::GetFlag(FLAGS_lb_policy);
   options.health_check_service = absl::GetFlag(FLAGS_lb_health_check_service);
   options.retry.max_attempts = absl::GetFlag(FLAGS_max_attempts);
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);
+  options.max_receive_message_bytes = absl::GetFlag(FLAGS_max_receive_message_bytes);
   options.tls.ca_file = absl::GetFlag(FLAGS_tls_ca);
   options.tls.cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key);
@@ -403,19 +496,13 @@ int main(int argc, char** argv) {
     const std::string first_line = token->substr(0, token->find('\n'));
     options.bearer_token = std::string(absl::StripAsciiWhitespace(first_line));
     if (options.bearer_token.empty()) {
-      return attnserve::client::Fail(absl::InvalidArgumentError("--token_file: no token in the file"));
+      return attnserve::client::Fail(
+          absl::InvalidArgumentError(absl::StrCat("--token_file: no token in ", token_file)));
     }
   }
+  // Every Create error is about a flag's value (target, policy, limits, TLS
+  // files): a command line that cannot work.
   auto client = attnserve::client::AttentionClient::Create(options);
-  if (!client.ok()) return attnserve::client::Fail(client.status());
-  if (command == "models") return attnserve::client::RunModels(**client);
-  if (command == "model") return attnserve::client::RunModel(**client);
-  if (command == "load") return attnserve::client::RunLoad(**client);
-  if (command == "unload") return attnserve::client::RunUnload(**client);
-  if (command == "attend") return attnserve::client::RunAttend(**client);
-  if (command == "health") return attnserve::client::RunHealth(**client);
-  if (command == "bench") return attnserve::client::RunBenchCommand(**client);
-  std::fprintf(stderr, "attnctl: unknown command '%s'\n\nattnctl: %s", command.c_str(),
-               attnserve::client::kUsage);
-  return 2;
+  if (!client.ok()) return attnserve::client::UsageFail(client.status());
+  return run(**client);
 }

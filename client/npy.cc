@@ -1,12 +1,19 @@
 #include "client/npy.h"
 
+#include <algorithm>
 #include <bit>
 #include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <utility>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/file_io.h"
@@ -21,12 +28,17 @@ constexpr absl::string_view kMagic("\x93NUMPY", 6);
 // Matches NumPy's own reader: it needs at most 32 dimensions.
 constexpr int kMaxRank = 32;
 
-int64_t ItemSize(NpyDtype dtype) { return dtype == NpyDtype::kFloat32 ? 4 : 1; }
-
 std::string ShapeText(absl::Span<const int64_t> shape) {
   if (shape.size() == 1) return absl::StrCat("(", shape[0], ",)");
   return absl::StrCat("(", absl::StrJoin(shape, ", "), ")");
 }
+
+// What a .npy header says.
+struct Header {
+  std::string descr;
+  bool fortran_order = false;
+  std::vector<int64_t> shape;
+};
 
 // A tiny reader of the Python dict literal in a .npy header, e.g.
 //   {'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }
@@ -35,8 +47,7 @@ class HeaderParser {
  public:
   HeaderParser(absl::string_view text, absl::string_view name) : text_(text), name_(name) {}
 
-  absl::StatusOr<NpyArray> Parse() {
-    NpyArray array;
+  absl::StatusOr<Header> Parse() {
     std::optional<std::string> descr;
     std::optional<bool> fortran_order;
     std::optional<std::vector<int64_t>> shape;
@@ -87,24 +98,9 @@ class HeaderParser {
     if (!descr.has_value()) return Error("the header has no 'descr'");
     if (!fortran_order.has_value()) return Error("the header has no 'fortran_order'");
     if (!shape.has_value()) return Error("the header has no 'shape'");
-
-    if (*descr == "<f4") {
-      array.dtype = NpyDtype::kFloat32;
-    } else if (*descr == "|b1") {
-      array.dtype = NpyDtype::kBool;
-    } else if (*descr == "|u1") {
-      array.dtype = NpyDtype::kUint8;
-    } else if (*descr == ">f4") {
-      return Error("dtype '>f4' is big-endian; save little-endian '<f4' (x.astype('<f4'))");
-    } else {
-      return Error(
-          absl::StrCat("dtype '", *descr, "' is not supported ('<f4'; '|b1' or '|u1' for masks)"));
-    }
-    if (*fortran_order) {
-      return Error("fortran_order is True; save a C-order array (np.ascontiguousarray(x))");
-    }
-    array.shape = *std::move(shape);
-    return array;
+    return Header{.descr = *std::move(descr),
+                  .fortran_order = *fortran_order,
+                  .shape = *std::move(shape)};
   }
 
  private:
@@ -180,6 +176,250 @@ class HeaderParser {
   size_t pos_ = 0;
 };
 
+
+// How a .npy file stores its elements, from 'descr': byte order, kind and
+// size ('<f8': little-endian, float, 8 bytes).
+struct StoredType {
+  char kind = 0;  // 'f' float, 'i' signed integer, 'u' unsigned, 'b' boolean
+  int size = 0;
+  bool big_endian = false;
+};
+
+// NumPy's name of a stored type, e.g. "float64", "int16", "bool".
+std::string StoredTypeName(const StoredType& t) {
+  if (t.kind == 'b') return "bool";
+  const char* kind = t.kind == 'f' ? "float" : t.kind == 'i' ? "int" : "uint";
+  return absl::StrCat(kind, 8 * t.size);
+}
+
+// The stored type of `descr`, or nullopt for one that cannot become float32
+// (complex, strings, objects, dates, ...).
+std::optional<StoredType> ParseStoredType(absl::string_view descr) {
+  if (descr.size() < 3) return std::nullopt;
+  StoredType t;
+  const char order = descr[0];
+  if (order != '<' && order != '>' && order != '|' && order != '=') return std::nullopt;
+  t.big_endian = order == '>' || (order == '=' && std::endian::native == std::endian::big);
+  t.kind = descr[1];
+  if (!absl::SimpleAtoi(descr.substr(2), &t.size)) return std::nullopt;
+  switch (t.kind) {
+    case 'f':
+      if (t.size != 2 && t.size != 4 && t.size != 8) return std::nullopt;
+      break;
+    case 'i':
+    case 'u':
+      if (t.size != 1 && t.size != 2 && t.size != 4 && t.size != 8) return std::nullopt;
+      break;
+    case 'b':
+      if (t.size != 1) return std::nullopt;
+      break;
+    default:
+      return std::nullopt;
+  }
+  // A one-byte type has no byte order.
+  if (t.size == 1) t.big_endian = false;
+  return t;
+}
+
+// The element at `p` as an unsigned integer of `size` bytes.
+uint64_t LoadBits(const char* p, int size, bool big_endian) {
+  uint64_t bits = 0;
+  for (int b = 0; b < size; ++b) {
+    const int shift = 8 * (big_endian ? size - 1 - b : b);
+    bits |= uint64_t{static_cast<unsigned char>(p[b])} << shift;
+  }
+  return bits;
+}
+
+// An IEEE binary16 value, exactly (every half is a float).
+float HalfToFloat(uint16_t h) {
+  const float sign = (h & 0x8000) != 0 ? -1.0f : 1.0f;
+  const int exponent = (h >> 10) & 0x1f;
+  const int mantissa = h & 0x3ff;
+  if (exponent == 0) return sign * std::ldexp(static_cast<float>(mantissa), -24);
+  if (exponent == 31) {
+    return mantissa == 0 ? sign * std::numeric_limits<float>::infinity()
+                         : std::numeric_limits<float>::quiet_NaN();
+  }
+  return sign * std::ldexp(static_cast<float>(mantissa | 0x400), exponent - 25);
+}
+
+// The element at `p` of type `t` as a float (rounded to nearest even, as a
+// C++ conversion and NumPy's astype do).
+float ElementToFloat(const char* p, const StoredType& t) {
+  const uint64_t bits = LoadBits(p, t.size, t.big_endian);
+  switch (t.kind) {
+    case 'f':
+      if (t.size == 2) return HalfToFloat(static_cast<uint16_t>(bits));
+      if (t.size == 4) return std::bit_cast<float>(static_cast<uint32_t>(bits));
+      return static_cast<float>(std::bit_cast<double>(bits));
+    case 'i': {
+      // Sign-extend the low `size` bytes.
+      const int unused = 64 - 8 * t.size;
+      return static_cast<float>(static_cast<int64_t>(bits << unused) >> unused);
+    }
+    default:  // 'u', 'b'
+      return static_cast<float>(bits);
+  }
+}
+
+// Row-major index of every element of a Fortran-order (column-major) array
+// of `shape`: result[c] is the Fortran position of the element whose C
+// position is c.
+std::vector<int64_t> FortranPositions(const std::vector<int64_t>& shape, int64_t n) {
+  std::vector<int64_t> positions(n);
+  std::vector<int64_t> index(shape.size(), 0);
+  for (int64_t c = 0; c < n; ++c) {
+    int64_t f = 0, stride = 1;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      f += index[d] * stride;
+      stride *= shape[d];
+    }
+    positions[c] = f;
+    for (size_t d = shape.size(); d-- > 0;) {
+      if (++index[d] < shape[d]) break;
+      index[d] = 0;
+    }
+  }
+  return positions;
+}
+
+// A .npy file's header (parsed) and data (not checked).
+struct SplitFile {
+  Header header;
+  absl::string_view data;
+};
+
+absl::StatusOr<SplitFile> Split(absl::string_view bytes, absl::string_view name) {
+  auto error = [&](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", what));
+  };
+  if (bytes.size() < kMagic.size() || bytes.substr(0, kMagic.size()) != kMagic) {
+    return error("not a .npy file (it does not start with \"\\x93NUMPY\")");
+  }
+  if (bytes.size() < kMagic.size() + 2) return error("truncated .npy file (no version)");
+  const int major = static_cast<unsigned char>(bytes[6]);
+  const int minor = static_cast<unsigned char>(bytes[7]);
+  if ((major != 1 && major != 2) || minor != 0) {
+    return error(absl::StrCat(".npy format version ", major, ".", minor,
+                              " is not supported (1.0 and 2.0 are)"));
+  }
+  // Version 1.0 has a 2-byte little-endian header length, 2.0 a 4-byte one.
+  const size_t length_bytes = major == 1 ? 2 : 4;
+  const size_t prefix = kMagic.size() + 2 + length_bytes;
+  if (bytes.size() < prefix) return error("truncated .npy file (no header length)");
+  uint64_t header_len = 0;
+  for (size_t i = 0; i < length_bytes; ++i) {
+    header_len |= uint64_t{static_cast<unsigned char>(bytes[8 + i])} << (8 * i);
+  }
+  if (header_len > bytes.size() - prefix) {
+    return error(absl::StrCat("truncated .npy file (the header says it is ", header_len,
+                              " bytes; the file has ", bytes.size() - prefix,
+                              " after the prefix)"));
+  }
+  HeaderParser parser(bytes.substr(prefix, header_len), name);
+  absl::StatusOr<Header> header = parser.Parse();
+  if (!header.ok()) return header.status();
+  return SplitFile{.header = *std::move(header), .data = bytes.substr(prefix + header_len)};
+}
+
+// The array `split` describes: its dtype, shape and converted_from, and
+// unless `header_only` its data (converted, and checked against the shape).
+absl::StatusOr<NpyArray> Decode(const SplitFile& split, absl::string_view name, bool header_only) {
+  auto error = [&](absl::string_view what) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", what));
+  };
+  const Header& header = split.header;
+  const std::optional<StoredType> stored = ParseStoredType(header.descr);
+  if (!stored.has_value()) {
+    return error(absl::StrCat(
+        "bad .npy header: dtype '", header.descr,
+        "' cannot be converted to float32 (float16/32/64, integers and booleans can)"));
+  }
+  NpyArray array;
+  array.shape = header.shape;
+  const bool as_stored = !header.fortran_order && !stored->big_endian &&
+                         ((stored->kind == 'f' && stored->size == 4) || stored->kind == 'b' ||
+                          (stored->kind == 'u' && stored->size == 1));
+  if (stored->kind == 'b') {
+    array.dtype = NpyDtype::kBool;
+  } else if (stored->kind == 'u' && stored->size == 1) {
+    array.dtype = NpyDtype::kUint8;
+  } else {
+    array.dtype = NpyDtype::kFloat32;
+  }
+  // Booleans and bytes in Fortran order are reordered but stay what they are.
+  const bool converts_values = array.dtype == NpyDtype::kFloat32 &&
+                               !(stored->kind == 'f' && stored->size == 4 && !stored->big_endian);
+  if (!as_stored) {
+    std::vector<std::string> what;
+    if (converts_values || stored->big_endian) {
+      what.push_back(absl::StrCat(StoredTypeName(*stored), stored->big_endian ? " (big-endian)" : ""));
+    }
+    if (header.fortran_order) what.push_back("Fortran order");
+    array.converted_from = absl::StrJoin(what, ", ");
+  }
+
+  // product(shape) x item size, checked against int64 overflow.
+  int64_t expected = stored->size;
+  for (int64_t d : array.shape) {
+    if (d != 0 && expected > std::numeric_limits<int64_t>::max() / d) {
+      return error(absl::StrCat("shape ", ShapeText(array.shape), " is too large"));
+    }
+    expected *= d;
+  }
+  if (header_only) return array;
+  if (static_cast<uint64_t>(expected) != split.data.size()) {
+    return error(absl::StrCat(
+        split.data.size() < static_cast<uint64_t>(expected) ? "truncated .npy file: "
+                                                              : "size mismatch: ",
+        "shape ", ShapeText(array.shape), " of ", header.descr, " needs ", expected,
+        " data bytes, the file has ", split.data.size()));
+  }
+  if (as_stored) {
+    array.data = std::string(split.data);
+    return array;
+  }
+
+  const int64_t n = array.num_elements();
+  std::vector<int64_t> positions;
+  if (header.fortran_order) positions = FortranPositions(array.shape, n);
+  auto source = [&](int64_t c) {
+    return split.data.data() + (header.fortran_order ? positions[c] : c) * stored->size;
+  };
+  if (array.dtype != NpyDtype::kFloat32) {
+    // Bytes or booleans, only reordered.
+    array.data.resize(n);
+    for (int64_t c = 0; c < n; ++c) array.data[c] = *source(c);
+    return array;
+  }
+  array.data.resize(n * sizeof(float));
+  for (int64_t c = 0; c < n; ++c) {
+    const float value = ElementToFloat(source(c), *stored);
+    if (std::isinf(value) && stored->kind == 'f' && stored->size == 8 &&
+        std::isfinite(std::bit_cast<double>(LoadBits(source(c), 8, stored->big_endian)))) {
+      return error(absl::StrCat(
+          "element ", c, " (", std::bit_cast<double>(LoadBits(source(c), 8, stored->big_endian)),
+          ") is outside float32's range; float64 data is converted to float32"));
+    }
+    std::memcpy(array.data.data() + c * sizeof(float), &value, sizeof(float));
+  }
+  return array;
+}
+
+// The first `limit` bytes of the file at `path` (fewer if it is shorter).
+absl::StatusOr<std::string> ReadFilePrefix(const std::string& path, size_t limit) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"),
+                                                       &std::fclose);
+  if (file == nullptr) return absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot open"));
+  std::string bytes(limit, '\0');
+  bytes.resize(std::fread(bytes.data(), 1, limit, file.get()));
+  if (std::ferror(file.get())) {
+    return absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot read"));
+  }
+  return bytes;
+}
+
 }  // namespace
 
 absl::string_view NpyDtypeName(NpyDtype dtype) {
@@ -214,54 +454,9 @@ std::vector<float> NpyArray::ToFloats() const {
 }
 
 absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes, absl::string_view name) {
-  auto error = [&](absl::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": ", what));
-  };
-  if (bytes.size() < kMagic.size() || bytes.substr(0, kMagic.size()) != kMagic) {
-    return error("not a .npy file (it does not start with \"\\x93NUMPY\")");
-  }
-  if (bytes.size() < kMagic.size() + 2) return error("truncated .npy file (no version)");
-  const int major = static_cast<unsigned char>(bytes[6]);
-  const int minor = static_cast<unsigned char>(bytes[7]);
-  if ((major != 1 && major != 2) || minor != 0) {
-    return error(absl::StrCat(".npy format version ", major, ".", minor,
-                              " is not supported (1.0 and 2.0 are)"));
-  }
-  // Version 1.0 has a 2-byte little-endian header length, 2.0 a 4-byte one.
-  const size_t length_bytes = major == 1 ? 2 : 4;
-  const size_t prefix = kMagic.size() + 2 + length_bytes;
-  if (bytes.size() < prefix) return error("truncated .npy file (no header length)");
-  uint64_t header_len = 0;
-  for (size_t i = 0; i < length_bytes; ++i) {
-    header_len |= uint64_t{static_cast<unsigned char>(bytes[8 + i])} << (8 * i);
-  }
-  if (header_len > bytes.size() - prefix) {
-    return error(absl::StrCat("truncated .npy file (the header says it is ", header_len,
-                              " bytes; the file has ", bytes.size() - prefix,
-                              " after the prefix)"));
-  }
-  HeaderParser parser(bytes.substr(prefix, header_len), name);
-  absl::StatusOr<NpyArray> array = parser.Parse();
-  if (!array.ok()) return array.status();
-
-  // product(shape) x item size, checked against int64 overflow.
-  const int64_t item = ItemSize(array->dtype);
-  int64_t expected = item;
-  for (int64_t d : array->shape) {
-    if (d != 0 && expected > std::numeric_limits<int64_t>::max() / d) {
-      return error(absl::StrCat("shape ", ShapeText(array->shape), " is too large"));
-    }
-    expected *= d;
-  }
-  const absl::string_view data = bytes.substr(prefix + header_len);
-  if (static_cast<uint64_t>(expected) != data.size()) {
-    return error(absl::StrCat(
-        data.size() < static_cast<uint64_t>(expected) ? "truncated .npy file: " : "size mismatch: ",
-        "shape ", ShapeText(array->shape), " of ", NpyDtypeName(array->dtype), " needs ", expected,
-        " data bytes, the file has ", data.size()));
-  }
-  array->data = std::string(data);
-  return array;
+  absl::StatusOr<SplitFile> split = Split(bytes, name);
+  if (!split.ok()) return split.status();
+  return Decode(*split, name, /*header_only=*/false);
 }
 
 absl::StatusOr<NpyArray> ReadNpyFile(const std::string& path) {
@@ -269,6 +464,36 @@ absl::StatusOr<NpyArray> ReadNpyFile(const std::string& path) {
   if (!bytes.ok()) return bytes.status();
   return ParseNpy(*bytes, path);
 }
+
+absl::StatusOr<NpyArray> ReadNpyHeader(const std::string& path) {
+  // Magic, version and a version 2.0 length: 12 bytes; then the header.
+  absl::StatusOr<std::string> prefix = ReadFilePrefix(path, 12);
+  if (!prefix.ok()) return prefix.status();
+  uint64_t header_len = 0;
+  if (prefix->size() == 12) {
+    const size_t length_bytes = (*prefix)[6] == 1 ? 2 : 4;
+    for (size_t i = 0; i < length_bytes; ++i) {
+      header_len |= uint64_t{static_cast<unsigned char>((*prefix)[8 + i])} << (8 * i);
+    }
+  }
+  // A header is small; a huge length is reported by Split as truncated.
+  absl::StatusOr<std::string> bytes =
+      ReadFilePrefix(path, 12 + std::min<uint64_t>(header_len, uint64_t{1} << 20));
+  if (!bytes.ok()) return bytes.status();
+  absl::StatusOr<SplitFile> split = Split(*bytes, path);
+  if (!split.ok()) return split.status();
+  return Decode(*split, path, /*header_only=*/true);
+}
+
+std::string NpyConversionNote(const NpyArray& array) {
+  if (array.converted_from.empty()) return "";
+  const char* to = array.dtype == NpyDtype::kFloat32 ? "float32"
+                   : array.dtype == NpyDtype::kBool  ? "bool"
+                                                     : "uint8";
+  return absl::StrCat("converted ", array.converted_from, " -> ", to,
+                      absl::StrContains(array.converted_from, "Fortran") ? ", C order" : "");
+}
+
 
 std::string EncodeNpyFloat32(absl::Span<const int64_t> shape, absl::Span<const float> values) {
   std::string header =

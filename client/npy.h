@@ -2,8 +2,11 @@
 #define ATTNSERVE_CLIENT_NPY_H_
 
 // Reading and writing NumPy's .npy files (format versions 1.0 and 2.0), the
-// subset attnctl needs: C-order little-endian float32 ('<f4') both ways, and
-// booleans ('|b1') or bytes ('|u1') on read, for masks. The format:
+// subset attnctl needs. Written: C-order little-endian float32 ('<f4'). Read:
+// float32 as it is; booleans ('|b1') and bytes ('|u1') as they are, for
+// masks; float64 (NumPy's default), float16, the other integers and
+// big-endian data converted to float32, and Fortran-order arrays to C order.
+// The format:
 // https://numpy.org/doc/stable/reference/generated/numpy.lib.format.html
 
 #include <cstdint>
@@ -32,6 +35,10 @@ struct NpyArray {
   std::vector<int64_t> shape;  // () for a scalar
   // The elements' little-endian bytes, row-major: product(shape) x item size.
   std::string data;
+  // What the file stored, when reading converted it: its NumPy dtype and
+  // order, e.g. "float64" or "float32 (big-endian), Fortran order". Empty
+  // when the values were read as stored.
+  std::string converted_from;
 
   int64_t num_elements() const;
   // The values as floats: float32 as they are, booleans and bytes as their
@@ -39,17 +46,31 @@ struct NpyArray {
   std::vector<float> ToFloats() const;
 };
 
-// Parses the bytes of a .npy file. Every error names `name` (the file's path)
-// and says what is wrong. INVALID_ARGUMENT for: no magic string, a version
-// other than 1.0/2.0, a header that runs past the end or is not a dict with
-// exactly 'descr', 'fortran_order' and 'shape', a dtype other than '<f4',
-// '|b1' and '|u1', fortran_order True, a negative or overflowing shape, and a
-// data size other than product(shape) x item size (truncated or trailing).
+// Parses the bytes of a .npy file. '<f4', '|b1' and '|u1' are read as they
+// are; float16 and float64, signed and unsigned integers of 1 to 8 bytes and
+// big-endian data become float32 (rounded to nearest even, as NumPy's
+// astype('<f4')), and Fortran-order data C order; converted_from then says
+// from what. Every error names `name` (the file's path) and says what is
+// wrong. INVALID_ARGUMENT for: no magic string, a version other than 1.0/2.0,
+// a header that runs past the end or is not a dict with exactly 'descr',
+// 'fortran_order' and 'shape', a dtype that cannot become float32 (complex,
+// strings, objects, dates, structured), a finite float64 value beyond
+// float32's range, a negative or overflowing shape, and a data size other
+// than product(shape) x item size (truncated or trailing).
 absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes, absl::string_view name);
 
 // Reads and parses the file at `path`. NOT_FOUND (or another errno-derived
 // code) when it cannot be read; ParseNpy's errors otherwise.
 absl::StatusOr<NpyArray> ReadNpyFile(const std::string& path);
+
+// The array ReadNpyFile would return, without its data: dtype, shape and
+// converted_from from the header alone (the data is not read or checked).
+// Errors as ReadNpyFile's for the file and the header.
+absl::StatusOr<NpyArray> ReadNpyHeader(const std::string& path);
+
+// "converted float64 -> float32" (and the like) when reading converted
+// `array`'s values; "" when they were read as stored.
+std::string NpyConversionNote(const NpyArray& array);
 
 // The bytes of a version 1.0 .npy file of '<f4' values with `shape` (the
 // header padded to a multiple of 64 bytes, as NumPy writes it). Requires

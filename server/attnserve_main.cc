@@ -8,20 +8,40 @@
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cli/build_info.h"
+#include "cli/command_line.h"
+#include "core/runtime_info.h"
 #include "server/attn_server.h"
 #include "server/log.h"
 #include "server/server_options.h"
 
 namespace {
 const attnserve::server::ServerOptions kDefaults;
+
+constexpr char kUsage[] = R"(attnserve: serves multi-head attention over gRPC
+(attnserve.v1.AttentionService, grpc.health.v1.Health, server reflection).
+
+Usage: attnserve [--listen_address=0.0.0.0:50051] [flags]
+Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish,
+and the process exits 0.
+Exit status: 0 after a stop by signal (and for --help, --version); 1 when the
+server cannot start or load its models; 2 for a mistake on the command line.
+OpenMP threads sleep between requests (OMP_WAIT_POLICY=PASSIVE) unless the
+environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT.)";
+
+// The --version lines after the version, revision and build type.
+std::vector<attnserve::cli::Component> LibraryVersions() {
+  return {{"oneDNN", attnserve::core::GetRuntimeInfo().onednn_version}, {"gRPC", grpc::Version()}};
+}
 }  // namespace
 
 ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
@@ -103,16 +123,25 @@ void UsePassiveOpenMpWaitUnlessSet(char** argv) {
 }
 
 int main(int argc, char** argv) {
+  namespace cli = attnserve::cli;
+  // The command line first: --help, --version and mistakes need no OpenMP.
+  const absl::StatusOr<cli::CommandLine> command_line = cli::ParseCommandLine(argc, argv);
+  if (!command_line.ok()) return cli::UsageError("attnserve", command_line.status().message());
+  if (command_line->action == cli::CommandLine::Action::kHelp) {
+    std::fputs(cli::HelpText(kUsage).c_str(), stdout);
+    return cli::kExitOk;
+  }
+  if (command_line->action == cli::CommandLine::Action::kVersion) {
+    std::fputs(cli::VersionText("attnserve", LibraryVersions()).c_str(), stdout);
+    return cli::kExitOk;
+  }
+  if (!command_line->positional.empty()) {
+    return cli::UsageError("attnserve", absl::StrCat("unexpected argument '",
+                                                     command_line->positional[0],
+                                                     "' (attnserve takes only flags)"));
+  }
   UsePassiveOpenMpWaitUnlessSet(argv);
   const absl::Time process_start = absl::Now();
-  absl::SetProgramUsageMessage(
-      "Serves multi-head attention over gRPC (attnserve.v1.AttentionService, "
-      "grpc.health.v1.Health, server reflection).\n"
-      "Usage: attnserve [--listen_address=0.0.0.0:50051] [flags]\n"
-      "Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish, exit 0.\n"
-      "OpenMP threads sleep between requests (OMP_WAIT_POLICY=PASSIVE) unless the environment sets "
-      "OMP_WAIT_POLICY or GOMP_SPINCOUNT.");
-  absl::ParseCommandLine(argc, argv);
   attnserve::server::LimitProtobufLogs();
 
   attnserve::server::ServerOptions options;
@@ -150,11 +179,16 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   using attnserve::server::LogLine;
+  // What runs, as --version and attnserve_build_info say it.
+  const attnserve::core::RuntimeInfo runtime = attnserve::core::GetRuntimeInfo();
+  LogLine(absl::StrCat("attnserve ", cli::Version(), " (revision ", cli::Revision(), ", ",
+                       cli::BuildType(), " build), oneDNN ", runtime.onednn_version, " on ",
+                       runtime.cpu_isa, ", gRPC ", grpc::Version()));
   absl::StatusOr<std::unique_ptr<attnserve::server::AttnServer>> server =
       attnserve::server::AttnServer::Create(options);
   if (!server.ok()) {
     LogLine(absl::StrCat("cannot start: ", server.status().ToString()));
-    return 2;
+    return cli::kExitFailure;
   }
   LogLine(absl::StrCat("listening on port ", (*server)->port(), " (", options.listen_address,
                        "); health NOT_SERVING until the models are loaded"));
@@ -192,7 +226,7 @@ int main(int argc, char** argv) {
   }
   if (absl::Status loaded = (*server)->LoadModelsAndServe(); !loaded.ok()) {
     LogLine(absl::StrCat("cannot load models: ", loaded.ToString()));
-    return 1;
+    return cli::kExitFailure;
   }
   LogLine(absl::StrCat("SERVING (", absl::FormatDuration(absl::Now() - process_start),
                        " after start)"));

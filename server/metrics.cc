@@ -20,13 +20,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "cli/build_info.h"
 #include "core/attention_inputs.h"
 #include "core/runtime_info.h"
 #include "server/process_metrics.h"
-
-#ifndef ATTNSERVE_VERSION
-#error "ATTNSERVE_VERSION must be defined by the build (the project's version)"
-#endif
 
 namespace attnserve::server {
 namespace {
@@ -257,9 +254,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
   const core::RuntimeInfo runtime = core::GetRuntimeInfo();
   prometheus::BuildGauge()
       .Name("attnserve_build_info")
-      .Help("1; the server's version, oneDNN's version and the CPU ISA oneDNN runs as labels.")
+      .Help("1; the server's version and git revision, oneDNN's version and the CPU ISA oneDNN "
+            "runs as labels.")
       .Register(r)
-      .Add({{"version", ATTNSERVE_VERSION},
+      .Add({{"version", std::string(cli::Version())},
+            {"revision", std::string(cli::Revision())},
             {"onednn_version", runtime.onednn_version},
             {"cpu_isa", runtime.cpu_isa}})
       .Set(1);

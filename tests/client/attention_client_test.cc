@@ -1,7 +1,13 @@
 #include "client/attention_client.h"
 
+#include <chrono>
+#include <cstdint>
 #include <string>
 
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/status_matchers.h"
@@ -63,8 +69,8 @@ TEST(ServiceConfig, RoundRobinWithHealthCheckingAndRetriesOfUnavailable) {
 TEST(ServiceConfig, LeavesOutWhatIsNotAsked) {
   ClientOptions options;  // default policy, retries on
   std::string json = *ServiceConfigJson(options);
-  EXPECT_THAT(json, Not("loadBalancingConfig"));
-  EXPECT_THAT(json, Not("healthCheckConfig"));  // pick_first would ignore it
+  EXPECT_THAT(json, Not(HasSubstr("loadBalancingConfig")));
+  EXPECT_THAT(json, Not(HasSubstr("healthCheckConfig")));  // pick_first would ignore it
   EXPECT_THAT(json, HasSubstr("\"maxAttempts\": 4"));
 
   options.lb_policy = "round_robin";
@@ -120,10 +126,88 @@ TEST(AttentionClient, GrpcAcceptsTheServiceConfig) {
   ASSERT_THAT(client, IsOk());
   auto health = (*client)->CheckHealth("");
   ASSERT_FALSE(health.ok());
-  EXPECT_THAT(health.status().message(), Not("ervice config"));
+  EXPECT_THAT(std::string(health.status().message()), Not(HasSubstr("Failed to create")));
   EXPECT_TRUE(health.status().code() == absl::StatusCode::kUnavailable ||
               health.status().code() == absl::StatusCode::kDeadlineExceeded)
       << health.status();
+}
+
+// gRPC's own words for a message over a receive limit, as the message_size
+// filter writes them on either side.
+absl::Status LargerThanMax(int64_t size, int64_t limit) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("Received message larger than max (", size, " vs. ", limit, ")"));
+}
+
+TEST(MessageSizeError, ARequestOverTheServersLimitNamesTheServersFlag) {
+  const absl::Status explained =
+      ExplainMessageSizeError(LargerThanMax(5000123, 1048576), /*request_bytes=*/5000123,
+                              /*client_limit=*/256 << 20);
+  EXPECT_EQ(explained.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(explained.message(), HasSubstr("the request (5000123 bytes)"));
+  EXPECT_THAT(explained.message(),
+              HasSubstr("server's limit of 1048576 bytes (attnserve --max_receive_message_bytes)"));
+  EXPECT_THAT(explained.message(), HasSubstr("send less per call"));
+  EXPECT_THAT(explained.message(),
+              HasSubstr("(gRPC: Received message larger than max (5000123 vs. 1048576))"));
+  EXPECT_THAT(explained.message(), Not(HasSubstr("client's")));
+}
+
+TEST(MessageSizeError, AResponseOverTheClientsLimitNamesTheClientsFlag) {
+  const absl::Status explained = ExplainMessageSizeError(
+      LargerThanMax(9000, 4096), /*request_bytes=*/120, /*client_limit=*/4096);
+  EXPECT_EQ(explained.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(explained.message(), HasSubstr("the response (9000 bytes)"));
+  EXPECT_THAT(explained.message(),
+              HasSubstr("this client's limit of 4096 bytes (--max_receive_message_bytes)"));
+  EXPECT_THAT(explained.message(), Not(HasSubstr("attnserve")));
+}
+
+TEST(MessageSizeError, SizesThatFitNeitherSideNameBothFlags) {
+  const absl::Status explained =
+      ExplainMessageSizeError(LargerThanMax(700, 500), /*request_bytes=*/10, /*client_limit=*/600);
+  EXPECT_EQ(explained.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(explained.message(), HasSubstr("attnserve --max_receive_message_bytes"));
+  EXPECT_THAT(explained.message(), HasSubstr("this client's (--max_receive_message_bytes)"));
+}
+
+TEST(MessageSizeError, OtherStatusesPassUnchanged) {
+  for (const absl::Status& status :
+       {absl::ResourceExhaustedError("the compute queue is full (--max_queued_requests)"),
+        absl::InvalidArgumentError("Received message larger than max (5 vs. 4)"),
+        absl::ResourceExhaustedError("Received message larger than max (x vs. 4)"),
+        absl::OkStatus()}) {
+    EXPECT_EQ(ExplainMessageSizeError(status, 5, 4), status) << status;
+  }
+}
+
+TEST(AttentionClient, CreateChecksTheReceiveLimit) {
+  ClientOptions options;
+  options.target = "127.0.0.1:1";
+  for (int64_t bad : {int64_t{0}, int64_t{-1}, int64_t{1} << 31}) {
+    options.max_receive_message_bytes = bad;
+    EXPECT_THAT(AttentionClient::Create(options),
+                StatusIs(absl::StatusCode::kInvalidArgument, "max_receive_message_bytes"))
+        << bad;
+  }
+  options.max_receive_message_bytes = (int64_t{1} << 31) - 1;
+  EXPECT_THAT(AttentionClient::Create(options), IsOk());
+}
+
+// The positive control of GrpcAcceptsTheServiceConfig: a service config gRPC
+// rejects makes the lame channel it looks for (INVALID_ARGUMENT, "Failed to
+// create ... channel"; the reason goes to gRPC's log only).
+TEST(AttentionClient, GrpcMakesALameChannelOfAServiceConfigItRejects) {
+  grpc::ChannelArguments args;
+  args.SetServiceConfigJSON("{\"loadBalancingConfig\": [{\"no_such_policy\": {}}]}");
+  auto channel = grpc::CreateCustomChannel("127.0.0.1:1", grpc::InsecureChannelCredentials(), args);
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::health::v1::HealthCheckResponse response;
+  const grpc::Status status = stub->Check(&context, {}, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("Failed to create"));
 }
 
 }  // namespace

@@ -2,10 +2,14 @@
 
 #include <unistd.h>
 
+#include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -144,6 +148,224 @@ TEST(Npy, AgreesWithNumpyBothWays) {
   for (int i = 0; i < 24; ++i) EXPECT_EQ(values[i], i / 8.0f - 1.0f) << i;
 }
 
+// Little-endian bytes of `values`, each `size` bytes wide (two's complement
+// for negative integers).
+std::string IntBytes(const std::vector<int64_t>& values, int size, bool big_endian = false) {
+  std::string bytes;
+  for (int64_t v : values) {
+    for (int b = 0; b < size; ++b) {
+      const int shift = 8 * (big_endian ? size - 1 - b : b);
+      bytes.push_back(static_cast<char>((static_cast<uint64_t>(v) >> shift) & 0xff));
+    }
+  }
+  return bytes;
+}
+
+std::string DoubleBytes(const std::vector<double>& values) {
+  return std::string(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(double));
+}
+
+std::string Header(const std::string& descr, const std::string& shape, bool fortran = false) {
+  return absl::StrCat("{'descr': '", descr, "', 'fortran_order': ", fortran ? "True" : "False",
+                      ", 'shape': ", shape, ", }");
+}
+
+// IEEE 754 binary16 bit patterns and their values by the format's definition
+// (sign, 5-bit exponent with bias 15, 10-bit fraction; subnormals below 2^-14).
+TEST(Npy, Float16IsConvertedToItsExactFloat32Values) {
+  const std::vector<int64_t> halves = {0x3C00, 0xC000, 0x3555, 0x7BFF, 0x0001, 0x03FF,
+                                       0x0400, 0x8000, 0x7C00, 0xFC00, 0x7E00};
+  const std::vector<float> expected = {1.0f,
+                                       -2.0f,
+                                       0.333251953125f,         // 0x155 / 2^10 + 1, * 2^-2
+                                       65504.0f,                // the largest half
+                                       5.9604644775390625e-8f,  // 2^-24, the smallest subnormal
+                                       6.0975551605224609e-5f,  // 1023 * 2^-24
+                                       6.103515625e-5f,         // 2^-14, the smallest normal
+                                       -0.0f,
+                                       std::numeric_limits<float>::infinity(),
+                                       -std::numeric_limits<float>::infinity()};
+  absl::StatusOr<NpyArray> array =
+      ParseNpy(NpyBytes(Header("<f2", "(11,)"), IntBytes(halves, 2)), "half.npy");
+  ASSERT_THAT(array, IsOk());
+  EXPECT_EQ(array->dtype, NpyDtype::kFloat32);
+  EXPECT_EQ(array->converted_from, "float16");
+  EXPECT_EQ(NpyConversionNote(*array), "converted float16 -> float32");
+  const std::vector<float> values = array->ToFloats();
+  ASSERT_EQ(values.size(), 11u);
+  for (size_t i = 0; i < expected.size(); ++i) {
+    EXPECT_EQ(values[i], expected[i]) << i;
+    EXPECT_EQ(std::signbit(values[i]), std::signbit(expected[i])) << i;
+  }
+  EXPECT_TRUE(std::isnan(values[10]));
+}
+
+TEST(Npy, Float64IsRoundedToFloat32) {
+  // 0.1 is not a float: the nearest float is 0x3DCCCCCD. 2^-150 is half the
+  // smallest float subnormal and rounds to even (zero); 2^-149 is that
+  // subnormal. Infinities and NaN stay what they are.
+  const std::vector<double> doubles = {1.0,
+                                       -2.5,
+                                       0.1,
+                                       std::ldexp(1.0, -150),
+                                       std::ldexp(1.0, -149),
+                                       -std::numeric_limits<double>::infinity(),
+                                       std::numeric_limits<double>::quiet_NaN()};
+  absl::StatusOr<NpyArray> array =
+      ParseNpy(NpyBytes(Header("<f8", "(7,)"), DoubleBytes(doubles)), "f8.npy");
+  ASSERT_THAT(array, IsOk());
+  EXPECT_EQ(NpyConversionNote(*array), "converted float64 -> float32");
+  const std::vector<float> values = array->ToFloats();
+  ASSERT_EQ(values.size(), 7u);
+  EXPECT_EQ(values[0], 1.0f);
+  EXPECT_EQ(values[1], -2.5f);
+  EXPECT_EQ(std::bit_cast<uint32_t>(values[2]), 0x3DCCCCCDu);
+  EXPECT_EQ(std::bit_cast<uint32_t>(values[3]), 0u);
+  EXPECT_EQ(std::bit_cast<uint32_t>(values[4]), 1u);
+  EXPECT_EQ(values[5], -std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(values[6]));
+}
+
+TEST(Npy, Float64BeyondFloat32sRangeIsRefusedNamingTheFileAndElement) {
+  // FLT_MAX's next double up still rounds to FLT_MAX; 1e39 cannot.
+  const std::vector<double> doubles = {3.4028234663852886e38, 1e39};
+  EXPECT_THAT(ParseNpy(NpyBytes(Header("<f8", "(2,)"), DoubleBytes(doubles)), "/data/big.npy"),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "/data/big.npy: element 1 (1e+39) is outside float32's range"));
+  absl::StatusOr<NpyArray> fits =
+      ParseNpy(NpyBytes(Header("<f8", "(1,)"), DoubleBytes({3.4028234663852886e38})), "max.npy");
+  ASSERT_THAT(fits, IsOk());
+  EXPECT_EQ(fits->ToFloats()[0], std::numeric_limits<float>::max());
+}
+
+TEST(Npy, IntegersAndBigEndianDataAreConverted) {
+  struct Case {
+    std::string descr;
+    std::string data;
+    std::vector<float> expected;
+    std::string note;
+  };
+  const std::vector<Case> cases = {
+      {"|i1", IntBytes({-128, 127, -1}, 1), {-128, 127, -1}, "converted int8 -> float32"},
+      {"<i2", IntBytes({-2, 300, 0}, 2), {-2, 300, 0}, "converted int16 -> float32"},
+      {">i2", IntBytes({-2, 300, 0}, 2, true), {-2, 300, 0}, "converted int16 (big-endian) -> float32"},
+      {"<i4", IntBytes({-70000, 1, 2}, 4), {-70000, 1, 2}, "converted int32 -> float32"},
+      {"<i8", IntBytes({-3, int64_t{1} << 40, 5}, 8), {-3, 1099511627776.0f, 5},
+       "converted int64 -> float32"},
+      {"<u2", IntBytes({65535, 0, 7}, 2), {65535, 0, 7}, "converted uint16 -> float32"},
+      {">u4", IntBytes({4000000000, 1, 2}, 4, true), {4e9f, 1, 2},
+       "converted uint32 (big-endian) -> float32"},
+      // 1.5f is 0x3FC00000; -0.25f is 0xBE800000.
+      {">f4", IntBytes({0x3FC00000, 0xBE800000, 0}, 4, true), {1.5f, -0.25f, 0},
+       "converted float32 (big-endian) -> float32"},
+      // 2.5 is 0x4004000000000000.
+      {">f8", IntBytes({0x4004000000000000, 0, 0}, 8, true), {2.5f, 0, 0},
+       "converted float64 (big-endian) -> float32"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.descr);
+    absl::StatusOr<NpyArray> array = ParseNpy(NpyBytes(Header(c.descr, "(3,)"), c.data), "i.npy");
+    ASSERT_THAT(array, IsOk());
+    EXPECT_EQ(array->dtype, NpyDtype::kFloat32);
+    EXPECT_EQ(array->ToFloats(), c.expected);
+    EXPECT_EQ(NpyConversionNote(*array), c.note);
+  }
+}
+
+TEST(Npy, FloatsBoolsAndBytesInCOrderAreReadAsStored) {
+  for (const auto& [descr, size] : std::vector<std::pair<std::string, int>>{
+           {"<f4", 4}, {"|b1", 1}, {"|u1", 1}}) {
+    absl::StatusOr<NpyArray> array =
+        ParseNpy(NpyBytes(Header(descr, "(2,)"), std::string(2 * size, '\x01')), "a.npy");
+    ASSERT_THAT(array, IsOk()) << descr;
+    EXPECT_EQ(array->converted_from, "") << descr;
+    EXPECT_EQ(NpyConversionNote(*array), "") << descr;
+    EXPECT_EQ(array->data, std::string(2 * size, '\x01')) << descr;
+  }
+}
+
+TEST(Npy, FortranOrderIsReorderedToCOrder) {
+  // a = [[1, 2, 3], [4, 5, 6]] stored column by column.
+  absl::StatusOr<NpyArray> floats = ParseNpy(
+      NpyBytes(Header("<f4", "(2, 3)", /*fortran=*/true), FloatBytes({1, 4, 2, 5, 3, 6})), "f.npy");
+  ASSERT_THAT(floats, IsOk());
+  EXPECT_THAT(floats->shape, ElementsAre(2, 3));
+  EXPECT_THAT(floats->ToFloats(), ElementsAre(1, 2, 3, 4, 5, 6));
+  EXPECT_EQ(NpyConversionNote(*floats), "converted Fortran order -> float32, C order");
+  // A mask stays a mask: booleans, reordered.
+  absl::StatusOr<NpyArray> mask = ParseNpy(
+      NpyBytes(Header("|b1", "(2, 2)", /*fortran=*/true), std::string("\x01\x00\x01\x01", 4)),
+      "m.npy");
+  ASSERT_THAT(mask, IsOk());
+  EXPECT_EQ(mask->dtype, NpyDtype::kBool);
+  EXPECT_THAT(mask->ToFloats(), ElementsAre(1, 1, 0, 1));
+  EXPECT_EQ(NpyConversionNote(*mask), "converted Fortran order -> bool, C order");
+  // Both at once: [[1, 2], [3, 4]] as float64, column by column.
+  absl::StatusOr<NpyArray> both = ParseNpy(
+      NpyBytes(Header("<f8", "(2, 2)", /*fortran=*/true), DoubleBytes({1, 3, 2, 4})), "b.npy");
+  ASSERT_THAT(both, IsOk());
+  EXPECT_THAT(both->ToFloats(), ElementsAre(1, 2, 3, 4));
+  EXPECT_EQ(NpyConversionNote(*both), "converted float64, Fortran order -> float32, C order");
+}
+
+TEST(Npy, HeaderAloneGivesWhatReadingWouldWithoutReadingTheData) {
+  const std::string path = TempPath("header_only.npy");
+  // Data one element short: the whole read fails, the header read does not.
+  ASSERT_THAT(WriteFileBytes(path, NpyBytes(Header("<f8", "(4, 5)"), DoubleBytes({1, 2, 3}))),
+              IsOk());
+  absl::StatusOr<NpyArray> header = ReadNpyHeader(path);
+  ASSERT_THAT(header, IsOk());
+  EXPECT_EQ(header->dtype, NpyDtype::kFloat32);
+  EXPECT_THAT(header->shape, ElementsAre(4, 5));
+  EXPECT_TRUE(header->data.empty());
+  EXPECT_EQ(NpyConversionNote(*header), "converted float64 -> float32");
+  EXPECT_THAT(ReadNpyFile(path), StatusIs(absl::StatusCode::kInvalidArgument, "truncated"));
+  // Version 2.0's 4-byte header length.
+  const std::string v2 = TempPath("header_only_v2.npy");
+  ASSERT_THAT(WriteFileBytes(v2, NpyBytes(Header("<f2", "(3,)"), "", 2)), IsOk());
+  absl::StatusOr<NpyArray> v2_header = ReadNpyHeader(v2);
+  ASSERT_THAT(v2_header, IsOk());
+  EXPECT_THAT(v2_header->shape, ElementsAre(3));
+  EXPECT_EQ(v2_header->converted_from, "float16");
+  EXPECT_THAT(ReadNpyHeader("/nonexistent/h.npy"),
+              StatusIs(absl::StatusCode::kNotFound, "/nonexistent/h.npy"));
+}
+
+// NumPy writes float64 (its default), float16, int64 and Fortran-order files
+// of fresh random values, and the same values converted by its own astype('<f4')
+// in C order: ours must equal NumPy's conversion bit for bit.
+TEST(Npy, ConversionsEqualNumpysAstypeBitForBit) {
+  if (!NumpyAvailable()) GTEST_SKIP() << "/usr/bin/python3 with numpy is not available";
+  const std::string dir = TempPath("numpy_conversions");
+  std::filesystem::create_directories(dir);
+  const std::string script = absl::StrCat(
+      "/usr/bin/python3 -c \"\n"
+      "import numpy as np\n"
+      "rng = np.random.default_rng()\n"
+      "d = '", dir, "'\n"
+      "f8 = rng.standard_normal((3, 4, 5)) * 10.0 ** rng.integers(-30, 30, (3, 4, 5))\n"
+      "arrays = {'f8': f8, 'f2': rng.standard_normal((7, 9)).astype('<f2'),\n"
+      "          'i8': rng.integers(-2**40, 2**40, (6, 5)),\n"
+      "          'fortran': np.asfortranarray(rng.standard_normal((4, 3, 2))),\n"
+      "          'big': rng.standard_normal((5,)).astype('>f8')}\n"
+      "for name, a in arrays.items():\n"
+      "    np.save(f'{d}/{name}.npy', a)\n"
+      "    np.save(f'{d}/{name}_f4.npy', np.ascontiguousarray(a.astype('<f4')))\n"
+      "\"");
+  ASSERT_EQ(std::system(script.c_str()), 0) << script;
+  for (const std::string name : {"f8", "f2", "i8", "fortran", "big"}) {
+    SCOPED_TRACE(name);
+    absl::StatusOr<NpyArray> ours = ReadNpyFile(absl::StrCat(dir, "/", name, ".npy"));
+    absl::StatusOr<NpyArray> numpys = ReadNpyFile(absl::StrCat(dir, "/", name, "_f4.npy"));
+    ASSERT_THAT(ours, IsOk());
+    ASSERT_THAT(numpys, IsOk());
+    EXPECT_FALSE(ours->converted_from.empty());
+    EXPECT_TRUE(numpys->converted_from.empty());
+    EXPECT_EQ(ours->shape, numpys->shape);
+    EXPECT_EQ(ours->data, numpys->data);
+  }
+}
+
 TEST(Npy, MissingFileIsNotFoundAndNamesThePath) {
   EXPECT_THAT(ReadNpyFile("/nonexistent/missing.npy"),
               StatusIs(absl::StatusCode::kNotFound, "/nonexistent/missing.npy"));
@@ -168,14 +390,21 @@ TEST(Npy, MalformedFilesAreRejectedWithAClearMessage) {
       {"header past the end", good.substr(0, 40), "truncated .npy file (the header says"},
       {"truncated data", good.substr(0, good.size() - 3), "truncated .npy file: shape (2, 2)"},
       {"trailing data", good + "xyz", "size mismatch: shape (2, 2) of <f4 needs 16"},
-      {"fortran order",
-       NpyBytes("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 2), }", data_2x2),
-       "fortran_order is True"},
-      {"float64", NpyBytes("{'descr': '<f8', 'fortran_order': False, 'shape': (2,), }", data_2x2),
-       "dtype '<f8' is not supported"},
-      {"big-endian",
-       NpyBytes("{'descr': '>f4', 'fortran_order': False, 'shape': (4,), }", data_2x2),
-       "big-endian"},
+      {"complex", NpyBytes("{'descr': '<c8', 'fortran_order': False, 'shape': (2,), }", data_2x2),
+       "dtype '<c8' cannot be converted to float32"},
+      {"strings", NpyBytes("{'descr': '<U4', 'fortran_order': False, 'shape': (1,), }", data_2x2),
+       "dtype '<U4' cannot be converted"},
+      {"datetimes",
+       NpyBytes("{'descr': '<M8[s]', 'fortran_order': False, 'shape': (2,), }", data_2x2),
+       "dtype '<M8[s]' cannot be converted"},
+      {"objects", NpyBytes("{'descr': '|O', 'fortran_order': False, 'shape': (2,), }", data_2x2),
+       "dtype '|O' cannot be converted"},
+      {"float128",
+       NpyBytes("{'descr': '<f16', 'fortran_order': False, 'shape': (1,), }", data_2x2),
+       "dtype '<f16' cannot be converted"},
+      {"float64 data of the wrong size",
+       NpyBytes("{'descr': '<f8', 'fortran_order': False, 'shape': (3,), }", data_2x2),
+       "truncated .npy file: shape (3,) of <f8 needs 24 data bytes, the file has 16"},
       {"structured",
        NpyBytes("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (4,), }", data_2x2),
        "structured dtypes"},

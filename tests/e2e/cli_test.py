@@ -1,0 +1,344 @@
+#!/usr/bin/python3
+"""The command lines of the real attnserve and attnctl binaries: --help (exit
+0, no build machine paths), usage mistakes (exit 2, naming the flag), failed
+calls and starts (exit 1), --version (the one version source, the git
+revision, the build type, the libraries; the same in the server's log and
+attnserve_build_info), --json of attend and models (checked against what the
+server answers Python's grpcio), NumPy float64 input converted to float32, and
+messages over a size limit named by their flag.
+
+Usage: cli_test.py --server PATH/attnserve --attnctl PATH/attnctl
+                   --proto_dir REPO/proto --repo REPO --build_type TYPE
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import Server, generate_stubs, wait_serving  # noqa: E402
+
+ARGS = None
+
+
+def run(binary, *args, timeout=120):
+    """Runs a binary; (exit code, stdout, stderr)."""
+    done = subprocess.run([binary, *args], capture_output=True, text=True, timeout=timeout)
+    return done.returncode, done.stdout, done.stderr
+
+
+def version_fields(text):
+    """{"program": ..., "version": ..., key: value...} of a --version text."""
+    lines = text.splitlines()
+    program, version = lines[0].split(" ")
+    fields = {"program": program, "version": version}
+    for line in lines[1:]:
+        key, _, value = line.partition(": ")
+        fields[key] = value
+    return fields
+
+
+def project_version():
+    """The version the top-level CMakeLists.txt's project() declares."""
+    with open(os.path.join(ARGS.repo, "CMakeLists.txt")) as f:
+        m = re.search(r"project\(attnserve\s+VERSION\s+([0-9.]+)", f.read())
+    assert m, "no project(attnserve VERSION ...) in CMakeLists.txt"
+    return m.group(1)
+
+
+def free_port():
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serving(server):
+    import grpc
+    import health_pb2
+    import health_pb2_grpc
+    with grpc.insecure_channel(server.target) as channel:
+        wait_serving(health_pb2_grpc.HealthStub(channel), health_pb2)
+    return server
+
+
+class Help(unittest.TestCase):
+    def check_help(self, binary, *args):
+        code, out, err = run(binary, *args)
+        self.assertEqual(code, 0, err)
+        self.assertIn("Usage:", out)
+        self.assertIn("--max_receive_message_bytes", out)
+        self.assertIn("--version", out)
+        # Flags are not grouped under the build machine's source files.
+        self.assertNotIn("Flags from", out)
+        self.assertNotIn(os.path.realpath(ARGS.repo), out)
+        self.assertIsNone(re.search(r"\S+\.(cc|h)\b", out), out)
+        return out
+
+    def test_help_exits_zero_and_names_no_source_path(self):
+        for flag in ["--help", "-help", "-h", "--helpfull"]:
+            with self.subTest(binary="attnserve", flag=flag):
+                out = self.check_help(ARGS.server, flag)
+                self.assertIn("--listen_address (default \"0.0.0.0:50051\")", out)
+            with self.subTest(binary="attnctl", flag=flag):
+                out = self.check_help(ARGS.attnctl, flag)
+                self.assertIn("--target (default \"localhost:50051\")", out)
+        out = self.check_help(ARGS.attnctl, "help")
+        self.assertIn("Commands:", out)
+        # --help after a command and next to a mistake still helps.
+        self.check_help(ARGS.attnctl, "attend", "--no_such_flag", "--help")
+        self.check_help(ARGS.server, "--max_batch=lots", "--help")
+
+
+class UsageErrors(unittest.TestCase):
+    def check_usage_error(self, binary, args, *expected):
+        code, out, err = run(binary, *args)
+        self.assertEqual(code, 2, f"{binary} {args}: {out}{err}")
+        self.assertEqual(out, "", "usage errors go to stderr")
+        for text in expected:
+            self.assertIn(text, err)
+        self.assertIn("--help", err)
+
+    def test_unknown_flags_exit_two_naming_the_flag(self):
+        self.check_usage_error(ARGS.server, ["--max_recieve_message_bytes=5"],
+                               "unknown flag --max_recieve_message_bytes",
+                               "did you mean --max_receive_message_bytes?")
+        self.check_usage_error(ARGS.attnctl, ["models", "--taget=127.0.0.1:1"],
+                               "unknown flag --taget", "did you mean --target?")
+        self.check_usage_error(ARGS.attnctl, ["attend", "--xyzzy"], "unknown flag --xyzzy")
+
+    def test_bad_values_exit_two_naming_the_flag(self):
+        self.check_usage_error(ARGS.server, ["--max_batch=lots"], "--max_batch: bad value 'lots'")
+        self.check_usage_error(ARGS.server, ["--access_log=maybe"], "--access_log: bad value")
+        self.check_usage_error(ARGS.attnctl, ["attend", "--batch=two"], "--batch: bad value 'two'")
+        self.check_usage_error(ARGS.attnctl, ["models", "--target"], "--target needs a value")
+        self.check_usage_error(ARGS.attnctl, ["models", "--version=3"], "--version takes no value")
+        self.check_usage_error(ARGS.attnctl, ["models", "--nojson=1"], "--nojson takes no value")
+        # Values that parse but cannot work, found before any call (nothing
+        # listens on the target: a call would fail with exit 1 instead).
+        target = f"--target=127.0.0.1:{free_port()}"
+        self.check_usage_error(ARGS.attnctl, ["attend", target, "--maps=sideways"], "maps")
+        self.check_usage_error(ARGS.attnctl, ["attend", target, "--repeat=0"], "--repeat")
+        self.check_usage_error(ARGS.attnctl, ["models", target, "--lb_policy=random"], "lb_policy")
+        self.check_usage_error(ARGS.attnctl, ["models", target, "--max_receive_message_bytes=0"],
+                               "max_receive_message_bytes")
+
+    def test_bad_arguments_exit_two(self):
+        self.check_usage_error(ARGS.server, ["serve"], "unexpected argument 'serve'")
+        self.check_usage_error(ARGS.attnctl, [], "no command")
+        self.check_usage_error(ARGS.attnctl, ["frobnicate"], "unknown command 'frobnicate'")
+        self.check_usage_error(ARGS.attnctl, ["models", "extra"], "unexpected argument 'extra'")
+
+
+class FailedWork(unittest.TestCase):
+    def test_a_failed_call_exits_one(self):
+        code, out, err = run(ARGS.attnctl, "models", f"--target=127.0.0.1:{free_port()}",
+                             "--timeout_seconds=5", "--max_attempts=1")
+        self.assertEqual(code, 1, out + err)
+        self.assertRegex(err, r"^attnctl: (UNAVAILABLE|DEADLINE_EXCEEDED)")
+
+    def test_a_server_that_cannot_start_exits_one(self):
+        code, out, err = run(ARGS.server, "--listen_address=127.0.0.1:0",
+                             "--metrics_address=127.0.0.1:0", "--tls_cert=/nonexistent/cert.pem",
+                             "--tls_key=/nonexistent/key.pem")
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("cannot start", err)
+        self.assertIn("/nonexistent/cert.pem", err)
+
+
+class Version(unittest.TestCase):
+    def check_version(self, binary, program):
+        code, out, err = run(binary, "--version")
+        self.assertEqual(code, 0, err)
+        self.assertEqual(err, "")
+        fields = version_fields(out)
+        self.assertEqual(fields["program"], program)
+        self.assertEqual(fields["version"], project_version())
+        self.assertEqual(fields["build type"], ARGS.build_type or "unknown")
+        revision = fields["revision"]
+        if shutil.which("git") and subprocess.run(
+                ["git", "-C", ARGS.repo, "rev-parse", "--show-toplevel"],
+                capture_output=True).returncode == 0:
+            # Built from this checkout: a commit of it (HEAD may have moved on
+            # since the build), "-dirty" when tracked files had changed.
+            m = re.fullmatch(r"([0-9a-f]{12})(-dirty)?", revision)
+            self.assertIsNotNone(m, revision)
+            self.assertEqual(subprocess.run(
+                ["git", "-C", ARGS.repo, "merge-base", "--is-ancestor", m.group(1), "HEAD"]
+            ).returncode, 0, f"{revision} is not a commit of this checkout")
+        else:
+            self.assertEqual(revision, "unknown")
+        grpc_version = fields["gRPC"]
+        self.assertRegex(grpc_version, r"^\d+\.\d+\.\d+$")
+        if shutil.which("pkg-config"):
+            installed = subprocess.run(["pkg-config", "--modversion", "grpc++"],
+                                       capture_output=True, text=True)
+            if installed.returncode == 0:
+                self.assertEqual(grpc_version, installed.stdout.strip())
+        return fields
+
+    def test_attnctl_says_version_revision_build_type_and_grpc(self):
+        fields = self.check_version(ARGS.attnctl, "attnctl")
+        self.assertNotIn("oneDNN", fields)
+
+    def test_attnserve_says_the_same_in_version_log_and_build_info(self):
+        fields = self.check_version(ARGS.server, "attnserve")
+        self.assertRegex(fields["oneDNN"], r"^\d+\.\d+\.\d+$")
+        server = serving(Server(ARGS.server))
+        try:
+            log = "".join(server.log)
+            self.assertIn(f"attnserve {fields['version']} (revision {fields['revision']}, "
+                          f"{fields['build type']} build), oneDNN {fields['oneDNN']} on ", log)
+            self.assertIn(f"gRPC {fields['gRPC']}", log)
+            build = [dict(labels) for (name, labels) in server.scrape()
+                     if name == "attnserve_build_info"]
+            self.assertEqual(len(build), 1)
+            self.assertEqual(build[0]["version"], fields["version"])
+            self.assertEqual(build[0]["revision"], fields["revision"])
+            self.assertEqual(build[0]["onednn_version"], fields["oneDNN"])
+        finally:
+            server.stop()
+
+
+class WithServer(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        import grpc
+        from attnserve.v1 import attention_pb2_grpc as pb_grpc
+        cls.server = serving(Server(ARGS.server))
+        cls.channel = grpc.insecure_channel(cls.server.target)
+        cls.stub = pb_grpc.AttentionServiceStub(cls.channel)
+        cls.tmp = tempfile.TemporaryDirectory()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.channel.close()
+        cls.server.stop()
+        cls.tmp.cleanup()
+
+    def attnctl(self, *args):
+        return run(ARGS.attnctl, *args, f"--target={self.server.target}")
+
+    def test_models_json_is_what_the_server_answers(self):
+        from google.protobuf import json_format
+        from attnserve.v1 import attention_pb2 as pb
+
+        def as_dict(message):
+            return json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                             including_default_value_fields=True)
+
+        code, out, err = self.attnctl("models", "--json")
+        self.assertEqual(code, 0, err)
+        self.assertEqual(out.count("\n"), 1, "one JSON line")
+        models = json.loads(out)
+        self.assertEqual(models, as_dict(self.stub.ListModels(pb.ListModelsRequest(), timeout=30)))
+        self.assertEqual(models["models"][0]["name"], "default")
+        self.assertEqual(models["models"][0]["head_config"]["d_model"], 768)
+        code, out, err = self.attnctl("model", "--model=default", "--json")
+        self.assertEqual(code, 0, err)
+        self.assertEqual(json.loads(out),
+                         as_dict(self.stub.GetModel(pb.GetModelRequest(name="default"), timeout=30)))
+
+    def test_attend_json_and_float64_input_match_the_servers_answer(self):
+        from attnserve.v1 import attention_pb2 as pb
+        from harness import from_tensor, to_tensor
+        rng = np.random.default_rng()
+        batch, seq = int(rng.integers(1, 4)), int(rng.integers(3, 12))
+        x = rng.standard_normal((batch, seq, 768))  # NumPy's default float64
+        path = os.path.join(self.tmp.name, "x.npy")
+        saved = os.path.join(self.tmp.name, "out.npy")
+        np.save(path, x)
+        code, out, err = self.attnctl("attend", f"--input={path}", "--stats", "--repeat=3",
+                                      f"--save_output={saved}", "--json")
+        self.assertEqual(code, 0, err)
+        self.assertIn(f"attnctl: {path}: converted float64 -> float32", err)
+        self.assertEqual(out.count("\n"), 1, "one JSON line")
+        got = json.loads(out)
+
+        # The same float32 inputs through Python's grpcio.
+        answer = self.stub.Attend(pb.AttendRequest(
+            model="default", hidden_states=to_tensor(pb, x.astype(np.float32)),
+            attention_maps=pb.AttentionMapRequest(head_statistics=True)), timeout=60)
+        self.assertEqual(got["model"], answer.model)
+        self.assertEqual(got["kernel_path"], answer.kernel_path)
+        self.assertEqual(got["precision"], pb.Precision.Name(answer.precision))
+        self.assertEqual(got["output"], {"dtype": pb.DataType.Name(answer.output.dtype),
+                                         "shape": [batch, seq, 768]})
+        self.assertNotIn("attention_maps", got)
+        for name in ["entropy", "max_weight", "contribution"]:
+            expected = from_tensor(pb, getattr(answer.head_statistics, name))
+            np.testing.assert_allclose(np.array(got["head_statistics"][name]), expected,
+                                       rtol=1e-4, atol=1e-6, err_msg=name)
+        # The output file holds the server's answer to the converted input.
+        np.testing.assert_allclose(np.load(saved), from_tensor(pb, answer.output),
+                                   rtol=1e-4, atol=1e-5)
+        self.assertEqual(len(got["files"]), 1, got["files"])
+        self.assertIn(saved, got["files"][0])
+        self.assertEqual(got["calls"], 3)
+        latency = got["latency_ms"]
+        self.assertGreater(latency["p50"], 0)
+        self.assertLessEqual(latency["p50"], latency["p90"])
+        self.assertLessEqual(latency["p90"], latency["p99"])
+        self.assertLessEqual(latency["p99"], latency["max"])
+        self.assertGreaterEqual(got["server"]["batch_tokens"], batch * seq, got["server"])
+        self.assertGreaterEqual(got["server"]["batch_size"], 1, got["server"])
+        self.assertGreaterEqual(got["server"]["compute_ms"], 0)
+
+    def test_a_response_over_the_clients_limit_names_its_flag(self):
+        # 16 tokens x 768 floats: about 49 KB of output, over a 10000-byte limit.
+        code, out, err = self.attnctl("attend", "--batch=1", "--seq=16",
+                                      "--max_receive_message_bytes=10000")
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("RESOURCE_EXHAUSTED", err)
+        self.assertIn("this client's limit of 10000 bytes (--max_receive_message_bytes)", err)
+        self.assertIn("raise this client's --max_receive_message_bytes", err)
+        self.assertNotIn("attnserve --max_receive_message_bytes", err)
+
+
+class MessageLimit(unittest.TestCase):
+    def test_a_request_over_the_servers_limit_names_the_servers_flag(self):
+        limit = 65536
+        server = serving(Server(ARGS.server, f"--max_receive_message_bytes={limit}"))
+        try:
+            # 4 x 64 tokens x 768 floats: about 786 KB of hidden states.
+            code, out, err = run(ARGS.attnctl, "attend", f"--target={server.target}",
+                                 "--batch=4", "--seq=64")
+            self.assertEqual(code, 1, out + err)
+            self.assertIn("RESOURCE_EXHAUSTED", err)
+            self.assertIn(f"over the server's limit of {limit} bytes "
+                          "(attnserve --max_receive_message_bytes)", err)
+            self.assertIn("raise the server's --max_receive_message_bytes", err)
+            self.assertIn("Received message larger than max (", err)
+            # A request under the limit still works, and the server lives on.
+            code, out, err = run(ARGS.attnctl, "attend", f"--target={server.target}",
+                                 "--batch=1", "--seq=4")
+            self.assertEqual(code, 0, err)
+            self.assertIsNone(server.proc.poll())
+        finally:
+            server.stop()
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--server", required=True)
+    parser.add_argument("--attnctl", required=True)
+    parser.add_argument("--proto_dir", required=True)
+    parser.add_argument("--repo", required=True)
+    parser.add_argument("--build_type", default="")
+    ARGS, rest = parser.parse_known_args()
+    with tempfile.TemporaryDirectory() as stubs:
+        generate_stubs(stubs, ARGS.proto_dir)
+        unittest.main(argv=[sys.argv[0], "-v", *rest])
+
+
+if __name__ == "__main__":
+    main()
