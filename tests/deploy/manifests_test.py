@@ -408,9 +408,12 @@ class Kustomizations(unittest.TestCase):
                         self.assertIn(part, node, f"{what}: {path}")
                         node = node[part]
 
-    def test_the_images_entry_sets_the_image_and_the_version_label_follows_its_tag(self):
+    def test_the_images_entry_sets_the_image_of_this_version_and_the_version_label_follows_its_tag(self):
         entries = kustomization("base")["images"]
         self.assertEqual(len(entries), 1)
+        with open(repo_path("CMakeLists.txt")) as f:
+            version = re.search(r"\bproject\(attnserve VERSION (\S+)", f.read()).group(1)
+        self.assertEqual(str(entries[0]["newTag"]), version, "the image's tag is the project's VERSION")
         with open(k8s_path("base", "deployment.yaml")) as f:
             raw = yaml.safe_load(f)["spec"]["template"]["spec"]["containers"][0]["image"]
         self.assertEqual(entries[0]["name"], raw, "the images: entry must name the container's image")
