@@ -11,33 +11,22 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "core/checked_math.h"
+#include "core/simd.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace attnserve::core {
 namespace {
 
-// Whether a small BF16 matmul gets a native oneDNN implementation here. On a
-// CPU without avx512_bf16 oneDNN either throws or picks a reference or
-// emulated kernel; both count as "no".
-bool ProbeBf16Matmul() {
-  const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
-  if (isa != dnnl::cpu_isa::avx512_core_bf16 && isa != dnnl::cpu_isa::avx512_core_amx) {
-    return false;
-  }
-  try {
-    using dt = dnnl::memory::data_type;
-    using tag = dnnl::memory::format_tag;
-    const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
-    const dnnl::memory::desc a({16, 32}, dt::bf16, tag::ab);
-    const dnnl::memory::desc b({32, 16}, dt::bf16, tag::ab);
-    const dnnl::memory::desc c({16, 16}, dt::f32, tag::ab);
-    const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), engine);
-    const std::string impl = pd.impl_info_str();
-    return impl.find("bf16") != std::string::npos || impl.find("amx") != std::string::npos;
-  } catch (const dnnl::error&) {
-    return false;
-  }
+#ifdef ATTNSERVE_X86_INTRINSICS
+// Whether oneDNN's effective ISA includes avx512_core_bf16 (cpu_isa values
+// are bit sets: an ISA includes those whose bits it has). It is the lesser of
+// the CPU's and a cap (ONEDNN_MAX_CPU_ISA, dnnl::set_max_cpu_isa).
+bool OneDnnIsaIncludesBf16() {
+  const auto effective = static_cast<unsigned>(dnnl::get_effective_cpu_isa());
+  const auto bf16 = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_bf16);
+  return (effective & bf16) == bf16;
 }
+#endif
 
 }  // namespace
 
@@ -117,8 +106,12 @@ std::string PrecisionName(Precision precision) {
 }
 
 bool Bf16Supported() {
-  static const bool supported = ProbeBf16Matmul();
+#ifdef ATTNSERVE_X86_INTRINSICS
+  static const bool supported = internal::CpuHasAvx512Bf16() && OneDnnIsaIncludesBf16();
   return supported;
+#else
+  return false;
+#endif
 }
 
 }  // namespace attnserve::core

@@ -107,7 +107,11 @@ enum class Precision {
 // "fp32" or "bf16".
 std::string PrecisionName(Precision precision);
 
-// True when this CPU runs oneDNN's BF16 matmul natively (avx512_bf16 / AMX).
+// Whether BF16 requests run in BF16: true exactly when the CPU has
+// AVX512-BF16 (with AVX-512 F/BW/DQ/VL; CPUs with AMX-BF16 have it too) and
+// oneDNN's ISA is not capped below avx512_core_bf16 (ONEDNN_MAX_CPU_ISA=AVX2
+// simulates a CPU without BF16). Elsewhere BF16 requests run in FP32 and say
+// so (ForwardInfo::precision). Checked once; thread-safe.
 bool Bf16Supported();
 
 // How the attention runs (see README "Attention paths").

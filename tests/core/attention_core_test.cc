@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/attention_test_util.h"
+#include "tests/core/cpu_features.h"
 #include "tests/core/reference_attention.h"
 #include "tests/core/status_matchers.h"
 
@@ -203,7 +204,7 @@ class AttentionCoreCases : public ::testing::TestWithParam<CoreCase> {
 TEST_P(AttentionCoreCases, Fp32MatchesReference) { Check(Precision::kFp32, kFp32Tolerance); }
 
 TEST_P(AttentionCoreCases, Bf16MatchesReference) {
-  if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
+  ATTNSERVE_SKIP_WITHOUT_BF16();
   Check(Precision::kBf16, kBf16Tolerance);
 }
 
@@ -212,7 +213,7 @@ TEST_P(AttentionCoreCases, Fp32BlockedMatchesReference) {
 }
 
 TEST_P(AttentionCoreCases, Bf16BlockedMatchesReference) {
-  if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
+  ATTNSERVE_SKIP_WITHOUT_BF16();
   Check(Precision::kBf16, kBf16Tolerance, /*blocked=*/true);
 }
 

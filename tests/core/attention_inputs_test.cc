@@ -1,18 +1,27 @@
 #include "core/attention_inputs.h"
 
 #include <cstdint>
+#include <cstdlib>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/core/cpu_features.h"
 #include "tests/core/status_matchers.h"
 
 namespace attnserve::core {
 namespace {
 
+using ::attnserve::testing::CpuInfoFlags;
+using ::attnserve::testing::CpuInfoHasAvx512Bf16;
+using ::attnserve::testing::IsaNameCapsBelowBf16;
 using ::attnserve::testing::IsOk;
+using ::attnserve::testing::MachineRunsBf16;
 using ::attnserve::testing::StatusIs;
 constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 
@@ -84,7 +93,40 @@ TEST(Precision, HasNames) {
   EXPECT_EQ(PrecisionName(Precision::kBf16), "bf16");
 }
 
-TEST(Precision, Bf16SupportIsStable) { EXPECT_EQ(Bf16Supported(), Bf16Supported()); }
+// The flags the tests read are the CPU's: /proc/cpuinfo parses, and agrees
+// with the compiler's own CPU check on flags that differ between the CPUs we
+// run on (AVX2, AVX-512F), so a reader that found nothing cannot pass for a
+// CPU without AVX512-BF16.
+TEST(CpuFeatures, CpuInfoFlagsAreTheCpus) {
+  const std::set<std::string> flags = CpuInfoFlags();
+  ASSERT_FALSE(flags.empty()) << "no flags line in /proc/cpuinfo";
+#if defined(__x86_64__)
+  EXPECT_EQ(flags.count("sse2"), 1u);
+  EXPECT_EQ(flags.count("avx2") == 1, static_cast<bool>(__builtin_cpu_supports("avx2")));
+  EXPECT_EQ(flags.count("avx512f") == 1, static_cast<bool>(__builtin_cpu_supports("avx512f")));
+#endif
+}
+
+TEST(CpuFeatures, IsaNamesBelowAvx512CoreBf16CapIt) {
+  for (const char* below : {"AVX2", "avx2", "SSE41", "AVX512_CORE", "AVX512_CORE_VNNI"}) {
+    EXPECT_TRUE(IsaNameCapsBelowBf16(below)) << below;
+  }
+  for (const char* not_below : {"ALL", "AVX512_CORE_BF16", "AVX512_CORE_AMX", "NO_SUCH_ISA", ""}) {
+    EXPECT_FALSE(IsaNameCapsBelowBf16(not_below)) << not_below;
+  }
+  EXPECT_FALSE(IsaNameCapsBelowBf16(nullptr));
+}
+
+// BF16 runs in BF16 exactly where the CPU has AVX512-BF16 (read above, apart
+// from the core's check) and ONEDNN_MAX_CPU_ISA does not cap oneDNN below it
+// on purpose; a probe that answered no on such a CPU would turn every BF16
+// test into a skip and every BF16 request into FP32.
+TEST(Precision, Bf16SupportedExactlyWhereTheCpuHasAvx512Bf16AndTheIsaIsNotCapped) {
+  const char* cap = std::getenv("ONEDNN_MAX_CPU_ISA");
+  SCOPED_TRACE(absl::StrCat("/proc/cpuinfo avx512_bf16: ", CpuInfoHasAvx512Bf16() ? "yes" : "no",
+                            ", ONEDNN_MAX_CPU_ISA=", cap == nullptr ? "(unset)" : cap));
+  EXPECT_EQ(Bf16Supported(), MachineRunsBf16());
+}
 
 }  // namespace
 }  // namespace attnserve::core

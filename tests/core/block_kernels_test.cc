@@ -17,6 +17,7 @@
 #include "core/bf16.h"
 #include "gtest/gtest.h"
 #include "tests/core/attention_test_util.h"
+#include "tests/core/cpu_features.h"
 
 namespace attnserve::core::internal {
 namespace {
@@ -55,9 +56,11 @@ struct Operand {
 class BlockKernels : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
-    if (!OwnBlockKernelsAvailable(GetParam(), 16)) {
-      GTEST_SKIP() << "the own block kernels need AVX-512" << (GetParam() ? " with BF16" : "");
-    }
+    ATTNSERVE_SKIP_UNLESS_AVAILABLE(
+        OwnBlockKernelsAvailable(GetParam(), 16),
+        GetParam() ? ::attnserve::testing::CpuInfoHasAvx512Bf16()
+                   : ::attnserve::testing::CpuInfoHasAvx512(),
+        GetParam() ? "the own BF16 block kernels (AVX512-BF16)" : "the own block kernels (AVX-512)");
   }
 };
 
@@ -166,6 +169,12 @@ TEST_P(BlockKernels, ValuesMatchDoublePrecision) {
       }
     }
   }
+}
+
+// Tied to the CPU (read from /proc/cpuinfo), not to oneDNN's ISA.
+TEST(BlockKernelsAvailability, RunWhereTheCpuHasAvx512AndForBf16Avx512Bf16) {
+  EXPECT_EQ(OwnBlockKernelsAvailable(false, 16), ::attnserve::testing::CpuInfoHasAvx512());
+  EXPECT_EQ(OwnBlockKernelsAvailable(true, 16), ::attnserve::testing::CpuInfoHasAvx512Bf16());
 }
 
 TEST(BlockKernelsAvailability, NeedHeadDimInSixteens) {

@@ -24,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "oneapi/dnnl/dnnl.hpp"
 #include "tests/core/attention_test_util.h"
+#include "tests/core/cpu_features.h"
 #include "tests/core/status_matchers.h"
 
 namespace attnserve::core {
@@ -147,7 +148,7 @@ class KernelImplementation : public ::testing::TestWithParam<Case> {};
 
 TEST_P(KernelImplementation, EveryPrimitiveRunsAJitImplementation) {
   const Case& c = GetParam();
-  if (c.precision == Precision::kBf16 && !Bf16Supported()) GTEST_SKIP() << "no native BF16";
+  if (c.precision == Precision::kBf16) ATTNSERVE_SKIP_WITHOUT_BF16();
   const std::map<std::string, int> implementations = Implementations(c);
   ASSERT_FALSE(implementations.empty()) << "oneDNN logged no execution";
   std::ostringstream seen;
@@ -168,13 +169,13 @@ TEST_P(KernelImplementation, EveryPrimitiveRunsAJitImplementation) {
 // in cross-attention, the query and the key/value matmul) and the output --
 // and nothing per block.
 TEST(KernelImplementation, OwnBlockKernelsLeaveOnlyTheProjectionsToOneDnn) {
-  if (!internal::OwnBlockKernelsAvailable(false, 16)) {
-    GTEST_SKIP() << "the own block kernels need AVX-512";
-  }
+  ATTNSERVE_SKIP_UNLESS_AVAILABLE(internal::OwnBlockKernelsAvailable(false, 16),
+                                  ::attnserve::testing::CpuInfoHasAvx512(),
+                                  "the own block kernels (AVX-512)");
   for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
     // BF16 where the CPU runs it natively and the own BF16 kernels run.
     if (precision == Precision::kBf16 &&
-        (!Bf16Supported() || !internal::OwnBlockKernelsAvailable(true, 16))) {
+        (!::attnserve::testing::Bf16CasesRun() || !internal::OwnBlockKernelsAvailable(true, 16))) {
       continue;
     }
     for (const bool cross : {false, true}) {

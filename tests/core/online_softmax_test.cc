@@ -17,6 +17,7 @@
 #include "core/bf16.h"
 #include "gtest/gtest.h"
 #include "tests/core/attention_test_util.h"
+#include "tests/core/cpu_features.h"
 
 namespace attnserve::core::internal {
 namespace {
@@ -48,6 +49,15 @@ const char* KernelName(SoftmaxKernel kernel) {
   return "?";
 }
 
+
+// Each row kernel runs exactly where /proc/cpuinfo shows what it needs, so
+// that none of them drops out of the tests below unnoticed.
+TEST(OnlineSoftmax, EachKernelRunsWhereTheCpuHasItsInstructions) {
+  EXPECT_TRUE(SoftmaxKernelRuns(SoftmaxKernel::kPortable));
+  EXPECT_EQ(SoftmaxKernelRuns(SoftmaxKernel::kAvx512), ::attnserve::testing::CpuInfoHasAvx512());
+  EXPECT_EQ(SoftmaxKernelRuns(SoftmaxKernel::kAvx512Bf16),
+            ::attnserve::testing::CpuInfoHasAvx512Bf16());
+}
 
 // FastExp's relative error: the polynomial's 4e-7 and the rounding of
 // x log2(e) to FP32, up to |x| 2^-24 log2(e) ln(2) = |x| 6e-8.

@@ -80,8 +80,11 @@ struct Attention {
   absl::Span<const float> head_mask;
 };
 
-// Fills maps, statistics (not contribution) and context_heads from r.q, r.k, r.v.
-void Attend(const core::HeadConfig& config, const Attention& a, ReferenceResult& r) {
+// Fills maps, statistics (not contribution) and context_heads from r.q, r.k,
+// r.v; with `bf16`, the P V product takes BF16 probabilities and the context
+// heads are rounded (see Bf16Operands).
+void Attend(const core::HeadConfig& config, const Attention& a, const Bf16Operands* bf16,
+            ReferenceResult& r) {
   const int64_t heads = config.num_heads;
   const int64_t kv_heads = config.num_kv_heads;
   const int64_t group = heads / kv_heads;
@@ -133,14 +136,28 @@ void Attend(const core::HeadConfig& config, const Attention& a, ReferenceResult&
         double* context_i = &r.context_heads[((b * heads + h) * s + i) * hd];
         double entropy = 0.0;
         double max_p = 0.0;
+        const bool relative_to_row_max =
+            bf16 != nullptr &&
+            bf16->probabilities == Bf16Operands::Probabilities::kRelativeToRowMax;
         for (int64_t j = 0; j < t; ++j) {
           const double p = scores[j] / sum * weight;
           p_row[j] = p;
           mean_row[j] += p / static_cast<double>(heads);
           if (p > 0.0) entropy -= p * std::log(p);
           max_p = std::max(max_p, p);
+          // What the P V product takes.
+          double p_v = p;
+          if (bf16 != nullptr) {
+            p_v = RoundToBf16(relative_to_row_max ? scores[j] : p, bf16->rounding);
+          }
           const double* v_j = &r.v[((b * kv_heads + g) * t + j) * hd];
-          for (int64_t e = 0; e < hd; ++e) context_i[e] += p * v_j[e];
+          for (int64_t e = 0; e < hd; ++e) context_i[e] += p_v * v_j[e];
+        }
+        if (relative_to_row_max) {
+          for (int64_t e = 0; e < hd; ++e) context_i[e] *= weight / sum;
+        }
+        if (bf16 != nullptr) {
+          for (int64_t e = 0; e < hd; ++e) context_i[e] = RoundToBf16(context_i[e], bf16->rounding);
         }
         r.entropy[b * heads + h] += entropy / static_cast<double>(a.q_lengths[b]);
         r.max_weight[b * heads + h] += max_p / static_cast<double>(a.q_lengths[b]);
@@ -155,27 +172,56 @@ std::vector<int64_t> Lengths(const core::SequenceLayout& layout) {
   return lengths;
 }
 
-}  // namespace
+// `values`, each rounded to BF16 (a BF16 value is an FP32 value too).
+std::vector<float> Rounded(absl::Span<const float> values, Bf16Rounding rounding) {
+  std::vector<float> rounded(values.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    rounded[i] = static_cast<float>(RoundToBf16(values[i], rounding));
+  }
+  return rounded;
+}
 
-ReferenceResult ReferenceLayer(const core::HeadConfig& config,
-                               const core::AttentionWeights& weights,
-                               const core::LayerInputs& inputs) {
+// ReferenceLayer, with BF16 operands where `bf16` is set.
+ReferenceResult Layer(const core::HeadConfig& config, const core::AttentionWeights& given_weights,
+                      const core::LayerInputs& inputs, const Bf16Operands* bf16) {
   const core::SequenceLayout& layout = inputs.layout;
   const bool cross = inputs.context_layout.has_value();
   const core::SequenceLayout& keys = cross ? *inputs.context_layout : layout;
-  const absl::Span<const float> c = cross ? inputs.context : inputs.hidden_states;
   const int64_t d = config.d_model;
   const int64_t heads = config.num_heads;
   const int64_t hd = config.head_dim;
   const int64_t kv_width = config.kv_width();
 
+  absl::Span<const float> hidden = inputs.hidden_states;
+  absl::Span<const float> context = cross ? inputs.context : inputs.hidden_states;
+  std::vector<float> hidden_bf16, context_bf16;
+  core::AttentionWeights rounded_weights;
+  if (bf16 != nullptr) {
+    hidden_bf16 = Rounded(hidden, bf16->rounding);
+    hidden = hidden_bf16;
+    if (cross) {
+      context_bf16 = Rounded(context, bf16->rounding);
+      context = context_bf16;
+    } else {
+      context = hidden;
+    }
+    rounded_weights = given_weights;
+    for (std::vector<float>* w : {&rounded_weights.w_q, &rounded_weights.w_k,
+                                  &rounded_weights.w_v, &rounded_weights.w_o}) {
+      *w = Rounded(*w, bf16->rounding);
+    }
+  }
+  const core::AttentionWeights& weights = bf16 != nullptr ? rounded_weights : given_weights;
+
   // Every row is projected, padding too (NaN there stays there, unused).
   const std::vector<double> q =
-      Linear(inputs.hidden_states, layout.rows(), d, weights.w_q, weights.b_q, config.q_width());
+      Linear(hidden, layout.rows(), d, weights.w_q, weights.b_q, config.q_width());
   // The context is context_dim wide (== d_model in self-attention).
   const int64_t c_width = config.context_dim;
-  const std::vector<double> k = Linear(c, keys.rows(), c_width, weights.w_k, weights.b_k, kv_width);
-  const std::vector<double> v = Linear(c, keys.rows(), c_width, weights.w_v, weights.b_v, kv_width);
+  const std::vector<double> k =
+      Linear(context, keys.rows(), c_width, weights.w_k, weights.b_k, kv_width);
+  const std::vector<double> v =
+      Linear(context, keys.rows(), c_width, weights.w_v, weights.b_v, kv_width);
 
   ReferenceResult r;
   core::RotaryConfig no_rotary;
@@ -184,6 +230,12 @@ ReferenceResult ReferenceLayer(const core::HeadConfig& config,
   r.k = HeadMajor(k, keys, config.num_kv_heads, hd, config.rotary,
                   cross ? absl::Span<const int64_t>() : inputs.position_offsets);
   r.v = HeadMajor(v, keys, config.num_kv_heads, hd, no_rotary, {});
+  if (bf16 != nullptr) {
+    // (Padding positions are 0 and stay 0.)
+    for (std::vector<double>* heads_of : {&r.q, &r.k, &r.v}) {
+      for (double& value : *heads_of) value = RoundToBf16(value, bf16->rounding);
+    }
+  }
 
   Attention a;
   a.batch = layout.batch();
@@ -194,7 +246,7 @@ ReferenceResult ReferenceLayer(const core::HeadConfig& config,
   a.causal = inputs.causal;
   a.mask = inputs.mask;
   a.head_mask = inputs.head_mask;
-  Attend(config, a, r);
+  Attend(config, a, bf16, r);
 
   // Concatenate the heads into token-major rows, project, and the
   // contribution of each head: ||head_h W^O_h||_F over a sequence's rows.
@@ -220,6 +272,32 @@ ReferenceResult ReferenceLayer(const core::HeadConfig& config,
   }
   for (double& value : r.contribution) value = std::sqrt(value);
   return r;
+}
+
+}  // namespace
+
+double RoundToBf16(double x, Bf16Rounding rounding) {
+  if (x == 0.0 || !std::isfinite(x)) return x;
+  int exponent = 0;
+  // x = fraction * 2^exponent, |fraction| in [1/2, 1): keep 8 bits of it.
+  const double significand = std::ldexp(std::frexp(x, &exponent), 8);
+  // nearbyint rounds to nearest, ties to even (the default rounding mode).
+  const double kept = rounding == Bf16Rounding::kNearestEven ? std::nearbyint(significand)
+                                                             : std::trunc(significand);
+  return std::ldexp(kept, exponent - 8);
+}
+
+ReferenceResult ReferenceLayer(const core::HeadConfig& config,
+                               const core::AttentionWeights& weights,
+                               const core::LayerInputs& inputs) {
+  return Layer(config, weights, inputs, nullptr);
+}
+
+ReferenceResult ReferenceLayerWithBf16Operands(const core::HeadConfig& config,
+                                               const core::AttentionWeights& weights,
+                                               const core::LayerInputs& inputs,
+                                               const Bf16Operands& bf16) {
+  return Layer(config, weights, inputs, &bf16);
 }
 
 ReferenceResult ReferenceCore(const core::HeadConfig& config, const core::CoreInputs& inputs) {
@@ -256,7 +334,7 @@ ReferenceResult ReferenceCore(const core::HeadConfig& config, const core::CoreIn
   a.causal = inputs.causal;
   a.mask = inputs.mask;
   a.head_mask = inputs.head_mask;
-  Attend(config, a, r);
+  Attend(config, a, nullptr, r);
   r.output = r.context_heads;
   return r;
 }

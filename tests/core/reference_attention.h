@@ -48,6 +48,43 @@ ReferenceResult ReferenceLayer(const core::HeadConfig& config,
                                const core::AttentionWeights& weights,
                                const core::LayerInputs& inputs);
 
+// How a value is rounded to BF16's 8 significant bits: to nearest, ties to
+// even (what the kernels do), or toward zero (truncation: a wrong kernel the
+// tests' negative controls stand for).
+enum class Bf16Rounding { kNearestEven, kTowardZero };
+
+// `x` rounded to BF16's 8 significant bits, in double (written from the
+// format, apart from core/bf16.h). 0, inf and NaN stay; x must lie in BF16's
+// normal range or be 0.
+double RoundToBf16(double x, Bf16Rounding rounding = Bf16Rounding::kNearestEven);
+
+// Where ReferenceLayerWithBf16Operands rounds, beyond the operands every BF16
+// path rounds (below).
+struct Bf16Operands {
+  Bf16Rounding rounding = Bf16Rounding::kNearestEven;
+  // Which probabilities the P V product takes in BF16.
+  enum class Probabilities {
+    // The materialized path: P = softmax(s) * head_mask[h], rounded.
+    kNormalized,
+    // The blocked path with one key block per query row: p_j = exp(s_j -
+    // max_j s_j), rounded, with the row's sum l of the unrounded p_j, and
+    // context = (sum_j p_j V_j) * head_mask[h] / l.
+    kRelativeToRowMax,
+  };
+  Probabilities probabilities = Probabilities::kNormalized;
+};
+
+// ReferenceLayer with BF16 where the BF16 layer has it, everything else in
+// double: rounded are the hidden states and the context, w_q, w_k, w_v and w_o
+// (biases stay), Q, K and V after the projections' bias and RoPE, the
+// probabilities as `bf16` says, and the context heads before the output
+// projection. `output` and `context_heads` are what those rounded operands
+// give; maps and statistics are the unrounded probabilities'.
+ReferenceResult ReferenceLayerWithBf16Operands(const core::HeadConfig& config,
+                                               const core::AttentionWeights& weights,
+                                               const core::LayerInputs& inputs,
+                                               const Bf16Operands& bf16);
+
 // The same attention on heads given already projected (core::CoreInputs).
 ReferenceResult ReferenceCore(const core::HeadConfig& config, const core::CoreInputs& inputs);
 

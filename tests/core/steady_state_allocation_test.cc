@@ -26,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "tests/benchmarks/allocation_counter.h"
 #include "tests/core/attention_test_util.h"
+#include "tests/core/cpu_features.h"
 #include "tests/core/reference_attention.h"
 #include "tests/core/status_matchers.h"
 
@@ -126,7 +127,7 @@ TEST(SteadyState, AllocationsPerForwardDoNotGrowWithSequenceLength) {
 // BF16 on the blocked path with query blocks of 128: both lengths read Q/K/V
 // in place from the BF16 projections, in key blocks of 16.
 TEST(SteadyState, Bf16AllocationsPerForwardDoNotGrowWithSequenceLength) {
-  if (!Bf16Supported()) GTEST_SKIP() << "no native BF16 on this CPU";
+  ATTNSERVE_SKIP_WITHOUT_BF16();
   for (const bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "bidirectional");
     const Counts short_run = CountForward(AttentionPath::kBlocked, 32, causal, Precision::kBf16,
