@@ -187,6 +187,27 @@ def bf16_round(array):
     return (rounded.astype(np.uint32) << 16).view(np.float32).reshape(np.shape(array))
 
 
+# oneDNN ISAs (ONEDNN_MAX_CPU_ISA values) below avx512_core_bf16.
+_ISAS_BELOW_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_MIC", "AVX512_MIC_4OPS",
+                    "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def machine_runs_bf16(environ=os.environ):
+    """Whether a server started with `environ` must run BF16 requests in BF16,
+    read apart from the server: /proc/cpuinfo shows AVX-512 F/BW/DQ/VL and
+    avx512_bf16, and ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA) does not cap
+    oneDNN below avx512_core_bf16 -- the rule core::Bf16Supported() follows."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    has = {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"} <= flags
+    cap = environ.get("ONEDNN_MAX_CPU_ISA", environ.get("DNNL_MAX_CPU_ISA", ""))
+    return has and cap.upper() not in _ISAS_BELOW_BF16
+
+
 def write_safetensors(path, tensors, metadata=None):
     """Writes a safetensors file: tensors maps name -> (array, dtype) with dtype
     "F32", "F16" or "BF16" (values converted from the array, rounded to nearest

@@ -234,7 +234,7 @@ class ModelRepositoryTest(unittest.TestCase):
         torch = self.torch
         for name, (cfg, w, causal) in self.expected.items():
             with self.subTest(name):
-                info = self.stub.GetModel(self.pb.GetModelRequest(name=name), metadata=self.md(), timeout=10)
+                info = self.stub.GetModel(self.pb.GetModelRequest(name=name), metadata=self.md(), timeout=60)
                 self.assertEqual(info.state, self.pb.MODEL_STATE_READY, info.failure_reason)
                 self.assertEqual(info.causal, causal)
                 d = info.head_config.d_model
@@ -258,7 +258,7 @@ class ModelRepositoryTest(unittest.TestCase):
     def test_each_corrupt_checkpoint_fails_with_its_reason_and_others_answer(self):
         pb = self.pb
         models = {m.name: m for m in self.stub.ListModels(pb.ListModelsRequest(), metadata=self.md(),
-                                                          timeout=10).models}
+                                                          timeout=60).models}
         x = np.zeros((1, 2, 32), np.float32)
         for name, reason in self.corrupt.items():
             with self.subTest(name):
@@ -319,7 +319,7 @@ class ModelRepositoryTest(unittest.TestCase):
                 times.append(time.monotonic() - start)
                 self.assertEqual(r.model.state, self.pb.MODEL_STATE_READY)
                 self.stub.UnloadModel(self.pb.UnloadModelRequest(name=name), metadata=self.md(ADMIN_TOKEN),
-                                      timeout=10)
+                                      timeout=60)
             print(f"  LoadModel {name} ({size / 2**20:.0f} MiB file, 12 layers, layer 3 loaded): "
                   f"median {sorted(times)[1] * 1000:.1f} ms of {[round(t * 1000, 1) for t in times]} "
                   f"(written in {written:.1f} s)", file=sys.stderr)
