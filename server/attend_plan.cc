@@ -33,12 +33,22 @@ absl::Status Invalid(absl::string_view field, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
 }
 
+// A fixed limit of this server: a request over it can never succeed here,
+// however idle the server is, so it is the request's fault (INVALID_ARGUMENT),
+// not load (RESOURCE_EXHAUSTED, which says "retry later"). `instead` says what
+// to send instead.
 absl::Status OverLimit(absl::string_view what, int64_t value, int64_t limit,
-                       absl::string_view flag) {
+                       absl::string_view flag, absl::string_view instead) {
   if (value <= limit) return absl::OkStatus();
-  return absl::ResourceExhaustedError(
-      absl::StrCat(what, ": ", value, " is over this server's limit of ", limit, " (--", flag, ")"));
+  return absl::InvalidArgumentError(absl::StrCat(what, ": ", value,
+                                                 " is over this server's limit of ", limit, " (--",
+                                                 flag, "); ", instead));
 }
+
+constexpr absl::string_view kFewerSequences =
+    "send at most that many sequences per request (split the batch)";
+constexpr absl::string_view kShorterSequences =
+    "send sequences of at most that many tokens (split or truncate them)";
 
 // Prefixes a status' message with `field` (for errors from core helpers that
 // name fields relative to a message, e.g. "head_config.num_heads: ...").
@@ -83,10 +93,10 @@ absl::StatusOr<core::SequenceLayout> MakeLayout(const TensorSpec& spec, absl::st
   // is known to be small.
   if (spec.shape.size() == 3) {  // padded [batch, seq, d_model]
     const int64_t batch = spec.shape[0], seq = spec.shape[1];
-    ATTNSERVE_RETURN_IF_ERROR(
-        OverLimit(absl::StrCat(field, ".shape[0] (batch)"), batch, limits.max_batch, "max_batch"));
-    ATTNSERVE_RETURN_IF_ERROR(
-        OverLimit(absl::StrCat(field, ".shape[1] (seq)"), seq, limits.max_seq_len, "max_seq_len"));
+    ATTNSERVE_RETURN_IF_ERROR(OverLimit(absl::StrCat(field, ".shape[0] (batch)"), batch,
+                                        limits.max_batch, "max_batch", kFewerSequences));
+    ATTNSERVE_RETURN_IF_ERROR(OverLimit(absl::StrCat(field, ".shape[1] (seq)"), seq,
+                                        limits.max_seq_len, "max_seq_len", kShorterSequences));
     if (!lengths.empty()) {
       if (lengths.size() != batch) {
         return Invalid(lengths_field, absl::StrCat(lengths.size(), " lengths for a batch of ", batch));
@@ -101,8 +111,8 @@ absl::StatusOr<core::SequenceLayout> MakeLayout(const TensorSpec& spec, absl::st
     return core::SequenceLayout::Padded(batch, seq,
                                         std::vector<int64_t>(lengths.begin(), lengths.end()));
   }
-  // packed [tokens, d_model]: first whether the lengths fit the tokens
-  // (INVALID_ARGUMENT), then the limits (RESOURCE_EXHAUSTED).
+  // packed [tokens, d_model]: first whether the lengths fit the tokens, then
+  // the limits (both INVALID_ARGUMENT; the messages differ).
   const int64_t tokens = spec.shape[0];
   if (lengths.empty()) {
     return Invalid(lengths_field,
@@ -125,10 +135,10 @@ absl::StatusOr<core::SequenceLayout> MakeLayout(const TensorSpec& spec, absl::st
                    absl::StrCat("sum to ", total, ", but ", field, " has ", tokens, " tokens"));
   }
   ATTNSERVE_RETURN_IF_ERROR(OverLimit(absl::StrCat(lengths_field, " (sequences)"), lengths.size(),
-                                      limits.max_batch, "max_batch"));
+                                      limits.max_batch, "max_batch", kFewerSequences));
   for (int b = 0; b < lengths.size(); ++b) {
     ATTNSERVE_RETURN_IF_ERROR(OverLimit(absl::StrCat(lengths_field, "[", b, "]"), lengths[b],
-                                        limits.max_seq_len, "max_seq_len"));
+                                        limits.max_seq_len, "max_seq_len", kShorterSequences));
   }
   return core::SequenceLayout::Packed(std::vector<int64_t>(lengths.begin(), lengths.end()));
 }
@@ -252,8 +262,11 @@ absl::Status PlanSource(const v1::AttendRequest& request, const ModelRegistry& r
       break;
   }
   if (layer.weights_case() != v1::LayerSpec::WEIGHTS_NOT_SET) {
-    ATTNSERVE_RETURN_IF_ERROR(OverLimit("layer (weight bytes as FP32)", weight_elements * 4,
-                                        limits.max_adhoc_weight_bytes, "max_adhoc_weight_bytes"));
+    ATTNSERVE_RETURN_IF_ERROR(OverLimit(
+        "layer (weight bytes as FP32)", weight_elements * 4, limits.max_adhoc_weight_bytes,
+        "max_adhoc_weight_bytes",
+        "send a layer with a smaller d_model or fewer or narrower heads, or serve a layer this "
+        "large as a model (--model_repository)"));
   }
   plan.adhoc = std::move(adhoc);
   return absl::OkStatus();
@@ -485,7 +498,7 @@ absl::Status PlanMaps(const v1::AttendRequest& request, const RequestLimits& lim
       core::AttentionMapElements(plan.config, plan.queries, plan.keys, plan.maps);
   std::optional<int64_t> bytes = elements ? core::CheckedMul(*elements, sizeof(float)) : std::nullopt;
   if (!bytes || *bytes > limits.max_attention_map_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return absl::InvalidArgumentError(absl::StrCat(
         "attention_maps: ", bytes ? absl::StrCat(*bytes, " bytes") : "more bytes than int64",
         " is over this server's limit of ", limits.max_attention_map_bytes,
         " (--max_attention_map_bytes); ask for mean maps, some heads (attention_maps.heads) or "
@@ -532,8 +545,9 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
   ATTNSERVE_RETURN_IF_ERROR(PlanOptions(request, plan));
   ATTNSERVE_RETURN_IF_ERROR(PlanMaps(request, limits, plan));
   const double scratch = EstimateScratchBytes(plan);
+  // Every check from here on is of a fixed limit, like OverLimit's.
   if (scratch > static_cast<double>(limits.max_scratch_bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return absl::InvalidArgumentError(absl::StrCat(
         "request: needs about ", static_cast<int64_t>(scratch / (1 << 20)),
         " MiB of compute scratch, over this server's limit of ", limits.max_scratch_bytes >> 20,
         " MiB (--max_scratch_bytes); send fewer or shorter sequences, or a layer with fewer or "
@@ -549,7 +563,7 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
   const int64_t response_bytes = (plan.output_elements + plan.map_elements) * value_bytes +
                                  statistics * int64_t{sizeof(float)} + kResponseFramingBytes;
   if (response_bytes > max_response_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return absl::InvalidArgumentError(absl::StrCat(
         "response: ", response_bytes, " bytes of output and maps is over this server's limit of ",
         max_response_bytes,
         " (--max_send_message_bytes); send fewer sequences, ask for fewer maps, or ask for BF16 "
@@ -557,7 +571,7 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
   }
   if (plan.float_data_response &&
       std::max(plan.output_elements, plan.map_elements) > std::numeric_limits<int>::max()) {
-    return absl::ResourceExhaustedError(
+    return absl::InvalidArgumentError(
         "response: too many values for float_data; send the input as raw_data");
   }
 
@@ -575,7 +589,7 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
       4.0 * (input_elements + static_cast<double>(plan.output_elements + plan.map_elements)) +
       scratch + static_cast<double>(response_bytes);
   if (memory > static_cast<double>(limits.max_request_bytes)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return absl::InvalidArgumentError(absl::StrCat(
         "request: needs about ", static_cast<int64_t>(memory / (1 << 20)),
         " MiB (inputs, activations, scores, maps and response), over this server's limit of ",
         limits.max_request_bytes >> 20,

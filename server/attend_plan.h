@@ -71,12 +71,18 @@ struct AttendPlan {
 // Validates `request` against the registry and the limits before anything is
 // allocated from its sizes:
 //   INVALID_ARGUMENT   a malformed field, or fields that do not fit together
-//                      (the message names the field)
+//                      (the message names the field); or a request this
+//                      server can never serve as configured: a size over
+//                      `limits`, an estimated scratch over
+//                      limits.max_scratch_bytes or memory_bytes over
+//                      limits.max_request_bytes, a response over
+//                      max_response_bytes (the message names the limit, its
+//                      flag and what to ask for instead)
 //   NOT_FOUND          the model is not loaded
-//   RESOURCE_EXHAUSTED a size over `limits`, a response over
-//                      max_response_bytes, or an estimated memory_bytes over
-//                      limits.max_request_bytes (the message says what to
-//                      ask for instead)
+//   UNAVAILABLE, FAILED_PRECONDITION  the model is loading, or its load
+//                      failed (ModelRegistry::Find)
+// Never RESOURCE_EXHAUSTED: that is for load (the scheduler's queue and
+// in-flight budget), which may pass.
 absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
                                       const ModelRegistry& registry, const RequestLimits& limits,
                                       int64_t max_response_bytes);

@@ -37,10 +37,12 @@ Scheduler::Scheduler(const SchedulerOptions& options, ComputeExecutor* executor,
     : options_(options), executor_(executor), run_batch_(std::move(run_batch)) {}
 
 absl::Status Scheduler::Submit(std::unique_ptr<ScheduledWork> work) {
+  // More than the whole budget can never be admitted, however idle the server
+  // is: the request's fault, not load.
   if (work->memory_bytes > options_.max_inflight_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
+    return absl::InvalidArgumentError(absl::StrCat(
         "request: needs about ", work->memory_bytes >> 20,
-        " MiB, more than this server's in-flight memory budget of ",
+        " MiB, more than this server's whole in-flight memory budget of ",
         options_.max_inflight_bytes >> 20,
         " MiB (--max_inflight_bytes); send fewer or shorter sequences, ask for fewer maps "
         "(attention_maps.heads), a subset of rows (attention_maps.query_rows) or head_statistics "

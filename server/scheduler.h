@@ -34,7 +34,9 @@ struct SchedulerOptions {
   // queued when the executor is free (no waiting).
   absl::Duration max_queue_delay = absl::ZeroDuration();
   // Bytes that admitted requests (queued or running) may reserve together
-  // (ScheduledWork::memory_bytes); over it a Submit is refused.
+  // (ScheduledWork::memory_bytes); a Submit that does not fit beside them is
+  // refused (RESOURCE_EXHAUSTED), one larger than all of it too
+  // (INVALID_ARGUMENT: it never fits).
   int64_t max_inflight_bytes = int64_t{6} << 30;
 };
 
@@ -105,9 +107,12 @@ class Scheduler {
   // Admits `work` (setting its `enqueued` time). On refusal the work is
   // returned to nobody: it is destroyed without Skip, and the caller answers
   // with the status:
+  //   INVALID_ARGUMENT    its memory_bytes is over the whole in-flight budget
+  //                       (max_inflight_bytes): it could never be admitted
   //   RESOURCE_EXHAUSTED  the queue is full (after sweeping out cancelled and
   //                       expired requests), or its memory_bytes does not fit
-  //                       the in-flight budget (the message says which)
+  //                       beside what admitted requests reserve (the message
+  //                       says which); either may pass later
   //   UNAVAILABLE         the executor is shutting down
   absl::Status Submit(std::unique_ptr<ScheduledWork> work);
 

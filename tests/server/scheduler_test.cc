@@ -24,14 +24,19 @@ struct Record {
 
 class TestWork : public ScheduledWork {
  public:
+  // `polled`, when given, counts the scheduler's IsCancelled polls (it polls
+  // queued work when it sweeps the queue).
   TestWork(int id, uint64_t key, int64_t tokens, Record* record,
-           const std::atomic<bool>* cancelled = nullptr)
-      : id_(id), record_(record), cancelled_(cancelled) {
+           const std::atomic<bool>* cancelled = nullptr, std::atomic<int>* polled = nullptr)
+      : id_(id), record_(record), cancelled_(cancelled), polled_(polled) {
     batch_key = key;
     this->tokens = tokens;
   }
   int id() const { return id_; }
-  bool IsCancelled() const override { return cancelled_ != nullptr && cancelled_->load(); }
+  bool IsCancelled() const override {
+    if (polled_ != nullptr) ++*polled_;
+    return cancelled_ != nullptr && cancelled_->load();
+  }
   void Skip(absl::Status status) override {
     absl::MutexLock lock(&record_->mu);
     record_->skipped.emplace_back(id_, status.code());
@@ -41,6 +46,7 @@ class TestWork : public ScheduledWork {
   const int id_;
   Record* const record_;
   const std::atomic<bool>* const cancelled_;
+  std::atomic<int>* const polled_;
 };
 
 // An executor and a scheduler that record each batch.
@@ -121,9 +127,11 @@ TEST(Scheduler, KeyZeroAndNoBudgetRunEveryRequestAlone) {
 TEST(Scheduler, ExpiredDeadlineIsSkippedWithoutRunning) {
   Fixture f({});
   auto release = f.Block();
-  ASSERT_TRUE(f.Submit(1, 7, 10, absl::Now() + absl::Milliseconds(1)).ok());
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(1);
+  ASSERT_TRUE(f.Submit(1, 7, 10, deadline).ok());
   ASSERT_TRUE(f.Submit(2, 7, 10).ok());
-  absl::SleepFor(absl::Milliseconds(5));  // 1 expires while the executor is busy
+  // 1 expires while the executor is busy.
+  while (absl::Now() <= deadline) absl::SleepFor(absl::Milliseconds(1));
   release->Notify();
   f.executor->Shutdown();
   absl::MutexLock lock(&f.record.mu);
@@ -173,27 +181,44 @@ TEST(Scheduler, CancelledRequestReleasesItsSlot) {
 
 TEST(Scheduler, InflightMemoryBudgetIsReservedAtAdmissionAndReleasedAfterwards) {
   Fixture f({.max_inflight_bytes = 1000});
+  // More than the whole budget never fits: the request's fault, not load.
   const absl::Status too_big = f.Submit(1, 7, 10, absl::InfiniteFuture(), nullptr, 1001);
-  EXPECT_EQ(too_big.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(too_big.code(), absl::StatusCode::kInvalidArgument) << too_big;
   EXPECT_NE(too_big.message().find("--max_inflight_bytes"), absl::string_view::npos) << too_big;
   auto release = f.Block();
   ASSERT_TRUE(f.Submit(2, 7, 10, absl::InfiniteFuture(), nullptr, 600).ok());
   EXPECT_EQ(f.scheduler->reserved_bytes(), 600);
+  // What fits the budget but not beside what is reserved is load: later it fits.
   const absl::Status busy = f.Submit(3, 7, 10, absl::InfiniteFuture(), nullptr, 600);
   EXPECT_EQ(busy.code(), absl::StatusCode::kResourceExhausted) << busy;
+  EXPECT_NE(busy.message().find("budget is taken"), absl::string_view::npos) << busy;
   ASSERT_TRUE(f.Submit(4, 7, 10, absl::InfiniteFuture(), nullptr, 400).ok());
   EXPECT_EQ(f.scheduler->reserved_bytes(), 1000);
   release->Notify();
   f.executor->Shutdown();
   EXPECT_EQ(f.scheduler->reserved_bytes(), 0);
+  {
+    absl::MutexLock lock(&f.record.mu);
+    const std::vector<std::vector<int>> expected = {{2, 4}};
+    EXPECT_EQ(f.record.batches, expected);
+  }
 }
 
 TEST(Scheduler, QueueDelayHoldsABatchOpenUntilTheBudgetIsReached) {
   // A delay far longer than the test: the batch starts only because the
   // second request fills the budget.
   Fixture f({.max_batch_tokens = 200, .max_queue_delay = absl::Seconds(60)});
-  ASSERT_TRUE(f.Submit(1, 7, 100).ok());
-  absl::SleepFor(absl::Milliseconds(20));
+  std::atomic<int> polled{0};
+  auto first = std::make_unique<TestWork>(1, 7, 100, &f.record, nullptr, &polled);
+  ASSERT_TRUE(f.scheduler->Submit(std::move(first)).ok());
+  // The executor has swept the queue (it polls 1 there): it holds the lock
+  // from that sweep until it waits for the batch to fill, so the next Submit
+  // comes while the batch is held open.
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (polled.load() == 0) {
+    ASSERT_LT(absl::Now(), give_up) << "the executor never looked at the queue";
+    absl::SleepFor(absl::Milliseconds(1));
+  }
   ASSERT_TRUE(f.Submit(2, 7, 100).ok());
   f.executor->Shutdown();
   absl::MutexLock lock(&f.record.mu);
