@@ -106,10 +106,20 @@ std::string CodeName(absl::StatusCode code) {
   return name.empty() ? "UNKNOWN" : name;
 }
 
-// The kernel paths core can report on this CPU (core::ForwardInfo).
+// The kernel paths core can report on this CPU (core::ForwardInfo's
+// "<precision>/<attention path>"): every precision that runs here (BF16 only
+// where core::Bf16Supported; elsewhere BF16 requests run and report FP32) on
+// each attention path, the blocked one being the default for requests without
+// maps or statistics.
 std::vector<std::string> KernelPaths() {
-  std::vector<std::string> paths = {"fp32/materialized"};
-  if (core::Bf16Supported()) paths.push_back("bf16/materialized");
+  std::vector<core::Precision> precisions = {core::Precision::kFp32};
+  if (core::Bf16Supported()) precisions.push_back(core::Precision::kBf16);
+  std::vector<std::string> paths;
+  for (core::Precision precision : precisions) {
+    for (absl::string_view path : {"blocked", "materialized"}) {
+      paths.push_back(absl::StrCat(core::PrecisionName(precision), "/", path));
+    }
+  }
   return paths;
 }
 

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -27,6 +28,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "core/attention_inputs.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/access_log.h"
@@ -167,6 +169,18 @@ HttpResponse HttpGet(int port, absl::string_view path) {
 
 constexpr absl::string_view kDuration = "attnserve_request_duration_seconds";
 
+// The kernel paths a response can name on this CPU (core::ForwardInfo), as
+// this test expects them: FP32, and BF16 where it runs natively, each on the
+// blocked and the materialized path.
+std::vector<std::string> KernelPathsOfThisCpu() {
+  std::vector<std::string> paths = {"fp32/blocked", "fp32/materialized"};
+  if (core::Bf16Supported()) {
+    paths.push_back("bf16/blocked");
+    paths.push_back("bf16/materialized");
+  }
+  return paths;
+}
+
 core::HeadConfig SmallConfig() {
   core::HeadConfig config;
   config.d_model = 64;
@@ -194,13 +208,19 @@ TEST(Metrics, ServesTheRegistryAndProcessMetricsOverHttpOnAnEphemeralPort) {
 TEST(Metrics, StopsWithoutWaitingForTheListenersPollRound) {
   // civetweb's listener polls in 2 s rounds; Metrics wakes it on the way out
   // (about 0.1 s). The GET just before starts a fresh round, so without the
-  // wake the stop would take the whole 2 s: the bound sits between the two.
-  auto metrics = Metrics::Create({.address = "127.0.0.1:0"});
-  ASSERT_TRUE(metrics.ok()) << metrics.status();
-  EXPECT_THAT(HttpGet((*metrics)->port(), "/metrics").status_line, HasSubstr("200"));
-  const absl::Time start = absl::Now();
-  metrics->reset();
-  EXPECT_LT(absl::Now() - start, absl::Milliseconds(1500));
+  // wake every stop would take about the whole 2 s. What is a property of
+  // time can only be observed in time: a stop under 1.5 s proves the wake,
+  // and a busy machine gets five tries to show one.
+  absl::Duration fastest = absl::InfiniteDuration();
+  for (int attempt = 0; attempt < 5 && fastest >= absl::Milliseconds(1500); ++attempt) {
+    auto metrics = Metrics::Create({.address = "127.0.0.1:0"});
+    ASSERT_TRUE(metrics.ok()) << metrics.status();
+    EXPECT_THAT(HttpGet((*metrics)->port(), "/metrics").status_line, HasSubstr("200"));
+    const absl::Time start = absl::Now();
+    metrics->reset();
+    fastest = std::min(fastest, absl::Now() - start);
+  }
+  EXPECT_LT(fastest, absl::Milliseconds(1500));
 }
 
 TEST(Metrics, BuildInfoNamesTheVersionOneDnnAndTheIsa) {
@@ -271,9 +291,12 @@ TEST(Metrics, AddedModelsHaveEverySeriesAtZeroAndAnInfoSeries) {
   EXPECT_EQ(exposition.Count(kDuration, {{"method", "Attend"}, {"model", "small"}, {"code", "OK"}}),
             0);
   EXPECT_EQ(exposition.Count("attnserve_queue_wait_seconds", {{"model", "small"}}), 0);
-  EXPECT_EQ(exposition.Count("attnserve_compute_seconds",
-                             {{"model", "small"}, {"kernel_path", "fp32/materialized"}}),
-            0);
+  for (const std::string& path : KernelPathsOfThisCpu()) {
+    EXPECT_EQ(exposition.Count("attnserve_compute_seconds",
+                               {{"model", "small"}, {"kernel_path", path}}),
+              0)
+        << path;
+  }
   EXPECT_EQ(exposition.Count("attnserve_batch_size", {{"model", "small"}}), 0);
   EXPECT_EQ(exposition.Count("attnserve_batch_tokens", {{"model", "small"}}), 0);
   EXPECT_EQ(exposition.Value("attnserve_tokens_total", {{"model", "small"}}), 0);
@@ -514,9 +537,21 @@ TEST_F(MetricsServerTest, SeriesOfTheBuiltinModelExistBeforeAnyRequest) {
       exposition.Count(kDuration, {{"method", "GetModel"}, {"model", "default"}, {"code", "OK"}}),
       0);
   EXPECT_EQ(exposition.Count("attnserve_queue_wait_seconds", {{"model", "default"}}), 0);
-  EXPECT_EQ(exposition.Count("attnserve_compute_seconds",
-                             {{"model", "default"}, {"kernel_path", "fp32/materialized"}}),
-            0);
+  // Every kernel path this CPU runs, the default blocked path first among them.
+  for (const std::string& path : KernelPathsOfThisCpu()) {
+    for (const char* model : {"default", ""}) {
+      EXPECT_EQ(exposition.Count("attnserve_compute_seconds",
+                                 {{"model", model}, {"kernel_path", path}}),
+                0)
+          << model << " " << path;
+    }
+  }
+  // And no other: a series no request can move would be noise.
+  int compute_series = 0;
+  for (const Sample& s : exposition.samples()) {
+    if (s.name == "attnserve_compute_seconds_count") ++compute_series;
+  }
+  EXPECT_EQ(compute_series, 2 * static_cast<int>(KernelPathsOfThisCpu().size()));
   EXPECT_EQ(exposition.Count("attnserve_batch_size", {{"model", "default"}}), 0);
   EXPECT_EQ(exposition.Count("attnserve_batch_tokens", {{"model", "default"}}), 0);
   EXPECT_EQ(exposition.Value("attnserve_tokens_total", {{"model", "default"}}), 0);
@@ -546,6 +581,38 @@ TEST_F(MetricsServerTest, SeriesOfTheBuiltinModelExistBeforeAnyRequest) {
   }
 }
 
+TEST_F(MetricsServerTest, EveryKernelPathARequestRunsOnHadItsComputeSeriesFromStartUp) {
+  // The series made at start-up, and the paths real requests report (core
+  // names them): FP32 and BF16, without maps (blocked) and with (materialized).
+  std::vector<std::string> at_start_up;
+  const Exposition start_up = Scrape();
+  for (const Sample& s : start_up.samples()) {
+    if (s.name == "attnserve_compute_seconds_count" && s.labels.at("model") == "default") {
+      at_start_up.push_back(s.labels.at("kernel_path"));
+    }
+  }
+  // Where BF16 does not run natively, BF16 requests run (and report) FP32.
+  std::map<std::string, int> reported;
+  for (v1::Precision precision : {v1::PRECISION_FP32, v1::PRECISION_BF16}) {
+    for (v1::AttentionMapMode maps : {v1::ATTENTION_MAP_MODE_NONE, v1::ATTENTION_MAP_MODE_MEAN}) {
+      v1::AttendRequest request = Request(1, 4);
+      request.set_precision(precision);
+      request.mutable_attention_maps()->set_mode(maps);
+      v1::AttendResponse response;
+      ASSERT_EQ(Attend(request, &response), grpc::StatusCode::OK);
+      const int runs = ++reported[response.kernel_path()];
+      EXPECT_EQ(Scrape().Count("attnserve_compute_seconds",
+                               {{"model", "default"}, {"kernel_path", response.kernel_path()}}),
+                runs)
+          << response.kernel_path();
+    }
+  }
+  std::vector<std::string> reported_paths;
+  for (const auto& [path, runs] : reported) reported_paths.push_back(path);
+  std::sort(at_start_up.begin(), at_start_up.end());
+  EXPECT_EQ(reported_paths, at_start_up);
+}
+
 TEST_F(MetricsServerTest, CountersAndHistogramsMoveByExactlyTheCallsMade) {
   // 3 OK: [1, 4] (4 tokens); [2, 3] with per-head maps (6 tokens, 2 x 12 x 3 x
   // 3 floats of maps); [2, 3] with lengths 2 and 3 (5 tokens).
@@ -557,7 +624,8 @@ TEST_F(MetricsServerTest, CountersAndHistogramsMoveByExactlyTheCallsMade) {
   ragged.add_sequence_lengths(2);
   ragged.add_sequence_lengths(3);
   EXPECT_EQ(Attend(ragged), grpc::StatusCode::OK);
-  // 2 INVALID_ARGUMENT (for model "default"), 1 NOT_FOUND, 1 RESOURCE_EXHAUSTED.
+  // 3 INVALID_ARGUMENT (for model "default"; a batch over --max_batch is one:
+  // a fixed limit, not load), 1 NOT_FOUND.
   EXPECT_EQ(Attend(Request(1, 4, 32)), grpc::StatusCode::INVALID_ARGUMENT);
   v1::AttendRequest no_input = Request(1, 4);
   no_input.clear_hidden_states();
@@ -565,7 +633,7 @@ TEST_F(MetricsServerTest, CountersAndHistogramsMoveByExactlyTheCallsMade) {
   v1::AttendRequest unknown = Request(1, 4);
   unknown.set_model("client-chosen-name-7f3a");
   EXPECT_EQ(Attend(unknown), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(Attend(Request(5, 2)), grpc::StatusCode::RESOURCE_EXHAUSTED);  // max_batch 4
+  EXPECT_EQ(Attend(Request(5, 2)), grpc::StatusCode::INVALID_ARGUMENT);  // max_batch 4
   // GetModel: 1 OK, 1 NOT_FOUND; ListModels: 1 OK.
   EXPECT_EQ(GetModel("default"), grpc::StatusCode::OK);
   EXPECT_EQ(GetModel("client-chosen-name-7f3a"), grpc::StatusCode::NOT_FOUND);
@@ -580,9 +648,9 @@ TEST_F(MetricsServerTest, CountersAndHistogramsMoveByExactlyTheCallsMade) {
     return e.Value("attnserve_requests_total", {{"method", method}, {"code", code}});
   };
   EXPECT_EQ(requests("Attend", "OK"), 3);
-  EXPECT_EQ(requests("Attend", "INVALID_ARGUMENT"), 2);
+  EXPECT_EQ(requests("Attend", "INVALID_ARGUMENT"), 3);
   EXPECT_EQ(requests("Attend", "NOT_FOUND"), 1);
-  EXPECT_EQ(requests("Attend", "RESOURCE_EXHAUSTED"), 1);
+  EXPECT_EQ(requests("Attend", "RESOURCE_EXHAUSTED"), 0);
   EXPECT_EQ(requests("Attend", "UNAVAILABLE"), 0);
   EXPECT_EQ(requests("GetModel", "OK"), 1);
   EXPECT_EQ(requests("GetModel", "NOT_FOUND"), 1);
@@ -592,8 +660,8 @@ TEST_F(MetricsServerTest, CountersAndHistogramsMoveByExactlyTheCallsMade) {
     return e.Count(kDuration, {{"method", method}, {"model", model}, {"code", code}});
   };
   EXPECT_EQ(duration("Attend", "default", "OK"), 3);
-  EXPECT_EQ(duration("Attend", "default", "INVALID_ARGUMENT"), 2);
-  EXPECT_EQ(duration("Attend", "default", "RESOURCE_EXHAUSTED"), 1);
+  EXPECT_EQ(duration("Attend", "default", "INVALID_ARGUMENT"), 3);
+  EXPECT_EQ(duration("Attend", "default", "RESOURCE_EXHAUSTED"), 0);
   EXPECT_EQ(duration("Attend", "", "NOT_FOUND"), 1);  // an unknown name is no label
   EXPECT_EQ(duration("GetModel", "default", "OK"), 1);
   EXPECT_EQ(duration("GetModel", "", "NOT_FOUND"), 1);
