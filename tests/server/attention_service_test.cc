@@ -2,6 +2,8 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -13,13 +15,18 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "server/attend_plan.h"
+#include "server/attention_service.h"
 #include "server/attn_server.h"
+#include "server/model_registry.h"
+#include "tests/server/blockable_server.h"
 
 namespace attnserve::server {
 namespace {
@@ -296,6 +303,7 @@ struct BadRequest {
   std::function<void(v1::AttendRequest&)> corrupt;
   grpc::StatusCode code;
   std::string field;  // the message must name it
+  std::string flag = "";  // and, for a limit of this server, the flag that sets it
 };
 
 TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) {
@@ -464,7 +472,7 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
          for (int64_t d : {1, 64, 1}) r.mutable_hidden_states()->add_shape(d);
          r.mutable_hidden_states()->set_raw_data(std::string(64 * 4, '\0'));
        },
-       grpc::StatusCode::RESOURCE_EXHAUSTED, "max_scratch_bytes"},
+       grpc::StatusCode::INVALID_ARGUMENT, "request: needs about", "--max_scratch_bytes"},
       {"packed lengths beyond the tokens are invalid, not over a limit",
        [&](auto& r) {
          set_shape(r, {8, 768});
@@ -486,8 +494,8 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
        },
        grpc::StatusCode::INVALID_ARGUMENT, "hidden_states: sequence 0 holds nan at position 1"},
       {"seeded layer over the weight limit",
-       [](auto& r) { SetAdHoc(r, 8192, 64, 0, 0, 0); }, grpc::StatusCode::RESOURCE_EXHAUSTED,
-       "layer"},
+       [](auto& r) { SetAdHoc(r, 8192, 64, 0, 0, 0); }, grpc::StatusCode::INVALID_ARGUMENT,
+       "layer (weight bytes as FP32)", "--max_adhoc_weight_bytes"},
       {"hidden states and projected heads",
        [](auto& r) { r.mutable_projected()->mutable_q()->add_shape(1); },
        grpc::StatusCode::INVALID_ARGUMENT, "hidden_states: set hidden_states or projected"},
@@ -565,14 +573,14 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
        [&](auto& r) {
          set_shape(r, {8, 1, 768});  // same number of values: 8 x 1 x 768
        },
-       grpc::StatusCode::RESOURCE_EXHAUSTED, "hidden_states.shape[0] (batch)"},
+       grpc::StatusCode::INVALID_ARGUMENT, "hidden_states.shape[0] (batch)", "--max_batch"},
       {"seq over limit",
        [&](auto& r) {
          std::vector<float> values = RandomValues(65 * 768, 4);
          set_shape(r, {1, 65, 768});
          r.mutable_hidden_states()->set_raw_data(values.data(), values.size() * 4);
        },
-       grpc::StatusCode::RESOURCE_EXHAUSTED, "hidden_states.shape[1] (seq)"},
+       grpc::StatusCode::INVALID_ARGUMENT, "hidden_states.shape[1] (seq)", "--max_seq_len"},
       {"map bytes over limit",
        [&](auto& r) {
          // 4 x 12 x 64 x 64 x 4 bytes = 768 KiB of maps > 256 KiB.
@@ -581,7 +589,7 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
          r.mutable_hidden_states()->set_raw_data(values.data(), values.size() * 4);
          r.mutable_attention_maps()->set_mode(v1::ATTENTION_MAP_MODE_PER_HEAD);
        },
-       grpc::StatusCode::RESOURCE_EXHAUSTED, "attention_maps"},
+       grpc::StatusCode::INVALID_ARGUMENT, "attention_maps", "--max_attention_map_bytes"},
       {"response over send limit",
        [&](auto& r) {
          // 768 KiB of output + 64 KiB of mean maps (under 256 KiB) > 800 KiB.
@@ -590,7 +598,27 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
          r.mutable_hidden_states()->set_raw_data(values.data(), values.size() * 4);
          r.mutable_attention_maps()->set_mode(v1::ATTENTION_MAP_MODE_MEAN);
        },
-       grpc::StatusCode::RESOURCE_EXHAUSTED, "response"},
+       grpc::StatusCode::INVALID_ARGUMENT, "response", "--max_send_message_bytes"},
+      {"packed sequences over the batch limit",
+       [&](auto& r) {
+         set_shape(r, {8, 768});
+         for (int i = 0; i < 8; ++i) r.add_sequence_lengths(1);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "sequence_lengths (sequences)", "--max_batch"},
+      {"a packed sequence over the length limit",
+       [&](auto& r) {
+         std::vector<float> values = RandomValues(66 * 768, 7);
+         set_shape(r, {66, 768});
+         r.mutable_hidden_states()->set_raw_data(values.data(), values.size() * 4);
+         for (int64_t n : {1, 65}) r.add_sequence_lengths(n);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "sequence_lengths[1]", "--max_seq_len"},
+      {"context over the length limit",
+       [&](auto& r) {
+         std::vector<float> values = RandomValues(2 * 65 * 768, 8);
+         *r.mutable_context() = FloatTensor({2, 65, 768}, values);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT, "context.shape[1] (seq)", "--max_seq_len"},
   };
   const v1::AttendRequest good = RawRequest(2, 4, good_values);
   v1::AttendResponse expected;
@@ -604,6 +632,10 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
     EXPECT_EQ(status.error_code(), c.code) << status.error_message();
     EXPECT_NE(status.error_message().find(c.field), std::string::npos)
         << "message '" << status.error_message() << "' does not name " << c.field;
+    if (!c.flag.empty()) {
+      EXPECT_NE(status.error_message().find(absl::StrCat("(", c.flag, ")")), std::string::npos)
+          << "message '" << status.error_message() << "' does not name " << c.flag;
+    }
     // Echoed input is abbreviated: a message never grows with the request.
     EXPECT_LT(status.error_message().size(), 600u);
     v1::AttendResponse after;
@@ -612,47 +644,128 @@ TEST_F(AttentionServiceTest, EveryBadInputGetsItsCodeAndTheNextRequestSucceeds) 
   }
 }
 
-TEST(AttentionServiceQueue, FullQueueAnswersResourceExhaustedAndAdmittedCallsSucceed) {
+// The output of the built-in model for `request` ([batch, seq, 768] raw FP32
+// hidden states), computed in this process.
+std::vector<float> InProcessOutput(const v1::AttendRequest& request) {
+  core::HeadConfig requested;
+  requested.d_model = 768;
+  requested.num_heads = 12;
+  const core::HeadConfig config = *core::ResolveHeadConfig(requested);
+  auto layer = *core::AttentionLayer::Create(config, core::SeededWeights(config, kSeed));
+  const std::vector<float> input = Floats(request.hidden_states());
+  std::vector<float> output(input.size());
+  core::LayerInputs inputs;
+  inputs.hidden_states = input;
+  inputs.layout = *core::SequenceLayout::Padded(request.hidden_states().shape(0),
+                                                request.hidden_states().shape(1));
+  core::ForwardOutputs outputs;
+  outputs.output = absl::MakeSpan(output);
+  EXPECT_TRUE(layer->Forward(inputs, {}, outputs).ok());
+  return output;
+}
+
+TEST(AttentionServiceQueue, FullQueueAnswersResourceExhaustedAndTheAdmittedCallSucceeds) {
   ServerOptions options = TestOptions();
   options.max_queued_requests = 1;
-  options.limits.max_seq_len = 512;
-  options.max_send_message_bytes = 64 << 20;
-  auto server = AttnServer::Create(options);
-  ASSERT_TRUE(server.ok()) << server.status();
-  ASSERT_TRUE((*server)->LoadModelsAndServe().ok());
-  auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
-      absl::StrCat("127.0.0.1:", (*server)->port()), grpc::InsecureChannelCredentials()));
-  // Eight calls of tens of milliseconds each, at once: one runs, one waits,
-  // the others find the queue full.
-  // 3 MiB responses: under the client's default 4 MiB receive limit.
-  const v1::AttendRequest request = RawRequest(2, 512, RandomValues(2 * 512 * 768, 1));
-  std::vector<grpc::Status> statuses(8);
+  options.max_batch_tokens = 0;  // every call alone: the queue holds calls, not batches
+  testing::BlockableServer server(options, kSeed);
+  const v1::AttendRequest request = RawRequest(2, 16, RandomValues(2 * 16 * 768, std::random_device{}()));
+  server.Block();
+  // The first call takes the one queue slot and stays there: the executor is busy.
+  auto admitted = server.Start(request);
+  ASSERT_TRUE(server.WaitForQueueDepth(1));
+  // Eight more, from eight threads at once: every one finds the queue full.
+  std::vector<grpc::Status> refused(8);
   std::vector<std::thread> clients;
-  for (size_t i = 0; i < statuses.size(); ++i) {
+  for (size_t i = 0; i < refused.size(); ++i) {
     clients.emplace_back([&, i] {
-      grpc::ClientContext context;
-      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
       v1::AttendResponse response;
-      statuses[i] = stub->Attend(&context, request, &response);
+      refused[i] = server.Attend(request, &response);
     });
   }
   for (auto& t : clients) t.join();
-  int ok = 0, exhausted = 0;
-  for (const grpc::Status& status : statuses) {
-    if (status.ok()) ++ok;
-    if (status.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
-      ++exhausted;
-      EXPECT_NE(status.error_message().find("queue is full"), std::string::npos);
-    }
+  for (const grpc::Status& status : refused) {
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+    EXPECT_NE(status.error_message().find("queue is full"), std::string::npos)
+        << status.error_message();
   }
-  EXPECT_EQ(ok + exhausted, 8);
-  EXPECT_GE(ok, 1);
-  EXPECT_GE(exhausted, 1);
+  EXPECT_FALSE(admitted->done.HasBeenNotified());
+  server.Release();
+  admitted->done.WaitForNotification();
+  ASSERT_TRUE(admitted->status.ok()) << admitted->status.error_message();
+  EXPECT_TRUE(BitEqual(Floats(admitted->response.output()), InProcessOutput(request)));
+  // The slot is free again: the same request is admitted and answered.
+  v1::AttendResponse after;
+  ASSERT_TRUE(server.Attend(request, &after).ok());
+  EXPECT_EQ(after.output().raw_data(), admitted->response.output().raw_data());
 }
 
-TEST(AttentionServiceShutdown, DrainingRefusesNewCallsWithUnavailableWhileHealthSaysNotServing) {
+TEST(AttentionServiceQueue, TakenMemoryBudgetIsResourceExhaustedButOverTheWholeBudgetIsInvalid) {
+  const v1::AttendRequest request = RawRequest(1, 32, RandomValues(32 * 768, std::random_device{}()));
+  // What the request reserves from the in-flight budget, by the server's own
+  // estimate; the budget holds one such request and a half.
+  ModelRegistry registry;
+  ASSERT_TRUE(registry.Add(*MakeBuiltinModel(kSeed)).ok());
   ServerOptions options = TestOptions();
-  options.lame_duck_seconds = 1;
+  options.max_queued_requests = 8;
+  options.max_batch_tokens = 0;
+  const absl::StatusOr<AttendPlan> plan =
+      PlanAttend(request, registry, options.limits, options.max_send_message_bytes);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  options.max_inflight_bytes = std::max<int64_t>(plan->memory_bytes * 3 / 2, int64_t{1} << 20);
+  ASSERT_LT(options.max_inflight_bytes, 2 * plan->memory_bytes)
+      << "the request is too small for this test; make it longer";
+  testing::BlockableServer server(options, kSeed);
+  server.Block();
+  auto admitted = server.Start(request);
+  ASSERT_TRUE(server.WaitForQueueDepth(1));
+
+  // The same request again fits the budget but not beside the first: load,
+  // which passes once the first is done.
+  v1::AttendResponse response;
+  const grpc::Status busy = server.Attend(request, &response);
+  EXPECT_EQ(busy.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << busy.error_message();
+  EXPECT_NE(busy.error_message().find("in-flight memory budget is taken"), std::string::npos)
+      << busy.error_message();
+  // One longer than the whole budget can never be admitted: INVALID_ARGUMENT,
+  // naming the flag, whatever is in flight.
+  const v1::AttendRequest longer = RawRequest(1, 64, RandomValues(64 * 768, 2));
+  const grpc::Status never = server.Attend(longer, &response);
+  EXPECT_EQ(never.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << never.error_message();
+  EXPECT_NE(never.error_message().find("--max_inflight_bytes"), std::string::npos)
+      << never.error_message();
+
+  server.Release();
+  admitted->done.WaitForNotification();
+  ASSERT_TRUE(admitted->status.ok()) << admitted->status.error_message();
+  const grpc::Status retried = server.Attend(request, &response);
+  ASSERT_TRUE(retried.ok()) << retried.error_message();
+  EXPECT_TRUE(BitEqual(Floats(response.output()), InProcessOutput(request)));
+  EXPECT_EQ(server.Attend(longer, &response).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+TEST(AttentionServiceQueue, ADrainingServiceRefusesNewCallsWithUnavailable) {
+  testing::BlockableServer server(TestOptions(), kSeed);
+  const v1::AttendRequest request = RawRequest(1, 2, RandomValues(2 * 768, 1));
+  v1::AttendResponse response;
+  ASSERT_TRUE(server.Attend(request, &response).ok());
+  server.service().set_state(AttentionServiceImpl::State::kDraining);
+  const grpc::Status status = server.Attend(request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_NE(status.error_message().find("shutting down"), std::string::npos)
+      << status.error_message();
+}
+
+TEST(AttentionServiceShutdown, HealthSaysNotServingAndNewCallsAreRefusedWhileACallInFlightFinishes) {
+  ServerOptions options = TestOptions();
+  options.lame_duck_seconds = 0;
+  options.drain_timeout_seconds = 120;
+  // A call held in flight by the queue delay (it waits for batch-mates that
+  // never come) keeps the server draining -- listening, NOT_SERVING, refusing
+  // new calls -- for up to 10 s after it was queued: the checks below need
+  // milliseconds of that.
+  options.max_batch_tokens = 1 << 20;
+  options.max_queue_delay_us = 10 * 1000 * 1000;
   auto server = AttnServer::Create(options);
   ASSERT_TRUE(server.ok()) << server.status();
   ASSERT_TRUE((*server)->LoadModelsAndServe().ok());
@@ -660,20 +773,43 @@ TEST(AttentionServiceShutdown, DrainingRefusesNewCallsWithUnavailableWhileHealth
                                      grpc::InsecureChannelCredentials());
   auto stub = v1::AttentionService::NewStub(channel);
   auto health = grpc::health::v1::Health::NewStub(channel);
+
+  const v1::AttendRequest held = RawRequest(1, 4, RandomValues(4 * 768, std::random_device{}()));
+  grpc::ClientContext held_context;
+  held_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  v1::AttendResponse held_response;
+  grpc::Status held_status;
+  absl::Notification held_done;
+  stub->async()->Attend(&held_context, &held, &held_response, [&](grpc::Status s) {
+    held_status = std::move(s);
+    held_done.Notify();
+  });
+  ASSERT_TRUE(testing::WaitForSample([&] { return (*server)->MetricsText(); },
+                                     "attnserve_queue_depth", 1))
+      << "the held call was never queued";
+
   std::thread stopper([&] { (*server)->Shutdown(); });
-  // During the lame-duck second the server listens, says NOT_SERVING and
-  // refuses Attend.
-  absl::SleepFor(absl::Milliseconds(200));
-  grpc::ClientContext health_context;
-  grpc::health::v1::HealthCheckRequest check;
-  HealthCheckResponse health_response;
-  ASSERT_TRUE(health->Check(&health_context, check, &health_response).ok());
-  EXPECT_EQ(health_response.status(), HealthCheckResponse::NOT_SERVING);
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (true) {
+    grpc::ClientContext context;
+    HealthCheckResponse response;
+    ASSERT_TRUE(health->Check(&context, grpc::health::v1::HealthCheckRequest(), &response).ok());
+    if (response.status() == HealthCheckResponse::NOT_SERVING) break;
+    ASSERT_LT(absl::Now(), give_up) << "health never said NOT_SERVING";
+    absl::SleepFor(absl::Milliseconds(5));
+  }
   grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   v1::AttendResponse response;
   grpc::Status status = stub->Attend(&context, RawRequest(1, 2, RandomValues(2 * 768, 1)), &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_NE(status.error_message().find("shutting down"), std::string::npos);
+  EXPECT_NE(status.error_message().find("shutting down"), std::string::npos)
+      << status.error_message();
+  EXPECT_FALSE(held_done.HasBeenNotified()) << "the checks took longer than the held call's delay";
+  // The call in flight finishes, with its right answer, before the server stops.
+  held_done.WaitForNotification();
+  ASSERT_TRUE(held_status.ok()) << held_status.error_message();
+  EXPECT_TRUE(BitEqual(Floats(held_response.output()), InProcessOutput(held)));
   stopper.join();
 }
 
