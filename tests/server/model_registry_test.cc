@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <iostream>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -17,6 +18,8 @@
 #include "server/compute_executor.h"
 #include "server/model_loader.h"
 #include "server/model_repository.h"
+#include "tests/core/attention_test_util.h"
+#include "tests/core/reference_attention.h"
 #include "tests/core/status_matchers.h"
 #include "tests/server/model_test_repository.h"
 
@@ -73,12 +76,19 @@ TEST(ModelRegistry, LoadingReadyFailedAndUnloadedAreEachVisible) {
   EXPECT_TRUE(registry.List().empty());
 }
 
-// Runs the stable model once on the executor.
-absl::Status RunOnce(const Model& model, ComputeExecutor& executor) {
-  absl::StatusOr<core::SequenceLayout> layout = core::SequenceLayout::Padded(1, 4);
+// The churn test's input: one sequence of kTokens tokens of a d_model 16 model.
+constexpr int64_t kTokens = 4;
+
+// Runs `model` once on the executor over `input` ([1, kTokens, d_model]);
+// its output.
+absl::StatusOr<std::vector<float>> RunOnce(const Model& model, ComputeExecutor& executor,
+                                           const std::vector<float>& input) {
+  absl::StatusOr<core::SequenceLayout> layout = core::SequenceLayout::Padded(1, kTokens);
   if (!layout.ok()) return layout.status();
-  const int64_t d = model.layer->config().d_model;
-  std::vector<float> input(4 * d, 0.25f), output(input.size());
+  if (static_cast<int64_t>(input.size()) != kTokens * model.layer->config().d_model) {
+    return absl::InvalidArgumentError("input: not [1, kTokens, d_model]");
+  }
+  std::vector<float> output(input.size());
   core::LayerInputs inputs;
   inputs.hidden_states = input;
   inputs.layout = *layout;
@@ -94,21 +104,51 @@ absl::Status RunOnce(const Model& model, ComputeExecutor& executor) {
     return s;
   }
   done.WaitForNotification();
-  return status;
+  if (!status.ok()) return status;
+  return output;
+}
+
+// The double-precision reference output of a TestRepository small model
+// (d_model 16, 2 heads, BERT layout) with `weights`, over `input`.
+std::vector<double> SmallModelReference(const core::AttentionWeights& weights,
+                                        const std::vector<float>& input) {
+  core::HeadConfig config;
+  config.d_model = 16;
+  config.num_heads = 2;
+  core::LayerInputs inputs;
+  inputs.hidden_states = input;
+  inputs.layout = *core::SequenceLayout::Padded(1, kTokens);
+  return testing::ReferenceLayer(*core::ResolveHeadConfig(config), weights, inputs).output;
 }
 
 TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
+  // Every answer of a model is checked against its own weights' reference: a
+  // registry that ran another model's weights under a name would fail.
+  const uint64_t seed = testing::FreshSeed();
+  SCOPED_TRACE(testing::SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  const std::vector<float> input = testing::RandomNormal(kTokens * 16, rng);
   TestRepository repo;
-  repo.AddSmallModel("stable", 1);
+  const std::vector<double> stable_reference =
+      SmallModelReference(repo.AddSmallModel("stable", 1), input);
   constexpr int kChurnModels = 4;
-  for (int i = 0; i < kChurnModels; ++i) repo.AddSmallModel(absl::StrCat("m", i), 10 + i);
+  std::vector<std::vector<double>> churn_references;
+  for (int i = 0; i < kChurnModels; ++i) {
+    churn_references.push_back(
+        SmallModelReference(repo.AddSmallModel(absl::StrCat("m", i), 10 + i), input));
+    // The models differ enough for the check to tell them apart.
+    ASSERT_GT(testing::RelativeFrobeniusError(
+                  std::vector<float>(churn_references[i].begin(), churn_references[i].end()),
+                  stable_reference),
+              1e-2);
+  }
   auto repository = ModelRepository::Create(repo.root());
   ASSERT_THAT(repository, IsOk());
   auto executor = ComputeExecutor::Create({.queue_capacity = 256, .compute_threads = 1});
   ASSERT_THAT(executor, IsOk());
   ModelRegistry registry;
   ModelLoaderOptions options;
-  options.warm_up = [&](const Model& m) { return RunOnce(m, **executor); };
+  options.warm_up = [&](const Model& m) { return RunOnce(m, **executor, input).status(); };
   ModelLoader loader(repository->get(), &registry, options);
 
   absl::Notification stable_loaded;
@@ -123,8 +163,10 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
   std::thread requests([&] {
     while (!stop.load()) {
       absl::StatusOr<std::shared_ptr<const Model>> model = registry.Find("stable");
-      absl::Status status = model.ok() ? RunOnce(**model, **executor) : model.status();
-      EXPECT_THAT(status, IsOk());
+      ASSERT_THAT(model, IsOk());
+      absl::StatusOr<std::vector<float>> output = RunOnce(**model, **executor, input);
+      ASSERT_THAT(output, IsOk());
+      EXPECT_LE(testing::RelativeFrobeniusError(*output, stable_reference), testing::kFp32Tolerance);
       ++stable_calls;
     }
   });
@@ -190,8 +232,15 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
   for (int i = 0; i < kChurnModels; ++i) {
     absl::StatusOr<std::shared_ptr<const Model>> model = registry.Find(absl::StrCat("m", i));
     ASSERT_THAT(model, IsOk());
-    EXPECT_THAT(RunOnce(**model, **executor), IsOk());
+    absl::StatusOr<std::vector<float>> output = RunOnce(**model, **executor, input);
+    ASSERT_THAT(output, IsOk());
+    EXPECT_LE(testing::RelativeFrobeniusError(*output, churn_references[i]), testing::kFp32Tolerance)
+        << "m" << i;
   }
+  // And the stable model still answers as itself.
+  absl::StatusOr<std::vector<float>> stable = RunOnce(**registry.Find("stable"), **executor, input);
+  ASSERT_THAT(stable, IsOk());
+  EXPECT_LE(testing::RelativeFrobeniusError(*stable, stable_reference), testing::kFp32Tolerance);
   loader.Shutdown();
   (*executor)->Shutdown();
 }

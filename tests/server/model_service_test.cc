@@ -6,6 +6,7 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/attn_server.h"
+#include "tests/core/attention_test_util.h"
 #include "tests/core/reference_attention.h"
 #include "tests/core/status_matchers.h"
 #include "tests/server/model_test_repository.h"
@@ -186,9 +188,44 @@ TEST_F(ModelServiceTest, AFailedModelShowsItsReasonWhileTheOthersServe) {
 }
 
 TEST_F(ModelServiceTest, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
-  repo_.AddSmallModel("stable", 1);
+  // Every answer is checked against the reference of the named model's own
+  // weights: a registry that served another model's weights under a name
+  // would fail.
+  const int64_t seq = 3, d = 16;
+  const std::vector<float> x = Hidden(seq * d, testing::FreshSeed());
+  auto reference = [&](const core::AttentionWeights& w) {
+    core::HeadConfig h;
+    h.d_model = d;
+    h.num_heads = 2;
+    core::LayerInputs inputs;
+    inputs.hidden_states = x;
+    inputs.layout = *core::SequenceLayout::Padded(1, seq);
+    return testing::ReferenceLayer(*core::ResolveHeadConfig(h), w, inputs).output;
+  };
+  const std::vector<double> stable_reference = reference(repo_.AddSmallModel("stable", 1));
   constexpr int kChurnModels = 4;
-  for (int i = 0; i < kChurnModels; ++i) repo_.AddSmallModel(absl::StrCat("m", i), 10 + i);
+  std::vector<std::vector<double>> churn_references;
+  for (int i = 0; i < kChurnModels; ++i) {
+    churn_references.push_back(reference(repo_.AddSmallModel(absl::StrCat("m", i), 10 + i)));
+    // The models differ enough for the check to tell them apart.
+    ASSERT_GT(testing::RelativeFrobeniusError(
+                  std::vector<float>(churn_references[i].begin(), churn_references[i].end()),
+                  stable_reference),
+              1e-2);
+  }
+  // The error of `model`'s answer to x against `expected`; infinity when the
+  // call failed (its status in `status`).
+  auto answer_error = [&](const client::AttentionClient& client, const std::string& model,
+                          const std::vector<double>& expected, absl::Status* status) {
+    absl::StatusOr<v1::AttendResponse> response =
+        client.Attend(client::MakeAttendRequest(model, x, 1, seq, d));
+    *status = response.status();
+    if (!response.ok()) return std::numeric_limits<double>::infinity();
+    absl::StatusOr<std::vector<float>> got = client::TensorValues(response->output());
+    *status = got.status();
+    return got.ok() ? testing::RelativeFrobeniusError(*got, expected)
+                    : std::numeric_limits<double>::infinity();
+  };
   StartServer(false);
   for (int i = 0; i < kChurnModels; ++i) {
     ASSERT_THAT(Client("")->UnloadModel(absl::StrCat("m", i)), IsOk());
@@ -198,7 +235,9 @@ TEST_F(ModelServiceTest, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails)
   std::atomic<int> stable_calls{0}, loads{0}, unloads{0};
   std::thread requests([&] {
     while (!stop.load()) {
-      EXPECT_EQ(AttendCode(*client, "stable", 16), absl::StatusCode::kOk);
+      absl::Status status;
+      EXPECT_LE(answer_error(*client, "stable", stable_reference, &status), testing::kFp32Tolerance)
+          << status;
       ++stable_calls;
     }
   });
@@ -213,11 +252,16 @@ TEST_F(ModelServiceTest, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails)
         } else {
           EXPECT_TRUE(absl::IsAlreadyExists(loaded) || absl::IsAborted(loaded)) << loaded;
         }
-        // Calls on a model being unloaded: OK, or a clean NOT_FOUND/UNAVAILABLE.
-        const absl::StatusCode code = AttendCode(*client, name, 16);
-        EXPECT_TRUE(code == absl::StatusCode::kOk || code == absl::StatusCode::kNotFound ||
-                    code == absl::StatusCode::kUnavailable)
-            << absl::StatusCodeToString(code);
+        // Calls on a model being unloaded: its own answer, or a clean
+        // NOT_FOUND/UNAVAILABLE.
+        absl::Status status;
+        const double error =
+            answer_error(*client, name, churn_references[(t + i) % kChurnModels], &status);
+        if (status.ok()) {
+          EXPECT_LE(error, testing::kFp32Tolerance) << name;
+        } else {
+          EXPECT_TRUE(absl::IsNotFound(status) || absl::IsUnavailable(status)) << status;
+        }
         absl::Status unloaded = client->UnloadModel(name);
         if (unloaded.ok()) {
           ++unloads;
@@ -234,6 +278,9 @@ TEST_F(ModelServiceTest, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails)
   EXPECT_GT(loads.load(), 0);
   EXPECT_GT(unloads.load(), 0);
   EXPECT_EQ(client->GetModel("stable")->state(), v1::MODEL_STATE_READY);
+  absl::Status status;
+  EXPECT_LE(answer_error(*client, "stable", stable_reference, &status), testing::kFp32Tolerance)
+      << status;
 }
 
 }  // namespace
