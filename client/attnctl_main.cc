@@ -396,15 +396,16 @@ int RunAttend(const AttentionClient& client) {
 int RunBenchCommand(const AttentionClient& client) {
   const AttendOptions options = AttendOptionsFromFlags();
   if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return UsageFail(status);
-  NoteNpyConversion(options.input);
-  NoteNpyConversion(options.mask);
-  absl::StatusOr<AttendCall> call = AttendCallFor(client, options);
-  if (!call.ok()) return Fail(call.status());
   BenchOptions bench;
   bench.concurrency = absl::GetFlag(FLAGS_concurrency);
   bench.rate = absl::GetFlag(FLAGS_rate);
   bench.duration_seconds = absl::GetFlag(FLAGS_duration);
   bench.requests = absl::GetFlag(FLAGS_requests);
+  if (absl::Status status = ValidateBenchOptions(bench); !status.ok()) return UsageFail(status);
+  NoteNpyConversion(options.input);
+  NoteNpyConversion(options.mask);
+  absl::StatusOr<AttendCall> call = AttendCallFor(client, options);
+  if (!call.ok()) return Fail(call.status());
   // A bar redrawn in place on a terminal; a plain line every second otherwise.
   const bool tty = isatty(STDERR_FILENO);
   auto last_line = std::make_shared<int64_t>(-1);

@@ -192,8 +192,7 @@ std::string ProgressBar(double fraction) {
   return bar;
 }
 
-absl::StatusOr<BenchResult> RunBench(const AttentionClient& client, const v1::AttendRequest& request,
-                                     const BenchOptions& options, BenchProgress progress) {
+absl::Status ValidateBenchOptions(const BenchOptions& options) {
   if ((options.concurrency > 0) == (options.rate > 0)) {
     return absl::InvalidArgumentError("--concurrency or --rate: give exactly one, positive");
   }
@@ -207,6 +206,12 @@ absl::StatusOr<BenchResult> RunBench(const AttentionClient& client, const v1::At
   if (options.max_outstanding <= 0) {
     return absl::InvalidArgumentError("max_outstanding: must be positive");
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BenchResult> RunBench(const AttentionClient& client, const v1::AttendRequest& request,
+                                     const BenchOptions& options, BenchProgress progress) {
+  if (absl::Status status = ValidateBenchOptions(options); !status.ok()) return status;
   Recorder recorder(client, request, options);
   std::atomic<bool> running{true};
   std::thread reporter;

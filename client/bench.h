@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
 #include "client/attention_client.h"
@@ -51,6 +52,10 @@ struct BenchResult {
 
 // Progress: calls finished so far, seconds elapsed.
 using BenchProgress = std::function<void(int64_t finished, double elapsed_seconds)>;
+
+// OK when `options` make a run; else INVALID_ARGUMENT naming the flag
+// (`--concurrency`, `--rate`, `--requests`, `--duration`). Needs no server.
+absl::Status ValidateBenchOptions(const BenchOptions& options);
 
 // Sends `request` to the server as `options` says and measures the answers.
 // `progress` (optional) is called about ten times a second from another

@@ -123,9 +123,9 @@ TEST(Npy, ReadsNumpysBooleanAndByteMasks) {
   EXPECT_THAT(bytes->ToFloats(), ElementsAre(0, 1, 2, 255, 0, 1));
 }
 
-// Both directions against the NumPy installed on this machine, when there is one.
+// Both directions against the NumPy installed on this machine.
 TEST(Npy, AgreesWithNumpyBothWays) {
-  if (!NumpyAvailable()) GTEST_SKIP() << "/usr/bin/python3 with numpy is not available";
+  ASSERT_TRUE(NumpyAvailable()) << "/usr/bin/python3 with numpy is a test dependency (deploy/install_deps.sh)";
   const std::string from_numpy = TempPath("from_numpy.npy");
   const std::string from_us = TempPath("from_us.npy");
   const std::string script = absl::StrCat(
@@ -335,7 +335,7 @@ TEST(Npy, HeaderAloneGivesWhatReadingWouldWithoutReadingTheData) {
 // of fresh random values, and the same values converted by its own astype('<f4')
 // in C order: ours must equal NumPy's conversion bit for bit.
 TEST(Npy, ConversionsEqualNumpysAstypeBitForBit) {
-  if (!NumpyAvailable()) GTEST_SKIP() << "/usr/bin/python3 with numpy is not available";
+  ASSERT_TRUE(NumpyAvailable()) << "/usr/bin/python3 with numpy is a test dependency (deploy/install_deps.sh)";
   const std::string dir = TempPath("numpy_conversions");
   std::filesystem::create_directories(dir);
   const std::string script = absl::StrCat(

@@ -95,6 +95,15 @@ def seconds(duration):
     return total
 
 
+def project_version():
+    """The project's version as deploy/version.sh prints it (from CMakeLists.txt's project(VERSION))."""
+    with open(repo_path("CMakeLists.txt")) as f:
+        version = re.search(r"\bproject\(attnserve VERSION (\S+)", f.read()).group(1)
+    printed = subprocess.run([repo_path("deploy", "version.sh")], capture_output=True, text=True, check=True)
+    assert printed.stdout.strip() == version, (printed.stdout, version)
+    return version
+
+
 def image_is_pinned(image):
     name = image.split("@")[0]
     tag = name.rsplit(":", 1)[1] if ":" in name.split("/")[-1] else None
@@ -176,6 +185,8 @@ class Compose(unittest.TestCase):
         self.assertEqual(set(self.services), {"attnserve", "prometheus", "grafana"})
         for name, service in self.services.items():
             self.assertTrue(image_is_pinned(service["image"]), f"{name}: {service['image']}")
+        self.assertEqual(image_tag(self.services["attnserve"]["image"]), project_version(),
+                         "compose tags the image it builds with the project's VERSION")
         build = self.services["attnserve"]["build"]
         context = os.path.normpath(os.path.join(self.dir, build["context"]))
         self.assertTrue(os.path.isfile(os.path.join(context, build.get("dockerfile", "Dockerfile"))))
@@ -411,9 +422,7 @@ class Kustomizations(unittest.TestCase):
     def test_the_images_entry_sets_the_image_of_this_version_and_the_version_label_follows_its_tag(self):
         entries = kustomization("base")["images"]
         self.assertEqual(len(entries), 1)
-        with open(repo_path("CMakeLists.txt")) as f:
-            version = re.search(r"\bproject\(attnserve VERSION (\S+)", f.read()).group(1)
-        self.assertEqual(str(entries[0]["newTag"]), version, "the image's tag is the project's VERSION")
+        self.assertEqual(str(entries[0]["newTag"]), project_version(), "the image's tag is the project's VERSION")
         with open(k8s_path("base", "deployment.yaml")) as f:
             raw = yaml.safe_load(f)["spec"]["template"]["spec"]["containers"][0]["image"]
         self.assertEqual(entries[0]["name"], raw, "the images: entry must name the container's image")

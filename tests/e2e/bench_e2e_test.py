@@ -93,12 +93,17 @@ class BenchTest(unittest.TestCase):
         finally:
             small.stop()
 
-    def test_flag_mistakes_are_refused(self):
+    def test_flag_mistakes_are_usage_errors_refused_before_any_call(self):
+        # Exit 2 (a usage mistake), not 1 (a failed call); the message names the flag.
         run = self.bench("--concurrency=2", "--rate=5", "--requests=1")
-        self.assertEqual(run.returncode, 1)
+        self.assertEqual(run.returncode, 2, run.stderr)
         self.assertIn("--concurrency or --rate", run.stderr)
         run = self.bench("--requests=1")
-        self.assertEqual(run.returncode, 1)
+        self.assertEqual(run.returncode, 2, run.stderr)
+        self.assertIn("--concurrency or --rate", run.stderr)
+        run = self.bench("--concurrency=1", "--duration=-1")
+        self.assertEqual(run.returncode, 2, run.stderr)
+        self.assertIn("--duration", run.stderr)
 
 
 if __name__ == "__main__":
