@@ -27,12 +27,21 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (Server, from_tensor, generate_stubs, metric, to_tensor,  # noqa: E402
-                     wait_serving)
+from harness import (Server, from_tensor, generate_stubs, metric, rel_error,  # noqa: E402
+                     to_tensor, wait_serving)
+from e2e_test import reference_attention, seeded_weights  # noqa: E402
 
 ARGS = None
 ROWS = []  # (case, what the requests got, what was lost)
 D_MODEL = 768  # the built-in model's width
+NUM_HEADS, HEAD_DIM = 12, 64  # and its heads
+# What the server promises for a request run in a batch (README, "Serving
+# under load"): its output equals the same request run alone within 1e-6
+# relative (Frobenius norm; often bit for bit, but not promised), and the
+# double-precision reference within FP32's 1e-5 -- as
+# tests/server/batching_service_test.cc checks in process.
+BATCHED_VS_SOLO = 1e-6
+FP32_VS_REFERENCE = 1e-5
 # Bound on the growth of the server's peak RSS (VmHWM) while it refuses the
 # memory bombs: the largest bomb's own bytes are 3.2 MB; what it asks for is GBs.
 BOMB_HWM_BOUND_KIB = 32 * 1024
@@ -97,6 +106,22 @@ class FaultCase(unittest.TestCase):
         except self.grpc.FutureCancelledError as e:  # cancelled by this client
             return "CANCELLED", e
 
+    def reference(self, x):
+        """The built-in model's output for x [batch, seq, d_model] in float64,
+        from the documented seeded weights (docs/seeded_weights.md)."""
+        if getattr(self, "_weights", None) is None:
+            type(self)._weights = seeded_weights(self.server.seed, D_MODEL, NUM_HEADS, NUM_HEADS,
+                                                 HEAD_DIM)
+        weights = self._weights
+        return np.concatenate([
+            reference_attention(x[b:b + 1], weights, NUM_HEADS, NUM_HEADS, HEAD_DIM,
+                                1.0 / np.sqrt(HEAD_DIM))[0] for b in range(x.shape[0])])
+
+    def assert_as_promised(self, out, solo, reference, what):
+        """A batched (or repeated) answer against its solo answer and the reference."""
+        self.assertLessEqual(rel_error(out, solo), BATCHED_VS_SOLO, what)
+        self.assertLessEqual(rel_error(out, reference), FP32_VS_REFERENCE, what)
+
     def wait_idle_metrics(self, timeout=120):
         """Until the server reports no call in flight and nothing queued."""
         deadline = time.monotonic() + timeout
@@ -145,7 +170,9 @@ class Cancellation(FaultCase):
         cpu = self.idle_cpu_fraction()
         code, response = self.status_of(lambda: self.stub.Attend(probe, timeout=60))
         self.assertEqual(code, "OK")
-        np.testing.assert_array_equal(from_tensor(self.pb, response.output), expected)
+        self.assert_as_promised(from_tensor(self.pb, response.output), expected,
+                                self.reference(from_tensor(self.pb, probe.hidden_states)),
+                                "the call after the cancels")
         # Every call ended: cancelled or answered, nothing else.
         self.assertEqual(set(client) - {"CANCELLED", "OK"}, set(), client)
         self.assertEqual(sum(client.values()), 100)
@@ -154,7 +181,7 @@ class Cancellation(FaultCase):
         self.assertLess(cpu, 0.05, "the server kept computing after every call was cancelled")
         record("cancel mid-request x100 (S=2048, mean maps)",
                f"client: {summary(client)}; server: {summary(server)}; idle CPU after: "
-               f"{cpu * 100:.1f}% of a core; next call OK, output equal to before")
+               f"{cpu * 100:.1f}% of a core; next call OK, output as before and as the reference")
 
     def test_deadline_shorter_than_compute_is_deadline_exceeded_and_the_server_moves_on(self):
         rng = np.random.default_rng()
@@ -223,17 +250,22 @@ class NonFinite(FaultCase):
             futures.append(("good 1", self.stub.Attend.future(self.request(good[1]), timeout=120)))
         got = {}
         worst = 0.0
+        references = [self.reference(x) for x in good]
+        padded_reference = [self.reference(padded[0:1])[0], self.reference(padded[1:2, :40])[0]]
         for name, future in futures:
             code, response = self.status_of(future)
             got.setdefault(name, set()).add(code)
             if name.startswith("good") and code == "OK":
                 out = from_tensor(self.pb, response.output)
-                worst = max(worst, float(np.max(np.abs(out - solo[int(name[-1])]))))
+                which = int(name[-1])
+                self.assert_as_promised(out, solo[which], references[which], name)
+                worst = max(worst, rel_error(out, solo[which]))
             elif name == "NaN in padding" and code == "OK":
+                # The padding is never read: the valid rows are as promised.
                 out = from_tensor(self.pb, response.output)
                 self.assertTrue(np.isfinite(out[1, :40]).all())
-                np.testing.assert_array_equal(out[1, :40], padded_solo[1, :40])
-                np.testing.assert_array_equal(out[0], padded_solo[0])
+                self.assert_as_promised(out[0], padded_solo[0], padded_reference[0], name)
+                self.assert_as_promised(out[1, :40], padded_solo[1, :40], padded_reference[1], name)
             elif code != "OK":
                 self.assertTrue(any(field in response.details() for field in
                                     ("hidden_states", "mask", "head_mask")), response.details())
@@ -241,12 +273,12 @@ class NonFinite(FaultCase):
             self.assertEqual(got[name], {expected}, name)
         self.assertEqual(got["good 0"], {"OK"})
         self.assertEqual(got["good 1"], {"OK"})
-        # Equal to the solo results (within 1e-5, batched or not); a batch with a
+        # Each good answer was as promised (batched or not); a batch with a
         # non-finite member is covered by tests/server/batching_service_test.cc.
-        self.assertLessEqual(worst, 1e-5)
         record("NaN/Inf inputs, 3 rounds of 7 bad + 10 good concurrent",
                "; ".join(f"{name}: {'/'.join(sorted(got[name]))}" for name in cases)
-               + f"; 30 good: OK, max |diff| to solo {worst:g}")
+               + f"; 30 good: OK, largest relative difference to solo {worst:g} "
+               f"(promised <= {BATCHED_VS_SOLO:g}), each within {FP32_VS_REFERENCE:g} of the reference")
 
 
 class Oversized(FaultCase):
@@ -265,9 +297,11 @@ class Oversized(FaultCase):
         c3, ok = self.status_of(lambda: self.stub.Attend(
             self.request(rng.standard_normal((1, 128, D_MODEL)).astype(np.float32)), timeout=30))
         after = self.server.scrape()
+        # The request: gRPC's own limit, checked before the server sees it.
         self.assertEqual(c1, "RESOURCE_EXHAUSTED")
-        self.assertEqual(c2, "RESOURCE_EXHAUSTED")
-        self.assertIn("max_send_message_bytes", e2.details())
+        # The response can never fit this server's limit: the request's fault.
+        self.assertEqual(c2, "INVALID_ARGUMENT")
+        self.assertIn("--max_send_message_bytes", e2.details())
         self.assertEqual(c3, "OK")
         self.assertEqual(list(ok.output.shape), [1, 128, D_MODEL])
         # The refused answer was refused before compute: no compute was counted for it.
@@ -301,13 +335,13 @@ class MemoryBombs(FaultCase):
             "seq 100k, per-head maps (40 GB)": (small(
                 hidden_states=to_tensor(pb, states),
                 attention_maps=pb.AttentionMapRequest(mode=pb.ATTENTION_MAP_MODE_PER_HEAD)),
-                "RESOURCE_EXHAUSTED"),
+                "INVALID_ARGUMENT"),
             # Statistics need the materialized scores (40 GB); without maps or
             # statistics the blocked path serves the same request in linear
             # memory, within the same RSS bound.
             "seq 100k, head statistics (scores 40 GB)": (small(
                 hidden_states=to_tensor(pb, states),
-                attention_maps=pb.AttentionMapRequest(head_statistics=True)), "RESOURCE_EXHAUSTED"),
+                attention_maps=pb.AttentionMapRequest(head_statistics=True)), "INVALID_ARGUMENT"),
             "seq 100k, no maps (blocked path, linear memory)": (small(
                 hidden_states=to_tensor(pb, states)), "OK"),
             "shape [64, 100k, 768], 16 bytes of data": (pb.AttendRequest(
@@ -327,22 +361,32 @@ class MemoryBombs(FaultCase):
                 sequence_lengths=[100_000] * 100_000), "INVALID_ARGUMENT"),
             "seeded layer d_model 8192 (1 GiB of weights)": (pb.AttendRequest(
                 layer=self.layer(8192, 64), hidden_states=to_tensor(pb, np.zeros((1, 1, 8192), np.float32))),
-                "RESOURCE_EXHAUSTED"),
+                "INVALID_ARGUMENT"),
             "seeded layer d_model 2^20 (over the d_model limit)": (pb.AttendRequest(
                 layer=self.layer(1 << 20, 1), hidden_states=to_tensor(pb, np.zeros((1, 1, 8), np.float32))),
                 "INVALID_ARGUMENT"),
         }
+        # The served one computes 10^10 scores: minutes on a busy machine (a
+        # deadline is no place for a speed assumption). It runs once in the
+        # measured rounds, the refusals three times.
+        served = "seq 100k, no maps (blocked path, linear memory)"
+
+        def timeout(name):
+            return 1200 if name == served else 60
+
         # Warm up with an accepted request of the same layer, so that what
         # grows afterwards is what the bombs cost.
         warm = small(hidden_states=to_tensor(pb, np.ones((1, 512, 8), np.float32)))
         self.assertEqual(self.status_of(lambda: self.stub.Attend(warm, timeout=60))[0], "OK")
-        for request, _ in bombs.values():  # once, so that gRPC's buffers for 3 MB messages exist
-            self.status_of(lambda: self.stub.Attend(request, timeout=60))
+        for name, (request, _) in bombs.items():  # once, so that gRPC's buffers for 3 MB messages exist
+            self.status_of(lambda: self.stub.Attend(request, timeout=timeout(name)))
         before = self.server.memory_kib()
         got = {}
-        for _ in range(3):
+        for rnd in range(3):
             for name, (request, _) in bombs.items():
-                code, error = self.status_of(lambda: self.stub.Attend(request, timeout=60))
+                if name == served and rnd > 0:
+                    continue
+                code, error = self.status_of(lambda: self.stub.Attend(request, timeout=timeout(name)))
                 got.setdefault(name, set()).add(code)
         after = self.server.memory_kib()
         code, _ = self.status_of(lambda: self.stub.Attend(warm, timeout=60))
@@ -350,16 +394,20 @@ class MemoryBombs(FaultCase):
             self.assertEqual(got[name], {expected}, name)
         self.assertEqual(code, "OK")
         self.assertLessEqual(after["VmHWM"] - before["VmHWM"], BOMB_HWM_BOUND_KIB)
-        record("memory bombs x3 each (--max_seq_len=200000)",
+        record("memory bombs x3 each, the served request x1 (--max_seq_len=200000)",
                "; ".join(f"{name}: {'/'.join(sorted(got[name]))}" for name in bombs)
                + f"; VmRSS {before['VmRSS']} -> {after['VmRSS']} KiB, VmHWM {before['VmHWM']} -> "
                f"{after['VmHWM']} KiB (bound +{BOMB_HWM_BOUND_KIB} KiB); next call OK")
 
 
 class Sigterm(FaultCase):
-    # The calls gather in one batch that waits up to 3 s for more, so all of
-    # them are in flight together before the signal however fast they compute.
-    FLAGS = ("--lame_duck_seconds=1", "--max_batch_tokens=1000000", "--max_queue_delay_us=3000000")
+    # The calls gather in one batch that never fills (a million tokens) and
+    # waits up to 10 s from the first arrival for more: the executor holds
+    # them, so all of them are in flight together before the signal however
+    # slowly they upload or compute. The drain waits out that delay and
+    # computes them; its timeout leaves room for a busy machine.
+    FLAGS = ("--lame_duck_seconds=1", "--max_batch_tokens=1000000", "--max_queue_delay_us=10000000",
+             "--drain_timeout_seconds=300")
 
     @classmethod
     def tearDownClass(cls):  # the server is gone already
@@ -372,12 +420,12 @@ class Sigterm(FaultCase):
         requests = [self.request(x) for x in inputs]
         # Each request's solo answer, from the same server before the load.
         solo = [from_tensor(self.pb, self.stub.Attend(r, timeout=120).output).copy() for r in requests]
-        watch = self.health.Watch(self.health_pb.HealthCheckRequest(service=""), timeout=120)
+        watch = self.health.Watch(self.health_pb.HealthCheckRequest(service=""), timeout=600)
         self.assertEqual(next(watch).status, self.health_pb.HealthCheckResponse.SERVING)
         statuses = []
         seen = threading.Thread(target=lambda: statuses.extend(r.status for r in self._drain(watch)))
         seen.start()
-        futures = [self.stub.Attend.future(r, timeout=120) for r in requests]
+        futures = [self.stub.Attend.future(r, timeout=400) for r in requests]
         # Every call has reached the server (counted in flight) before the signal.
         deadline = time.monotonic() + 60
         while metric(self.server.scrape(), "attnserve_requests_in_flight") < len(futures):
@@ -391,20 +439,21 @@ class Sigterm(FaultCase):
             self.assertLess(time.monotonic(), deadline, "health never said NOT_SERVING")
             time.sleep(0.01)
         for _ in range(3):
-            new_codes.append(self.status_of(lambda: self.stub.Attend(requests[0], timeout=10))[0])
+            new_codes.append(self.status_of(lambda: self.stub.Attend(requests[0], timeout=60))[0])
         answered = [self.status_of(f) for f in futures]
-        exit_code = self.server.proc.wait(timeout=60)
+        exit_code = self.server.proc.wait(timeout=120)
         seen.join(timeout=10)
-        for (code, response), expected in zip(answered, solo):
+        for i, ((code, response), expected) in enumerate(zip(answered, solo)):
             self.assertEqual(code, "OK")
-            np.testing.assert_array_equal(from_tensor(self.pb, response.output), expected)
+            self.assert_as_promised(from_tensor(self.pb, response.output), expected,
+                                    self.reference(inputs[i]), f"call {i}")
         self.assertEqual(new_codes, ["UNAVAILABLE"] * 3)
         self.assertEqual(statuses[0], self.health_pb.HealthCheckResponse.NOT_SERVING)
         self.assertEqual(exit_code, 0)
         self.assertGreater(in_flight, 1, "calls were not in flight at SIGTERM; proved nothing")
         record("SIGTERM with 8 calls in flight ([2, 768, 768] each)",
                f"{in_flight} unfinished at the signal; health Watch: NOT_SERVING first; "
-               f"8/8 started calls OK and equal to their solo answers; 3 new calls: "
+               f"8/8 started calls OK, as their solo answers and the reference; 3 new calls: "
                f"{'/'.join(sorted(set(new_codes)))}; exit code {exit_code}")
 
     @staticmethod
