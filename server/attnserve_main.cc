@@ -50,7 +50,7 @@ ABSL_FLAG(int64_t, max_receive_message_bytes, kDefaults.max_receive_message_byte
           "Largest request message accepted, in bytes");
 ABSL_FLAG(int64_t, max_send_message_bytes, kDefaults.max_send_message_bytes,
           "Largest response message sent, in bytes; requests whose output and maps would be "
-          "larger are refused before compute (RESOURCE_EXHAUSTED)");
+          "larger are refused before compute (INVALID_ARGUMENT)");
 ABSL_FLAG(int, compute_threads, kDefaults.compute_threads,
           "Threads the compute executor gives oneDNN (0: one per core)");
 ABSL_FLAG(int64_t, max_queued_requests, kDefaults.max_queued_requests,
@@ -64,13 +64,14 @@ ABSL_FLAG(int64_t, max_adhoc_weight_bytes, kDefaults.limits.max_adhoc_weight_byt
           "Most weight bytes (as FP32) of an ad-hoc layer a request may carry or ask to be seeded");
 ABSL_FLAG(int64_t, max_scratch_bytes, kDefaults.limits.max_scratch_bytes,
           "Most compute scratch one request may need (estimated before compute); more is "
-          "RESOURCE_EXHAUSTED");
+          "INVALID_ARGUMENT");
 ABSL_FLAG(int64_t, max_request_bytes, kDefaults.limits.max_request_bytes,
           "Most memory one request may hold while it runs (inputs, activations, scores, maps, "
-          "response; estimated before compute); more is RESOURCE_EXHAUSTED");
+          "response; estimated before compute); more is INVALID_ARGUMENT");
 ABSL_FLAG(int64_t, max_inflight_bytes, kDefaults.max_inflight_bytes,
           "Most memory the admitted requests (queued or running) may hold together, by their "
-          "estimates; a request that does not fit is RESOURCE_EXHAUSTED");
+          "estimates; a request that does not fit beside them is RESOURCE_EXHAUSTED (retry "
+          "later), one larger than all of it INVALID_ARGUMENT");
 ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.max_batch_tokens,
           "Dynamic batching: most query tokens in one compute batch of compatible requests "
           "(same model, precision and causal flag; no maps, statistics or masks); 0: no batching");

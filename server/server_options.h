@@ -6,7 +6,8 @@
 
 namespace attnserve::server {
 
-// What one Attend request may ask for. Over a limit: RESOURCE_EXHAUSTED.
+// What one Attend request may ask for. Over a limit: INVALID_ARGUMENT naming
+// the flag (such a request can never succeed on this server).
 struct RequestLimits {
   int64_t max_batch = 64;
   int64_t max_seq_len = 2048;
@@ -73,7 +74,8 @@ struct ServerOptions {
   int64_t max_batch_tokens = 4096;
   int64_t max_queue_delay_us = 0;
   // Bytes that admitted requests (queued or running) may hold together, by
-  // their estimates; a request that does not fit is RESOURCE_EXHAUSTED.
+  // their estimates; a request that does not fit beside the admitted ones is
+  // RESOURCE_EXHAUSTED (retry later), one larger than all of it INVALID_ARGUMENT.
   int64_t max_inflight_bytes = int64_t{6} << 30;
 };
 

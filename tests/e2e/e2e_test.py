@@ -19,54 +19,10 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Server, generate_stubs, metric, rel_error, wait_serving  # noqa: E402
+from harness import (Server, generate_stubs, metric, reference_attention, rel_error,  # noqa: E402
+                     seeded_weights, wait_serving)
 
 ARGS = None
-
-
-# --- The reference: docs/seeded_weights.md, reimplemented independently ---
-
-def seeded_uniform(seed, stream, n):
-    i = np.arange(1, n + 1, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = (np.full(n, seed, dtype=np.uint64)
-             + np.full(n, stream, dtype=np.uint64) * np.uint64(0xD1B54A32D192ED03)
-             + i * np.uint64(0x9E3779B97F4A7C15))
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z >> np.uint64(40)).astype(np.float64) / float(1 << 24)
-
-
-def seeded_weights(seed, d_model, num_heads, num_kv_heads, head_dim, context_dim=None):
-    c = context_dim or d_model  # self-attention: the keys' and values' input is d_model wide
-    q, kv = num_heads * head_dim, num_kv_heads * head_dim
-    shapes = [(d_model, q), (q,), (c, kv), (kv,), (c, kv), (kv,), (q, d_model), (d_model,)]
-    fan_ins = [d_model] * 2 + [c] * 4 + [q, q]
-    weights = []
-    for stream, (shape, fan_in) in enumerate(zip(shapes, fan_ins)):
-        u = seeded_uniform(seed, stream, int(np.prod(shape)))
-        weights.append(((2.0 * u - 1.0) * (1.0 / np.sqrt(float(fan_in)))).astype(np.float32).reshape(shape))
-    return weights
-
-
-def reference_attention(x, weights, num_heads, num_kv_heads, head_dim, scale):
-    """x: [batch, seq, d_model]; returns output and per-head maps, float64."""
-    w_q, b_q, w_k, b_k, w_v, b_v, w_o, b_o = [w.astype(np.float64) for w in weights]
-    x = x.astype(np.float64)
-    batch, seq, _ = x.shape
-    q = (x @ w_q + b_q).reshape(batch, seq, num_heads, head_dim).transpose(0, 2, 1, 3)
-    k = (x @ w_k + b_k).reshape(batch, seq, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
-    v = (x @ w_v + b_v).reshape(batch, seq, num_kv_heads, head_dim).transpose(0, 2, 1, 3)
-    group = num_heads // num_kv_heads
-    k = np.repeat(k, group, axis=1)
-    v = np.repeat(v, group, axis=1)
-    scores = q @ k.transpose(0, 1, 3, 2) * scale
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
-    ctx = (p @ v).transpose(0, 2, 1, 3).reshape(batch, seq, num_heads * head_dim)
-    return ctx @ w_o + b_o, p
 
 
 class EndToEnd(unittest.TestCase):

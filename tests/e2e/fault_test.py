@@ -27,9 +27,8 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (Server, from_tensor, generate_stubs, metric, rel_error,  # noqa: E402
-                     to_tensor, wait_serving)
-from e2e_test import reference_attention, seeded_weights  # noqa: E402
+from harness import (Server, from_tensor, generate_stubs, metric, reference_attention,  # noqa: E402
+                     rel_error, seeded_weights, to_tensor, wait_serving)
 
 ARGS = None
 ROWS = []  # (case, what the requests got, what was lost)

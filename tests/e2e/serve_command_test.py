@@ -33,8 +33,8 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import generate_stubs, metric, parse_exposition, rel_error, wait_serving  # noqa: E402
-from e2e_test import reference_attention, seeded_weights  # noqa: E402
+from harness import (generate_stubs, metric, parse_exposition, reference_attention, rel_error,  # noqa: E402
+                     seeded_weights, wait_serving)
 
 ARGS = None
 
