@@ -9,8 +9,10 @@ SERVING, makes one Attend call on the built-in model (checked against a NumPy
 float64 reference of its documented seeded weights), runs the README's Python
 client steps as written (stubs, program; only the address changed), scrapes
 /metrics once,
-sends SIGTERM and requires exit status 0. Prints the time to SERVING, with the
-script's own split into package check and build.
+sends SIGTERM and requires exit status 0. `--help` on the same command must
+answer at once, before and after the build, without installing or building.
+Prints the time to SERVING, with the script's own split into package check
+and build.
 
 deploy/test.sh runs this on the clean checkout (CI); it is not a CTest test
 because it builds a tree of its own (build-serve/, Release, as users get it).
@@ -68,6 +70,18 @@ def readme_python_client(readme_path):
 
 
 class ServeCommand(unittest.TestCase):
+    def serve_help(self, command):
+        """`<serve command> --help`: exit 0 at once, its own usage, nothing installed or built."""
+        build_dir_existed = os.path.exists(os.path.join(ARGS.repo, "build-serve"))
+        ran = subprocess.run(shlex.split(command) + ["--help"], cwd=ARGS.repo, capture_output=True, text=True,
+                             timeout=120, stdin=subprocess.DEVNULL)
+        self.assertEqual(ran.returncode, 0, ran.stderr)
+        self.assertIn("built-in model", ran.stdout)
+        self.assertNotIn("install_deps.sh", ran.stdout + ran.stderr, "--help must not install anything")
+        self.assertEqual(os.path.exists(os.path.join(ARGS.repo, "build-serve")), build_dir_existed,
+                         "--help must not build anything")
+        return ran.stdout
+
     def run_readme_python_client(self, port):
         """Runs the README's Python steps as written: its packages must be installed already (deploy/test.sh
         installs them), the stubs go where it says (HOME is a fresh folder), and its client program runs against
@@ -94,6 +108,7 @@ class ServeCommand(unittest.TestCase):
     def test_readme_serve_command_serves_the_builtin_model_and_exits_zero_on_sigterm(self):
         command = readme_serve_command(os.path.join(ARGS.repo, "README.md"))
         self.assertIn("serve", command, f"the README's first command should start the service: {command!r}")
+        self.serve_help(command)
         argv = shlex.split(command) + ["--listen_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0"]
         print(f"serve_command_test: running {' '.join(argv)!r} in {ARGS.repo}", flush=True)
         started = time.monotonic()
@@ -158,6 +173,8 @@ class ServeCommand(unittest.TestCase):
 
             proc.send_signal(signal.SIGTERM)
             self.assertEqual(proc.wait(timeout=120), 0, "attnserve's exit status after SIGTERM")
+            # Once the server is built, --help shows its flags too.
+            self.assertIn("--listen_address", self.serve_help(command))
         finally:
             if proc.poll() is None:
                 proc.kill()
