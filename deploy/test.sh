@@ -23,7 +23,8 @@ start=$(date +%s)
 echo "test.sh: built in $(( $(date +%s) - start )) s"
 "$REPO/deploy/check_runtime_deps.sh" "$BUILD_DIR"
 
-# A newcomer's first command, as the README writes it.
+# A newcomer's first command as the README writes it (deploy/serve.sh, read from the
+# README by the test, so it checks whatever the README says).
 if [ "${SERVE_CHECK:-run}" != none ]; then
   start=$(date +%s)
   /usr/bin/python3 "$REPO/tests/e2e/serve_command_test.py" --repo "$REPO"
