@@ -24,7 +24,7 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Server, generate_stubs, wait_serving  # noqa: E402
+from harness import Server, run_tests_with_stubs, wait_serving  # noqa: E402
 
 ARGS = None
 
@@ -335,9 +335,7 @@ def main():
     parser.add_argument("--repo", required=True)
     parser.add_argument("--build_type", default="")
     ARGS, rest = parser.parse_known_args()
-    with tempfile.TemporaryDirectory() as stubs:
-        generate_stubs(stubs, ARGS.proto_dir)
-        unittest.main(argv=[sys.argv[0], "-v", *rest])
+    run_tests_with_stubs(ARGS.proto_dir, rest)
 
 
 if __name__ == "__main__":

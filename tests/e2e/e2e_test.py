@@ -19,7 +19,7 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (Server, generate_stubs, metric, reference_attention, rel_error,  # noqa: E402
+from harness import (Server, run_tests_with_stubs, metric, reference_attention, rel_error,  # noqa: E402
                      seeded_weights, wait_serving)
 
 ARGS = None
@@ -243,9 +243,7 @@ def main():
     parser.add_argument("--proto_dir", required=True)
     parser.add_argument("--attnctl", required=True)
     ARGS, rest = parser.parse_known_args()
-    with tempfile.TemporaryDirectory() as stubs:
-        generate_stubs(stubs, ARGS.proto_dir)
-        unittest.main(argv=[sys.argv[0], "-v", *rest])
+    run_tests_with_stubs(ARGS.proto_dir, rest)
 
 
 if __name__ == "__main__":

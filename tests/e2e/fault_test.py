@@ -19,7 +19,6 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import unittest
@@ -27,7 +26,7 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (Server, from_tensor, generate_stubs, metric, reference_attention,  # noqa: E402
+from harness import (Server, from_tensor, run_tests_with_stubs, metric, reference_attention,  # noqa: E402
                      rel_error, seeded_weights, to_tensor, wait_serving)
 
 ARGS = None
@@ -477,9 +476,7 @@ def main():
     parser.add_argument("--server", required=True)
     parser.add_argument("--proto_dir", required=True)
     ARGS, rest = parser.parse_known_args()
-    with tempfile.TemporaryDirectory() as stubs:
-        generate_stubs(stubs, ARGS.proto_dir)
-        program = unittest.main(argv=[sys.argv[0], "-v", *rest], exit=False)
+    program = run_tests_with_stubs(ARGS.proto_dir, rest, exit=False)
     # A case records its row only once all its assertions held.
     for test, _ in program.result.failures + program.result.errors:
         record(test.id().rsplit(".", 1)[-1], "FAILED (see above)", "see above")

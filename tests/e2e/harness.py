@@ -4,8 +4,10 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import unittest
 import urllib.request
 
 import numpy as np
@@ -35,6 +37,15 @@ def generate_stubs(out_dir, proto_dir):
             dst.write(src.read())
         protoc(flat, os.path.basename(proto))
     sys.path.insert(0, out_dir)
+
+
+def run_tests_with_stubs(proto_dir, unittest_args, exit=True):
+    """Generates the stubs into a temporary folder (removed afterwards) and runs
+    the calling script's tests with the remaining command-line arguments;
+    returns the unittest program when exit is False."""
+    with tempfile.TemporaryDirectory() as stubs:
+        generate_stubs(stubs, proto_dir)
+        return unittest.main(module="__main__", argv=[sys.argv[0], "-v", *unittest_args], exit=exit)
 
 
 # --- The reference: docs/seeded_weights.md, reimplemented independently ---

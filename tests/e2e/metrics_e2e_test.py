@@ -28,7 +28,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (Server, generate_stubs, parse_exposition, stop_process, to_tensor,  # noqa: E402
+from harness import (Server, run_tests_with_stubs, parse_exposition, stop_process, to_tensor,  # noqa: E402
                      wait_serving)
 
 ARGS = None
@@ -377,9 +377,7 @@ def main():
     parser.add_argument("--proto_dir", required=True)
     parser.add_argument("--repo", required=True)
     ARGS, rest = parser.parse_known_args()
-    with tempfile.TemporaryDirectory() as stubs:
-        generate_stubs(stubs, ARGS.proto_dir)
-        unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
+    run_tests_with_stubs(ARGS.proto_dir, rest)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (Server, bf16_round, from_tensor, generate_stubs, rel_error,  # noqa: E402
+from harness import (Server, bf16_round, from_tensor, run_tests_with_stubs, rel_error,  # noqa: E402
                      to_tensor, wait_serving, write_safetensors)
 from torch_parity_test import explicit_torch_attention  # noqa: E402
 
@@ -337,9 +337,7 @@ def main():
         import torch  # noqa: F401
     except ImportError:
         sys.exit("model_repository_test: python3-torch is missing (deploy/install_deps.sh installs it)")
-    with tempfile.TemporaryDirectory() as stubs:
-        generate_stubs(stubs, ARGS.proto_dir)
-        unittest.main(argv=[sys.argv[0], "-v", *rest])
+    run_tests_with_stubs(ARGS.proto_dir, rest)
 
 
 if __name__ == "__main__":

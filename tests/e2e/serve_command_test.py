@@ -35,7 +35,7 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (generate_stubs, metric, parse_exposition, reference_attention, rel_error,  # noqa: E402
+from harness import (run_tests_with_stubs, metric, parse_exposition, reference_attention, rel_error,  # noqa: E402
                      seeded_weights, wait_serving)
 
 ARGS = None
@@ -189,9 +189,7 @@ def main():
     parser.add_argument("--repo", required=True)
     parser.add_argument("--timeout_minutes", type=float, default=60)
     ARGS, rest = parser.parse_known_args()
-    stubs = tempfile.mkdtemp(prefix="attnserve-stubs-")
-    generate_stubs(stubs, os.path.join(ARGS.repo, "proto"))
-    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
+    run_tests_with_stubs(os.path.join(ARGS.repo, "proto"), rest)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,12 @@ Usage: torch_parity_test.py --server PATH/attnserve --proto_dir REPO/proto [--tr
 import argparse
 import os
 import sys
-import tempfile
 import unittest
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (Server, from_tensor, generate_stubs, machine_runs_bf16, rel_error,  # noqa: E402
+from harness import (Server, from_tensor, run_tests_with_stubs, machine_runs_bf16, rel_error,  # noqa: E402
                      to_tensor, wait_serving)
 
 ARGS = None
@@ -284,9 +283,7 @@ def main():
         import torch  # noqa: F401
     except ImportError:
         sys.exit("torch_parity_test: python3-torch is missing (deploy/install_deps.sh installs it)")
-    with tempfile.TemporaryDirectory() as stubs:
-        generate_stubs(stubs, ARGS.proto_dir)
-        unittest.main(argv=[sys.argv[0], "-v", *rest])
+    run_tests_with_stubs(ARGS.proto_dir, rest)
 
 
 if __name__ == "__main__":
