@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -116,13 +117,26 @@ ATTNSERVE_TARGET_AVX512 inline __m512 Exp2x16(__m512 t, __mmask16 keep) {
   return _mm512_maskz_scalef_ps(keep, p, r);  // p * 2^r
 }
 
-// t = (x - m) scale log2(e) for FP32 probabilities (x - m exact when close,
-// then one rounding); for BF16 ones one FMA, x c - m c, whose rounding of m c
-// (|m c| 2^-24) stays far below BF16's.
-ATTNSERVE_TARGET_AVX512 inline __m512 ExponentFp32(__m512 x, __m512 m, __m512 c) {
+// The exponent t = (x - m) c of p = 2^t, c = scale log2(e), two ways:
+// - subtracting first, (x - m) c: x - m is exact when x and m are within a
+//   factor of 2 of each other (and p is 0 when they are not), then one
+//   rounding, relative to t. Right for every finite m, however large.
+// - fused, one FMA x c - m_c with m_c = m c rounded to FP32: that rounding,
+//   up to |m c| 2^-24, shifts every exponent of the row by the same amount,
+//   which is harmless only while it is small. At |m c| = 2^8 it is 2^-16,
+//   a relative error of 1.1e-5 in p (the degree-4 exponential's is 4.2e-5);
+//   at m = -1e10 (a mask's "minus infinity") it is up to 512: 2^t under- or
+//   overflows and the row's weights are lost.
+// BF16 probabilities take the fused form in rows with |m c| <=
+// kFusedShiftLimit (the usual case: scores and masks of ordinary size; it
+// saves one operation per score), subtracting first in the others; FP32
+// probabilities always subtract first.
+constexpr float kFusedShiftLimit = 256.0f;
+
+ATTNSERVE_TARGET_AVX512 inline __m512 ExponentSubtractingFirst(__m512 x, __m512 m, __m512 c) {
   return _mm512_mul_ps(_mm512_sub_ps(x, m), c);
 }
-ATTNSERVE_TARGET_AVX512 inline __m512 ExponentBf16(__m512 x, __m512 m_times_c, __m512 c) {
+ATTNSERVE_TARGET_AVX512 inline __m512 ExponentFused(__m512 x, __m512 m_times_c, __m512 c) {
   return _mm512_fmsub_ps(x, c, m_times_c);
 }
 
@@ -169,7 +183,7 @@ ATTNSERVE_TARGET_AVX512 float Avx512SoftmaxRow(float* x, int64_t limit, int64_t 
     const __mmask16 visible = j < limit ? FirstLanes(limit - j) : __mmask16{0};
     // Lanes past limit are 0.
     const __m512 scores = _mm512_maskz_loadu_ps(visible, x + j);
-    const __m512 p = Exp2x16<7>(ExponentFp32(scores, shift, to_log2), visible);
+    const __m512 p = Exp2x16<7>(ExponentSubtractingFirst(scores, shift, to_log2), visible);
     sum16 = _mm512_add_ps(sum16, p);
     if (p_bf16 != nullptr) {
       _mm256_mask_storeu_epi16(p_bf16 + j, k, ToBf16x16(p));
@@ -178,6 +192,54 @@ ATTNSERVE_TARGET_AVX512 float Avx512SoftmaxRow(float* x, int64_t limit, int64_t 
     }
   }
   return UpdateState(m_new, sum16, scale, m, l);
+}
+
+// The exponent's form in a strip's probability pass (see kFusedShiftLimit).
+enum class Exponent { kSubtractingFirst, kFused };
+
+// The probability pass of a strip of R rows: p = 2^t with t = (x - m) c, for
+// keys [0, limit[r]) of row r (0 past them), FP32 in place (degree-7
+// exponential) or BF16 through VCVTNEPS2BF16 (degree 4); sum16[r] += p.
+// shift[r] is m (kSubtractingFirst) or m c (kFused).
+template <int R, Exponent kExponent, bool kBf16>
+[[gnu::always_inline]] ATTNSERVE_TARGET_AVX512_BF16 inline void StripProbabilities(
+    float* x, int64_t stride, const int64_t (&limit)[R], int64_t width, const __m512 (&shift)[R],
+    __m512 to_log2, __m512 (&sum16)[R], uint16_t* p_bf16) {
+  for (int64_t j = 0; j < width; j += 16) {
+    const __mmask16 k = FirstLanes(width - j);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __mmask16 visible = j < limit[r] ? FirstLanes(limit[r] - j) : __mmask16{0};
+      const __m512 scores = _mm512_maskz_loadu_ps(visible, x + r * stride + j);
+      const __m512 t = kExponent == Exponent::kFused
+                           ? ExponentFused(scores, shift[r], to_log2)
+                           : ExponentSubtractingFirst(scores, shift[r], to_log2);
+      if constexpr (kBf16) {
+        const __m512 p = Exp2x16<4>(t, visible);
+        sum16[r] = _mm512_add_ps(sum16[r], p);
+        const __m256bh halves = _mm512_cvtneps_pbh(p);
+        _mm256_mask_storeu_epi16(p_bf16 + r * stride + j, k,
+                                 reinterpret_cast<const __m256i&>(halves));
+      } else {
+        const __m512 p = Exp2x16<7>(t, visible);
+        sum16[r] = _mm512_add_ps(sum16[r], p);
+        _mm512_mask_storeu_ps(x + r * stride + j, k, p);
+      }
+    }
+  }
+}
+
+// StripProbabilities for one row of BF16 probabilities (shift: m or m c, as
+// kExponent wants); returns the row's sum16.
+template <Exponent kExponent>
+ATTNSERVE_TARGET_AVX512_BF16 __m512 RowProbabilitiesBf16(float* x, int64_t limit, int64_t width,
+                                                        float shift, __m512 to_log2,
+                                                        uint16_t* p_bf16) {
+  const int64_t limits[1] = {limit};
+  const __m512 shifts[1] = {_mm512_set1_ps(shift)};
+  __m512 sum16[1] = {_mm512_setzero_ps()};
+  StripProbabilities<1, kExponent, true>(x, 0, limits, width, shifts, to_log2, sum16, p_bf16);
+  return sum16[0];
 }
 
 // OnlineSoftmaxStrip for R rows on CPUs with AVX512-BF16: the rows' passes
@@ -207,34 +269,56 @@ ATTNSERVE_TARGET_AVX512_BF16 void Avx512SoftmaxStrip(
                                     max16[r]);
     }
   }
-  __m512 shift[R], sum16[R];
+  const float c = scale * kLog2e;
   float m_new[R];
+  // Which exponent BF16 probabilities take, row by row (see kFusedShiftLimit):
+  // fused where |m c| is small, subtracting first where it is large (or not
+  // finite: NaN compares false). Rows with nothing visible take either.
+  bool fusable[R];
+  int fusable_rows = 0;
+  int large_rows = 0;
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     m_new[r] = std::max(m[r], _mm512_reduce_max_ps(max16[r]));
-    // Nothing visible yet: p = 0 (every lane masked), the state stays.
-    if (m_new[r] == kMinusInf) limit[r] = 0;
-    shift[r] = _mm512_set1_ps(p_bf16 != nullptr ? m_new[r] * scale * kLog2e : m_new[r]);
-    sum16[r] = _mm512_setzero_ps();
+    fusable[r] = std::fabs(m_new[r] * c) <= kFusedShiftLimit;
+    if (m_new[r] == kMinusInf) {
+      limit[r] = 0;  // nothing visible yet: p = 0 (every lane masked), the state stays
+    } else if (fusable[r]) {
+      ++fusable_rows;
+    } else {
+      ++large_rows;
+    }
   }
-  const __m512 to_log2 = _mm512_set1_ps(scale * kLog2e);
-  for (int64_t j = 0; j < width; j += 16) {
-    const __mmask16 k = FirstLanes(width - j);
+  __m512 sum16[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) sum16[r] = _mm512_setzero_ps();
+  const __m512 to_log2 = _mm512_set1_ps(c);
+  const bool fused = p_bf16 != nullptr && large_rows == 0;
+  if (p_bf16 == nullptr || fused || fusable_rows == 0) {
+    __m512 shift[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) shift[r] = _mm512_set1_ps(fused ? m_new[r] * c : m_new[r]);
+    if (p_bf16 == nullptr) {
+      StripProbabilities<R, Exponent::kSubtractingFirst, false>(x, stride, limit, width, shift,
+                                                                to_log2, sum16, p_bf16);
+    } else if (fused) {
+      StripProbabilities<R, Exponent::kFused, true>(x, stride, limit, width, shift, to_log2,
+                                                    sum16, p_bf16);
+    } else {
+      StripProbabilities<R, Exponent::kSubtractingFirst, true>(x, stride, limit, width, shift,
+                                                               to_log2, sum16, p_bf16);
+    }
+  } else {
+    // BF16 rows of both kinds (a rare strip): each row by itself in its own
+    // form, so that it gets exactly what it gets alone.
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __mmask16 visible = j < limit[r] ? FirstLanes(limit[r] - j) : __mmask16{0};
-      const __m512 scores = _mm512_maskz_loadu_ps(visible, x + r * stride + j);
-      if (p_bf16 != nullptr) {
-        const __m512 p = Exp2x16<4>(ExponentBf16(scores, shift[r], to_log2), visible);
-        sum16[r] = _mm512_add_ps(sum16[r], p);
-        const __m256bh halves = _mm512_cvtneps_pbh(p);
-        _mm256_mask_storeu_epi16(p_bf16 + r * stride + j, k,
-                                 reinterpret_cast<const __m256i&>(halves));
-      } else {
-        const __m512 p = Exp2x16<7>(ExponentFp32(scores, shift[r], to_log2), visible);
-        sum16[r] = _mm512_add_ps(sum16[r], p);
-        _mm512_mask_storeu_ps(x + r * stride + j, k, p);
-      }
+      sum16[r] = fusable[r] ? RowProbabilitiesBf16<Exponent::kFused>(
+                                  x + r * stride, limit[r], width, m_new[r] * c, to_log2,
+                                  p_bf16 + r * stride)
+                            : RowProbabilitiesBf16<Exponent::kSubtractingFirst>(
+                                  x + r * stride, limit[r], width, m_new[r], to_log2,
+                                  p_bf16 + r * stride);
     }
   }
 #pragma GCC unroll 8

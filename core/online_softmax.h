@@ -29,9 +29,12 @@ float FastExp(float x);
 // p goes to x in place (p_bf16 == nullptr) or, rounded to BF16, to
 // p_bf16 [width] (x is then left as it was). BF16 on a CPU with AVX512-BF16
 // takes exp from a degree-4 polynomial (relative error 4.2e-5, against
-// BF16's 3.9e-3 rounding), FP32 from FastExp's. Returns alpha (1 when the row
-// has nothing visible yet: m stays -inf and p is 0). Not thread-safe on the
-// same row.
+// BF16's 3.9e-3 rounding), FP32 from FastExp's. Scores of any finite size
+// hold these errors (a mask's -1e10 or -3e38 on every key gives p = 1 for
+// each): no implementation lets the size of m into the exponent's error
+// beyond 2^-16. -inf scores give p = 0. Returns alpha (1 when the row has
+// nothing visible yet: m stays -inf and p is 0). Not thread-safe on the same
+// row.
 float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, float& m, float& l,
                        uint16_t* p_bf16);
 

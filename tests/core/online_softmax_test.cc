@@ -104,7 +104,8 @@ void CheckRow(SoftmaxKernel kernel, const std::vector<float>& scores, int64_t li
     }
     for (int64_t j = 0; j < n; ++j) {
       const double d = scale * (static_cast<double>(scores[j0 + j]) - m);
-      const double expected = j0 + j < limit ? std::exp(d) : 0.0;
+      // -inf scores give 0 (also in a block of nothing else, where m is -inf).
+      const double expected = j0 + j < limit && scores[j0 + j] != kMinusInf ? std::exp(d) : 0.0;
       const double actual = bf16 ? Bfloat16ToFloat(p_bf16[j]) : x[j];
       // FP32: FastExp's error and the rounding of (x - m) scale log2(e).
       const double tolerance =
@@ -199,6 +200,113 @@ TEST(OnlineSoftmax, Bf16ProbabilitiesHoldDownToExpsFloor) {
         ASSERT_NEAR(actual, expected, kBf16Tolerance * expected) << "width " << width << " j " << j;
       }
     }
+    }
+  }
+}
+
+// Huge finite scores: a mask's stand-in for minus infinity (-1e10, -3e38 near
+// FP32's limit, -1e30) or a huge offset (+1e30), on every key of a row or
+// among ordinary scores. They are scores like any other: a row of equal
+// scores has p = 1 on each key (uniform weights), however large they are.
+constexpr float kHugeScores[] = {-1e10f, -3e38f, -1e30f, 1e30f, -1e20f};
+
+TEST(OnlineSoftmax, RowsOfEqualHugeScoresGiveEqualWeights) {
+  for (const float huge : kHugeScores) {
+    for (const int64_t width : {1, 3, 16, 17, 40}) {
+      std::vector<float> scores(static_cast<size_t>(width), huge);
+      if (width > 2) scores[1] = kMinusInf;  // a forbidden key among them
+      for (const int64_t limit : {width, width - width / 3}) {
+        for (const int64_t block : {width, int64_t{7}}) {
+          for (const bool bf16 : {false, true}) {
+            for (const float scale : {1.0f, 0.125f}) {
+              for (const SoftmaxKernel kernel : Kernels()) {
+                SCOPED_TRACE(::testing::Message()
+                             << KernelName(kernel) << " score " << huge << " width " << width
+                             << " block " << block << " bf16 " << bf16 << " scale " << scale);
+                CheckRow(kernel, scores, limit, block, bf16, scale);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The distance from |x| to the next FP32 value away from zero.
+double Ulp(float x) {
+  const float magnitude = std::fabs(x);
+  return static_cast<double>(std::nextafter(magnitude, std::numeric_limits<float>::infinity())) -
+         magnitude;
+}
+
+TEST(OnlineSoftmax, HugeScoresKeepTheirDifferences) {
+  // Scores huge + n ulp(huge) (n in [-24, 0]) with scale about 1 / ulp: the
+  // exponents scale (x - max) are ordinary, the scores themselves are not,
+  // and neither is max scale log2(e) (about 2^23): p must still follow the
+  // differences.
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> steps(-24, 0);
+  std::uniform_real_distribution<double> per_step(0.25, 1.0);
+  for (const float huge : kHugeScores) {
+    const double ulp = Ulp(huge);
+    for (const int64_t width : {1, 5, 16, 33}) {
+      std::vector<float> scores(static_cast<size_t>(width));
+      for (float& x : scores) x = static_cast<float>(huge + steps(rng) * ulp);
+      const float scale = static_cast<float>(per_step(rng) / ulp);
+      for (const int64_t block : {width, int64_t{16}, int64_t{5}}) {
+        for (const bool bf16 : {false, true}) {
+          for (const SoftmaxKernel kernel : Kernels()) {
+            SCOPED_TRACE(::testing::Message() << KernelName(kernel) << " score " << huge
+                                              << " width " << width << " block " << block
+                                              << " bf16 " << bf16 << " scale " << scale);
+            CheckRow(kernel, scores, width, block, bf16, scale);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(OnlineSoftmax, HugeScoresAmongOrdinaryOnes) {
+  // Ordinary scores N(0, 3) with huge ones on some keys: huge negative ones
+  // get p = 0, one huge positive one takes all the weight; and rows whose
+  // first key block is all huge (the running max goes from huge to ordinary,
+  // or from ordinary to huge), with -inf keys among them.
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  for (const float huge : kHugeScores) {
+    for (const int64_t width : {2, 16, 17, 40}) {
+      for (const bool first_block_huge : {false, true}) {
+        std::vector<float> scores(static_cast<size_t>(width));
+        for (int64_t j = 0; j < width; ++j) {
+          const double u = uniform(rng);
+          scores[j] = u < 0.3 ? huge : u < 0.4 ? kMinusInf : normal(rng);
+          if (first_block_huge && j < width / 2) scores[j] = huge;
+        }
+        scores[width - 1] = normal(rng);  // at least one ordinary score
+        if (huge > 0.0f) {  // one huge positive score at most: it takes all the weight
+          for (float& x : scores) x = x == huge ? normal(rng) : x;
+          scores[std::uniform_int_distribution<int64_t>(0, width - 1)(rng)] = huge;
+        }
+        for (const int64_t block : {width, int64_t{16}, std::max<int64_t>(1, width / 2)}) {
+          for (const bool bf16 : {false, true}) {
+            for (const float scale : {1.0f, 0.125f}) {
+              for (const SoftmaxKernel kernel : Kernels()) {
+                SCOPED_TRACE(::testing::Message()
+                             << KernelName(kernel) << " score " << huge << " width " << width
+                             << " block " << block << " bf16 " << bf16 << " scale " << scale);
+                CheckRow(kernel, scores, width, block, bf16, scale);
+              }
+            }
+          }
+        }
+      }
     }
   }
 }
