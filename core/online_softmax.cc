@@ -233,8 +233,8 @@ template <int R, Exponent kExponent, bool kBf16>
 // kExponent wants); returns the row's sum16.
 template <Exponent kExponent>
 ATTNSERVE_TARGET_AVX512_BF16 __m512 RowProbabilitiesBf16(float* x, int64_t limit, int64_t width,
-                                                        float shift, __m512 to_log2,
-                                                        uint16_t* p_bf16) {
+                                                         float shift, __m512 to_log2,
+                                                         uint16_t* p_bf16) {
   const int64_t limits[1] = {limit};
   const __m512 shifts[1] = {_mm512_set1_ps(shift)};
   __m512 sum16[1] = {_mm512_setzero_ps()};
@@ -247,9 +247,10 @@ ATTNSERVE_TARGET_AVX512_BF16 __m512 RowProbabilitiesBf16(float* x, int64_t limit
 // probabilities in place or BF16 ones (degree-4 exponential) through
 // VCVTNEPS2BF16, as the row functions above compute them.
 template <int R>
-ATTNSERVE_TARGET_AVX512_BF16 void Avx512SoftmaxStrip(
-    float* x, int64_t stride, const int64_t* limits, int64_t width, float scale, float* m,
-    float* l, float* alpha, uint16_t* p_bf16) {
+ATTNSERVE_TARGET_AVX512_BF16 void Avx512SoftmaxStrip(float* x, int64_t stride,
+                                                     const int64_t* limits, int64_t width,
+                                                     float scale, float* m, float* l, float* alpha,
+                                                     uint16_t* p_bf16) {
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   int64_t limit[R];
   int64_t longest = 0;
@@ -265,8 +266,8 @@ ATTNSERVE_TARGET_AVX512_BF16 void Avx512SoftmaxStrip(
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __mmask16 k = j < limit[r] ? FirstLanes(limit[r] - j) : __mmask16{0};
-      max16[r] = _mm512_mask_max_ps(max16[r], k, _mm512_maskz_loadu_ps(k, x + r * stride + j),
-                                    max16[r]);
+      max16[r] =
+          _mm512_mask_max_ps(max16[r], k, _mm512_maskz_loadu_ps(k, x + r * stride + j), max16[r]);
     }
   }
   const float c = scale * kLog2e;
@@ -302,8 +303,8 @@ ATTNSERVE_TARGET_AVX512_BF16 void Avx512SoftmaxStrip(
       StripProbabilities<R, Exponent::kSubtractingFirst, false>(x, stride, limit, width, shift,
                                                                 to_log2, sum16, p_bf16);
     } else if (fused) {
-      StripProbabilities<R, Exponent::kFused, true>(x, stride, limit, width, shift, to_log2,
-                                                    sum16, p_bf16);
+      StripProbabilities<R, Exponent::kFused, true>(x, stride, limit, width, shift, to_log2, sum16,
+                                                    p_bf16);
     } else {
       StripProbabilities<R, Exponent::kSubtractingFirst, true>(x, stride, limit, width, shift,
                                                                to_log2, sum16, p_bf16);
@@ -313,12 +314,12 @@ ATTNSERVE_TARGET_AVX512_BF16 void Avx512SoftmaxStrip(
     // form, so that it gets exactly what it gets alone.
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      sum16[r] = fusable[r] ? RowProbabilitiesBf16<Exponent::kFused>(
-                                  x + r * stride, limit[r], width, m_new[r] * c, to_log2,
-                                  p_bf16 + r * stride)
-                            : RowProbabilitiesBf16<Exponent::kSubtractingFirst>(
-                                  x + r * stride, limit[r], width, m_new[r], to_log2,
-                                  p_bf16 + r * stride);
+      sum16[r] =
+          fusable[r]
+              ? RowProbabilitiesBf16<Exponent::kFused>(x + r * stride, limit[r], width,
+                                                       m_new[r] * c, to_log2, p_bf16 + r * stride)
+              : RowProbabilitiesBf16<Exponent::kSubtractingFirst>(
+                    x + r * stride, limit[r], width, m_new[r], to_log2, p_bf16 + r * stride);
     }
   }
 #pragma GCC unroll 8

@@ -259,9 +259,9 @@ TEST(OnlineSoftmax, HugeScoresKeepTheirDifferences) {
       for (const int64_t block : {width, int64_t{16}, int64_t{5}}) {
         for (const bool bf16 : {false, true}) {
           for (const SoftmaxKernel kernel : Kernels()) {
-            SCOPED_TRACE(::testing::Message() << KernelName(kernel) << " score " << huge
-                                              << " width " << width << " block " << block
-                                              << " bf16 " << bf16 << " scale " << scale);
+            SCOPED_TRACE(::testing::Message()
+                         << KernelName(kernel) << " score " << huge << " width " << width
+                         << " block " << block << " bf16 " << bf16 << " scale " << scale);
             CheckRow(kernel, scores, width, block, bf16, scale);
           }
         }
@@ -313,8 +313,10 @@ TEST(OnlineSoftmax, HugeScoresAmongOrdinaryOnes) {
 
 TEST(OnlineSoftmax, AStripEqualsItsRowsOneByOne) {
   // Rows of different limits (0, partial, full; -inf scores), a state carried
-  // from an earlier block, FP32 in place and BF16, every strip height: the
-  // strip's interleaved passes give each row exactly what OnlineSoftmaxRow gives.
+  // from an earlier block, FP32 in place and BF16, every strip height, and
+  // strips where some rows hold huge scores (-1e10 on every key, or huge
+  // offsets) among ordinary rows: the strip's interleaved passes give each row
+  // exactly what OnlineSoftmaxRow gives.
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(SeedTrace(seed));
   std::mt19937_64 rng(seed);
@@ -322,39 +324,49 @@ TEST(OnlineSoftmax, AStripEqualsItsRowsOneByOne) {
   for (const int64_t width : {16, 48, 512, 1024}) {
     for (int64_t rows = 1; rows <= 8; ++rows) {
       for (const bool bf16 : {false, true}) {
-        SCOPED_TRACE(::testing::Message() << "width " << width << " rows " << rows << " bf16 " << bf16);
-        const int64_t stride = width + 16;
-        std::vector<float> scores(static_cast<size_t>(rows * stride));
-        for (float& x : scores) x = normal(rng);
-        std::vector<int64_t> limits(static_cast<size_t>(rows));
-        std::vector<float> m(static_cast<size_t>(rows)), l(static_cast<size_t>(rows));
-        for (int64_t r = 0; r < rows; ++r) {
-          limits[r] = std::uniform_int_distribution<int64_t>(0, width)(rng);
-          if (r == 0) limits[r] = 0;
-          if (r == 1) limits[r] = width;
-          scores[r * stride + width / 2] = kMinusInf;
-          m[r] = r % 3 == 0 ? kMinusInf : normal(rng);
-          l[r] = m[r] == kMinusInf ? 0.0f : 1.5f;
-        }
-        std::vector<float> strip_x = scores, strip_m = m, strip_l = l;
-        std::vector<float> strip_alpha(static_cast<size_t>(rows));
-        std::vector<uint16_t> strip_p(scores.size(), 0xffff), row_p(scores.size(), 0xffff);
-        OnlineSoftmaxStrip(strip_x.data(), stride, rows, limits.data(), width, 0.125f,
-                           strip_m.data(), strip_l.data(), strip_alpha.data(),
-                           bf16 ? strip_p.data() : nullptr);
-        std::vector<float> row_x = scores;
-        for (int64_t r = 0; r < rows; ++r) {
-          const float alpha =
-              OnlineSoftmaxRow(row_x.data() + r * stride, limits[r], width, 0.125f, m[r], l[r],
-                               bf16 ? row_p.data() + r * stride : nullptr);
-          ASSERT_EQ(strip_alpha[r], alpha) << "row " << r;
-          ASSERT_EQ(strip_m[r], m[r]) << "row " << r;
-          ASSERT_EQ(strip_l[r], l[r]) << "row " << r;
-          for (int64_t j = 0; j < width; ++j) {
-            if (bf16) {
-              ASSERT_EQ(strip_p[r * stride + j], row_p[r * stride + j]) << r << " " << j;
-            } else {
-              ASSERT_EQ(strip_x[r * stride + j], row_x[r * stride + j]) << r << " " << j;
+        for (const bool huge_rows : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "width " << width << " rows " << rows << " bf16 "
+                                            << bf16 << " huge rows " << huge_rows);
+          const int64_t stride = width + 16;
+          std::vector<float> scores(static_cast<size_t>(rows * stride));
+          for (float& x : scores) x = normal(rng);
+          std::vector<int64_t> limits(static_cast<size_t>(rows));
+          std::vector<float> m(static_cast<size_t>(rows)), l(static_cast<size_t>(rows));
+          for (int64_t r = 0; r < rows; ++r) {
+            limits[r] = std::uniform_int_distribution<int64_t>(0, width)(rng);
+            if (r == 0) limits[r] = 0;
+            if (r == 1) limits[r] = width;
+            scores[r * stride + width / 2] = kMinusInf;
+            m[r] = r % 3 == 0 ? kMinusInf : normal(rng);
+            if (huge_rows && r % 2 == 1) {  // every key -1e10, or -1e10 plus ordinary offsets
+              for (int64_t j = 0; j < width; ++j) {
+                scores[r * stride + j] =
+                    r % 4 == 1 ? -1e10f : -1e10f + 1024.0f * std::round(normal(rng));
+              }
+              m[r] = r % 3 == 0 ? kMinusInf : -1e10f;
+            }
+            l[r] = m[r] == kMinusInf ? 0.0f : 1.5f;
+          }
+          std::vector<float> strip_x = scores, strip_m = m, strip_l = l;
+          std::vector<float> strip_alpha(static_cast<size_t>(rows));
+          std::vector<uint16_t> strip_p(scores.size(), 0xffff), row_p(scores.size(), 0xffff);
+          OnlineSoftmaxStrip(strip_x.data(), stride, rows, limits.data(), width, 0.125f,
+                             strip_m.data(), strip_l.data(), strip_alpha.data(),
+                             bf16 ? strip_p.data() : nullptr);
+          std::vector<float> row_x = scores;
+          for (int64_t r = 0; r < rows; ++r) {
+            const float alpha =
+                OnlineSoftmaxRow(row_x.data() + r * stride, limits[r], width, 0.125f, m[r], l[r],
+                                 bf16 ? row_p.data() + r * stride : nullptr);
+            ASSERT_EQ(strip_alpha[r], alpha) << "row " << r;
+            ASSERT_EQ(strip_m[r], m[r]) << "row " << r;
+            ASSERT_EQ(strip_l[r], l[r]) << "row " << r;
+            for (int64_t j = 0; j < width; ++j) {
+              if (bf16) {
+                ASSERT_EQ(strip_p[r * stride + j], row_p[r * stride + j]) << r << " " << j;
+              } else {
+                ASSERT_EQ(strip_x[r * stride + j], row_x[r * stride + j]) << r << " " << j;
+              }
             }
           }
         }
