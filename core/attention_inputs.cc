@@ -105,6 +105,24 @@ std::string PrecisionName(Precision precision) {
   return absl::StrCat("unknown precision ", static_cast<int>(precision));
 }
 
+std::string BlockKernelsName(BlockKernels kernels) {
+  switch (kernels) {
+    case BlockKernels::kAuto:
+      return "auto";
+    case BlockKernels::kOneDnn:
+      return "onednn";
+  }
+  return absl::StrCat("unknown block kernels ", static_cast<int>(kernels));
+}
+
+absl::StatusOr<BlockKernels> ParseBlockKernels(absl::string_view name) {
+  for (BlockKernels kernels : {BlockKernels::kAuto, BlockKernels::kOneDnn}) {
+    if (name == BlockKernelsName(kernels)) return kernels;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("block kernels: \"", name, "\" is neither \"auto\" nor \"onednn\""));
+}
+
 bool Bf16Supported() {
 #ifdef ATTNSERVE_X86_INTRINSICS
   static const bool supported = internal::CpuHasAvx512Bf16() && OneDnnIsaIncludesBf16();

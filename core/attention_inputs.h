@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace attnserve::core {
@@ -128,6 +129,21 @@ enum class AttentionPath {
   kBlocked,
 };
 
+// Which kernels run the blocked path's blocks.
+enum class BlockKernels {
+  // attnserve's own AVX-512 block kernels where the CPU and head_dim allow
+  // them (core/block_kernels.h), oneDNN's block matmuls elsewhere.
+  kAuto,
+  // oneDNN's block matmuls always (for comparison, and the fallback's tests).
+  kOneDnn,
+};
+
+// "auto" or "onednn".
+std::string BlockKernelsName(BlockKernels kernels);
+// The value named "auto" or "onednn" (the server's ATTNSERVE_BLOCK_KERNELS);
+// INVALID_ARGUMENT for any other name.
+absl::StatusOr<BlockKernels> ParseBlockKernels(absl::string_view name);
+
 struct ForwardOptions {
   MapSelection maps;
   // Fill ForwardOutputs' head statistics.
@@ -142,6 +158,7 @@ struct ForwardOptions {
   // choice (measured: see docs/measurements.md). Each >= 0.
   int64_t block_queries = 0;
   int64_t block_keys = 0;
+  BlockKernels block_kernels = BlockKernels::kAuto;
 };
 
 // Buffers the caller owns and the layer fills. Spans not asked for must be

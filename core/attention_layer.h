@@ -12,7 +12,11 @@
 #include "absl/types/span.h"
 #include "core/attention_inputs.h"
 #include "core/attention_weights.h"
+#include "core/attention_core.h"  // for code that includes the layer for both
 #include "core/head_config.h"
+#include "core/route.h"
+#include "core/validation.h"
+#include "core/workspace.h"
 
 namespace attnserve::core {
 
@@ -35,38 +39,22 @@ struct LayerInputs {
   // (0 removes the head, as in head pruning); each finite and >= 0. Empty: all 1.
   absl::Span<const float> head_mask;
   // [batch]: the RoPE position of each sequence's first query token (and of
-  // its first key, in self-attention), each in [0, 2^40]. Empty: 0. Ignored
+  // its first key, in self-attention), each in [0, kMaxPositionOffset = 2^30]
+  // (core/validation.h). Empty: 0. Ignored
   // without RoPE. In cross-attention the context's keys are rotated at their
   // own positions 0, 1, ... (the encoder's), whatever the offsets.
   absl::Span<const int64_t> position_offsets;
 };
 
-// Elements of the attention maps `maps` asks for, for queries in `queries`
-// and keys in `keys` (the queries' layout again in self-attention), or
-// nullopt on int64 overflow.
-std::optional<int64_t> AttentionMapElements(const HeadConfig& config, const SequenceLayout& queries,
-                                            const SequenceLayout& keys, const MapSelection& maps);
-
-// Bytes of scratch memory a call with these sizes and options allocates
-// beyond the caller's buffers (projections, staged heads, materialized scores
-// or the blocked path's blocks, masks, BF16 copies), or nullopt on int64
-// overflow. `projected_inputs`: AttentionCore::Run (heads given, no
-// projections); otherwise AttentionLayer::Forward, cross-attention when
-// `keys` is the context's layout (`cross_attention`). What a server compares
-// with its memory budget before admitting a request; it follows the path
-// `options` choose (AttentionPath). Thread-safe.
-std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const SequenceLayout& queries,
-                                           const SequenceLayout& keys, bool cross_attention,
-                                           bool projected_inputs, const ForwardOptions& options);
-
 // One multi-head attention layer on oneDNN (the seeds' definition, see
 // HeadConfig): self- or cross-attention, bidirectional or causal, padded or
 // packed ragged batches, explicit masks, head mask, RoPE, GQA/MQA, maps,
-// per-head statistics, FP32 or BF16. Primitives are built once per shape and
-// cached; scratch buffers are reused across calls.
+// per-head statistics, FP32 or BF16. It holds its weights only: a forward
+// runs in a Workspace (primitives and scratch memory), the caller's or one
+// made for the call, on the Route that MakeRoute (core/route.h) gives.
 //
-// Thread-safe: calls to Forward are serialized internally (the server runs
-// them on one compute executor, which owns the cores through OpenMP).
+// Thread-safe: concurrent forwards need different workspaces (the server runs
+// them on its compute executor, which owns one and the cores).
 class AttentionLayer {
  public:
   // INVALID_ARGUMENT when the config or the weights are malformed, INTERNAL
@@ -87,58 +75,14 @@ class AttentionLayer {
   // not d_model (the server validates first; this is the core's own guard),
   // CANCELLED when options.should_stop says so, RESOURCE_EXHAUSTED when
   // scratch memory cannot be allocated, INTERNAL when oneDNN fails.
+  // `workspace`: where the forward runs (nullptr: one made for the call,
+  // freed after it).
   absl::StatusOr<ForwardInfo> Forward(const LayerInputs& inputs, const ForwardOptions& options,
-                                      ForwardOutputs outputs);
+                                      ForwardOutputs outputs, Workspace* workspace = nullptr) const;
 
  private:
   class Impl;
   explicit AttentionLayer(std::unique_ptr<Impl> impl);
-  std::unique_ptr<Impl> impl_;
-};
-
-// The inputs of AttentionCore::Run: heads already projected (and rotated, if
-// the model uses RoPE), dense row-major. Positions past the lengths are padding:
-// they may hold anything (NaN too) and never reach a result.
-struct CoreInputs {
-  absl::Span<const float> q;  // [batch, num_heads, q_len, head_dim]
-  absl::Span<const float> k;  // [batch, num_kv_heads, kv_len, head_dim]
-  absl::Span<const float> v;  // [batch, num_kv_heads, kv_len, head_dim]
-  int64_t batch = 0;
-  int64_t q_len = 0;
-  int64_t kv_len = 0;
-  // [batch] valid lengths (padding after them); empty: q_len / kv_len.
-  absl::Span<const int64_t> q_lengths;
-  absl::Span<const int64_t> kv_lengths;
-  bool causal = false;
-  ExplicitMask mask;
-  absl::Span<const float> head_mask;  // [num_heads]; empty: all 1
-};
-
-// Scaled dot-product attention alone, per head:
-//   out_h = softmax(Q_h K_g^T * scale + mask) V_g, g = h / (num_heads / num_kv_heads)
-// for clients that project themselves. Uses config's num_heads, num_kv_heads,
-// head_dim and scale (d_model, context_dim and rotary are not used). Outputs:
-// output [batch, num_heads, q_len, head_dim]; maps and head_entropy /
-// head_max_weight as for the layer (no head_contribution).
-// Thread-safe like AttentionLayer.
-class AttentionCore {
- public:
-  // INVALID_ARGUMENT when the config is malformed. d_model may be 0 (with
-  // head_dim set): it is then taken as num_heads * head_dim.
-  static absl::StatusOr<std::unique_ptr<AttentionCore>> Create(const HeadConfig& config);
-  ~AttentionCore();
-  AttentionCore(const AttentionCore&) = delete;
-  AttentionCore& operator=(const AttentionCore&) = delete;
-
-  const HeadConfig& config() const;
-  // Errors as AttentionLayer::Forward (the spans of CoreInputs named "q", "k",
-  // "v", "q_lengths", "kv_lengths"; "head_contribution" when it is not empty).
-  absl::StatusOr<ForwardInfo> Run(const CoreInputs& inputs, const ForwardOptions& options,
-                                  ForwardOutputs outputs);
-
- private:
-  class Impl;
-  explicit AttentionCore(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
 

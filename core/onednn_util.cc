@@ -7,14 +7,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "core/route.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace attnserve::core::internal {
-namespace {
-
-constexpr int64_t kAlignment = 64;
-
-}  // namespace
 
 absl::StatusOr<dnnl::engine> CpuEngine() {
   // A function-local static: created once, thread-safe, never destroyed
@@ -39,14 +35,14 @@ void ScratchBuffer::Free::operator()(void* p) const { std::free(p); }
 
 absl::Status ScratchBuffer::Reserve(int64_t bytes) {
   if (bytes <= capacity_) return absl::OkStatus();
-  if (bytes > INT64_MAX - kAlignment) {
+  if (bytes > INT64_MAX - kScratchAlignment) {
     return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
   }
   // std::aligned_alloc wants a multiple of the alignment.
-  const int64_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  const int64_t rounded = (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
   data_.reset();
   capacity_ = 0;
-  void* p = std::aligned_alloc(kAlignment, static_cast<size_t>(rounded));
+  void* p = std::aligned_alloc(kScratchAlignment, static_cast<size_t>(rounded));
   if (p == nullptr) {
     return absl::ResourceExhaustedError(
         absl::StrCat("cannot allocate ", rounded, " bytes of scratch memory"));

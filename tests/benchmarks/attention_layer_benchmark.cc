@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <iostream>
 #include <limits>
 #include <random>
 #include <string>
@@ -122,6 +124,22 @@ double CeilingGflops(bool bf16) {
   return Median(gflops);
 }
 
+// ATTNSERVE_BLOCK_KERNELS=onednn|auto, read once at start-up as the server
+// reads it: which kernels the blocked path's blocks run on (to compare them).
+BlockKernels BlockKernelsFromEnvironment() {
+  static const BlockKernels kernels = [] {
+    const char* const name = std::getenv("ATTNSERVE_BLOCK_KERNELS");
+    if (name == nullptr) return BlockKernels::kAuto;
+    const absl::StatusOr<BlockKernels> parsed = ParseBlockKernels(name);
+    if (!parsed.ok()) {
+      std::cerr << parsed.status() << "\n";
+      std::exit(2);
+    }
+    return *parsed;
+  }();
+  return kernels;
+}
+
 enum Flags : int64_t {
   kCausal = 1,
   kBf16 = 2,
@@ -155,6 +173,9 @@ void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys
   if (flags & kBlocked) options.attention_path = AttentionPath::kBlocked;
   options.block_queries = block_queries;
   options.block_keys = block_keys;
+  options.block_kernels = BlockKernelsFromEnvironment();
+  // A compute worker's workspace, kept across forwards.
+  const std::unique_ptr<Workspace> workspace = *Workspace::Create();
   ForwardOutputs outputs;
   outputs.output = absl::MakeSpan(output);
   if (flags & kPerHeadMaps) {
@@ -162,12 +183,13 @@ void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys
     maps.resize(batch * heads * seq * seq);
     outputs.attention_maps = absl::MakeSpan(maps);
   }
-  const absl::StatusOr<ForwardInfo> info = layer->Forward(inputs, options, outputs);
+  const absl::StatusOr<ForwardInfo> info =
+      layer->Forward(inputs, options, outputs, workspace.get());
   if (!info.ok()) {
     state.SkipWithError(std::string(info.status().message()).c_str());
     return;
   }
-  layer->Forward(inputs, options, outputs).IgnoreError();  // warm-up
+  layer->Forward(inputs, options, outputs, workspace.get()).IgnoreError();  // warm-up
   // Peak RSS of the forwards (inputs, weights, scratch, libraries), taken
   // before the ceiling's 2048^2 matrices are made.
   rusage usage{};
@@ -191,7 +213,7 @@ void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys
   for (auto _ : state) {
     const int64_t allocations_before = attnserve::testing::AllocationCount();
     const auto start = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(layer->Forward(inputs, options, outputs));
+    benchmark::DoNotOptimize(layer->Forward(inputs, options, outputs, workspace.get()));
     window_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     allocations += attnserve::testing::AllocationCount() - allocations_before;
@@ -222,7 +244,7 @@ void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys
   // them oneDNN's library makes (its per-execute bookkeeping).
   attnserve::testing::SetAllocationAttribution(true);
   const int64_t onednn_before = attnserve::testing::OneDnnAllocationCount();
-  layer->Forward(inputs, options, outputs).IgnoreError();
+  layer->Forward(inputs, options, outputs, workspace.get()).IgnoreError();
   state.counters["allocs_onednn"] =
       static_cast<double>(attnserve::testing::OneDnnAllocationCount() - onednn_before);
   attnserve::testing::SetAllocationAttribution(false);
@@ -354,7 +376,7 @@ BENCHMARK(BM_OnlineSoftmaxRow)
 // core does). GFLOP counts 4*B*H*S^2*hd (halved when causal); of_ceiling
 // divides it by the matmul ceiling measured before and after. Run it with
 // ATTNSERVE_BLOCK_KERNELS=onednn in another process to compare the block
-// kernels. args: batch, seq, heads, head_dim, flags (causal, BF16).
+// kernels (BlockKernelsFromEnvironment). args: batch, seq, heads, head_dim, flags (causal, BF16).
 void BM_AttentionCore(benchmark::State& state) {
   const int64_t batch = state.range(0), seq = state.range(1), heads = state.range(2),
                 hd = state.range(3), flags = state.range(4);
@@ -375,16 +397,20 @@ void BM_AttentionCore(benchmark::State& state) {
   ForwardOptions options;
   options.precision = bf16 ? Precision::kBf16 : Precision::kFp32;
   options.attention_path = AttentionPath::kBlocked;
+  options.block_kernels = BlockKernelsFromEnvironment();
+  const std::unique_ptr<Workspace> workspace = *Workspace::Create();
   ForwardOutputs outputs;
   outputs.output = absl::MakeSpan(output);
-  const absl::StatusOr<ForwardInfo> info = core->Run(inputs, options, outputs);
+  const absl::StatusOr<ForwardInfo> info = core->Run(inputs, options, outputs, workspace.get());
   if (!info.ok()) {
     state.SkipWithError(std::string(info.status().message()).c_str());
     return;
   }
   const double before = CeilingGflops(bf16);
   const auto start = std::chrono::steady_clock::now();
-  for (auto _ : state) benchmark::DoNotOptimize(core->Run(inputs, options, outputs));
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(core->Run(inputs, options, outputs, workspace.get()));
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double ceiling = 0.5 * (before + CeilingGflops(bf16));

@@ -49,7 +49,6 @@ using ::attnserve::testing::ReferenceLayer;
 using ::attnserve::testing::ReferenceLayerWithBf16Operands;
 using ::attnserve::testing::RelativeFrobeniusError;
 using ::attnserve::testing::RoundToBf16;
-using ::attnserve::testing::ScopedEnv;
 using ::attnserve::testing::SeedTrace;
 using Probabilities = Bf16Operands::Probabilities;
 
@@ -123,7 +122,7 @@ std::ostream& operator<<(std::ostream& os, const Bf16Case& c) { return os << c.n
 struct PathUnderTest {
   const char* name;
   AttentionPath path;
-  const char* block_kernels;  // ATTNSERVE_BLOCK_KERNELS, or nullptr
+  BlockKernels block_kernels;
   const char* kernel_path;
   Probabilities probabilities;
 };
@@ -132,10 +131,11 @@ struct PathUnderTest {
 // these shapes at once: one block, so the blocked path's probabilities are
 // relative to the row's max, as the reference rounds them.
 constexpr PathUnderTest kPaths[] = {
-    {"materialized", AttentionPath::kMaterialized, nullptr, "bf16/materialized",
+    {"materialized", AttentionPath::kMaterialized, BlockKernels::kAuto, "bf16/materialized",
      Probabilities::kNormalized},
-    {"blocked", AttentionPath::kBlocked, nullptr, "bf16/blocked", Probabilities::kRelativeToRowMax},
-    {"blocked on oneDNN", AttentionPath::kBlocked, "onednn", "bf16/blocked",
+    {"blocked", AttentionPath::kBlocked, BlockKernels::kAuto, "bf16/blocked",
+     Probabilities::kRelativeToRowMax},
+    {"blocked on oneDNN", AttentionPath::kBlocked, BlockKernels::kOneDnn, "bf16/blocked",
      Probabilities::kRelativeToRowMax},
 };
 
@@ -211,8 +211,8 @@ TEST_P(Bf16Layer, MatchesTheReferenceFedTheSameBf16Operands) {
       ReferenceLayer(problem.config, problem.weights, problem.inputs).output;
   for (const PathUnderTest& path : kPaths) {
     SCOPED_TRACE(path.name);
-    const ScopedEnv block_kernels("ATTNSERVE_BLOCK_KERNELS", path.block_kernels);
     ForwardOptions options;
+    options.block_kernels = path.block_kernels;
     options.precision = Precision::kBf16;
     options.attention_path = path.path;
     std::vector<float> output(

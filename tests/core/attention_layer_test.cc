@@ -35,7 +35,6 @@ namespace {
 
 using ::attnserve::testing::FreshSeed;
 using ::attnserve::testing::IsOk;
-using ::attnserve::testing::ScopedEnv;
 using ::attnserve::testing::kBf16Tolerance;
 using ::attnserve::testing::kFp32Tolerance;
 using ::attnserve::testing::MaxRowSumError;
@@ -286,9 +285,9 @@ ScenarioCall MakeScenarioCall(const Scenario& s, std::mt19937_64& rng, Precision
 // The path a scenario runs on: as asked (maps and statistics: materialized),
 // or forced onto the blocked path without maps and statistics, with small
 // blocks so that block edges fall inside the sequences (the last blocks
-// shorter, causal diagonals inside blocks), on the block kernels MakeBlocked
+// shorter, causal diagonals inside blocks), on the block kernels the route
 // picks (attnserve's own where the CPU and head_dim allow) or on oneDNN's
-// (ATTNSERVE_BLOCK_KERNELS=onednn).
+// (ForwardOptions::block_kernels kOneDnn).
 enum class PathUnderTest { kAsAsked, kBlocked, kBlockedOnOneDnn };
 
 class AttentionLayerScenarios : public ::testing::TestWithParam<Scenario> {
@@ -305,6 +304,9 @@ class AttentionLayerScenarios : public ::testing::TestWithParam<Scenario> {
       call.options.attention_path = AttentionPath::kBlocked;
       call.options.block_queries = 4;
       call.options.block_keys = 3;
+      if (path == PathUnderTest::kBlockedOnOneDnn) {
+        call.options.block_kernels = BlockKernels::kOneDnn;
+      }
       expected_path = "blocked";
     } else if (call.options.maps.mode == AttentionMapMode::kNone && !call.options.head_statistics) {
       expected_path = "blocked";  // kAuto's choice
@@ -313,8 +315,6 @@ class AttentionLayerScenarios : public ::testing::TestWithParam<Scenario> {
         AttentionLayer::Create(call.config, call.weights);
     ASSERT_THAT(layer, IsOk());
     Buffers buffers;
-    const ScopedEnv block_kernels("ATTNSERVE_BLOCK_KERNELS",
-                                  path == PathUnderTest::kBlockedOnOneDnn ? "onednn" : nullptr);
     const absl::StatusOr<ForwardInfo> info = RunLayer(**layer, call.inputs, call.options, buffers);
     ASSERT_THAT(info, IsOk());
     EXPECT_EQ(info->precision, precision);
@@ -347,6 +347,54 @@ TEST_P(AttentionLayerScenarios, Fp32BlockedOnOneDnnMatchesReference) {
 TEST_P(AttentionLayerScenarios, Bf16BlockedOnOneDnnMatchesReference) {
   ATTNSERVE_SKIP_WITHOUT_BF16();
   Check(Precision::kBf16, kBf16Tolerance, PathUnderTest::kBlockedOnOneDnn);
+}
+
+// One route decides every scratch buffer's size: what MakeRoute says a
+// forward needs is what a forward reserves in a new workspace, exactly, on
+// every route a scenario can take, and a second forward of the same request
+// grows nothing.
+TEST_P(AttentionLayerScenarios, RouteScratchIsWhatTheForwardReserves) {
+  std::mt19937_64 rng(FreshSeed());
+  for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    for (const PathUnderTest path :
+         {PathUnderTest::kAsAsked, PathUnderTest::kBlocked, PathUnderTest::kBlockedOnOneDnn}) {
+      SCOPED_TRACE(absl::StrCat(PrecisionName(precision), " path ", static_cast<int>(path)));
+      ScenarioCall call = MakeScenarioCall(GetParam(), rng, precision);
+      if (path != PathUnderTest::kAsAsked) {
+        call.options.maps = {};
+        call.options.head_statistics = false;
+        call.options.attention_path = AttentionPath::kBlocked;
+        if (path == PathUnderTest::kBlockedOnOneDnn) {
+          call.options.block_kernels = BlockKernels::kOneDnn;
+        }
+      }
+      absl::StatusOr<std::unique_ptr<AttentionLayer>> layer =
+          AttentionLayer::Create(call.config, call.weights);
+      ASSERT_THAT(layer, IsOk());
+      RouteRequest request;
+      request.queries = call.inputs.layout;
+      request.cross_attention = call.inputs.context_layout.has_value();
+      request.keys = request.cross_attention ? *call.inputs.context_layout : call.inputs.layout;
+      request.causal = call.inputs.causal;
+      request.mask = call.inputs.mask.kind;
+      const absl::StatusOr<Route> route = MakeRoute((*layer)->config(), request, call.options);
+      ASSERT_THAT(route, IsOk());
+      absl::StatusOr<std::unique_ptr<Workspace>> workspace = Workspace::Create();
+      ASSERT_THAT(workspace, IsOk());
+      Buffers buffers = MakeBuffers((*layer)->config(), call.inputs, call.options);
+      for (int forward = 0; forward < 2; ++forward) {
+        const absl::StatusOr<ForwardInfo> info =
+            (*layer)->Forward(call.inputs, call.options, buffers.Outputs(), workspace->get());
+        ASSERT_THAT(info, IsOk());
+        EXPECT_EQ(info->kernel_path, route->kernel_path());
+        EXPECT_EQ((*workspace)->route_bytes(), route->scratch_bytes());
+      }
+      EXPECT_EQ(ForwardScratchBytes((*layer)->config(), request.queries, request.keys,
+                                    request.cross_attention, /*projected_inputs=*/false,
+                                    call.options, request.causal, request.mask),
+                route->scratch_bytes());
+    }
+  }
 }
 
 using Kind = ExplicitMask::Kind;

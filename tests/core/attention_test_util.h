@@ -42,22 +42,6 @@ inline uint64_t FreshSeed() {
 
 inline std::string SeedTrace(uint64_t seed) { return absl::StrCat("random seed ", seed); }
 
-// Sets an environment variable for its lifetime (value nullptr: leaves it
-// unset), e.g. ATTNSERVE_BLOCK_KERNELS=onednn for the blocked path's oneDNN
-// blocks.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    if (value != nullptr) setenv(name, value, 1);
-  }
-  ~ScopedEnv() { unsetenv(name_); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-};
-
 inline std::vector<float> RandomNormal(size_t n, std::mt19937_64& rng, double stddev = 1.0) {
   std::normal_distribution<double> normal(0.0, stddev);
   std::vector<float> values(n);

@@ -42,7 +42,6 @@ using ::attnserve::testing::RandomStates;
 using ::attnserve::testing::RandomWeights;
 using ::attnserve::testing::ReferenceLayer;
 using ::attnserve::testing::RelativeFrobeniusError;
-using ::attnserve::testing::ScopedEnv;
 using ::attnserve::testing::SetAllocationAttribution;
 
 struct Counts {
@@ -52,10 +51,12 @@ struct Counts {
 };
 
 // Allocations of one forward of B=2 sequences of `seq_len` on `path` in
-// `precision`, after two warm-up forwards of the same request; the output is
-// checked against the reference so that the counted call is a real one.
+// `precision`, in a workspace kept across calls (as a server's compute worker
+// keeps its own), after two warm-up forwards of the same request; the output
+// is checked against the reference so that the counted call is a real one.
 Counts CountForward(AttentionPath path, int64_t seq_len, bool causal,
-                    Precision precision = Precision::kFp32, int64_t block_queries = 16) {
+                    Precision precision = Precision::kFp32, int64_t block_queries = 16,
+                    BlockKernels block_kernels = BlockKernels::kAuto) {
   HeadConfig requested;
   requested.d_model = 64;
   requested.num_heads = 4;
@@ -76,15 +77,22 @@ Counts CountForward(AttentionPath path, int64_t seq_len, bool causal,
   options.precision = precision;
   options.block_queries = block_queries;  // several blocks at every length
   options.block_keys = 16;
+  options.block_kernels = block_kernels;
+  absl::StatusOr<std::unique_ptr<Workspace>> workspace = Workspace::Create();
+  EXPECT_THAT(workspace, IsOk());
+  if (!workspace.ok()) return {};
   std::vector<float> output(hidden.size());
   ForwardOutputs outputs;
   outputs.output = absl::MakeSpan(output);
-  for (int i = 0; i < 2; ++i) EXPECT_THAT((*layer)->Forward(inputs, options, outputs), IsOk());
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_THAT((*layer)->Forward(inputs, options, outputs, workspace->get()), IsOk());
+  }
   Counts counts;
   SetAllocationAttribution(true);
   const int64_t total_before = AllocationCount();
   const int64_t onednn_before = OneDnnAllocationCount();
-  const absl::StatusOr<ForwardInfo> info = (*layer)->Forward(inputs, options, outputs);
+  const absl::StatusOr<ForwardInfo> info =
+      (*layer)->Forward(inputs, options, outputs, workspace->get());
   counts.total = AllocationCount() - total_before;
   counts.onednn = OneDnnAllocationCount() - onednn_before;
   SetAllocationAttribution(false);
@@ -147,12 +155,10 @@ TEST(SteadyState, Bf16AllocationsPerForwardDoNotGrowWithSequenceLength) {
 // fixed; oneDNN's grow with the blocks (each execute builds its argument map
 // and execution context on the heap), which the own kernels avoid.
 TEST(SteadyState, BlocksOnOneDnnGrowOnlyOneDnnsAllocations) {
-  Counts short_run, long_run;
-  {
-    const ScopedEnv onednn_blocks("ATTNSERVE_BLOCK_KERNELS", "onednn");
-    short_run = CountForward(AttentionPath::kBlocked, 32, false);
-    long_run = CountForward(AttentionPath::kBlocked, 256, false);
-  }
+  const Counts short_run = CountForward(AttentionPath::kBlocked, 32, false, Precision::kFp32, 16,
+                                        BlockKernels::kOneDnn);
+  const Counts long_run = CountForward(AttentionPath::kBlocked, 256, false, Precision::kFp32, 16,
+                                       BlockKernels::kOneDnn);
   EXPECT_EQ(short_run.ours(), long_run.ours());
   EXPECT_GT(long_run.onednn, short_run.onednn);
   Print("blocked on oneDNN's block matmuls", short_run, long_run);

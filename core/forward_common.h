@@ -1,0 +1,64 @@
+#ifndef ATTNSERVE_CORE_FORWARD_COMMON_H_
+#define ATTNSERVE_CORE_FORWARD_COMMON_H_
+
+// Private to core/: what AttentionLayer::Forward and AttentionCore::Run share
+// around their routes.
+
+#include <memory>
+#include <new>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "core/attention_inputs.h"
+#include "core/kernels/sdpa_call.h"
+#include "core/kernels/workspace_state.h"
+#include "core/onednn_util.h"
+#include "core/route.h"
+#include "core/workspace.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace attnserve::core::internal {
+
+// The kernels' call for `route` over these layouts and inputs.
+SdpaCall MakeCall(const Route& route, const SequenceLayout& queries, const SequenceLayout& keys,
+                  bool causal, const ExplicitMask& mask, absl::Span<const float> head_mask,
+                  const ForwardOptions& options, const ForwardOutputs& outputs);
+
+// What a forward on `route` reports.
+ForwardInfo MakeInfo(const Route& route);
+
+absl::Status Cancelled();
+
+// Whether options.should_stop asks to stop (after the work queued on the
+// workspace's stream has finished).
+bool ShouldStop(const ForwardOptions& options, WorkspaceState& workspace);
+
+// Runs run(workspace state) on `given`, or on a workspace made for the call
+// when `given` is null, with oneDNN's errors as INTERNAL and a failed
+// allocation as RESOURCE_EXHAUSTED (`what` names the work in messages).
+template <typename Run>
+auto RunInWorkspace(Workspace* given, absl::string_view what, Run run)
+    -> decltype(run(std::declval<WorkspaceState&>())) {
+  std::unique_ptr<Workspace> made;
+  if (given == nullptr) {
+    absl::StatusOr<std::unique_ptr<Workspace>> workspace = Workspace::Create();
+    if (!workspace.ok()) return workspace.status();
+    made = *std::move(workspace);
+    given = made.get();
+  }
+  try {
+    return run(given->state());
+  } catch (const dnnl::error& e) {
+    return StatusFromDnnlError(e, what);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat("out of memory ", what));
+  }
+}
+
+}  // namespace attnserve::core::internal
+
+#endif  // ATTNSERVE_CORE_FORWARD_COMMON_H_
