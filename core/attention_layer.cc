@@ -20,6 +20,7 @@
 #include "core/checked_math.h"
 #include "core/forward_common.h"
 #include "core/head_config.h"
+#include "core/head_contributions.h"
 #include "core/head_staging.h"
 #include "core/kernels/blocked_sdpa.h"
 #include "core/kernels/materialized_sdpa.h"
@@ -156,9 +157,6 @@ class AttentionLayer::Impl {
   // ||head_h W^O_h||_F over each of the chunk's sequences' rows.
   void Contributions(const Pass& pass, int64_t first, int64_t n, absl::Span<float> out) const;
   void MakeBf16Weights() const;
-  // W^O_h (W^O_h)^T, [Hq, hd, hd] (used when hd <= d_model, where it is the
-  // cheaper way to the contribution).
-  const std::vector<double>& OutputGram() const;
 
   // Where the input projections' weights are, FP32 or BF16: W_q is columns
   // [0, Hq hd) of `q` (row stride q_stride), [W_k | W_v] columns [0, 2 Hkv hd)
@@ -188,6 +186,7 @@ class AttentionLayer::Impl {
   // Made once, on first use (those of the FP32 weights that are not empty).
   mutable absl::once_flag bf16_once_;
   mutable std::vector<Bf16> w_qkv_bf16_, w_q_bf16_, w_kv_bf16_, w_o_bf16_;
+  // internal::OutputGram (when head_dim <= d_model).
   mutable absl::once_flag gram_once_;
   mutable std::vector<double> w_o_gram_;
 };
@@ -503,77 +502,26 @@ void AttentionLayer::Impl::ConcatHeads(const Pass& pass, int64_t first, int64_t 
 
 void AttentionLayer::Impl::Contributions(const Pass& pass, int64_t first, int64_t n,
                                          absl::Span<float> out) const {
-  const SdpaCall& call = pass.call;
-  const int64_t heads = config_.num_heads;
-  const int64_t hd = config_.head_dim;
-  const int64_t d = config_.d_model;
-  const int64_t s = call.q_len;
-  const bool use_gram = hd <= d;
-  const std::vector<double>* const gram_matrices = use_gram ? &OutputGram() : nullptr;
-  const float* const context = pass.workspace.data<float>(Scratch::kContextHeads);
-#pragma omp parallel for schedule(static)
-  for (int64_t item = 0; item < n * heads; ++item) {
-    const int64_t c = item / heads;
-    const int64_t h = item % heads;
-    const int64_t b = first + c;
-    double sum = 0.0;
-    for (int64_t pos = 0; pos < call.q_lengths[b]; ++pos) {
-      const float* const x = context + (item * s + pos) * hd;
-      if (use_gram) {
-        // ||x W^O_h||^2 = x Gram_h x^T.
-        const double* const gram = gram_matrices->data() + h * hd * hd;
-        for (int64_t a = 0; a < hd; ++a) {
-          double row = 0.0;
-          for (int64_t k = 0; k < hd; ++k) row += gram[a * hd + k] * x[k];
-          sum += row * x[a];
-        }
-      } else {
-        // ||x W^O_h||^2 column by column (cheaper than the Gram matrix here).
-        const float* const w = w_o_.data() + h * hd * d;
-        for (int64_t k = 0; k < d; ++k) {
-          double y = 0.0;
-          for (int64_t a = 0; a < hd; ++a) y += static_cast<double>(x[a]) * w[a * d + k];
-          sum += y * y;
-        }
-      }
-    }
-    out[b * heads + h] = static_cast<float>(std::sqrt(std::max(sum, 0.0)));
+  const bool use_gram = config_.head_dim <= config_.d_model;
+  if (use_gram) {
+    absl::call_once(gram_once_, [this] { w_o_gram_ = internal::OutputGram(config_, w_o_); });
   }
+  internal::HeadContributions(config_, pass.call, first, n,
+                              pass.workspace.data<float>(Scratch::kContextHeads),
+                              use_gram ? &w_o_gram_ : nullptr, w_o_, out);
 }
 
 void AttentionLayer::Impl::MakeBf16Weights() const {
   absl::call_once(bf16_once_, [this] {
-  auto convert = [](const std::vector<float>& from, std::vector<Bf16>& to) {
-    to.resize(from.size());
-    internal::ConvertToBf16(from.data(), static_cast<int64_t>(from.size()), to.data());
-  };
-  convert(w_qkv_, w_qkv_bf16_);
-  convert(w_q_, w_q_bf16_);
-  convert(w_kv_, w_kv_bf16_);
-  convert(w_o_, w_o_bf16_);
+    auto convert = [](const std::vector<float>& from, std::vector<Bf16>& to) {
+      to.resize(from.size());
+      internal::ConvertToBf16(from.data(), static_cast<int64_t>(from.size()), to.data());
+    };
+    convert(w_qkv_, w_qkv_bf16_);
+    convert(w_q_, w_q_bf16_);
+    convert(w_kv_, w_kv_bf16_);
+    convert(w_o_, w_o_bf16_);
   });
-}
-
-const std::vector<double>& AttentionLayer::Impl::OutputGram() const {
-  absl::call_once(gram_once_, [this] {
-    const int64_t heads = config_.num_heads;
-    const int64_t hd = config_.head_dim;
-    const int64_t d = config_.d_model;
-    // Once per layer: Gram_h[a][b] = sum_k W_o[h*hd + a][k] W_o[h*hd + b][k].
-    w_o_gram_.resize(static_cast<size_t>(heads * hd * hd));
-#pragma omp parallel for schedule(static)
-    for (int64_t row = 0; row < heads * hd; ++row) {
-      const int64_t h = row / hd;
-      const float* const wa = w_o_.data() + row * d;
-      for (int64_t bcol = 0; bcol < hd; ++bcol) {
-        const float* const wb = w_o_.data() + (h * hd + bcol) * d;
-        double sum = 0.0;
-        for (int64_t k = 0; k < d; ++k) sum += static_cast<double>(wa[k]) * wb[k];
-        w_o_gram_[row * hd + bcol] = sum;
-      }
-    }
-  });
-  return w_o_gram_;
 }
 
 AttentionLayer::Impl::InputWeights AttentionLayer::Impl::GetInputWeights(bool bf16) const {
