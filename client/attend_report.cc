@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "client/attention_client.h"
 #include "client/bench.h"
 #include "client/heatmap.h"
@@ -25,17 +26,10 @@ namespace {
 // Sequences shown one by one in the statistics table; more are averaged.
 constexpr int64_t kMaxStatTables = 4;
 
+// "FP32", "BF16", ...: the enum value's name in the proto, without its prefix.
 std::string DataTypeText(v1::DataType dtype) {
-  switch (dtype) {
-    case v1::DATA_TYPE_FP32:
-      return "FP32";
-    case v1::DATA_TYPE_BF16:
-      return "BF16";
-    case v1::DATA_TYPE_BOOL:
-      return "BOOL";
-    default:
-      return "?";
-  }
+  const std::string& name = v1::DataType_Name(dtype);
+  return name.empty() ? "?" : std::string(absl::StripPrefix(name, "DATA_TYPE_"));
 }
 
 std::string TensorText(const v1::Tensor& tensor) {
