@@ -15,7 +15,7 @@ the files as Docker would (line continuations, stages, JSON-form commands,
                      on the gRPC port
   expose             the final stage EXPOSEs the gRPC and the metrics port (from
                      CMD's --listen_address/--metrics_address, else the server's
-                     defaults in server/server_options.h)
+                     defaults in server/common/server_options.h)
   context            every path COPY/ADD takes, and every context file a RUN
                      uses, exists and is not excluded by .dockerignore; the
                      build trees and .git are
@@ -165,7 +165,7 @@ def address_port(address):
 
 def server_default_ports(context):
     """(gRPC, metrics) default ports of the attnserve binary, from its options."""
-    path = os.path.join(context, "server", "server_options.h")
+    path = os.path.join(context, "server", "common", "server_options.h")
     try:
         text = open(path).read()
     except OSError:
@@ -325,7 +325,7 @@ class Linter:
         line = final["from"].line
         for what, port in (("gRPC", grpc), ("metrics", metrics)):
             if port is None:
-                self.find(line, "expose", f"cannot tell the {what} port (server/server_options.h, CMD)")
+                self.find(line, "expose", f"cannot tell the {what} port (server/common/server_options.h, CMD)")
             elif port not in exposed:
                 self.find(line, "expose", f"the {what} port {port} is not EXPOSEd (EXPOSE {sorted(exposed)})")
         return grpc, metrics

@@ -25,8 +25,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/status_macros.h"
-#include "server/auth.h"
-#include "server/log.h"
+#include "server/observability/log.h"
+#include "server/security/auth.h"
 
 namespace attnserve::server {
 namespace {

@@ -10,13 +10,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "server/attention_service.h"
-#include "server/compute_executor.h"
-#include "server/metrics.h"
-#include "server/model_loader.h"
-#include "server/model_registry.h"
-#include "server/model_repository.h"
-#include "server/server_options.h"
+#include "server/api/attention_service.h"
+#include "server/common/server_options.h"
+#include "server/models/model_loader.h"
+#include "server/models/model_registry.h"
+#include "server/models/model_repository.h"
+#include "server/observability/metrics.h"
+#include "server/scheduling/compute_executor.h"
 
 namespace attnserve::server {
 

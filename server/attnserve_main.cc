@@ -21,8 +21,8 @@
 #include "cli/command_line.h"
 #include "core/runtime_info.h"
 #include "server/attn_server.h"
-#include "server/log.h"
-#include "server/server_options.h"
+#include "server/common/server_options.h"
+#include "server/observability/log.h"
 
 namespace {
 const attnserve::server::ServerOptions kDefaults;

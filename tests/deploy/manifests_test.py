@@ -63,8 +63,8 @@ def port_of(address):
 
 
 def server_defaults():
-    """The attnserve binary's defaults, from server/server_options.h."""
-    with open(repo_path("server", "server_options.h")) as f:
+    """The attnserve binary's defaults, from server/common/server_options.h."""
+    with open(repo_path("server", "common", "server_options.h")) as f:
         text = f.read()
 
     def number(name):

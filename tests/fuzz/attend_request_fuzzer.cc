@@ -13,10 +13,10 @@
 
 #include "attnserve/v1/attention.pb.h"
 #include "google/protobuf/stubs/logging.h"
-#include "server/attend_plan.h"
-#include "server/model_registry.h"
-#include "server/server_options.h"
-#include "server/tensor_codec.h"
+#include "server/api/attend_plan.h"
+#include "server/api/tensor_codec.h"
+#include "server/common/server_options.h"
+#include "server/models/model_registry.h"
 
 namespace attnserve::server {
 namespace {

@@ -1,0 +1,462 @@
+#include "server/api/attention_service.h"
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/proto_buffer_reader.h>
+#include <grpcpp/support/proto_buffer_writer.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "core/status_macros.h"
+#include "server/api/attend_plan.h"
+#include "server/api/attend_runner.h"
+#include "server/api/observed_reactor.h"
+#include "server/api/status_util.h"
+#include "server/api/tensor_codec.h"
+#include "server/observability/access_log.h"
+#include "server/scheduling/scheduler.h"
+
+namespace attnserve::server {
+namespace {
+
+absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
+  return absl::FromChrono(deadline);
+}
+
+void SetDuration(absl::Duration d, google::protobuf::Duration* out) {
+  const int64_t nanos = absl::ToInt64Nanoseconds(d);
+  out->set_seconds(nanos / 1000000000);
+  out->set_nanos(static_cast<int32_t>(nanos % 1000000000));
+}
+
+v1::ModelState ToProto(ModelState state) {
+  switch (state) {
+    case ModelState::kLoading:
+      return v1::MODEL_STATE_LOADING;
+    case ModelState::kReady:
+      return v1::MODEL_STATE_READY;
+    case ModelState::kFailed:
+      return v1::MODEL_STATE_FAILED;
+  }
+  return v1::MODEL_STATE_UNSPECIFIED;
+}
+
+void FillModelInfo(const Model& model, const RequestLimits& limits, v1::ModelInfo* info) {
+  const core::HeadConfig& config = model.layer->config();
+  info->set_name(model.name);
+  info->set_state(v1::MODEL_STATE_READY);
+  info->set_causal(model.causal);
+  info->set_description(model.description);
+  v1::HeadConfig* head = info->mutable_head_config();
+  head->set_d_model(static_cast<int32_t>(config.d_model));
+  head->set_num_heads(static_cast<int32_t>(config.num_heads));
+  head->set_num_kv_heads(static_cast<int32_t>(config.num_kv_heads));
+  head->set_head_dim(static_cast<int32_t>(config.head_dim));
+  head->set_scale(config.scale);
+  head->mutable_rotary()->set_rotary_dim(static_cast<int32_t>(config.rotary.rotary_dim));
+  if (config.rotary.rotary_dim > 0) head->mutable_rotary()->set_theta(config.rotary.theta);
+  head->set_context_dim(static_cast<int32_t>(config.context_dim));
+  v1::ModelLimits* model_limits = info->mutable_limits();
+  model_limits->set_max_batch(limits.max_batch);
+  model_limits->set_max_seq_len(limits.max_seq_len);
+  model_limits->set_max_attention_map_bytes(limits.max_attention_map_bytes);
+  info->add_input_dtypes(v1::DATA_TYPE_FP32);
+  info->add_input_dtypes(v1::DATA_TYPE_BF16);
+}
+
+// A registry entry in any state: READY entries carry everything, LOADING and
+// FAILED ones their name, state and failure reason.
+void FillModelStatus(const ModelStatus& status, const RequestLimits& limits, v1::ModelInfo* info) {
+  if (status.model != nullptr) {
+    FillModelInfo(*status.model, limits, info);
+  } else {
+    info->set_name(status.name);
+  }
+  info->set_state(ToProto(status.state));
+  if (!status.failure.ok()) info->set_failure_reason(std::string(status.failure.message()));
+}
+
+// Reports a successful compute of a request of `tokens` query tokens: the
+// batch's compute time and the map bytes in `response`.
+void ObserveCompute(int64_t tokens, const v1::AttendResponse& response, absl::Duration compute,
+                    ObservedReactor& reactor, Metrics& metrics) {
+  const v1::Tensor& maps = response.attention_maps();
+  const auto map_bytes = static_cast<int64_t>(maps.raw_data().size() +
+                                              maps.float_data_size() * sizeof(float));
+  metrics.OnComputed(reactor.model_label(), response.kernel_path(),
+                     {.duration = compute,
+                      .tokens = tokens,
+                      .attention_map_bytes = map_bytes});
+  reactor.set_compute(compute);
+}
+
+// One Attend call's messages, alive until the call is finished.
+struct AttendCall {
+  v1::AttendRequest request;
+  v1::AttendResponse response;
+};
+
+int64_t QueryTokens(const AttendPlan& plan) {
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < plan.queries.batch(); ++b) tokens += plan.queries.length(b);
+  return tokens;
+}
+
+}  // namespace
+
+// An admitted Attend call waiting in the scheduler, then running.
+struct AttentionServiceImpl::AttendJob final : ScheduledWork {
+  AttendJob(AttentionServiceImpl* service, grpc::CallbackServerContext* context,
+            std::shared_ptr<AttendCall> call, grpc::ByteBuffer* response_bytes,
+            ObservedReactor* reactor, absl::Time arrival, AttendPlan plan)
+      : service(service),
+        context(context),
+        call(std::move(call)),
+        response_bytes(response_bytes),
+        reactor(reactor),
+        arrival(arrival),
+        plan(std::move(plan)) {
+    batch_key = BatchKey(this->plan);
+    tokens = QueryTokens(this->plan);
+    memory_bytes = this->plan.memory_bytes;
+    deadline = DeadlineOf(*context);
+  }
+
+  bool IsCancelled() const override { return context->IsCancelled(); }
+  void Skip(absl::Status status) override {
+    reactor->Dequeued(absl::Now() - enqueued);
+    service->metrics_->OnSkipped(absl::IsDeadlineExceeded(status)
+                                     ? Metrics::SkipReason::kDeadline
+                                     : Metrics::SkipReason::kCancelled);
+    Finish(status);
+  }
+  // Finishes the call with `status` (serializing the response when OK).
+  void Finish(absl::Status status) {
+    if (status.ok()) {
+      bool own_buffer = false;
+      const grpc::Status serialized = grpc::SerializationTraits<v1::AttendResponse>::Serialize(
+          call->response, response_bytes, &own_buffer);
+      if (!serialized.ok()) {
+        status = absl::InternalError(
+            absl::StrCat("response: cannot serialize: ", serialized.error_message()));
+      }
+    }
+    reactor->FinishCall(ToGrpcStatus(status));
+    service->EndCall();
+  }
+
+  AttentionServiceImpl* const service;
+  grpc::CallbackServerContext* const context;
+  const std::shared_ptr<AttendCall> call;
+  grpc::ByteBuffer* const response_bytes;
+  ObservedReactor* const reactor;
+  const absl::Time arrival;
+  const AttendPlan plan;
+};
+
+void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> batch,
+                                    const BatchInfo& /*info: the timing reports what computed*/) {
+  const absl::Time start = absl::Now();
+  std::vector<AttendJob*> jobs;
+  for (const auto& work : batch) {
+    auto* job = static_cast<AttendJob*>(work.get());
+    job->reactor->Dequeued(start - job->enqueued);
+    jobs.push_back(job);
+  }
+  // The compute stops before a stage (CANCELLED) only when no request of
+  // the batch still wants it.
+  auto should_stop = [&jobs] {
+    const absl::Time now = absl::Now();
+    for (const AttendJob* job : jobs) {
+      if (now < job->deadline && !job->context->IsCancelled()) return false;
+    }
+    return true;
+  };
+  std::vector<absl::Status> statuses(jobs.size());
+  if (jobs.size() == 1) {
+    AttendJob& job = *jobs[0];
+    statuses[0] = RunAttendPlan(job.call->request, job.plan, layer_cache_, should_stop,
+                                &job.call->response)
+                      .status();
+  } else {
+    std::vector<BatchMember> members(jobs.size());
+    for (size_t i = 0; i < jobs.size(); ++i) {
+      members[i].request = &jobs[i]->call->request;
+      members[i].plan = &jobs[i]->plan;
+      members[i].response = &jobs[i]->call->response;
+    }
+    RunAttendBatch(absl::MakeSpan(members), layer_cache_, should_stop);
+    for (size_t i = 0; i < jobs.size(); ++i) statuses[i] = std::move(members[i].status);
+  }
+  const absl::Time now = absl::Now();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    // Past its deadline the client has given up: count it as it saw it.
+    if ((statuses[i].ok() || absl::IsCancelled(statuses[i])) && now >= jobs[i]->deadline) {
+      statuses[i] = absl::DeadlineExceededError("the deadline passed before or during compute");
+    }
+    if (!statuses[i].ok()) jobs[i]->call->response.Clear();
+  }
+  const absl::Duration compute = absl::Now() - start;
+  // What the batch computed: its members that succeeded (one refused for a
+  // non-finite input, say, did not run with the others).
+  int64_t computed_requests = 0, computed_sequences = 0, computed_tokens = 0;
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    if (!statuses[i].ok()) continue;
+    ++computed_requests;
+    computed_sequences += jobs[i]->plan.queries.batch();
+    computed_tokens += jobs[i]->tokens;
+  }
+  if (computed_requests > 0) {
+    metrics_->OnBatch(jobs[0]->reactor->model_label(), computed_requests, computed_sequences,
+                      computed_tokens);
+  }
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    AttendJob& job = *jobs[i];
+    if (statuses[i].ok()) {
+      v1::Timing* timing = job.call->response.mutable_timing();
+      SetDuration(start - job.arrival, timing->mutable_queue());
+      SetDuration(compute, timing->mutable_compute());
+      timing->set_batch_size(static_cast<int32_t>(computed_requests));
+      timing->set_batch_tokens(computed_tokens);
+      ObserveCompute(job.tokens, job.call->response, compute, *job.reactor, *metrics_);
+    }
+    job.Finish(std::move(statuses[i]));
+  }
+}
+
+AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options,
+                                           const ModelRegistry* registry,
+                                           ComputeExecutor* executor, Metrics* metrics,
+                                           std::optional<TokenSet> tokens, ModelLoader* loader)
+    : options_(options),
+      registry_(registry),
+      metrics_(metrics),
+      tokens_(std::move(tokens)),
+      loader_(loader) {
+  // The options were validated (ValidateServerOptions): Create cannot fail.
+  scheduler_ = Scheduler::Create(
+                   {.queue_capacity = options.max_queued_requests,
+                    .max_batch_tokens = options.max_batch_tokens,
+                    .max_queue_delay = absl::Microseconds(options.max_queue_delay_us),
+                    .max_inflight_bytes = options.max_inflight_bytes},
+                   executor,
+                   [this](std::vector<std::unique_ptr<ScheduledWork>> batch, const BatchInfo& info) {
+                     RunBatch(std::move(batch), info);
+                   })
+                   .value();
+}
+
+absl::Status AttentionServiceImpl::AuthorizeAdmin(
+    const grpc::CallbackServerContext& context) const {
+  absl::StatusOr<Principal> caller = Authenticate(context);
+  if (!caller.ok()) return caller.status();
+  if (tokens_.has_value() && !caller->is_admin) {
+    return absl::PermissionDeniedError("this RPC needs an admin token");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Principal> AttentionServiceImpl::Authenticate(
+    const grpc::CallbackServerContext& context) const {
+  if (!tokens_.has_value()) return Principal{};
+  const auto& metadata = context.client_metadata();
+  const auto found = metadata.find("authorization");
+  if (found == metadata.end()) return tokens_->Authenticate(std::nullopt);
+  return tokens_->Authenticate(absl::string_view(found->second.data(), found->second.size()));
+}
+
+void AttentionServiceImpl::set_state(State state) {
+  absl::MutexLock lock(&mu_);
+  state_ = state;
+}
+
+absl::Status AttentionServiceImpl::BeginCall() {
+  absl::MutexLock lock(&mu_);
+  switch (state_) {
+    case State::kStarting:
+      return absl::UnavailableError("the server is starting: models are loading; retry");
+    case State::kDraining:
+      return absl::UnavailableError("the server is shutting down; retry on another replica");
+    case State::kServing:
+      break;
+  }
+  ++in_flight_;
+  return absl::OkStatus();
+}
+
+void AttentionServiceImpl::EndCall() {
+  absl::MutexLock lock(&mu_);
+  --in_flight_;
+}
+
+bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+  return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request_bytes,
+                                                       grpc::ByteBuffer* response_bytes) {
+  if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
+    auto* reactor =
+        new ObservedReactor(context, RpcMethod::kAttend, "", metrics_, options_.access_log);
+    reactor->FinishCall(ToGrpcStatus(caller.status()));
+    return reactor;
+  }
+  // The request and response live until the call is finished.
+  auto call = std::make_shared<AttendCall>();
+  // A call that died during upload (deadline, cancel) arrives with no bytes:
+  // it is the client's deadline or cancel, not a malformed request.
+  if (request_bytes == nullptr || !request_bytes->Valid() || context->IsCancelled()) {
+    auto* reactor =
+        new ObservedReactor(context, RpcMethod::kAttend, "", metrics_, options_.access_log);
+    reactor->FinishCall(absl::Now() >= DeadlineOf(*context)
+                            ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                                           "the deadline passed before the request arrived")
+                            : grpc::Status(grpc::StatusCode::CANCELLED,
+                                           "the call ended before the request arrived"));
+    return reactor;
+  }
+  grpc::ByteBuffer bytes(*request_bytes);  // shares the slices; parsing consumes it
+  const grpc::Status parsed =
+      grpc::SerializationTraits<v1::AttendRequest>::Deserialize(&bytes, &call->request);
+  // A request that did not parse names no model (its bytes may not be UTF-8).
+  auto* reactor = new ObservedReactor(context, RpcMethod::kAttend,
+                                      parsed.ok() ? call->request.model() : "", metrics_,
+                                      options_.access_log);
+  if (!parsed.ok()) {
+    reactor->FinishCall(grpc::Status(
+        grpc::StatusCode::INVALID_ARGUMENT,
+        "request: not a valid attnserve.v1.AttendRequest (malformed protobuf, or a string that is "
+        "not UTF-8)"));
+    return reactor;
+  }
+  const v1::AttendRequest& request = call->request;
+  if (reactor->access_log()) reactor->set_shapes(AttendShapes(request));
+  const absl::Time arrival = absl::Now();
+  if (absl::Status admitted = BeginCall(); !admitted.ok()) {
+    reactor->FinishCall(ToGrpcStatus(admitted));
+    return reactor;
+  }
+  absl::StatusOr<AttendPlan> plan =
+      PlanAttend(request, *registry_, options_.limits, options_.max_send_message_bytes);
+  if (!plan.ok()) {
+    reactor->FinishCall(ToGrpcStatus(plan.status()));
+    EndCall();
+    return reactor;
+  }
+  metrics_->OnQueued();
+  absl::Status submitted = scheduler_->Submit(std::make_unique<AttendJob>(
+      this, context, std::move(call), response_bytes, reactor, arrival, *std::move(plan)));
+  if (!submitted.ok()) {
+    metrics_->OnQueueRefused();
+    reactor->FinishCall(ToGrpcStatus(submitted));
+    EndCall();
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,
+                                                           const v1::ListModelsRequest* /*request*/,
+                                                           v1::ListModelsResponse* response) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kListModels, "", metrics_, options_.access_log);
+  if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
+    reactor->FinishCall(ToGrpcStatus(caller.status()));
+    return reactor;
+  }
+  for (const ModelStatus& status : registry_->List()) {
+    FillModelStatus(status, options_.limits, response->add_models());
+  }
+  reactor->FinishCall(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
+                                                         const v1::GetModelRequest* request,
+                                                         v1::ModelInfo* response) {
+  if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
+    auto* reactor =
+        new ObservedReactor(context, RpcMethod::kGetModel, "", metrics_, options_.access_log);
+    reactor->FinishCall(ToGrpcStatus(caller.status()));
+    return reactor;
+  }
+  auto* reactor = new ObservedReactor(context, RpcMethod::kGetModel, request->name(), metrics_,
+                                      options_.access_log);
+  if (request->name().empty()) {
+    reactor->FinishCall(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "name: required"));
+    return reactor;
+  }
+  absl::StatusOr<ModelStatus> model = registry_->Get(request->name());
+  if (!model.ok()) {
+    reactor->FinishCall(ToGrpcStatus(
+        absl::Status(model.status().code(), absl::StrCat("name: ", model.status().message()))));
+    return reactor;
+  }
+  FillModelStatus(*model, options_.limits, response);
+  reactor->FinishCall(grpc::Status::OK);
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::LoadModel(grpc::CallbackServerContext* context,
+                                                          const v1::LoadModelRequest* request,
+                                                          v1::LoadModelResponse* response) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kLoadModel, "", metrics_, options_.access_log);
+  if (absl::Status allowed = AuthorizeAdmin(*context); !allowed.ok()) {
+    reactor->FinishCall(ToGrpcStatus(allowed));
+    return reactor;
+  }
+  if (loader_ == nullptr) {
+    reactor->FinishCall(ToGrpcStatus(absl::FailedPreconditionError(
+        "the server has no model repository (start it with --model_repository)")));
+    return reactor;
+  }
+  // The reactor and response outlive this handler: the loader thread finishes
+  // the call when the load is over.
+  const RequestLimits limits = options_.limits;
+  absl::Status queued = loader_->Load(
+      request->name(), [reactor, response, limits](absl::StatusOr<ModelStatus> loaded) {
+        if (loaded.ok()) FillModelStatus(*loaded, limits, response->mutable_model());
+        reactor->FinishCall(ToGrpcStatus(loaded.status()));
+      });
+  if (!queued.ok()) {
+    reactor->FinishCall(ToGrpcStatus(queued));
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnloadModel(grpc::CallbackServerContext* context,
+                                                            const v1::UnloadModelRequest* request,
+                                                            v1::UnloadModelResponse* /*response*/) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kUnloadModel, "", metrics_, options_.access_log);
+  if (absl::Status allowed = AuthorizeAdmin(*context); !allowed.ok()) {
+    reactor->FinishCall(ToGrpcStatus(allowed));
+    return reactor;
+  }
+  if (request->name().empty()) {
+    reactor->FinishCall(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "name: required"));
+    return reactor;
+  }
+  absl::Status unloaded = loader_ != nullptr ? loader_->Unload(request->name())
+                                             : registry_->Get(request->name()).status();
+  if (loader_ == nullptr && unloaded.ok()) {
+    unloaded = absl::FailedPreconditionError(
+        "the built-in model cannot be unloaded (the server has no --model_repository)");
+  }
+  reactor->FinishCall(ToGrpcStatus(
+      unloaded.ok() ? unloaded
+                    : absl::Status(unloaded.code(), absl::StrCat("name: ", unloaded.message()))));
+  return reactor;
+}
+
+}  // namespace attnserve::server

@@ -1,0 +1,119 @@
+#ifndef ATTNSERVE_SERVER_API_ATTENTION_SERVICE_H_
+#define ATTNSERVE_SERVER_API_ATTENTION_SERVICE_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "server/common/server_options.h"
+#include "server/models/layer_cache.h"
+#include "server/models/model_loader.h"
+#include "server/models/model_registry.h"
+#include "server/observability/metrics.h"
+#include "server/scheduling/compute_executor.h"
+#include "server/scheduling/scheduler.h"
+#include "server/security/auth.h"
+
+namespace attnserve::server {
+
+// attnserve.v1.AttentionService on the gRPC callback API. Handlers validate,
+// convert and submit to the Scheduler, which batches compatible requests
+// (BatchKey) and runs them on the compute executor; the executor runs the
+// layer and finishes the calls. No attention math runs on a gRPC thread.
+//
+// Every call is reported to Metrics (and, with options.access_log, to the
+// access log) when it arrives and when it finishes.
+//
+// Attend takes the request as bytes and parses it itself, so that bytes that
+// are not an AttendRequest get INVALID_ARGUMENT naming the request (gRPC's
+// generated handler would answer UNIMPLEMENTED with no message).
+//
+// With `tokens`, every call is authenticated first (before the request is
+// parsed, validated or anything is allocated for it): UNAUTHENTICATED without
+// a valid "authorization: Bearer <token>". Without it, calls are open.
+//
+// Thread-safe. `registry`, `executor`, `metrics` and `loader` (when given)
+// must outlive the service,
+// and the executor must be shut down (running what its scheduler queued)
+// before the service is destroyed.
+class AttentionServiceImpl final
+    : public v1::AttentionService::WithRawCallbackMethod_Attend<
+          v1::AttentionService::CallbackService> {
+ public:
+  enum class State { kStarting, kServing, kDraining };
+
+  AttentionServiceImpl(const ServerOptions& options, const ModelRegistry* registry,
+                       ComputeExecutor* executor, Metrics* metrics,
+                       std::optional<TokenSet> tokens = std::nullopt,
+                       ModelLoader* loader = nullptr);
+
+  // Attend answers UNAVAILABLE unless the state is kServing.
+  void set_state(State state);
+
+  // Waits until no admitted Attend call is unfinished, or until `deadline`.
+  // True when idle.
+  bool WaitForIdle(absl::Time deadline);
+
+  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
+                                   const grpc::ByteBuffer* request_bytes,
+                                   grpc::ByteBuffer* response_bytes) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
+                                       const v1::ListModelsRequest* request,
+                                       v1::ListModelsResponse* response) override;
+  grpc::ServerUnaryReactor* GetModel(grpc::CallbackServerContext* context,
+                                     const v1::GetModelRequest* request,
+                                     v1::ModelInfo* response) override;
+  // Admin RPCs: with tokens, PERMISSION_DENIED for a valid token that is not
+  // an admin's. FAILED_PRECONDITION without a model repository (`loader`).
+  // LoadModel finishes from the loader thread when the load is over.
+  grpc::ServerUnaryReactor* LoadModel(grpc::CallbackServerContext* context,
+                                      const v1::LoadModelRequest* request,
+                                      v1::LoadModelResponse* response) override;
+  grpc::ServerUnaryReactor* UnloadModel(grpc::CallbackServerContext* context,
+                                        const v1::UnloadModelRequest* request,
+                                        v1::UnloadModelResponse* response) override;
+
+ private:
+  // Constant after construction.
+  const ServerOptions options_;
+  const ModelRegistry* const registry_;
+  Metrics* const metrics_;
+  const std::optional<TokenSet> tokens_;
+  ModelLoader* const loader_;  // null without --model_repository
+
+  // The one authentication check, first in every handler: OK without
+  // tokens_, else as TokenSet::Authenticate.
+  absl::StatusOr<Principal> Authenticate(const grpc::CallbackServerContext& context) const;
+  // Authenticate, then PERMISSION_DENIED unless the principal is an admin
+  // (open without tokens_, like every RPC).
+  absl::Status AuthorizeAdmin(const grpc::CallbackServerContext& context) const;
+
+  // Admits a call: false unless serving; otherwise counts it in flight until
+  // EndCall.
+  absl::Status BeginCall();
+  void EndCall();
+
+  // Runs one batch the scheduler formed, on the compute executor, and
+  // finishes its calls.
+  struct AttendJob;
+  void RunBatch(std::vector<std::unique_ptr<ScheduledWork>> batch, const BatchInfo& info);
+
+  absl::Mutex mu_;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
+  int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  // Used only on the compute executor.
+  LayerCache layer_cache_;
+  // Admission, deadlines, memory budget and dynamic batching in front of
+  // the compute executor; created in the constructor.
+  std::unique_ptr<Scheduler> scheduler_;
+};
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_API_ATTENTION_SERVICE_H_

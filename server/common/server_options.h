@@ -1,0 +1,89 @@
+#ifndef ATTNSERVE_SERVER_COMMON_SERVER_OPTIONS_H_
+#define ATTNSERVE_SERVER_COMMON_SERVER_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+namespace attnserve::server {
+
+// What one Attend request may ask for. Over a limit: INVALID_ARGUMENT naming
+// the flag (such a request can never succeed on this server).
+struct RequestLimits {
+  int64_t max_batch = 64;
+  int64_t max_seq_len = 2048;
+  int64_t max_attention_map_bytes = int64_t{64} << 20;
+  // The most weight bytes (as FP32) of an ad-hoc layer a request may carry or
+  // ask to be seeded: 64 MiB holds a d_model 2048 layer.
+  int64_t max_adhoc_weight_bytes = int64_t{64} << 20;
+  // The most compute scratch one request may need, estimated before compute
+  // by core::ForwardScratchBytes (projections, then per chunk of sequences
+  // the materialized scores and masks, or the blocked path's per-thread
+  // blocks). Requests with maps or statistics at long sequences and ad-hoc
+  // layers with very many or very wide heads reach it; the blocked path
+  // stays far below it.
+  int64_t max_scratch_bytes = int64_t{2} << 30;
+  // The most memory one request may hold while it runs (AttendPlan's
+  // memory_bytes: inputs, scratch, output, maps, response), estimated from
+  // validated sizes before anything is allocated for it.
+  int64_t max_request_bytes = int64_t{3} << 30;
+};
+
+struct ServerOptions {
+  // host:port to serve gRPC on; port 0 picks a free port (see AttnServer::port).
+  std::string listen_address = "0.0.0.0:50051";
+  int64_t max_receive_message_bytes = int64_t{64} << 20;
+  int64_t max_send_message_bytes = int64_t{128} << 20;
+  // OpenMP threads for the compute executor; 0: one per core.
+  int compute_threads = 0;
+  // Requests admitted and waiting for the compute executor.
+  int64_t max_queued_requests = 64;
+  // On shutdown, how long health says NOT_SERVING while the server still
+  // listens (new calls get UNAVAILABLE), so checkers and balancers notice.
+  double lame_duck_seconds = 1;
+  // On shutdown, how long calls in flight may take to finish before they are
+  // cancelled, counted from the signal. Below Kubernetes' default 30 s grace.
+  double drain_timeout_seconds = 25;
+  // Seed of the built-in model's weights (see docs/seeded_weights.md).
+  uint64_t builtin_model_seed = 0;
+  // host:port serving Prometheus metrics at /metrics; port 0 picks a free
+  // port (see AttnServer::metrics_port). Empty: no endpoint. Off here, so an
+  // embedding program or a test opens no port it did not ask for; the
+  // attnserve binary's --metrics_address defaults to kDefaultMetricsAddress.
+  std::string metrics_address;
+  // One JSON line per call on stderr (server/observability/access_log.h).
+  bool access_log = false;
+  // TLS on the gRPC port: PEM certificate chain and private key. Both empty:
+  // plaintext (a warning is logged at start-up).
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // PEM CA bundle: when set (needs TLS), clients must present a certificate
+  // signed by it (mutual TLS).
+  std::string tls_client_ca_file;
+  // Bearer tokens (server/security/auth.h): when set, every AttentionService call
+  // needs "authorization: Bearer <token>"; health and reflection stay open.
+  std::string auth_tokens_file;
+  RequestLimits limits;
+  // A model repository (server/models/model_repository.h): every model folder in it
+  // is loaded at start-up, and LoadModel / UnloadModel manage them at run
+  // time. Empty: the built-in model serves.
+  std::string model_repository;
+  // Dynamic batching (server/scheduling/scheduler.h): the most query tokens one compute
+  // batch may hold (0 or 1: no batching), and how long a batch that is not
+  // full may wait for more requests (0: it takes what is queued when the
+  // executor is free).
+  int64_t max_batch_tokens = 4096;
+  int64_t max_queue_delay_us = 0;
+  // Bytes that admitted requests (queued or running) may hold together, by
+  // their estimates; a request that does not fit beside the admitted ones is
+  // RESOURCE_EXHAUSTED (retry later), one larger than all of it INVALID_ARGUMENT.
+  int64_t max_inflight_bytes = int64_t{6} << 30;
+};
+
+// The attnserve binary's default --metrics_address. Not Prometheus' own 9090:
+// a Prometheus server on the same host (Debian's package starts one) would
+// take it.
+inline constexpr char kDefaultMetricsAddress[] = "0.0.0.0:9464";
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_COMMON_SERVER_OPTIONS_H_

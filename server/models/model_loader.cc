@@ -1,0 +1,98 @@
+#include "server/models/model_loader.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnserve::server {
+
+ModelLoader::ModelLoader(const ModelRepository* repository, ModelRegistry* registry,
+                         ModelLoaderOptions options)
+    : repository_(repository), registry_(registry), options_(std::move(options)) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+ModelLoader::~ModelLoader() { Shutdown(); }
+
+absl::Status ModelLoader::Load(absl::string_view name, Done done) {
+  if (absl::Status valid = ModelRepository::ValidateModelName(name); !valid.ok()) return valid;
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the server is shutting down");
+  if (static_cast<int64_t>(jobs_.size()) >= options_.max_pending) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(jobs_.size(), " model loads are waiting already; retry later"));
+  }
+  absl::StatusOr<uint64_t> ticket = registry_->BeginLoading(name);
+  if (!ticket.ok()) return ticket.status();
+  jobs_.push_back(Job{std::string(name), *ticket, std::move(done)});
+  return absl::OkStatus();
+}
+
+absl::Status ModelLoader::Unload(absl::string_view name) {
+  if (absl::Status removed = registry_->Remove(name); !removed.ok()) return removed;
+  if (options_.on_unloaded) options_.on_unloaded(name);
+  return absl::OkStatus();
+}
+
+void ModelLoader::Shutdown() {
+  std::deque<Job> abandoned;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    abandoned.swap(jobs_);
+  }
+  if (thread_.joinable()) thread_.join();
+  for (Job& job : abandoned) {
+    const absl::Status stopped = absl::UnavailableError(
+        absl::StrCat("model '", job.name, "' was not loaded: the server is shutting down"));
+    // The entry is no use LOADING forever: it ends FAILED (unless unloaded).
+    registry_->FinishLoading(job.name, job.ticket, stopped).IgnoreError();
+    if (job.done) job.done(stopped);
+  }
+}
+
+void ModelLoader::Run() {
+  while (true) {
+    Job job;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !jobs_.empty();
+      };
+      mu_.Await(absl::Condition(&ready));
+      if (jobs_.empty()) return;  // stopping
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    absl::StatusOr<std::shared_ptr<const Model>> model = repository_->LoadModel(job.name);
+    if (model.ok() && options_.warm_up) {
+      if (absl::Status warm = options_.warm_up(**model); !warm.ok()) {
+        model = absl::FailedPreconditionError(
+            absl::StrCat("warm-up failed: ", warm.message()));
+      }
+    }
+    const std::shared_ptr<const Model> loaded = model.ok() ? *model : nullptr;
+    const absl::Status loaded_status = model.status();
+    absl::Status settled = registry_->FinishLoading(job.name, job.ticket, std::move(model));
+    if (settled.ok() && loaded != nullptr && options_.on_ready) options_.on_ready(*loaded);
+    if (!job.done) continue;
+    if (!settled.ok()) {
+      job.done(settled);
+    } else if (!loaded_status.ok()) {
+      job.done(absl::IsNotFound(loaded_status)
+                   ? loaded_status
+                   : absl::FailedPreconditionError(absl::StrCat(
+                         "model '", job.name, "' failed to load: ", loaded_status.message())));
+    } else {
+      // The status as it was settled (an Unload may already have removed it).
+      ModelStatus ready;
+      ready.name = job.name;
+      ready.state = ModelState::kReady;
+      ready.model = loaded;
+      job.done(std::move(ready));
+    }
+  }
+}
+
+}  // namespace attnserve::server

@@ -1,0 +1,236 @@
+#include "server/models/model_repository.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <linux/openat2.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "core/attention_layer.h"
+#include "core/checkpoint_layouts.h"
+#include "core/safetensors.h"
+#include "core/status_macros.h"
+
+namespace attnserve::server {
+namespace {
+
+constexpr size_t kMaxModelNameBytes = 128;
+
+// Closes a descriptor when it goes out of scope, unless released.
+class FdCloser {
+ public:
+  explicit FdCloser(int fd) : fd_(fd) {}
+  ~FdCloser() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FdCloser(const FdCloser&) = delete;
+  FdCloser& operator=(const FdCloser&) = delete;
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
+
+// FAILED_PRECONDITION with `status`'s message: something inside a model's
+// folder is wrong (not the caller's request).
+absl::Status InModel(const absl::Status& status) {
+  return absl::FailedPreconditionError(status.message());
+}
+
+// openat2 with RESOLVE_BENEATH; -1 with errno ENOSYS where the kernel (or a
+// seccomp filter) does not offer it.
+int OpenAt2Beneath(int dir_fd, const char* path, int flags) {
+  open_how how{};
+  how.flags = static_cast<uint64_t>(flags);
+  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS;
+  return static_cast<int>(::syscall(SYS_openat2, dir_fd, path, &how, sizeof(how)));
+}
+
+// Without openat2: every component opened with O_NOFOLLOW, so no symlink is
+// followed at all (and "." or ".." components are refused).
+int OpenNoFollow(int dir_fd, const std::string& relative, int flags) {
+  std::vector<std::string> parts = absl::StrSplit(relative, '/');
+  int current = dir_fd;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (parts[i].empty() || parts[i] == "." || parts[i] == "..") {
+      if (current != dir_fd) ::close(current);
+      errno = EXDEV;
+      return -1;
+    }
+    const bool last = i + 1 == parts.size();
+    const int next = ::openat(current, parts[i].c_str(),
+                              last ? (flags | O_NOFOLLOW) : (O_PATH | O_DIRECTORY | O_NOFOLLOW |
+                                                             O_CLOEXEC));
+    const int saved = errno;
+    if (current != dir_fd) ::close(current);
+    if (next < 0) {
+      errno = saved;
+      return -1;
+    }
+    current = next;
+  }
+  return current;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const std::string& root) {
+  const int fd = ::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--model_repository: cannot open '", root,
+                                                   "' as a directory: ", std::strerror(errno)));
+  }
+  return std::unique_ptr<ModelRepository>(new ModelRepository(root, fd));
+}
+
+ModelRepository::~ModelRepository() { ::close(root_fd_); }
+
+absl::Status ModelRepository::ValidateModelName(absl::string_view name) {
+  if (name.empty()) return absl::InvalidArgumentError("name: required");
+  if (name.size() > kMaxModelNameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name: longer than ", kMaxModelNameBytes, " bytes"));
+  }
+  auto alnum = [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+  };
+  if (!alnum(name[0])) {
+    return absl::InvalidArgumentError(
+        "name: must start with a letter or digit (one folder of the model repository: no "
+        "absolute path, no '.' or '..')");
+  }
+  for (char c : name) {
+    if (!alnum(c) && c != '.' && c != '_' && c != '-') {
+      return absl::InvalidArgumentError(
+          "name: may hold only letters, digits, '.', '_' and '-' (one folder of the model "
+          "repository: no '/')");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> ModelRepository::OpenBeneath(const std::string& relative, int flags) const {
+  flags |= O_CLOEXEC;
+  int fd = OpenAt2Beneath(root_fd_, relative.c_str(), flags);
+  if (fd < 0 && (errno == ENOSYS || errno == EPERM)) fd = OpenNoFollow(root_fd_, relative, flags);
+  if (fd >= 0) return fd;
+  const int error = errno;
+  switch (error) {
+    case ENOENT:
+      return absl::NotFoundError(absl::StrCat(relative, ": does not exist"));
+    case EXDEV:
+    case ELOOP:
+      return absl::FailedPreconditionError(absl::StrCat(
+          relative, ": resolves outside the model repository (a symlink or '..'); refused"));
+    default:
+      return absl::FailedPreconditionError(
+          absl::StrCat(relative, ": cannot open: ", std::strerror(error)));
+  }
+}
+
+absl::StatusOr<std::vector<std::string>> ModelRepository::ListModelNames() const {
+  const int fd = ::openat(root_fd_, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--model_repository '", root_, "': cannot list: ", std::strerror(errno)));
+  }
+  DIR* dir = ::fdopendir(fd);
+  if (dir == nullptr) {
+    ::close(fd);
+    return absl::FailedPreconditionError(
+        absl::StrCat("--model_repository '", root_, "': cannot list: ", std::strerror(errno)));
+  }
+  std::vector<std::string> names;
+  while (const dirent* entry = ::readdir(dir)) {
+    const bool folder_like =
+        entry->d_type == DT_DIR || entry->d_type == DT_LNK || entry->d_type == DT_UNKNOWN;
+    if (folder_like && ValidateModelName(entry->d_name).ok()) names.emplace_back(entry->d_name);
+  }
+  ::closedir(dir);
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
+    absl::string_view name) const {
+  ATTNSERVE_RETURN_IF_ERROR(ValidateModelName(name));
+  const std::string folder(name);
+  {
+    // The folder itself: NOT_FOUND when absent (nothing to load), refused
+    // when it leaves the repository.
+    absl::StatusOr<int> dir = OpenBeneath(folder, O_RDONLY | O_DIRECTORY);
+    if (!dir.ok()) {
+      if (absl::IsNotFound(dir.status())) {
+        return absl::NotFoundError(absl::StrCat("the model repository has no folder '", folder,
+                                                "'"));
+      }
+      return dir.status();
+    }
+    ::close(*dir);
+  }
+
+  const std::string config_path = absl::StrCat(folder, "/config.json");
+  absl::StatusOr<int> config_fd = OpenBeneath(config_path, O_RDONLY | O_NONBLOCK);
+  if (!config_fd.ok()) return InModel(config_fd.status());
+  std::string config_text;
+  {
+    FdCloser closer(*config_fd);
+    struct stat st;
+    if (::fstat(closer.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+      return absl::FailedPreconditionError(absl::StrCat(config_path, ": not a regular file"));
+    }
+    if (st.st_size > core::kMaxCheckpointConfigBytes) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          config_path, ": ", st.st_size, " bytes, over the limit ", core::kMaxCheckpointConfigBytes));
+    }
+    config_text.resize(static_cast<size_t>(st.st_size));
+    size_t done = 0;
+    while (done < config_text.size()) {
+      const ssize_t n = ::read(closer.get(), config_text.data() + done, config_text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;
+      done += static_cast<size_t>(n);
+    }
+    config_text.resize(done);
+  }
+  absl::StatusOr<core::CheckpointConfig> config =
+      core::ParseCheckpointConfig(config_text, config_path);
+  if (!config.ok()) return InModel(config.status());
+
+  const std::string weights_path = absl::StrCat(folder, "/", config->weights);
+  absl::StatusOr<int> weights_fd = OpenBeneath(weights_path, O_RDONLY | O_NONBLOCK);
+  if (!weights_fd.ok()) return InModel(weights_fd.status());
+  absl::StatusOr<core::SafetensorsFile> file =
+      core::SafetensorsFile::FromFd(*weights_fd, weights_path);  // owns the fd
+  if (!file.ok()) return InModel(file.status());
+  absl::StatusOr<core::AttentionWeights> weights = core::LoadCheckpointWeights(*file, *config);
+  if (!weights.ok()) return InModel(weights.status());
+
+  auto model = std::make_shared<Model>();
+  model->name = folder;
+  model->causal = config->causal;
+  model->description =
+      config->description.empty()
+          ? absl::StrCat(core::WeightLayoutName(config->layout), " checkpoint ", config->weights,
+                         config->prefix.empty() ? "" : absl::StrCat(" (", config->prefix, "*)"))
+          : config->description;
+  absl::StatusOr<std::unique_ptr<core::AttentionLayer>> layer =
+      core::AttentionLayer::Create(config->head_config, *std::move(weights));
+  if (!layer.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(weights_path, ": ", layer.status().message()));
+  }
+  model->layer = *std::move(layer);
+  return model;
+}
+
+}  // namespace attnserve::server

@@ -1,0 +1,69 @@
+#ifndef ATTNSERVE_SERVER_MODELS_MODEL_REPOSITORY_H_
+#define ATTNSERVE_SERVER_MODELS_MODEL_REPOSITORY_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "server/models/model_registry.h"
+
+namespace attnserve::server {
+
+// A --model_repository folder: one subfolder per model, holding config.json
+// (core/checkpoint_layouts.h, README "Model repository") and the safetensors
+// weights it names.
+//
+// Nothing outside the repository is opened: a model name must be one plain
+// path component ([A-Za-z0-9][A-Za-z0-9._-]{0,127}: no '/', no "..", not
+// absolute), and every file is opened relative to the repository's directory
+// with openat2(RESOLVE_BENEATH), so a symlink (or "..") that would leave the
+// repository fails the open before anything outside is touched. Symlinks that
+// stay inside are followed. Where the kernel has no openat2 (before Linux
+// 5.6, or a seccomp profile that refuses it), every path component is opened
+// with O_NOFOLLOW instead: no symlink at all is followed. Files are opened
+// O_NONBLOCK and must be regular files (a FIFO or device is refused, never
+// read).
+//
+// Thread-safe (the directory descriptor is only read).
+class ModelRepository {
+ public:
+  // Opens the directory `root`. INVALID_ARGUMENT naming --model_repository
+  // when it is not a readable directory.
+  static absl::StatusOr<std::unique_ptr<ModelRepository>> Create(const std::string& root);
+  ~ModelRepository();
+  ModelRepository(const ModelRepository&) = delete;
+  ModelRepository& operator=(const ModelRepository&) = delete;
+
+  // OK for a valid model name; INVALID_ARGUMENT saying why otherwise.
+  static absl::Status ValidateModelName(absl::string_view name);
+
+  // The names of the repository's subfolders (and symlinks) with valid model
+  // names, sorted. Hidden entries and other names are skipped.
+  absl::StatusOr<std::vector<std::string>> ListModelNames() const;
+
+  // Reads model `name`: config.json, then the layer's tensors from its
+  // weights file. INVALID_ARGUMENT for an invalid name, NOT_FOUND when the
+  // repository has no such folder, FAILED_PRECONDITION with the reason
+  // (naming the file and, where it applies, the tensor) for anything wrong
+  // inside it: a path leaving the repository, a missing, malformed or
+  // mis-shaped file or tensor.
+  absl::StatusOr<std::shared_ptr<const Model>> LoadModel(absl::string_view name) const;
+
+  const std::string& root() const { return root_; }
+
+ private:
+  ModelRepository(std::string root, int root_fd) : root_(std::move(root)), root_fd_(root_fd) {}
+  // Opens `relative` (below the root) read-only with `flags` added; the fd, or
+  // an errno-derived status naming the path.
+  absl::StatusOr<int> OpenBeneath(const std::string& relative, int flags) const;
+
+  const std::string root_;
+  const int root_fd_;
+};
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_MODELS_MODEL_REPOSITORY_H_

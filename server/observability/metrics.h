@@ -1,0 +1,151 @@
+#ifndef ATTNSERVE_SERVER_OBSERVABILITY_METRICS_H_
+#define ATTNSERVE_SERVER_OBSERVABILITY_METRICS_H_
+
+#include <cstdint>
+#include <memory>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/head_config.h"
+
+namespace prometheus {
+class Counter;
+class Exposer;
+class Gauge;
+class Histogram;
+class Registry;
+template <typename T>
+class Family;
+}  // namespace prometheus
+
+namespace attnserve::server {
+
+class ProcessCollector;
+
+// The RPCs that metrics and the access log know by name.
+enum class RpcMethod { kAttend, kListModels, kGetModel, kLoadModel, kUnloadModel };
+// "Attend", "ListModels", "GetModel", ...: the proto's method names.
+absl::string_view RpcMethodName(RpcMethod method);
+
+struct MetricsOptions {
+  // host:port of the HTTP endpoint serving /metrics; port 0 picks a free port
+  // (see Metrics::port). Empty: no endpoint (the metrics are still kept).
+  std::string address;
+  // The compute queue's capacity, exported as attnserve_queue_capacity.
+  int64_t queue_capacity = 0;
+};
+
+// The service's Prometheus metrics and the endpoint that serves them (the
+// families are listed in README.md, "Metrics"). The service reports each call
+// at its edges -- arrival, queueing, compute, finish -- and nothing in core/
+// observes. Label values stay bounded: `model` is a model added with AddModel
+// or "" (ad-hoc layers, and names that are not loaded: see ModelLabel), `code`
+// a status code name, `kernel_path` one of core's kernel paths. The series of
+// every added model exist, at 0, from AddModel on.
+//
+// Thread-safe.
+class Metrics {
+ public:
+  // UNAVAILABLE when options.address cannot be bound, INVALID_ARGUMENT for a
+  // negative queue capacity.
+  static absl::StatusOr<std::unique_ptr<Metrics>> Create(const MetricsOptions& options);
+  ~Metrics();  // stops the endpoint
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // The port /metrics is served on (the one picked for port 0); 0 without an
+  // endpoint.
+  int port() const { return port_; }
+
+  // Makes `name` a model label: creates its series (at 0) and its
+  // attnserve_model_info series. Adding a name again does nothing.
+  void AddModel(absl::string_view name, const core::HeadConfig& config);
+  // An unloaded model: its attnserve_model_info series goes and the name is no
+  // longer a label for new calls (ModelLabel gives ""). Its counters and
+  // histograms stay (Prometheus counters must not reset); their number is
+  // bounded by the repository's folders. AddModel again restores it.
+  void RemoveModel(absl::string_view name);
+  // `requested` when it names an added model, else "": the one way a string
+  // from a client becomes a label value.
+  std::string ModelLabel(absl::string_view requested) const;
+
+  // A call arrived: requests in flight + 1.
+  void OnRequestStarted();
+  // A call finished with `code`, `duration` after it arrived: requests in
+  // flight - 1, the request counter and duration histogram move.
+  void OnRequestDone(RpcMethod method, absl::string_view model, absl::StatusCode code,
+                     absl::Duration duration);
+
+  // An Attend request is about to be queued for compute (queue depth + 1).
+  void OnQueued();
+  // The queue refused it after OnQueued (queue depth - 1).
+  void OnQueueRefused();
+  // It left the queue to run after waiting `queue_wait` (queue depth - 1).
+  void OnDequeued(absl::string_view model, absl::Duration queue_wait);
+
+  // What one successful compute did for one request (the batch it ran in is
+  // reported by OnBatch).
+  struct Compute {
+    absl::Duration duration;
+    int64_t tokens = 0;               // query tokens, padding excluded
+    int64_t attention_map_bytes = 0;  // map bytes in the response
+  };
+  void OnComputed(absl::string_view model, absl::string_view kernel_path, const Compute& compute);
+
+  // One compute batch ran: `requests` requests with `sequences` sequences and
+  // `tokens` query tokens in all (a request computed alone is a batch of 1).
+  void OnBatch(absl::string_view model, int64_t requests, int64_t sequences, int64_t tokens);
+
+  enum class SkipReason { kDeadline, kCancelled };
+  // An admitted request was not computed: its deadline passed or its client
+  // cancelled while it was queued.
+  void OnSkipped(SkipReason reason);
+
+  // The text exposition of the registry and the process collector, as
+  // /metrics serves it (less the endpoint's own exposer_* families).
+  std::string TextExposition() const;
+
+ private:
+  Metrics();
+  // Creates the series of `model` (a loaded model's name, or "").
+  void CreateModelSeries(const std::string& model);
+
+  // Constant after Create.
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::shared_ptr<ProcessCollector> process_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string address_;  // as given; empty without an endpoint
+  int port_ = 0;
+  std::vector<std::string> kernel_paths_;  // pre-created compute series
+  prometheus::Family<prometheus::Histogram>* request_duration_ = nullptr;
+  prometheus::Family<prometheus::Counter>* requests_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* queue_wait_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* compute_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* batch_size_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* batch_tokens_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* batch_requests_ = nullptr;
+  prometheus::Family<prometheus::Counter>* skipped_ = nullptr;
+  std::vector<prometheus::Counter*> skipped_reasons_;  // deadline, cancelled
+  prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
+  prometheus::Family<prometheus::Counter>* map_bytes_ = nullptr;
+  prometheus::Family<prometheus::Gauge>* model_info_ = nullptr;
+  prometheus::Gauge* queue_depth_ = nullptr;
+  prometheus::Gauge* in_flight_ = nullptr;
+
+  mutable absl::Mutex mu_;
+  std::set<std::string, std::less<>> models_ ABSL_GUARDED_BY(mu_);
+  // Each added model's attnserve_model_info series (removed on RemoveModel).
+  std::map<std::string, prometheus::Gauge*, std::less<>> model_info_series_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_OBSERVABILITY_METRICS_H_

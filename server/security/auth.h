@@ -1,0 +1,58 @@
+#ifndef ATTNSERVE_SERVER_SECURITY_AUTH_H_
+#define ATTNSERVE_SERVER_SECURITY_AUTH_H_
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace attnserve::server {
+
+// Who a bearer token belongs to. LoadModel and UnloadModel need is_admin;
+// the other AttentionService RPCs need a valid token.
+struct Principal {
+  bool is_admin = false;
+};
+
+// The bearer tokens of --auth_tokens_file. Only SHA-256 digests of the tokens
+// are kept, so a token is compared in constant time over equal-length digests
+// and never kept in memory as given.
+//
+// Thread-safe (immutable after Parse).
+class TokenSet {
+ public:
+  // Parses a token file: one token per line; "admin:<token>" marks an admin
+  // token; leading and trailing whitespace is trimmed; blank lines and lines
+  // starting with '#' are ignored. INVALID_ARGUMENT (naming the line number,
+  // never the token) for a token with whitespace inside or an empty admin
+  // token, and for a file without any token.
+  static absl::StatusOr<TokenSet> Parse(absl::string_view contents);
+  // Reads and parses the file at `path`. Errors name --auth_tokens_file.
+  static absl::StatusOr<TokenSet> Load(const std::string& path);
+
+  // Checks the value of a call's "authorization" metadata (nullopt: absent).
+  // UNAUTHENTICATED when it is absent, not "Bearer <token>", or the token is
+  // not in the set; the message never contains the token.
+  absl::StatusOr<Principal> Authenticate(std::optional<absl::string_view> authorization) const;
+
+  int size() const { return static_cast<int>(entries_.size()); }
+
+ private:
+  using Digest = std::array<uint8_t, 32>;
+  struct Entry {
+    Digest digest;
+    bool is_admin = false;
+  };
+  TokenSet() = default;
+
+  std::vector<Entry> entries_;
+};
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_SECURITY_AUTH_H_
