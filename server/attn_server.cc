@@ -10,15 +10,6 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
-#include <openssl/bio.h>
-#include <openssl/evp.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
-
-#include <cerrno>
-#include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -27,6 +18,7 @@
 #include "core/status_macros.h"
 #include "server/observability/log.h"
 #include "server/security/auth.h"
+#include "server/security/tls_credentials.h"
 
 namespace attnserve::server {
 namespace {
@@ -60,90 +52,6 @@ absl::Status WarmUp(const Model& model, ComputeExecutor& executor) {
   }));
   done.WaitForNotification();
   return status;
-}
-
-// The contents of the PEM file named by --`flag`. INVALID_ARGUMENT naming the
-// flag when it cannot be read.
-absl::StatusOr<std::string> ReadPemFile(absl::string_view flag, const std::string& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--", flag, ": cannot read '", path, "': ", std::strerror(errno)));
-  }
-  std::ostringstream contents;
-  contents << file.rdbuf();
-  return contents.str();
-}
-
-struct BioDeleter {
-  void operator()(BIO* bio) const { BIO_free(bio); }
-};
-struct X509Deleter {
-  void operator()(X509* x509) const { X509_free(x509); }
-};
-struct KeyDeleter {
-  void operator()(EVP_PKEY* key) const { EVP_PKEY_free(key); }
-};
-
-std::unique_ptr<BIO, BioDeleter> PemBio(const std::string& pem) {
-  return std::unique_ptr<BIO, BioDeleter>(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
-}
-
-std::unique_ptr<X509, X509Deleter> FirstCertificate(const std::string& pem) {
-  auto bio = PemBio(pem);
-  return std::unique_ptr<X509, X509Deleter>(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
-}
-
-// The gRPC server credentials for `options`: TLS (mutual with
-// tls_client_ca_file) or, without a certificate, plaintext. INVALID_ARGUMENT
-// naming the flag for a file that cannot be read or parsed, a key that does
-// not match the certificate, or a flag set without the one it needs. gRPC
-// itself would only fail to listen, naming no file.
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
-    const ServerOptions& options) {
-  if (options.tls_cert_file.empty()) {
-    if (!options.tls_key_file.empty()) {
-      return absl::InvalidArgumentError("--tls_key: needs --tls_cert");
-    }
-    if (!options.tls_client_ca_file.empty()) {
-      return absl::InvalidArgumentError("--tls_client_ca: needs --tls_cert");
-    }
-    return grpc::InsecureServerCredentials();
-  }
-  if (options.tls_key_file.empty()) {
-    return absl::InvalidArgumentError("--tls_key: required with --tls_cert");
-  }
-  ATTNSERVE_ASSIGN_OR_RETURN(std::string cert, ReadPemFile("tls_cert", options.tls_cert_file));
-  ATTNSERVE_ASSIGN_OR_RETURN(std::string key, ReadPemFile("tls_key", options.tls_key_file));
-  auto x509 = FirstCertificate(cert);
-  if (x509 == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls_cert: '", options.tls_cert_file, "' holds no PEM certificate"));
-  }
-  auto key_bio = PemBio(key);
-  std::unique_ptr<EVP_PKEY, KeyDeleter> pkey(
-      PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr));
-  if (pkey == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--tls_key: '", options.tls_key_file, "' holds no unencrypted PEM private key"));
-  }
-  if (X509_check_private_key(x509.get(), pkey.get()) != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls_key: the key does not match the certificate of --tls_cert"));
-  }
-  grpc::SslServerCredentialsOptions ssl(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  ssl.pem_key_cert_pairs.push_back({.private_key = key, .cert_chain = cert});
-  if (!options.tls_client_ca_file.empty()) {
-    ATTNSERVE_ASSIGN_OR_RETURN(std::string ca,
-                               ReadPemFile("tls_client_ca", options.tls_client_ca_file));
-    if (FirstCertificate(ca) == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--tls_client_ca: '", options.tls_client_ca_file, "' holds no PEM certificate"));
-    }
-    ssl.pem_root_certs = ca;
-    ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
-  }
-  return grpc::SslServerCredentials(ssl);
 }
 
 }  // namespace
@@ -192,7 +100,7 @@ AttnServer::AttnServer(const ServerOptions& options) : options_(options) {}
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptions& options) {
   ATTNSERVE_RETURN_IF_ERROR(ValidateServerOptions(options));
   ATTNSERVE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                             ServerCredentials(options));
+                             MakeServerCredentials(options));
   std::optional<TokenSet> tokens;
   if (!options.auth_tokens_file.empty()) {
     ATTNSERVE_ASSIGN_OR_RETURN(tokens, TokenSet::Load(options.auth_tokens_file));
