@@ -37,7 +37,7 @@ NUM_HEADS, HEAD_DIM = 12, 64  # and its heads
 # under load"): its output equals the same request run alone within 1e-6
 # relative (Frobenius norm; often bit for bit, but not promised), and the
 # double-precision reference within FP32's 1e-5 -- as
-# tests/server/batching_service_test.cc checks in process.
+# tests/server/api/batching_service_test.cc checks in process.
 BATCHED_VS_SOLO = 1e-6
 FP32_VS_REFERENCE = 1e-5
 # Bound on the growth of the server's peak RSS (VmHWM) while it refuses the
@@ -272,7 +272,7 @@ class NonFinite(FaultCase):
         self.assertEqual(got["good 0"], {"OK"})
         self.assertEqual(got["good 1"], {"OK"})
         # Each good answer was as promised (batched or not); a batch with a
-        # non-finite member is covered by tests/server/batching_service_test.cc.
+        # non-finite member is covered by tests/server/api/batching_service_test.cc.
         record("NaN/Inf inputs, 3 rounds of 7 bad + 10 good concurrent",
                "; ".join(f"{name}: {'/'.join(sorted(got[name]))}" for name in cases)
                + f"; 30 good: OK, largest relative difference to solo {worst:g} "
