@@ -217,6 +217,7 @@ std::string Route::kernel_path() const {
 std::vector<std::string> KernelPathNames() {
   std::vector<std::string> names;
   for (Precision precision : {Precision::kFp32, Precision::kBf16}) {
+    if (precision == Precision::kBf16 && !Bf16Supported()) continue;
     for (bool blocked : {false, true}) {
       Route route;
       route.precision = precision;

@@ -99,7 +99,9 @@ struct Route {
   std::string kernel_path() const;
 };
 
-// Every kernel_path() a route can have, for metrics that exist from start-up.
+// Every kernel_path() a route can have on this CPU (BF16 ones only where
+// Bf16Supported(): elsewhere BF16 requests run FP32), for metrics that exist
+// from start-up.
 std::vector<std::string> KernelPathNames();
 
 // The route of a call with these sizes and options (already validated; see

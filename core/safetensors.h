@@ -63,7 +63,7 @@ class SafetensorsFile {
   static absl::StatusOr<SafetensorsFile> FromFd(int fd, std::string display_name);
   // Opens `path` (O_RDONLY | O_CLOEXEC | O_NONBLOCK, so a FIFO never blocks
   // the open; FromFd then refuses anything but a regular file) and parses it. For tests and tools:
-  // the server opens files through server/model_repository.h's checks.
+  // the server opens files through server/models/model_repository.h's checks.
   static absl::StatusOr<SafetensorsFile> Open(const std::string& path);
 
   SafetensorsFile(SafetensorsFile&& other) noexcept;

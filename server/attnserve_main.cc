@@ -146,6 +146,15 @@ int main(int argc, char** argv) {
   attnserve::server::LimitProtobufLogs();
 
   attnserve::server::ServerOptions options;
+  if (const char* kernels = std::getenv("ATTNSERVE_BLOCK_KERNELS"); kernels != nullptr) {
+    absl::StatusOr<attnserve::core::BlockKernels> parsed =
+        attnserve::core::ParseBlockKernels(kernels);
+    if (!parsed.ok()) {
+      return cli::UsageError("attnserve",
+                             absl::StrCat("ATTNSERVE_BLOCK_KERNELS: ", parsed.status().message()));
+    }
+    options.block_kernels = *parsed;
+  }
   options.listen_address = absl::GetFlag(FLAGS_listen_address);
   options.max_receive_message_bytes = absl::GetFlag(FLAGS_max_receive_message_bytes);
   options.max_send_message_bytes = absl::GetFlag(FLAGS_max_send_message_bytes);

@@ -10,7 +10,9 @@
 #include "absl/strings/string_view.h"
 #include "core/attention_layer.h"
 #include "core/checked_math.h"
+#include "core/route.h"
 #include "core/status_macros.h"
+#include "server/api/attend_runner.h"
 
 namespace attnserve::server {
 namespace {
@@ -519,32 +521,44 @@ absl::Status PlanMaps(const v1::AttendRequest& request, const RequestLimits& lim
   return absl::OkStatus();
 }
 
-// The compute scratch, in bytes (core::ForwardScratchBytes); infinity when it
+// The compute scratch, in bytes: the route's the core will take (blocked
+// without maps and statistics: O(S * block), not O(S^2)); infinity when it
 // overflows int64.
-double EstimateScratchBytes(const AttendPlan& plan) {
-  // The core's own account of what the call allocates, on the path it will
-  // take (blocked without maps and statistics: O(S * block), not O(S^2)).
-  core::ForwardOptions options;
-  options.maps = plan.maps;
-  options.head_statistics = plan.head_statistics;
-  options.precision = plan.precision;
-  const std::optional<int64_t> bytes =
-      core::ForwardScratchBytes(plan.config, plan.queries, plan.keys, plan.context.has_value(),
-                                plan.projected, options);
-  return bytes ? static_cast<double>(*bytes) : std::numeric_limits<double>::infinity();
+double EstimateScratchBytes(const AttendPlan& plan, core::BlockKernels block_kernels) {
+  core::RouteRequest route_request;
+  route_request.queries = plan.queries;
+  route_request.keys = plan.keys;
+  route_request.cross_attention = plan.context.has_value();
+  route_request.projected_inputs = plan.projected;
+  route_request.causal = plan.causal;
+  route_request.mask = plan.mask.kind;
+  const absl::StatusOr<core::Route> route =
+      core::MakeRoute(plan.config, route_request, ForwardOptionsFor(plan, block_kernels));
+  return route.ok() ? static_cast<double>(route->scratch_bytes())
+                    : std::numeric_limits<double>::infinity();
 }
 
 }  // namespace
 
+core::ForwardOptions ForwardOptionsFor(const AttendPlan& plan, core::BlockKernels block_kernels) {
+  core::ForwardOptions options;
+  options.maps = plan.maps;
+  options.head_statistics = plan.head_statistics;
+  options.precision = plan.precision;
+  options.block_kernels = block_kernels;
+  return options;
+}
+
 absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
                                       const ModelRegistry& registry, const RequestLimits& limits,
-                                      int64_t max_response_bytes) {
+                                      int64_t max_response_bytes,
+                                      core::BlockKernels block_kernels) {
   AttendPlan plan;
   ATTNSERVE_RETURN_IF_ERROR(PlanSource(request, registry, limits, plan));
   ATTNSERVE_RETURN_IF_ERROR(PlanInputs(request, limits, plan));
   ATTNSERVE_RETURN_IF_ERROR(PlanOptions(request, plan));
   ATTNSERVE_RETURN_IF_ERROR(PlanMaps(request, limits, plan));
-  const double scratch = EstimateScratchBytes(plan);
+  const double scratch = EstimateScratchBytes(plan, block_kernels);
   // Every check from here on is of a fixed limit, like OverLimit's.
   if (scratch > static_cast<double>(limits.max_scratch_bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -576,18 +590,16 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
   }
 
   // The memory the request holds while it runs: FP32 copies of its inputs,
-  // the compute scratch, output and maps as FP32, and the serialized
-  // response; hidden states and output twice, for the packed copies a batch
-  // makes of them (server/api/attend_runner.h). In double, like the scratch: the
-  // terms are bounded, not small.
-  double input_elements = 2.0 * static_cast<double>(plan.hidden_states.elements) +
-                          static_cast<double>(plan.output_elements) +
+  // the compute scratch, output and maps as FP32, the serialized response,
+  // and the packed copies a batch makes of its rows (BatchCopyBytes). In
+  // double, like the scratch: the terms are bounded, not small.
+  double input_elements = static_cast<double>(plan.hidden_states.elements) +
                           static_cast<double>(plan.q.elements + plan.k.elements + plan.v.elements) +
                           static_cast<double>(plan.mask.values.elements);
   if (plan.context) input_elements += static_cast<double>(plan.context->elements);
   const double memory =
       4.0 * (input_elements + static_cast<double>(plan.output_elements + plan.map_elements)) +
-      scratch + static_cast<double>(response_bytes);
+      scratch + static_cast<double>(response_bytes) + static_cast<double>(BatchCopyBytes(plan));
   if (memory > static_cast<double>(limits.max_request_bytes)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "request: needs about ", static_cast<int64_t>(memory / (1 << 20)),

@@ -83,9 +83,15 @@ struct AttendPlan {
 //                      failed (ModelRegistry::Find)
 // Never RESOURCE_EXHAUSTED: that is for load (the scheduler's queue and
 // in-flight budget), which may pass.
+// `block_kernels`: the server's (they decide the route, and so its scratch).
 absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
                                       const ModelRegistry& registry, const RequestLimits& limits,
-                                      int64_t max_response_bytes);
+                                      int64_t max_response_bytes,
+                                      core::BlockKernels block_kernels);
+
+// The core's options for a planned request (what the runner passes and the
+// route that sized the request was made with), without should_stop.
+core::ForwardOptions ForwardOptionsFor(const AttendPlan& plan, core::BlockKernels block_kernels);
 
 }  // namespace attnserve::server
 

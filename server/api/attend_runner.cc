@@ -91,13 +91,10 @@ void SetHowItRan(const core::ForwardInfo& info, const AttendPlan& plan,
 
 absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request,
                                                 const AttendPlan& plan, LayerCache& cache,
-                                                std::function<bool()> should_stop,
+                                                const ComputeContext& compute,
                                                 v1::AttendResponse* response) {
-  core::ForwardOptions options;
-  options.maps = plan.maps;
-  options.head_statistics = plan.head_statistics;
-  options.precision = plan.precision;
-  options.should_stop = std::move(should_stop);
+  core::ForwardOptions options = ForwardOptionsFor(plan, compute.block_kernels);
+  options.should_stop = compute.should_stop;
 
   // Outputs go straight into the response's buffers.
   OutputTensor output(plan.output_shape, plan.output_dtype, plan.float_data_response,
@@ -158,7 +155,7 @@ absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request
     inputs.mask = mask;
     inputs.head_mask = plan.head_mask;
     ATTNSERVE_ASSIGN_OR_RETURN(std::shared_ptr<core::AttentionCore> attention, cache.Core(plan.config));
-    info = attention->Run(inputs, options, outputs);
+    info = attention->Run(inputs, options, outputs, compute.workspace);
   } else {
     FloatValues hidden(request.hidden_states(), plan.hidden_states);
     ATTNSERVE_RETURN_IF_ERROR(
@@ -180,7 +177,7 @@ absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request
     inputs.position_offsets = plan.position_offsets;
     ATTNSERVE_ASSIGN_OR_RETURN(std::shared_ptr<core::AttentionLayer> layer,
                                LayerFor(request, plan, cache));
-    info = layer->Forward(inputs, options, outputs);
+    info = layer->Forward(inputs, options, outputs, compute.workspace);
   }
   if (!info.ok()) return info.status();
 
@@ -204,8 +201,16 @@ uint64_t BatchKey(const AttendPlan& plan) {
          (plan.precision == core::Precision::kBf16 ? 1u : 0u) | (plan.causal ? 2u : 0u);
 }
 
+int64_t BatchCopyBytes(const AttendPlan& plan) {
+  if (BatchKey(plan) == 0) return 0;
+  int64_t rows = 0;
+  for (int64_t b = 0; b < plan.queries.batch(); ++b) rows += plan.queries.length(b);
+  // Bounded by the planned (received) hidden states: no overflow.
+  return 2 * rows * plan.config.d_model * int64_t{sizeof(float)};
+}
+
 void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
-                    std::function<bool()> should_stop) {
+                    const ComputeContext& compute) {
   if (members.empty()) return;
   const AttendPlan& first = *members[0].plan;
   const int64_t d_model = first.config.d_model;
@@ -255,13 +260,14 @@ void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
   inputs.hidden_states = hidden;
   inputs.layout = *std::move(layout);
   inputs.causal = first.causal;
-  core::ForwardOptions options;
-  options.precision = first.precision;
-  options.should_stop = std::move(should_stop);
+  // (Batched plans ask for no maps and no statistics: BatchKey.)
+  core::ForwardOptions options = ForwardOptionsFor(first, compute.block_kernels);
+  options.should_stop = compute.should_stop;
   std::vector<float> output(hidden.size());
   core::ForwardOutputs outputs;
   outputs.output = absl::MakeSpan(output);
-  absl::StatusOr<core::ForwardInfo> info = (*layer)->Forward(inputs, options, outputs);
+  absl::StatusOr<core::ForwardInfo> info =
+      (*layer)->Forward(inputs, options, outputs, compute.workspace);
   if (!info.ok()) return fail_all(info.status());
 
   // Each member's rows back into its own layout.

@@ -8,18 +8,29 @@
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/attention_inputs.h"
+#include "core/workspace.h"
 #include "server/api/attend_plan.h"
 #include "server/models/layer_cache.h"
 
 namespace attnserve::server {
 
+// What the compute executor gives a run: the workspace it computes in (the
+// executor's one, shared by every model; see core::Workspace), the block
+// kernels the server was started with, and `should_stop`, polled between
+// stages (CANCELLED).
+struct ComputeContext {
+  core::Workspace* workspace = nullptr;
+  core::BlockKernels block_kernels = core::BlockKernels::kAuto;
+  std::function<bool()> should_stop;
+};
+
 // Runs a planned Attend request on the core and fills `response` (output,
 // maps, statistics, precision, kernel path; not timing). Call it on the
-// compute executor: it is where the attention math runs. `should_stop` is
-// polled between stages (CANCELLED). Other errors as the core's.
+// compute executor: it is where the attention math runs. Errors as the
+// core's.
 absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request,
                                                 const AttendPlan& plan, LayerCache& cache,
-                                                std::function<bool()> should_stop,
+                                                const ComputeContext& compute,
                                                 v1::AttendResponse* response);
 
 // The batch key of a planned request (see Scheduler): requests with the same
@@ -30,6 +41,11 @@ absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request
 // sequence on its own, so causal requests batch with causal ones). The output
 // dtype and wire form may differ within a batch. 0: runs alone.
 uint64_t BatchKey(const AttendPlan& plan);
+
+// Bytes RunAttendBatch holds for a member beside its request and response:
+// FP32 copies of its valid hidden-state rows and of their output (the batch's
+// packed input and output). 0 for a plan that never batches (BatchKey 0).
+int64_t BatchCopyBytes(const AttendPlan& plan);
 
 // One request of a batch for RunAttendBatch.
 struct BatchMember {
@@ -48,7 +64,7 @@ struct BatchMember {
 // CANCELLED by `should_stop`) goes to every member that ran. Call it on the
 // compute executor.
 void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
-                    std::function<bool()> should_stop);
+                    const ComputeContext& compute);
 
 }  // namespace attnserve::server
 

@@ -180,11 +180,20 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
     return true;
   };
   std::vector<absl::Status> statuses(jobs.size());
-  if (jobs.size() == 1) {
+  absl::Status workspace_status;
+  if (workspace_ == nullptr) {
+    absl::StatusOr<std::unique_ptr<core::Workspace>> workspace = core::Workspace::Create();
+    workspace_status = workspace.status();
+    if (workspace.ok()) workspace_ = *std::move(workspace);
+  }
+  const ComputeContext context{workspace_.get(), options_.block_kernels, should_stop};
+  if (!workspace_status.ok()) {
+    std::fill(statuses.begin(), statuses.end(), workspace_status);
+  } else if (jobs.size() == 1) {
     AttendJob& job = *jobs[0];
-    statuses[0] = RunAttendPlan(job.call->request, job.plan, layer_cache_, should_stop,
-                                &job.call->response)
-                      .status();
+    statuses[0] =
+        RunAttendPlan(job.call->request, job.plan, layer_cache_, context, &job.call->response)
+            .status();
   } else {
     std::vector<BatchMember> members(jobs.size());
     for (size_t i = 0; i < jobs.size(); ++i) {
@@ -192,8 +201,11 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
       members[i].plan = &jobs[i]->plan;
       members[i].response = &jobs[i]->call->response;
     }
-    RunAttendBatch(absl::MakeSpan(members), layer_cache_, should_stop);
+    RunAttendBatch(absl::MakeSpan(members), layer_cache_, context);
     for (size_t i = 0; i < jobs.size(); ++i) statuses[i] = std::move(members[i].status);
+  }
+  if (workspace_ != nullptr && workspace_->bytes() > kRetainedWorkspaceBytes) {
+    workspace_->Release();
   }
   const absl::Time now = absl::Now();
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -347,7 +359,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     return reactor;
   }
   absl::StatusOr<AttendPlan> plan =
-      PlanAttend(request, *registry_, options_.limits, options_.max_send_message_bytes);
+      PlanAttend(request, *registry_, options_.limits, options_.max_send_message_bytes,
+                 options_.block_kernels);
   if (!plan.ok()) {
     reactor->FinishCall(ToGrpcStatus(plan.status()));
     EndCall();

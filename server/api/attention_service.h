@@ -42,6 +42,11 @@ namespace attnserve::server {
 // must outlive the service,
 // and the executor must be shut down (running what its scheduler queued)
 // before the service is destroyed.
+// Workspace memory kept from one batch to the next (the small routes of
+// serving traffic reuse it without allocating; larger routes' buffers are
+// freed after their batch).
+inline constexpr int64_t kRetainedWorkspaceBytes = int64_t{64} << 20;
+
 class AttentionServiceImpl final
     : public v1::AttentionService::WithRawCallbackMethod_Attend<
           v1::AttentionService::CallbackService> {
@@ -107,8 +112,13 @@ class AttentionServiceImpl final
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
-  // Used only on the compute executor.
+  // Used only on the compute executor, which runs one batch at a time.
   LayerCache layer_cache_;
+  // Where every model's forwards compute (made on the first batch). Its
+  // buffers are released after a batch that left more than
+  // kRetainedWorkspaceBytes, so between batches compute memory beyond the
+  // in-flight budget stays below that.
+  std::unique_ptr<core::Workspace> workspace_;
   // Admission, deadlines, memory budget and dynamic batching in front of
   // the compute executor; created in the constructor.
   std::unique_ptr<Scheduler> scheduler_;

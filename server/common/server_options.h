@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/attention_inputs.h"
+
 namespace attnserve::server {
 
 // What one Attend request may ask for. Over a limit: INVALID_ARGUMENT naming
@@ -15,10 +17,9 @@ struct RequestLimits {
   // The most weight bytes (as FP32) of an ad-hoc layer a request may carry or
   // ask to be seeded: 64 MiB holds a d_model 2048 layer.
   int64_t max_adhoc_weight_bytes = int64_t{64} << 20;
-  // The most compute scratch one request may need, estimated before compute
-  // by core::ForwardScratchBytes (projections, then per chunk of sequences
-  // the materialized scores and masks, or the blocked path's per-thread
-  // blocks). Requests with maps or statistics at long sequences and ad-hoc
+  // The most compute scratch one request may need: its route's scratch
+  // (core::MakeRoute; projections, then per chunk of sequences the
+  // materialized scores and masks, or the blocked path's per-thread blocks). Requests with maps or statistics at long sequences and ad-hoc
   // layers with very many or very wide heads reach it; the blocked path
   // stays far below it.
   int64_t max_scratch_bytes = int64_t{2} << 30;
@@ -35,6 +36,9 @@ struct ServerOptions {
   int64_t max_send_message_bytes = int64_t{128} << 20;
   // OpenMP threads for the compute executor; 0: one per core.
   int compute_threads = 0;
+  // Which kernels run the blocked attention path's blocks (the attnserve
+  // binary reads it from ATTNSERVE_BLOCK_KERNELS at start-up).
+  core::BlockKernels block_kernels = core::BlockKernels::kAuto;
   // Requests admitted and waiting for the compute executor.
   int64_t max_queued_requests = 64;
   // On shutdown, how long health says NOT_SERVING while the server still

@@ -22,6 +22,7 @@
 #include "absl/strings/strip.h"
 #include "cli/build_info.h"
 #include "core/attention_inputs.h"
+#include "core/route.h"
 #include "core/runtime_info.h"
 #include "server/observability/process_metrics.h"
 
@@ -106,23 +107,6 @@ std::string CodeName(absl::StatusCode code) {
   return name.empty() ? "UNKNOWN" : name;
 }
 
-// The kernel paths core can report on this CPU (core::ForwardInfo's
-// "<precision>/<attention path>"): every precision that runs here (BF16 only
-// where core::Bf16Supported; elsewhere BF16 requests run and report FP32) on
-// each attention path, the blocked one being the default for requests without
-// maps or statistics.
-std::vector<std::string> KernelPaths() {
-  std::vector<core::Precision> precisions = {core::Precision::kFp32};
-  if (core::Bf16Supported()) precisions.push_back(core::Precision::kBf16);
-  std::vector<std::string> paths;
-  for (core::Precision precision : precisions) {
-    for (absl::string_view path : {"blocked", "materialized"}) {
-      paths.push_back(absl::StrCat(core::PrecisionName(precision), "/", path));
-    }
-  }
-  return paths;
-}
-
 // Opens and closes one TCP connection to `host`:`port` (any family).
 void ConnectOnce(const std::string& host, int port) {
   addrinfo hints{};
@@ -194,7 +178,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
   }
   std::unique_ptr<Metrics> m(new Metrics());
   prometheus::Registry& r = *m->registry_;
-  m->kernel_paths_ = KernelPaths();
+  m->kernel_paths_ = core::KernelPathNames();
 
   m->request_duration_ =
       &prometheus::BuildHistogram()

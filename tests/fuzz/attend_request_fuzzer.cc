@@ -61,7 +61,8 @@ void FuzzOne(const uint8_t* data, size_t size) {
   if (!request.ParseFromArray(data, static_cast<int>(size))) return;
   const RequestLimits limits;
   const ServerOptions options;
-  const auto plan = PlanAttend(request, Registry(), limits, options.max_send_message_bytes);
+  const auto plan =
+      PlanAttend(request, Registry(), limits, options.max_send_message_bytes, options.block_kernels);
   // ATTNSERVE_FUZZ_PRINT_STATUS=1: say what each input came to (to check
   // that the seed corpus reaches the parts it is meant to).
   static const bool print_status = std::getenv("ATTNSERVE_FUZZ_PRINT_STATUS") != nullptr;

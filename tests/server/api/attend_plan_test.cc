@@ -65,7 +65,8 @@ class AttendPlanTest : public ::testing::Test {
                                                      const RequestLimits& limits) {
     g_largest_allocation = 0;
     g_tracking = true;
-    absl::StatusOr<AttendPlan> plan = PlanAttend(request, registry_, limits, int64_t{1} << 40);
+    absl::StatusOr<AttendPlan> plan =
+        PlanAttend(request, registry_, limits, int64_t{1} << 40, core::BlockKernels::kAuto);
     g_tracking = false;
     return plan;
   }
@@ -136,7 +137,8 @@ TEST_F(AttendPlanTest, RequestOverTheMemoryBudgetIsRefusedBeforeAllocationAndSay
 
   // Within the default budget it plans, and knows its memory: at least its
   // output and maps as FP32.
-  absl::StatusOr<AttendPlan> accepted = PlanAttend(request, registry_, RequestLimits{}, 1 << 30);
+  absl::StatusOr<AttendPlan> accepted =
+      PlanAttend(request, registry_, RequestLimits{}, 1 << 30, core::BlockKernels::kAuto);
   ASSERT_TRUE(accepted.ok()) << accepted.status();
   EXPECT_GE(accepted->memory_bytes, (seq * 768 + seq * seq) * 4);
   EXPECT_LE(accepted->memory_bytes, RequestLimits{}.max_request_bytes);
@@ -158,7 +160,8 @@ TEST_F(AttendPlanTest, EveryFixedLimitIsInvalidArgumentNamingItsFlagAndIsInclusi
   // A [2, 8] request with mean maps: 2 x 8 x 8 x 4 = 512 map bytes; its other
   // sizes come from an accepted plan.
   const v1::AttendRequest probe = Bomb(2, 8, 2 * 8 * 768 * 4, v1::ATTENTION_MAP_MODE_MEAN);
-  absl::StatusOr<AttendPlan> accepted = PlanAttend(probe, registry_, RequestLimits{}, 1 << 30);
+  absl::StatusOr<AttendPlan> accepted =
+      PlanAttend(probe, registry_, RequestLimits{}, 1 << 30, core::BlockKernels::kAuto);
   ASSERT_TRUE(accepted.ok()) << accepted.status();
   const int64_t memory = accepted->memory_bytes;
   const int64_t response = (2 * 8 * 768 + 2 * 8 * 8) * 4 + 4096;  // output, maps, framing
@@ -189,7 +192,8 @@ TEST_F(AttendPlanTest, EveryFixedLimitIsInvalidArgumentNamingItsFlagAndIsInclusi
       RequestLimits limits;
       int64_t max_response_bytes = int64_t{1} << 30;
       c.limit(limits, max_response_bytes, over);
-      absl::StatusOr<AttendPlan> plan = PlanAttend(request, registry_, limits, max_response_bytes);
+      absl::StatusOr<AttendPlan> plan =
+          PlanAttend(request, registry_, limits, max_response_bytes, core::BlockKernels::kAuto);
       if (over == 0) {
         EXPECT_TRUE(plan.ok()) << plan.status();
         continue;
@@ -216,15 +220,16 @@ TEST_F(AttendPlanTest, EveryFixedLimitIsInvalidArgumentNamingItsFlagAndIsInclusi
   const int64_t weight_bytes = (4 * 64 * 64 + 4 * 64) * 4;  // w_q, w_k, w_v, w_o and biases
   RequestLimits limits;
   limits.max_adhoc_weight_bytes = weight_bytes;
-  ASSERT_TRUE(PlanAttend(adhoc, registry_, limits, 1 << 30).ok());
+  ASSERT_TRUE(PlanAttend(adhoc, registry_, limits, 1 << 30, core::BlockKernels::kAuto).ok());
   limits.max_adhoc_weight_bytes = weight_bytes - 1;
-  absl::StatusOr<AttendPlan> plan = PlanAttend(adhoc, registry_, limits, 1 << 30);
+  absl::StatusOr<AttendPlan> plan =
+      PlanAttend(adhoc, registry_, limits, 1 << 30, core::BlockKernels::kAuto);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
   EXPECT_NE(plan.status().message().find("(--max_adhoc_weight_bytes)"), std::string::npos)
       << plan.status();
   limits = RequestLimits{};
   limits.max_scratch_bytes = 1;  // below any request's scratch
-  plan = PlanAttend(adhoc, registry_, limits, 1 << 30);
+  plan = PlanAttend(adhoc, registry_, limits, 1 << 30, core::BlockKernels::kAuto);
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
   EXPECT_NE(plan.status().message().find("(--max_scratch_bytes)"), std::string::npos)
       << plan.status();
@@ -232,7 +237,8 @@ TEST_F(AttendPlanTest, EveryFixedLimitIsInvalidArgumentNamingItsFlagAndIsInclusi
 
 TEST_F(AttendPlanTest, AcceptedPlanKnowsEverySize) {
   v1::AttendRequest request = Bomb(2, 5, 2 * 5 * 768 * 4, v1::ATTENTION_MAP_MODE_PER_HEAD);
-  absl::StatusOr<AttendPlan> plan = PlanAttend(request, registry_, RequestLimits{}, 1 << 30);
+  absl::StatusOr<AttendPlan> plan =
+      PlanAttend(request, registry_, RequestLimits{}, 1 << 30, core::BlockKernels::kAuto);
   ASSERT_TRUE(plan.ok()) << plan.status();
   EXPECT_EQ(plan->queries.batch(), 2);
   EXPECT_EQ(plan->queries.max_length(), 5);

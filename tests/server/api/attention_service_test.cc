@@ -710,7 +710,8 @@ TEST(AttentionServiceQueue, TakenMemoryBudgetIsResourceExhaustedButOverTheWholeB
   options.max_queued_requests = 8;
   options.max_batch_tokens = 0;
   const absl::StatusOr<AttendPlan> plan =
-      PlanAttend(request, registry, options.limits, options.max_send_message_bytes);
+      PlanAttend(request, registry, options.limits, options.max_send_message_bytes,
+                 options.block_kernels);
   ASSERT_TRUE(plan.ok()) << plan.status();
   options.max_inflight_bytes = std::max<int64_t>(plan->memory_bytes * 3 / 2, int64_t{1} << 20);
   ASSERT_LT(options.max_inflight_bytes, 2 * plan->memory_bytes)
