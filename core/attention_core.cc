@@ -98,6 +98,12 @@ absl::StatusOr<ForwardInfo> AttentionCore::Run(const CoreInputs& inputs,
   ATTNSERVE_RETURN_IF_ERROR(ValidateHeadMask(inputs.head_mask, config_.num_heads));
   ATTNSERVE_RETURN_IF_ERROR(
       ValidateAttentionOutputs(config_, queries, keys, options, outputs, /*layer=*/false));
+  ATTNSERVE_RETURN_IF_ERROR(
+      ValidateFinite(inputs.q, queries, config_.num_heads, config_.head_dim, "q"));
+  ATTNSERVE_RETURN_IF_ERROR(
+      ValidateFinite(inputs.k, keys, config_.num_kv_heads, config_.head_dim, "k"));
+  ATTNSERVE_RETURN_IF_ERROR(
+      ValidateFinite(inputs.v, keys, config_.num_kv_heads, config_.head_dim, "v"));
   return internal::RunInWorkspace(
       workspace, "running scaled dot-product attention", [&](WorkspaceState& state) {
         return RunOn(inputs, queries, keys, options, outputs, state);

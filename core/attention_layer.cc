@@ -241,7 +241,13 @@ absl::Status AttentionLayer::Impl::Validate(const LayerInputs& inputs,
   ATTNSERVE_RETURN_IF_ERROR(
       ValidateMask(inputs.mask, layout.batch(), layout.max_length(), keys->max_length()));
   ATTNSERVE_RETURN_IF_ERROR(ValidateHeadMask(inputs.head_mask, config_.num_heads));
-  return ValidateAttentionOutputs(config_, layout, *keys, options, outputs, /*layer=*/true);
+  ATTNSERVE_RETURN_IF_ERROR(ValidateAttentionOutputs(config_, layout, *keys, options, outputs,
+                                                     /*layer=*/true));
+  ATTNSERVE_RETURN_IF_ERROR(ValidateFinite(inputs.hidden_states, layout, 1, d, "hidden_states"));
+  if (inputs.context_layout.has_value()) {
+    ATTNSERVE_RETURN_IF_ERROR(ValidateFinite(inputs.context, *keys, 1, context_dim, "context"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardOn(const LayerInputs& inputs,

@@ -1,5 +1,7 @@
 #include "core/validation.h"
 
+#include <array>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "core/bf16.h"
 #include "core/checked_math.h"
 #include "core/status_macros.h"
 
@@ -35,6 +38,53 @@ std::string Dims(std::initializer_list<std::pair<absl::string_view, int64_t>> di
 absl::Status CheckEmpty(absl::string_view field, size_t size, absl::string_view why) {
   if (size == 0) return absl::OkStatus();
   return InvalidField(field, absl::StrCat("must be empty (", why, "), got ", size, " elements"));
+}
+
+// Non-finite: the exponent's bits all set (infinity or NaN).
+bool NonFinite(float value) {
+  return (std::bit_cast<uint32_t>(value) & 0x7f800000u) == 0x7f800000u;
+}
+bool NonFinite(Bf16 value) { return (value & 0x7f80u) == 0x7f80u; }
+float AsFloat(float value) { return value; }
+float AsFloat(Bf16 value) { return Bfloat16ToFloat(value); }
+
+template <typename T>
+absl::Status MaskValues(absl::Span<const T> values, ExplicitMask::Kind kind,
+                        absl::string_view field) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!NonFinite(values[i])) continue;
+    const float value = AsFloat(values[i]);
+    if (std::isnan(value)) return InvalidField(absl::StrCat(field, "[", i, "]"), "NaN");
+    if (kind == ExplicitMask::Kind::kAdditive && value > 0.0f) {
+      return InvalidField(absl::StrCat(field, "[", i, "]"),
+                          "+inf (an additive mask takes finite values, or -inf to forbid a key)");
+    }
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::Status Finite(absl::Span<const T> values, const SequenceLayout& layout, int64_t blocks,
+                    int64_t width, absl::string_view field) {
+  const int64_t block_rows = layout.is_padded() ? layout.max_length() : 0;
+  for (int64_t b = 0; b < layout.batch(); ++b) {
+    for (int64_t h = 0; h < blocks; ++h) {
+      // Padded: sequence b's block h starts at (b * blocks + h) * padded rows.
+      const int64_t first_row =
+          layout.is_padded() ? (b * blocks + h) * block_rows : layout.row_offset(b);
+      const T* row = values.data() + first_row * width;
+      const int64_t n = layout.length(b) * width;
+      bool any = false;  // branch-free over the rows, so that it vectorizes
+      for (int64_t i = 0; i < n; ++i) any |= NonFinite(row[i]);
+      if (!any) continue;
+      int64_t i = 0;
+      while (!NonFinite(row[i])) ++i;
+      return InvalidField(field, absl::StrCat("sequence ", b, blocks > 1 ? absl::StrCat(", head ", h) : "",
+                                              " holds ", AsFloat(row[i]), " at position ", i / width,
+                                              "; inputs must be finite"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -67,32 +117,48 @@ absl::Status ValidateMask(const ExplicitMask& mask, int64_t batch, int64_t q_len
     default:
       return InvalidField(Sub(field, "kind"), absl::StrCat("unknown value ", static_cast<int>(mask.kind)));
   }
-  const struct {
-    absl::string_view field;
-    int64_t value;
-    absl::string_view full_name;
-    int64_t full;
-  } dims[] = {{"batch_dim", mask.batch_dim, "the batch", batch},
-              {"q_dim", mask.q_dim, "the queries' max_length", q_len},
-              {"kv_dim", mask.kv_dim, "the keys' max_length", kv_len}};
-  for (const auto& dim : dims) {
-    if (dim.value != 1 && dim.value != dim.full) {
-      return InvalidField(Sub(field, dim.field), absl::StrCat("must be 1 or ", dim.full_name, " ", dim.full,
-                                             ", got ", dim.value));
-    }
-  }
+  ATTNSERVE_RETURN_IF_ERROR(ValidateMaskDims(
+      {mask.batch_dim, mask.q_dim, mask.kv_dim}, batch, q_len, kv_len,
+      {Sub(field, "batch_dim"), Sub(field, "q_dim"), Sub(field, "kv_dim")}));
   ATTNSERVE_RETURN_IF_ERROR(
       CheckSize(Sub(field, "values"), mask.values.size(),
                 {{"batch_dim", mask.batch_dim}, {"q_dim", mask.q_dim}, {"kv_dim", mask.kv_dim}}));
-  for (size_t i = 0; i < mask.values.size(); ++i) {
-    const float value = mask.values[i];
-    if (std::isnan(value)) return InvalidField(absl::StrCat(Sub(field, "values"), "[", i, "]"), "NaN");
-    if (mask.kind == ExplicitMask::Kind::kAdditive && value == INFINITY) {
-      return InvalidField(absl::StrCat(Sub(field, "values"), "[", i, "]"),
-                     "+inf (an additive mask takes finite values, or -inf to forbid a key)");
+  return ValidateMaskValues(mask.values, mask.kind, Sub(field, "values"));
+}
+
+absl::Status ValidateMaskDims(const std::array<int64_t, 3>& dims, int64_t batch, int64_t q_len,
+                              int64_t kv_len, const std::array<absl::string_view, 3>& dim_fields) {
+  const struct {
+    absl::string_view full_name;
+    int64_t full;
+  } full[] = {{"the batch", batch}, {"the queries' max_length", q_len}, {"the keys' max_length", kv_len}};
+  for (size_t d = 0; d < 3; ++d) {
+    if (dims[d] != 1 && dims[d] != full[d].full) {
+      return InvalidField(dim_fields[d], absl::StrCat("must be 1 or ", full[d].full_name, " ",
+                                                      full[d].full, ", got ", dims[d]));
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status ValidateMaskValues(absl::Span<const float> values, ExplicitMask::Kind kind,
+                                absl::string_view field) {
+  return MaskValues(values, kind, field);
+}
+
+absl::Status ValidateMaskValues(absl::Span<const Bf16> values, ExplicitMask::Kind kind,
+                                absl::string_view field) {
+  return MaskValues(values, kind, field);
+}
+
+absl::Status ValidateFinite(absl::Span<const float> values, const SequenceLayout& layout,
+                            int64_t blocks, int64_t width, absl::string_view field) {
+  return Finite(values, layout, blocks, width, field);
+}
+
+absl::Status ValidateFinite(absl::Span<const Bf16> values, const SequenceLayout& layout,
+                            int64_t blocks, int64_t width, absl::string_view field) {
+  return Finite(values, layout, blocks, width, field);
 }
 
 absl::Status ValidateHeadMask(absl::Span<const float> head_mask, int64_t num_heads,
@@ -175,9 +241,14 @@ absl::Status ValidateForwardOptions(const HeadConfig& config, const SequenceLayo
                         "must be >= 0 (0: the core's choice)");
   }
 
-  const MapSelection& maps = options.maps;
-  const std::string heads_field = Sub(field, "maps.heads");
-  const std::string rows_field = Sub(field, "maps.query_rows");
+  return ValidateMapSelection(options.maps, config.num_heads, queries.max_length(),
+                              Sub(field, "maps"));
+}
+
+absl::Status ValidateMapSelection(const MapSelection& maps, int64_t num_heads, int64_t q_len,
+                                  absl::string_view field) {
+  const std::string heads_field = Sub(field, "heads");
+  const std::string rows_field = Sub(field, "query_rows");
   switch (maps.mode) {
     case AttentionMapMode::kNone:
       ATTNSERVE_RETURN_IF_ERROR(CheckEmpty(heads_field, maps.heads.size(), "no maps asked for"));
@@ -185,34 +256,32 @@ absl::Status ValidateForwardOptions(const HeadConfig& config, const SequenceLayo
       break;
     case AttentionMapMode::kMeanOverHeads:
       ATTNSERVE_RETURN_IF_ERROR(
-          CheckEmpty(heads_field, maps.heads.size(), "kMeanOverHeads averages over all heads"));
+          CheckEmpty(heads_field, maps.heads.size(), "mean maps average over all heads"));
       break;
     case AttentionMapMode::kPerHead:
       break;
     default:
-      return InvalidField(Sub(field, "maps.mode"),
+      return InvalidField(Sub(field, "mode"),
                           absl::StrCat("unknown value ", static_cast<int>(maps.mode)));
   }
-  const int64_t s = queries.max_length();
-  if (static_cast<int64_t>(maps.heads.size()) > config.num_heads) {
-    return InvalidField(heads_field, absl::StrCat(maps.heads.size(), " heads asked of num_heads ",
-                                                  config.num_heads));
+  if (static_cast<int64_t>(maps.heads.size()) > num_heads) {
+    return InvalidField(heads_field,
+                        absl::StrCat(maps.heads.size(), " heads asked of num_heads ", num_heads));
   }
   for (size_t i = 0; i < maps.heads.size(); ++i) {
-    if (maps.heads[i] < 0 || maps.heads[i] >= config.num_heads) {
-      return InvalidField(
-          absl::StrCat(heads_field, "[", i, "]"),
-          absl::StrCat(maps.heads[i], " is outside [0, num_heads ", config.num_heads, ")"));
+    if (maps.heads[i] < 0 || maps.heads[i] >= num_heads) {
+      return InvalidField(absl::StrCat(heads_field, "[", i, "]"),
+                          absl::StrCat(maps.heads[i], " is outside [0, num_heads ", num_heads, ")"));
     }
   }
-  if (static_cast<int64_t>(maps.query_rows.size()) > s) {
+  if (static_cast<int64_t>(maps.query_rows.size()) > q_len) {
     return InvalidField(rows_field,
-                        absl::StrCat(maps.query_rows.size(), " rows asked of max_length ", s));
+                        absl::StrCat(maps.query_rows.size(), " rows asked of max_length ", q_len));
   }
   for (size_t i = 0; i < maps.query_rows.size(); ++i) {
-    if (maps.query_rows[i] < 0 || maps.query_rows[i] >= s) {
+    if (maps.query_rows[i] < 0 || maps.query_rows[i] >= q_len) {
       return InvalidField(absl::StrCat(rows_field, "[", i, "]"),
-                          absl::StrCat(maps.query_rows[i], " is outside [0, max_length ", s, ")"));
+                          absl::StrCat(maps.query_rows[i], " is outside [0, max_length ", q_len, ")"));
     }
   }
   return absl::OkStatus();
