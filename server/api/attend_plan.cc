@@ -1,10 +1,11 @@
 #include "server/api/attend_plan.h"
 
-#include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -12,12 +13,14 @@
 #include "core/checked_math.h"
 #include "core/route.h"
 #include "core/status_macros.h"
+#include "core/validation.h"
 #include "server/api/attend_runner.h"
 
 namespace attnserve::server {
 namespace {
 
 using core::ExplicitMask;
+using core::InvalidField;
 
 constexpr absl::string_view kPaddedDims[] = {"batch", "seq", "d_model"};
 constexpr absl::string_view kPackedDims[] = {"tokens", "d_model"};
@@ -27,13 +30,6 @@ constexpr absl::string_view kMaskDims[] = {"batch", "seq_q", "seq_kv"};
 
 // Room for everything in an AttendResponse besides the tensors' values.
 constexpr int64_t kResponseFramingBytes = 4096;
-
-// RoPE positions are bounded so position * angle stays well inside float range.
-constexpr int64_t kMaxPositionOffset = int64_t{1} << 30;
-
-absl::Status Invalid(absl::string_view field, absl::string_view what) {
-  return absl::InvalidArgumentError(absl::StrCat(field, ": ", what));
-}
 
 // A fixed limit of this server: a request over it can never succeed here,
 // however idle the server is, so it is the request's fault (INVALID_ARGUMENT),
@@ -52,13 +48,6 @@ constexpr absl::string_view kFewerSequences =
 constexpr absl::string_view kShorterSequences =
     "send sequences of at most that many tokens (split or truncate them)";
 
-// Prefixes a status' message with `field` (for errors from core helpers that
-// name fields relative to a message, e.g. "head_config.num_heads: ...").
-absl::Status Within(absl::string_view field, const absl::Status& status) {
-  if (status.ok()) return status;
-  return absl::Status(status.code(), absl::StrCat(field, ".", status.message()));
-}
-
 absl::StatusOr<core::AttentionMapMode> ToCoreMapMode(v1::AttentionMapMode mode) {
   switch (mode) {
     case v1::ATTENTION_MAP_MODE_NONE:
@@ -68,7 +57,7 @@ absl::StatusOr<core::AttentionMapMode> ToCoreMapMode(v1::AttentionMapMode mode) 
     case v1::ATTENTION_MAP_MODE_MEAN:
       return core::AttentionMapMode::kMeanOverHeads;
     default:
-      return Invalid("attention_maps.mode", absl::StrCat("unknown value ", static_cast<int>(mode)));
+      return InvalidField("attention_maps.mode", absl::StrCat("unknown value ", static_cast<int>(mode)));
   }
 }
 
@@ -101,12 +90,12 @@ absl::StatusOr<core::SequenceLayout> MakeLayout(const TensorSpec& spec, absl::st
                                         limits.max_seq_len, "max_seq_len", kShorterSequences));
     if (!lengths.empty()) {
       if (lengths.size() != batch) {
-        return Invalid(lengths_field, absl::StrCat(lengths.size(), " lengths for a batch of ", batch));
+        return InvalidField(lengths_field, absl::StrCat(lengths.size(), " lengths for a batch of ", batch));
       }
       for (int b = 0; b < lengths.size(); ++b) {
         if (lengths[b] < 1 || lengths[b] > seq) {
-          return Invalid(lengths_field, absl::StrCat("[", b, "] is ", lengths[b],
-                                                     ", outside [1, ", seq, "] (", field, " seq)"));
+          return InvalidField(lengths_field, absl::StrCat("[", b, "] is ", lengths[b],
+                                                          ", outside [1, ", seq, "] (", field, " seq)"));
         }
       }
     }
@@ -117,24 +106,24 @@ absl::StatusOr<core::SequenceLayout> MakeLayout(const TensorSpec& spec, absl::st
   // the limits (both INVALID_ARGUMENT; the messages differ).
   const int64_t tokens = spec.shape[0];
   if (lengths.empty()) {
-    return Invalid(lengths_field,
-                   absl::StrCat("required with packed ", field, " [tokens, d_model]"));
+    return InvalidField(lengths_field,
+                        absl::StrCat("required with packed ", field, " [tokens, d_model]"));
   }
   if (lengths.size() > tokens) {
-    return Invalid(lengths_field, absl::StrCat(lengths.size(), " sequences in ", tokens, " tokens of ",
-                                               field));
+    return InvalidField(lengths_field, absl::StrCat(lengths.size(), " sequences in ", tokens, " tokens of ",
+                                                    field));
   }
   int64_t total = 0;
   for (int b = 0; b < lengths.size(); ++b) {
     if (lengths[b] < 1 || lengths[b] > tokens) {
-      return Invalid(lengths_field, absl::StrCat("[", b, "] is ", lengths[b], ", outside [1, ",
-                                                 tokens, "] (", field, " tokens)"));
+      return InvalidField(lengths_field, absl::StrCat("[", b, "] is ", lengths[b], ", outside [1, ",
+                                                      tokens, "] (", field, " tokens)"));
     }
     total += lengths[b];  // at most tokens^2, and tokens fit a message: no overflow
   }
   if (total != tokens) {
-    return Invalid(lengths_field,
-                   absl::StrCat("sum to ", total, ", but ", field, " has ", tokens, " tokens"));
+    return InvalidField(lengths_field,
+                        absl::StrCat("sum to ", total, ", but ", field, " has ", tokens, " tokens"));
   }
   ATTNSERVE_RETURN_IF_ERROR(OverLimit(absl::StrCat(lengths_field, " (sequences)"), lengths.size(),
                                       limits.max_batch, "max_batch", kFewerSequences));
@@ -155,18 +144,18 @@ absl::StatusOr<TensorSpec> ValidateStates(const v1::Tensor& tensor, absl::string
   } else if (tensor.shape_size() == 2) {
     ATTNSERVE_ASSIGN_OR_RETURN(spec, ValidateTensor(tensor, field, kPackedDims));
   } else {
-    return Invalid(absl::StrCat(field, ".shape"),
-                   absl::StrCat("expected rank 3 [batch, seq, d_model] or rank 2 [tokens, d_model], "
-                                "got rank ",
-                                tensor.shape_size()));
+    return InvalidField(absl::StrCat(field, ".shape"),
+                        absl::StrCat("expected rank 3 [batch, seq, d_model] or rank 2 [tokens, d_model], "
+                                     "got rank ",
+                                     tensor.shape_size()));
   }
   if (spec.dtype == v1::DATA_TYPE_BOOL) {
-    return Invalid(absl::StrCat(field, ".dtype"), "must be FP32 or BF16");
+    return InvalidField(absl::StrCat(field, ".dtype"), "must be FP32 or BF16");
   }
   const size_t d = spec.shape.size() - 1;
   if (spec.shape[d] != width) {
-    return Invalid(absl::StrCat(field, ".shape[", d, "] (", width_name, ")"),
-                   absl::StrCat("the layer expects ", width, ", got ", spec.shape[d]));
+    return InvalidField(absl::StrCat(field, ".shape[", d, "] (", width_name, ")"),
+                        absl::StrCat("the layer expects ", width, ", got ", spec.shape[d]));
   }
   return spec;
 }
@@ -174,8 +163,8 @@ absl::StatusOr<TensorSpec> ValidateStates(const v1::Tensor& tensor, absl::string
 absl::Status CheckDims(const TensorSpec& spec, absl::string_view field, size_t dim,
                        absl::string_view name, int64_t expected, absl::string_view source) {
   if (spec.shape[dim] == expected) return absl::OkStatus();
-  return Invalid(absl::StrCat(field, ".shape[", dim, "] (", name, ")"),
-                 absl::StrCat("must be ", expected, " (", source, "), got ", spec.shape[dim]));
+  return InvalidField(absl::StrCat(field, ".shape[", dim, "] (", name, ")"),
+                      absl::StrCat("must be ", expected, " (", source, "), got ", spec.shape[dim]));
 }
 
 absl::Status PlanSource(const v1::AttendRequest& request, const ModelRegistry& registry,
@@ -183,9 +172,9 @@ absl::Status PlanSource(const v1::AttendRequest& request, const ModelRegistry& r
   const bool has_model = !request.model().empty();
   const bool has_layer = request.has_layer();
   if (has_model == has_layer) {
-    return Invalid("model", has_model ? "set model or layer, not both"
-                                      : "required (ListModels shows the loaded models), or give "
-                                        "an ad-hoc layer");
+    return InvalidField("model", has_model ? "set model or layer, not both"
+                                           : "required (ListModels shows the loaded models), or give "
+                                             "an ad-hoc layer");
   }
   if (has_model) {
     absl::StatusOr<std::shared_ptr<const Model>> model = registry.Find(request.model());
@@ -198,22 +187,24 @@ absl::Status PlanSource(const v1::AttendRequest& request, const ModelRegistry& r
   }
 
   const v1::LayerSpec& layer = request.layer();
-  if (!layer.has_head_config()) return Invalid("layer.head_config", "required");
+  if (!layer.has_head_config()) return InvalidField("layer.head_config", "required");
   v1::HeadConfig head_config = layer.head_config();
   if (request.has_projected() && head_config.d_model() == 0) {
     // The attention core alone has no projections: d_model is not used.
     if (head_config.head_dim() <= 0) {
-      return Invalid("layer.head_config.head_dim", "required for projected heads");
+      return InvalidField("layer.head_config.head_dim", "required for projected heads");
     }
     const int64_t width = int64_t{head_config.num_heads()} * head_config.head_dim();
     if (width < 1 || width > core::kMaxDModel) {
-      return Invalid("layer.head_config", absl::StrCat("num_heads x head_dim is ", width,
-                                                       ", outside [1, ", core::kMaxDModel, "]"));
+      return InvalidField("layer.head_config", absl::StrCat("num_heads x head_dim is ", width,
+                                                            ", outside [1, ", core::kMaxDModel, "]"));
     }
     head_config.set_d_model(static_cast<int32_t>(width));
   }
   absl::StatusOr<core::HeadConfig> config = ToCoreHeadConfig(head_config);
-  if (!config.ok()) return Within("layer", config.status());
+  if (!config.ok()) {  // core names the fields under head_config: "layer." prefixes them
+    return absl::Status(config.status().code(), absl::StrCat("layer.", config.status().message()));
+  }
   AdHocLayer adhoc;
   adhoc.config = plan.config = *config;
 
@@ -250,7 +241,7 @@ absl::Status PlanSource(const v1::AttendRequest& request, const ModelRegistry& r
           ATTNSERVE_RETURN_IF_ERROR(CheckDims(spec, field, 0, "out", e.rows, "the head config"));
         }
         if (spec.dtype == v1::DATA_TYPE_BOOL) {
-          return Invalid(absl::StrCat(field, ".dtype"), "must be FP32 or BF16");
+          return InvalidField(absl::StrCat(field, ".dtype"), "must be FP32 or BF16");
         }
         adhoc.inline_weights.push_back(std::move(spec));
       }
@@ -258,8 +249,8 @@ absl::Status PlanSource(const v1::AttendRequest& request, const ModelRegistry& r
     }
     case v1::LayerSpec::WEIGHTS_NOT_SET:
       if (!request.has_projected()) {
-        return Invalid("layer.weights", "set seed or inline_weights (only projected requests "
-                                        "need no weights)");
+        return InvalidField("layer.weights", "set seed or inline_weights (only projected requests "
+                                             "need no weights)");
       }
       break;
   }
@@ -278,10 +269,10 @@ absl::Status PlanInputs(const v1::AttendRequest& request, const RequestLimits& l
                         AttendPlan& plan) {
   const core::HeadConfig& c = plan.config;
   if (request.has_hidden_states() == request.has_projected()) {
-    return Invalid("hidden_states", request.has_projected()
-                                        ? "set hidden_states or projected, not both"
-                                        : "required: [batch, seq, d_model] or packed [tokens, "
-                                          "d_model] (or projected heads)");
+    return InvalidField("hidden_states", request.has_projected()
+                                             ? "set hidden_states or projected, not both"
+                                             : "required: [batch, seq, d_model] or packed [tokens, "
+                                               "d_model] (or projected heads)");
   }
   if (!request.has_projected()) {
     ATTNSERVE_ASSIGN_OR_RETURN(plan.hidden_states,
@@ -296,18 +287,16 @@ absl::Status PlanInputs(const v1::AttendRequest& request, const RequestLimits& l
       ATTNSERVE_ASSIGN_OR_RETURN(
           plan.keys, MakeLayout(context, "context", request.context_lengths(), "context_lengths", limits));
       if (plan.keys.batch() != plan.queries.batch()) {
-        return Invalid("context", absl::StrCat("has ", plan.keys.batch(), " sequences, hidden_states ",
-                                               plan.queries.batch()));
+        return InvalidField("context", absl::StrCat("has ", plan.keys.batch(), " sequences, hidden_states ",
+                                                    plan.queries.batch()));
       }
       plan.context = std::move(context);
     } else {
-      if (request.context_lengths_size() > 0) {
-        return Invalid("context_lengths", "given without context");
-      }
+      if (request.context_lengths_size() > 0) return InvalidField("context_lengths", "given without context");
       if (c.context_dim != c.d_model) {
-        return Invalid("context", absl::StrCat("required: the layer's keys and values come from "
-                                               "context states of width context_dim ",
-                                               c.context_dim, ", not from the hidden states"));
+        return InvalidField("context", absl::StrCat("required: the layer's keys and values come from "
+                                                    "context states of width context_dim ",
+                                                    c.context_dim, ", not from the hidden states"));
       }
       plan.keys = plan.queries;
     }
@@ -319,10 +308,10 @@ absl::Status PlanInputs(const v1::AttendRequest& request, const RequestLimits& l
   // The attention core alone.
   plan.projected = true;
   if (request.has_context()) {
-    return Invalid("context", "not used with projected heads (give k and v)");
+    return InvalidField("context", "not used with projected heads (give k and v)");
   }
   if (request.position_offsets_size() > 0) {
-    return Invalid("position_offsets", "not used with projected heads (no RoPE is applied)");
+    return InvalidField("position_offsets", "not used with projected heads (no RoPE is applied)");
   }
   const v1::ProjectedHeads& p = request.projected();
   ATTNSERVE_ASSIGN_OR_RETURN(plan.q, ValidateTensor(p.q(), "projected.q", kProjectedQDims));
@@ -332,10 +321,10 @@ absl::Status PlanInputs(const v1::AttendRequest& request, const RequestLimits& l
                                     {plan.k, "projected.k"},
                                     {plan.v, "projected.v"}}) {
     if (spec.dtype == v1::DATA_TYPE_BOOL) {
-      return Invalid(absl::StrCat(field, ".dtype"), "must be FP32 or BF16");
+      return InvalidField(absl::StrCat(field, ".dtype"), "must be FP32 or BF16");
     }
     if (spec.uses_float_data != plan.q.uses_float_data) {
-      return Invalid(field, "use raw_data or float_data for all of q, k and v");
+      return InvalidField(field, "use raw_data or float_data for all of q, k and v");
     }
   }
   ATTNSERVE_RETURN_IF_ERROR(CheckDims(plan.q, "projected.q", 1, "num_heads", c.num_heads, "the head config"));
@@ -372,24 +361,20 @@ absl::Status PlanMask(const v1::AttendRequest& request, AttendPlan& plan) {
       plan.mask.kind = ExplicitMask::Kind::kAdditive;
       break;
     case v1::AttentionMask::KIND_UNSPECIFIED:
-      return Invalid("mask.kind", "required: KIND_ALLOWED or KIND_ADDITIVE");
+      return InvalidField("mask.kind", "required: KIND_ALLOWED or KIND_ADDITIVE");
     default:
-      return Invalid("mask.kind", absl::StrCat("unknown value ", static_cast<int>(mask.kind())));
+      return InvalidField("mask.kind", absl::StrCat("unknown value ", static_cast<int>(mask.kind())));
   }
-  if (!mask.has_values()) return Invalid("mask.values", "required with mask.kind");
+  if (!mask.has_values()) return InvalidField("mask.values", "required with mask.kind");
   ATTNSERVE_ASSIGN_OR_RETURN(plan.mask.values, ValidateTensor(mask.values(), "mask.values", kMaskDims));
   const TensorSpec& v = plan.mask.values;
   if (plan.mask.kind == ExplicitMask::Kind::kAdditive && v.dtype == v1::DATA_TYPE_BOOL) {
-    return Invalid("mask.values.dtype", "an additive mask is FP32 or BF16 (BOOL is for KIND_ALLOWED)");
+    return InvalidField("mask.values.dtype", "an additive mask is FP32 or BF16 (BOOL is for KIND_ALLOWED)");
   }
-  const int64_t full[] = {plan.queries.batch(), plan.queries.max_length(), plan.keys.max_length()};
-  for (size_t d = 0; d < 3; ++d) {
-    if (v.shape[d] != 1 && v.shape[d] != full[d]) {
-      return Invalid(absl::StrCat("mask.values.shape[", d, "] (", kMaskDims[d], ")"),
-                     absl::StrCat("must be 1 or ", full[d], ", got ", v.shape[d]));
-    }
-  }
-  return absl::OkStatus();
+  return core::ValidateMaskDims(
+      {v.shape[0], v.shape[1], v.shape[2]}, plan.queries.batch(), plan.queries.max_length(),
+      plan.keys.max_length(),
+      {"mask.values.shape[0] (batch)", "mask.values.shape[1] (seq_q)", "mask.values.shape[2] (seq_kv)"});
 }
 
 absl::Status PlanOptions(const v1::AttendRequest& request, AttendPlan& plan) {
@@ -398,35 +383,18 @@ absl::Status PlanOptions(const v1::AttendRequest& request, AttendPlan& plan) {
   plan.causal = request.causal() || (plan.model != nullptr && plan.model->causal);
   ATTNSERVE_RETURN_IF_ERROR(PlanMask(request, plan));
 
-  if (request.head_mask_size() > 0) {
-    if (request.head_mask_size() != c.num_heads) {
-      return Invalid("head_mask", absl::StrCat(request.head_mask_size(), " values for ", c.num_heads,
-                                               " heads"));
-    }
-    for (int h = 0; h < request.head_mask_size(); ++h) {
-      if (!std::isfinite(request.head_mask(h)) || request.head_mask(h) < 0) {
-        return Invalid("head_mask", absl::StrCat("[", h, "] is ", request.head_mask(h),
-                                                 "; gates are finite and >= 0"));
-      }
-    }
-    plan.head_mask.assign(request.head_mask().begin(), request.head_mask().end());
-  }
+  ATTNSERVE_RETURN_IF_ERROR(core::ValidateHeadMask(
+      absl::MakeConstSpan(request.head_mask().data(), request.head_mask_size()), c.num_heads,
+      "head_mask"));
+  plan.head_mask.assign(request.head_mask().begin(), request.head_mask().end());
 
   if (request.position_offsets_size() > 0) {
     if (c.rotary.rotary_dim == 0) {
-      return Invalid("position_offsets", "the layer has no rotary embeddings (rotary_dim 0)");
+      return InvalidField("position_offsets", "the layer has no rotary embeddings (rotary_dim 0)");
     }
-    if (request.position_offsets_size() != plan.queries.batch()) {
-      return Invalid("position_offsets", absl::StrCat(request.position_offsets_size(),
-                                                      " offsets for a batch of ", plan.queries.batch()));
-    }
-    for (int b = 0; b < request.position_offsets_size(); ++b) {
-      const int64_t offset = request.position_offsets(b);
-      if (offset < 0 || offset > kMaxPositionOffset) {
-        return Invalid("position_offsets", absl::StrCat("[", b, "] is ", offset, ", outside [0, ",
-                                                        kMaxPositionOffset, "]"));
-      }
-    }
+    ATTNSERVE_RETURN_IF_ERROR(core::ValidatePositionOffsets(
+        absl::MakeConstSpan(request.position_offsets().data(), request.position_offsets_size()),
+        plan.queries.batch(), "position_offsets"));
     plan.position_offsets.assign(request.position_offsets().begin(), request.position_offsets().end());
   }
 
@@ -439,7 +407,7 @@ absl::Status PlanOptions(const v1::AttendRequest& request, AttendPlan& plan) {
       plan.precision = core::Precision::kBf16;
       break;
     default:
-      return Invalid("precision", absl::StrCat("unknown value ", static_cast<int>(request.precision())));
+      return InvalidField("precision", absl::StrCat("unknown value ", static_cast<int>(request.precision())));
   }
   switch (request.output_dtype()) {
     case v1::DATA_TYPE_UNSPECIFIED:
@@ -451,8 +419,8 @@ absl::Status PlanOptions(const v1::AttendRequest& request, AttendPlan& plan) {
       plan.float_data_response = false;  // BF16 travels as raw_data only
       break;
     default:
-      return Invalid("output_dtype", absl::StrCat("must be FP32 or BF16, got ",
-                                                  DataTypeName(request.output_dtype())));
+      return InvalidField("output_dtype", absl::StrCat("must be FP32 or BF16, got ",
+                                                       DataTypeName(request.output_dtype())));
   }
   return absl::OkStatus();
 }
@@ -462,39 +430,10 @@ absl::Status PlanMaps(const v1::AttendRequest& request, const RequestLimits& lim
   const v1::AttentionMapRequest& maps = request.attention_maps();
   ATTNSERVE_ASSIGN_OR_RETURN(plan.maps.mode, ToCoreMapMode(maps.mode()));
   plan.head_statistics = maps.head_statistics();
-  if (maps.heads_size() > 0) {
-    if (plan.maps.mode != core::AttentionMapMode::kPerHead) {
-      return Invalid("attention_maps.heads", "only with ATTENTION_MAP_MODE_PER_HEAD");
-    }
-    if (maps.heads_size() > plan.config.num_heads) {
-      return Invalid("attention_maps.heads", absl::StrCat(maps.heads_size(), " heads asked of ",
-                                                          plan.config.num_heads));
-    }
-    for (int i = 0; i < maps.heads_size(); ++i) {
-      if (maps.heads(i) < 0 || maps.heads(i) >= plan.config.num_heads) {
-        return Invalid("attention_maps.heads", absl::StrCat("[", i, "] is ", maps.heads(i), ", outside [0, ",
-                                                            plan.config.num_heads, ")"));
-      }
-    }
-    plan.maps.heads.assign(maps.heads().begin(), maps.heads().end());
-  }
-  if (maps.query_rows_size() > 0) {
-    if (plan.maps.mode == core::AttentionMapMode::kNone) {
-      return Invalid("attention_maps.query_rows", "given without a map mode");
-    }
-    if (maps.query_rows_size() > plan.queries.max_length()) {
-      return Invalid("attention_maps.query_rows",
-                     absl::StrCat(maps.query_rows_size(), " rows asked of ", plan.queries.max_length()));
-    }
-    for (int i = 0; i < maps.query_rows_size(); ++i) {
-      if (maps.query_rows(i) < 0 || maps.query_rows(i) >= plan.queries.max_length()) {
-        return Invalid("attention_maps.query_rows",
-                       absl::StrCat("[", i, "] is ", maps.query_rows(i), ", outside [0, ",
-                                    plan.queries.max_length(), ")"));
-      }
-    }
-    plan.maps.query_rows.assign(maps.query_rows().begin(), maps.query_rows().end());
-  }
+  plan.maps.heads.assign(maps.heads().begin(), maps.heads().end());
+  plan.maps.query_rows.assign(maps.query_rows().begin(), maps.query_rows().end());
+  ATTNSERVE_RETURN_IF_ERROR(core::ValidateMapSelection(plan.maps, plan.config.num_heads,
+                                                       plan.queries.max_length(), "attention_maps"));
 
   std::optional<int64_t> elements =
       core::AttentionMapElements(plan.config, plan.queries, plan.keys, plan.maps);
@@ -508,17 +447,65 @@ absl::Status PlanMaps(const v1::AttendRequest& request, const RequestLimits& lim
   }
   plan.map_elements = *elements;
   if (plan.maps.mode != core::AttentionMapMode::kNone) {
-    const int64_t rows = plan.maps.query_rows.empty() ? plan.queries.max_length()
-                                                      : static_cast<int64_t>(plan.maps.query_rows.size());
-    plan.map_shape = {plan.queries.batch()};
-    if (plan.maps.mode == core::AttentionMapMode::kPerHead) {
-      plan.map_shape.push_back(plan.maps.heads.empty() ? plan.config.num_heads
-                                                       : static_cast<int64_t>(plan.maps.heads.size()));
-    }
-    plan.map_shape.push_back(rows);
-    plan.map_shape.push_back(plan.keys.max_length());
+    const auto chosen = [](const std::vector<int64_t>& some, int64_t all) {
+      return some.empty() ? all : static_cast<int64_t>(some.size());
+    };
+    plan.map_shape = {plan.queries.batch(), chosen(plan.maps.heads, plan.config.num_heads),
+                      chosen(plan.maps.query_rows, plan.queries.max_length()), plan.keys.max_length()};
+    // [batch, heads, rows, keys]; mean maps have no heads dim
+    if (plan.maps.mode != core::AttentionMapMode::kPerHead) plan.map_shape.erase(plan.map_shape.begin() + 1);
   }
   return absl::OkStatus();
+}
+
+// `check(values)` on a validated FP32 or BF16 tensor's values as sent, with
+// no conversion: FP32 as a span of floats (a view of the message's bytes; a
+// copy only when raw_data is unaligned), BF16 as a span of its bits.
+template <typename Check>
+absl::Status OnWireValues(const v1::Tensor& tensor, const TensorSpec& spec, Check check) {
+  if (spec.dtype != v1::DATA_TYPE_BF16) return check(FloatValues(tensor, spec).values());
+  const size_t n = static_cast<size_t>(spec.elements);
+  const char* bytes = tensor.raw_data().data();
+  if (reinterpret_cast<uintptr_t>(bytes) % alignof(core::Bf16) == 0) {
+    return check(absl::MakeConstSpan(reinterpret_cast<const core::Bf16*>(bytes), n));
+  }
+  std::vector<core::Bf16> copy(n);
+  std::memcpy(copy.data(), bytes, n * sizeof(core::Bf16));
+  return check(absl::MakeConstSpan(copy));
+}
+
+// Core's value rules under the wire's field names, once every size is within
+// the limits: one read of each value a forward reads, on the gRPC thread, so
+// a bad request never reaches the queue or a batch.
+absl::Status CheckValues(const v1::AttendRequest& request, const AttendPlan& plan) {
+  const core::HeadConfig& c = plan.config;
+  const v1::ProjectedHeads& p = request.projected();
+  const struct {
+    const v1::Tensor& tensor;
+    const TensorSpec* spec;  // null: absent
+    const core::SequenceLayout& layout;
+    int64_t blocks, width;
+    absl::string_view field;
+  } inputs[] = {
+      {request.hidden_states(), plan.projected ? nullptr : &plan.hidden_states, plan.queries, 1,
+       c.d_model, "hidden_states"},
+      {request.context(), plan.context ? &*plan.context : nullptr, plan.keys, 1, c.context_dim,
+       "context"},
+      {p.q(), plan.projected ? &plan.q : nullptr, plan.queries, c.num_heads, c.head_dim, "projected.q"},
+      {p.k(), plan.projected ? &plan.k : nullptr, plan.keys, c.num_kv_heads, c.head_dim, "projected.k"},
+      {p.v(), plan.projected ? &plan.v : nullptr, plan.keys, c.num_kv_heads, c.head_dim, "projected.v"}};
+  for (const auto& in : inputs) {
+    if (in.spec == nullptr) continue;
+    ATTNSERVE_RETURN_IF_ERROR(OnWireValues(in.tensor, *in.spec, [&](auto values) {
+      return core::ValidateFinite(values, in.layout, in.blocks, in.width, in.field);
+    }));
+  }
+  if (plan.mask.kind == ExplicitMask::Kind::kNone || plan.mask.values.dtype == v1::DATA_TYPE_BOOL) {
+    return absl::OkStatus();  // a BOOL mask holds 0 or 1 only
+  }
+  return OnWireValues(request.mask().values(), plan.mask.values, [&](auto values) {
+    return core::ValidateMaskValues(values, plan.mask.kind, "mask.values");
+  });
 }
 
 // The compute scratch, in bytes: the route's the core will take (blocked
@@ -610,6 +597,7 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
         "attention_maps.head_statistics instead of maps, or send fewer or shorter sequences"));
   }
   plan.memory_bytes = static_cast<int64_t>(memory);
+  ATTNSERVE_RETURN_IF_ERROR(CheckValues(request, plan));
   return plan;
 }
 

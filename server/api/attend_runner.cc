@@ -1,15 +1,12 @@
 #include "server/api/attend_runner.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
 #include "core/status_macros.h"
@@ -50,32 +47,6 @@ absl::StatusOr<std::shared_ptr<core::AttentionLayer>> LayerFor(const v1::AttendR
       std::unique_ptr<core::AttentionLayer> layer,
       core::AttentionLayer::Create(plan.config, InlineWeights(request.layer().inline_weights(), *plan.adhoc)));
   return std::shared_ptr<core::AttentionLayer>(std::move(layer));
-}
-
-// Inputs must be finite where they are read: a NaN or infinity in a real
-// token would only come back as NaN. Padding may hold anything (it is never
-// read into a result). `values` is [batch, blocks, layout's padded rows or
-// packed rows, width] with `blocks` 1 for states and the head count for
-// projected heads.
-absl::Status CheckFinite(absl::Span<const float> values, const core::SequenceLayout& layout,
-                         int64_t blocks, int64_t width, absl::string_view field) {
-  const int64_t block_rows = layout.is_padded() ? layout.max_length() : 0;
-  for (int64_t b = 0; b < layout.batch(); ++b) {
-    for (int64_t h = 0; h < blocks; ++h) {
-      // Padded: sequence b's block h starts at (b * blocks + h) * padded rows.
-      const int64_t first_row =
-          layout.is_padded() ? (b * blocks + h) * block_rows : layout.row_offset(b);
-      const float* row = values.data() + first_row * width;
-      for (int64_t i = 0; i < layout.length(b) * width; ++i) {
-        if (!std::isfinite(row[i])) {
-          return absl::InvalidArgumentError(
-              absl::StrCat(field, ": sequence ", b, " holds ", row[i], " at position ", i / width,
-                           "; inputs must be finite"));
-        }
-      }
-    }
-  }
-  return absl::OkStatus();
 }
 
 // The response's record of what ran: the model, the precision and the path.
@@ -137,10 +108,6 @@ absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request
   if (plan.projected) {
     FloatValues q(request.projected().q(), plan.q), k(request.projected().k(), plan.k),
         v(request.projected().v(), plan.v);
-    const core::HeadConfig& c = plan.config;
-    ATTNSERVE_RETURN_IF_ERROR(CheckFinite(q.values(), plan.queries, c.num_heads, c.head_dim, "projected.q"));
-    ATTNSERVE_RETURN_IF_ERROR(CheckFinite(k.values(), plan.keys, c.num_kv_heads, c.head_dim, "projected.k"));
-    ATTNSERVE_RETURN_IF_ERROR(CheckFinite(v.values(), plan.keys, c.num_kv_heads, c.head_dim, "projected.v"));
     const std::vector<int64_t> q_lengths = Lengths(plan.queries), kv_lengths = Lengths(plan.keys);
     core::CoreInputs inputs;
     inputs.q = q.values();
@@ -158,16 +125,12 @@ absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request
     info = attention->Run(inputs, options, outputs, compute.workspace);
   } else {
     FloatValues hidden(request.hidden_states(), plan.hidden_states);
-    ATTNSERVE_RETURN_IF_ERROR(
-        CheckFinite(hidden.values(), plan.queries, 1, plan.config.d_model, "hidden_states"));
     std::optional<FloatValues> context;
     core::LayerInputs inputs;
     inputs.hidden_states = hidden.values();
     inputs.layout = plan.queries;
     if (plan.context) {
       context.emplace(request.context(), *plan.context);
-      ATTNSERVE_RETURN_IF_ERROR(
-          CheckFinite(context->values(), plan.keys, 1, plan.config.context_dim, "context"));
       inputs.context = context->values();
       inputs.context_layout = plan.keys;
     }
@@ -215,7 +178,7 @@ void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
   const AttendPlan& first = *members[0].plan;
   const int64_t d_model = first.config.d_model;
 
-  // The members whose inputs are finite, and where their sequences go.
+  // The members (PlanAttend checked their values), and where their sequences go.
   std::vector<BatchMember*> running;
   std::vector<std::unique_ptr<FloatValues>> values;  // of `running`
   std::vector<int64_t> lengths;
@@ -223,8 +186,6 @@ void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
   for (BatchMember& member : members) {
     const AttendPlan& plan = *member.plan;
     auto hidden = std::make_unique<FloatValues>(member.request->hidden_states(), plan.hidden_states);
-    member.status = CheckFinite(hidden->values(), plan.queries, 1, d_model, "hidden_states");
-    if (!member.status.ok()) continue;
     running.push_back(&member);
     values.push_back(std::move(hidden));
     for (int64_t b = 0; b < plan.queries.batch(); ++b) {
