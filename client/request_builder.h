@@ -110,7 +110,9 @@ absl::Status ValidateAttendOptions(const AttendOptions& options);
 // options that are malformed or do not fit together or with the head
 // configuration (e.g. --packed without --lengths, --heads with --maps=mean,
 // a length over --seq, a file of the wrong shape); the file's read or parse
-// error (naming the file) for a bad --input or --mask.
+// error (naming the file) for a bad --input or --mask. The values of
+// --head_mask, --position_offsets, --heads and --rows are passed on for the
+// server to check (only --heads and --rows must fit the request's int32).
 absl::StatusOr<AttendCall> BuildAttendRequest(const AttendOptions& options,
                                               const v1::HeadConfig* model_config);
 

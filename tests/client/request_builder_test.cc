@@ -466,41 +466,19 @@ TEST(BuildAttendRequest, BadOptionsAreRejectedNamingTheFlag) {
       },
       "--lengths: [0] is 1099511627776, more than 16777216");
   add(
-      "row outside the queries",
+      "row beyond the request's int32",
       [](AttendOptions& o) {
-        o.seq = 4;
         o.maps = "mean";
-        o.rows = {4};
+        o.rows = {int64_t{1} << 32};
       },
-      "--rows: [0] is 4, outside [0, 4)");
+      "--rows: [0] is 4294967296, outside the request's int32");
   add(
-      "head outside the model",
+      "head beyond the request's int32",
       [](AttendOptions& o) {
         o.maps = "per-head";
-        o.heads = {0, 2};
+        o.heads = {0, -(int64_t{1} << 31) - 1};
       },
-      "--heads: [1] is 2, outside [0, 2)");
-  add(
-      "head mask of the wrong size",
-      [](AttendOptions& o) {
-        o.head_mask = {1, 0, 1};
-      },
-      "--head_mask: 3 values for 2 heads");
-  add(
-      "head mask not finite",
-      [](AttendOptions& o) {
-        o.head_mask = {1, NAN};
-      },
-      "--head_mask: [1] is not a finite number");
-  add(
-      "position offsets of the wrong size",
-      [](AttendOptions& o) {
-        o.position_offsets = {0, 1};
-      },
-      "--position_offsets: 2 offsets for 1 sequences");
-  add(
-      "negative position offset", [](AttendOptions& o) { o.position_offsets = {-1}; },
-      "--position_offsets: [0] is -1");
+      "--heads: [1] is -2147483649, outside the request's int32");
   add(
       "mask of the wrong shape",
       [&](AttendOptions& o) {
@@ -666,6 +644,28 @@ TEST(BuildAttendRequest, BadOptionsAreRejectedNamingTheFlag) {
                                       : absl::StatusCode::kInvalidArgument;
     EXPECT_THAT(call, StatusIs(code, c.message));
   }
+}
+
+// Their counts and ranges are the server's rules (core/validation.h, under the
+// request's field names): attnctl passes the values on as given.
+TEST(BuildAttendRequest, ValuesTheServerChecksArePassedOnAsGiven) {
+  AttendOptions options;
+  options.seq = 4;
+  options.head_mask = {1.0f, NAN, -1.0f};  // 3 values for 2 heads
+  options.position_offsets = {-1, 5};      // 2 offsets for 1 sequence
+  options.maps = "per-head";
+  options.heads = {0, 2, 2};  // 3 heads of 2, one outside [0, 2)
+  options.rows = {4};         // outside [0, seq 4)
+  absl::StatusOr<AttendCall> call = Build(options);
+  ASSERT_THAT(call, IsOk());
+  const v1::AttendRequest& r = call->request;
+  ASSERT_EQ(r.head_mask_size(), 3);
+  EXPECT_EQ(r.head_mask(0), 1.0f);
+  EXPECT_TRUE(std::isnan(r.head_mask(1)));
+  EXPECT_EQ(r.head_mask(2), -1.0f);
+  EXPECT_THAT(r.position_offsets(), ElementsAre(-1, 5));
+  EXPECT_THAT(r.attention_maps().heads(), ElementsAre(0, 2, 2));
+  EXPECT_THAT(r.attention_maps().query_rows(), ElementsAre(4));
 }
 
 TEST(ValidateAttendOptions, CatchesFlagMistakesWithoutAHeadConfig) {
