@@ -74,7 +74,7 @@ absl::Status Finite(absl::Span<const T> values, const SequenceLayout& layout, in
           layout.is_padded() ? (b * blocks + h) * block_rows : layout.row_offset(b);
       const T* row = values.data() + first_row * width;
       const int64_t n = layout.length(b) * width;
-      bool any = false;  // branch-free over the rows, so that it vectorizes
+      bool any = false;  // no branch per value; the position is looked for on a hit only
       for (int64_t i = 0; i < n; ++i) any |= NonFinite(row[i]);
       if (!any) continue;
       int64_t i = 0;
