@@ -123,35 +123,17 @@ void UsePassiveOpenMpWaitUnlessSet(char** argv) {
   // exec failed: carry on with the default policy.
 }
 
-int main(int argc, char** argv) {
-  namespace cli = attnserve::cli;
-  // The command line first: --help, --version and mistakes need no OpenMP.
-  const absl::StatusOr<cli::CommandLine> command_line = cli::ParseCommandLine(argc, argv);
-  if (!command_line.ok()) return cli::UsageError("attnserve", command_line.status().message());
-  if (command_line->action == cli::CommandLine::Action::kHelp) {
-    std::fputs(cli::HelpText(kUsage).c_str(), stdout);
-    return cli::kExitOk;
-  }
-  if (command_line->action == cli::CommandLine::Action::kVersion) {
-    std::fputs(cli::VersionText("attnserve", LibraryVersions()).c_str(), stdout);
-    return cli::kExitOk;
-  }
-  if (!command_line->positional.empty()) {
-    return cli::UsageError("attnserve", absl::StrCat("unexpected argument '",
-                                                     command_line->positional[0],
-                                                     "' (attnserve takes only flags)"));
-  }
-  UsePassiveOpenMpWaitUnlessSet(argv);
-  const absl::Time process_start = absl::Now();
-  attnserve::server::LimitProtobufLogs();
-
+// The server's options from the flags and, for the block kernels, the
+// environment (ATTNSERVE_BLOCK_KERNELS, read once here). INVALID_ARGUMENT
+// naming the variable when its value is unknown.
+absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
   attnserve::server::ServerOptions options;
   if (const char* kernels = std::getenv("ATTNSERVE_BLOCK_KERNELS"); kernels != nullptr) {
     absl::StatusOr<attnserve::core::BlockKernels> parsed =
         attnserve::core::ParseBlockKernels(kernels);
     if (!parsed.ok()) {
-      return cli::UsageError("attnserve",
-                             absl::StrCat("ATTNSERVE_BLOCK_KERNELS: ", parsed.status().message()));
+      return absl::InvalidArgumentError(
+          absl::StrCat("ATTNSERVE_BLOCK_KERNELS: ", parsed.status().message()));
     }
     options.block_kernels = *parsed;
   }
@@ -179,6 +161,34 @@ int main(int argc, char** argv) {
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
+  return options;
+}
+
+int main(int argc, char** argv) {
+  namespace cli = attnserve::cli;
+  // The command line first: --help, --version and mistakes need no OpenMP.
+  const absl::StatusOr<cli::CommandLine> command_line = cli::ParseCommandLine(argc, argv);
+  if (!command_line.ok()) return cli::UsageError("attnserve", command_line.status().message());
+  if (command_line->action == cli::CommandLine::Action::kHelp) {
+    std::fputs(cli::HelpText(kUsage).c_str(), stdout);
+    return cli::kExitOk;
+  }
+  if (command_line->action == cli::CommandLine::Action::kVersion) {
+    std::fputs(cli::VersionText("attnserve", LibraryVersions()).c_str(), stdout);
+    return cli::kExitOk;
+  }
+  if (!command_line->positional.empty()) {
+    return cli::UsageError("attnserve", absl::StrCat("unexpected argument '",
+                                                     command_line->positional[0],
+                                                     "' (attnserve takes only flags)"));
+  }
+  UsePassiveOpenMpWaitUnlessSet(argv);
+  const absl::Time process_start = absl::Now();
+  attnserve::server::LimitProtobufLogs();
+
+  absl::StatusOr<attnserve::server::ServerOptions> options_or = OptionsFromFlags();
+  if (!options_or.ok()) return cli::UsageError("attnserve", options_or.status().message());
+  const attnserve::server::ServerOptions& options = *options_or;
 
   // Block the stop signals before any thread starts, so every thread inherits
   // the mask and only sigwait below receives them.

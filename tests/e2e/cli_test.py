@@ -29,9 +29,10 @@ from harness import Server, run_tests_with_stubs, wait_serving  # noqa: E402
 ARGS = None
 
 
-def run(binary, *args, timeout=120):
+def run(binary, *args, timeout=120, env=None):
     """Runs a binary; (exit code, stdout, stderr)."""
-    done = subprocess.run([binary, *args], capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([binary, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
     return done.returncode, done.stdout, done.stderr
 
 
@@ -130,6 +131,15 @@ class UsageErrors(unittest.TestCase):
         self.check_usage_error(ARGS.attnctl, ["models", target, "--lb_policy=random"], "lb_policy")
         self.check_usage_error(ARGS.attnctl, ["models", target, "--max_receive_message_bytes=0"],
                                "max_receive_message_bytes")
+
+    def test_an_unknown_block_kernels_value_exits_two_naming_the_variable(self):
+        # Read once at start-up, before anything listens.
+        code, out, err = run(ARGS.server, "--listen_address=127.0.0.1:0",
+                             "--metrics_address=127.0.0.1:0",
+                             env={**os.environ, "ATTNSERVE_BLOCK_KERNELS": "fastest"})
+        self.assertEqual(code, 2, out + err)
+        self.assertIn("ATTNSERVE_BLOCK_KERNELS", err)
+        self.assertIn('"fastest"', err)
 
     def test_bad_arguments_exit_two(self):
         self.check_usage_error(ARGS.server, ["serve"], "unexpected argument 'serve'")
