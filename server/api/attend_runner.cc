@@ -179,30 +179,27 @@ void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
   const int64_t d_model = first.config.d_model;
 
   // The members (PlanAttend checked their values), and where their sequences go.
-  std::vector<BatchMember*> running;
-  std::vector<std::unique_ptr<FloatValues>> values;  // of `running`
+  std::vector<std::unique_ptr<FloatValues>> values;  // of `members`
   std::vector<int64_t> lengths;
   int64_t rows = 0;
   for (BatchMember& member : members) {
     const AttendPlan& plan = *member.plan;
-    auto hidden = std::make_unique<FloatValues>(member.request->hidden_states(), plan.hidden_states);
-    running.push_back(&member);
-    values.push_back(std::move(hidden));
+    values.push_back(
+        std::make_unique<FloatValues>(member.request->hidden_states(), plan.hidden_states));
     for (int64_t b = 0; b < plan.queries.batch(); ++b) {
       lengths.push_back(plan.queries.length(b));
       rows += plan.queries.length(b);
     }
   }
-  if (running.empty()) return;
-  auto fail_all = [&running](const absl::Status& status) {
-    for (BatchMember* member : running) member->status = status;
+  auto fail_all = [members](const absl::Status& status) {
+    for (BatchMember& member : members) member.status = status;
   };
 
   // hidden: [rows, d_model], the valid rows of every sequence back to back.
   std::vector<float> hidden(static_cast<size_t>(rows * d_model));
   int64_t row = 0;
-  for (size_t m = 0; m < running.size(); ++m) {
-    const AttendPlan& plan = *running[m]->plan;
+  for (size_t m = 0; m < members.size(); ++m) {
+    const AttendPlan& plan = *members[m].plan;
     for (int64_t b = 0; b < plan.queries.batch(); ++b) {
       const int64_t from = plan.queries.is_padded() ? b * plan.queries.max_length()
                                                     : plan.queries.row_offset(b);
@@ -214,7 +211,7 @@ void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
   absl::StatusOr<core::SequenceLayout> layout = core::SequenceLayout::Packed(lengths);
   if (!layout.ok()) return fail_all(layout.status());
   absl::StatusOr<std::shared_ptr<core::AttentionLayer>> layer =
-      LayerFor(*running[0]->request, *running[0]->plan, cache);
+      LayerFor(*members[0].request, *members[0].plan, cache);
   if (!layer.ok()) return fail_all(layer.status());
 
   core::LayerInputs inputs;
@@ -233,9 +230,9 @@ void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
 
   // Each member's rows back into its own layout.
   row = 0;
-  for (BatchMember* member : running) {
-    const AttendPlan& plan = *member->plan;
-    v1::AttendResponse* response = member->response;
+  for (BatchMember& member : members) {
+    const AttendPlan& plan = *member.plan;
+    v1::AttendResponse* response = member.response;
     OutputTensor out(plan.output_shape, plan.output_dtype, plan.float_data_response,
                      response->mutable_output());
     for (int64_t b = 0; b < plan.queries.batch(); ++b) {

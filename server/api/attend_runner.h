@@ -59,10 +59,9 @@ struct BatchMember {
 // tokens of all their sequences, packed back to back (no padding): the
 // projections are one matmul over all tokens, attention runs per sequence.
 // Each member's response is filled as RunAttendPlan would (padding rows 0),
-// or its status says why not: a member with non-finite inputs gets
-// INVALID_ARGUMENT and the others still run; an error of the Forward (e.g.
-// CANCELLED by `should_stop`) goes to every member that ran. Call it on the
-// compute executor.
+// or its status says why not: an error of the Forward (e.g. CANCELLED by
+// `should_stop`) goes to every member (PlanAttend refused non-finite inputs
+// before they were queued). Call it on the compute executor.
 void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
                     const ComputeContext& compute);
 
