@@ -274,20 +274,4 @@ absl::StatusOr<Route> MakeRoute(const HeadConfig& config, const RouteRequest& re
   return route;
 }
 
-std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const SequenceLayout& queries,
-                                           const SequenceLayout& keys, bool cross_attention,
-                                           bool projected_inputs, const ForwardOptions& options,
-                                           bool causal, ExplicitMask::Kind mask) {
-  RouteRequest request;
-  request.queries = queries;
-  request.keys = keys;
-  request.cross_attention = cross_attention;
-  request.projected_inputs = projected_inputs;
-  request.causal = causal;
-  request.mask = mask;
-  const absl::StatusOr<Route> route = MakeRoute(config, request, options);
-  if (!route.ok()) return std::nullopt;
-  return route->scratch_bytes();
-}
-
 }  // namespace attnserve::core

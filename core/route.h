@@ -10,7 +10,6 @@
 
 #include <array>
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -109,14 +108,6 @@ std::vector<std::string> KernelPathNames();
 // int64 (naming "layout"). Thread-safe.
 absl::StatusOr<Route> MakeRoute(const HeadConfig& config, const RouteRequest& request,
                                 const ForwardOptions& options);
-
-// MakeRoute(...)->scratch_bytes() for a request of these sizes, or nullopt
-// when they overflow.
-std::optional<int64_t> ForwardScratchBytes(const HeadConfig& config, const SequenceLayout& queries,
-                                           const SequenceLayout& keys, bool cross_attention,
-                                           bool projected_inputs, const ForwardOptions& options,
-                                           bool causal = false,
-                                           ExplicitMask::Kind mask = ExplicitMask::Kind::kNone);
 
 }  // namespace attnserve::core
 
