@@ -117,16 +117,17 @@ absl::StatusOr<ForwardInfo> AttentionCore::RunOn(const CoreInputs& inputs,
                                                  ForwardOutputs outputs,
                                                  WorkspaceState& workspace) const {
   if (internal::ShouldStop(options, workspace)) return internal::Cancelled();
-  RouteRequest request;
-  request.queries = queries;
-  request.keys = keys;
-  request.projected_inputs = true;
-  request.causal = inputs.causal;
-  request.mask = inputs.mask.kind;
-  ATTNSERVE_ASSIGN_OR_RETURN(const Route route, MakeRoute(config_, request, options));
-  ATTNSERVE_RETURN_IF_ERROR(workspace.Reserve(route));
-  const SdpaCall call = internal::MakeCall(route, queries, keys, inputs.causal, inputs.mask,
-                                           inputs.head_mask, options, outputs);
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      const internal::RoutedCall routed,
+      internal::RouteCall(config_,
+                          {.queries = queries,
+                           .keys = keys,
+                           .projected_inputs = true,
+                           .causal = inputs.causal,
+                           .mask = inputs.mask.kind},
+                          inputs.mask, inputs.head_mask, options, outputs, workspace));
+  const Route& route = routed.route;
+  const SdpaCall& call = routed.call;
   const int64_t hd = config_.head_dim;
   const int64_t q_block = config_.num_heads * call.q_len * hd;
   const int64_t kv_block = config_.num_kv_heads * call.kv_len * hd;

@@ -257,17 +257,17 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Impl::ForwardOn(const LayerInputs& i
   if (internal::ShouldStop(options, workspace)) return internal::Cancelled();
   const bool cross = inputs.context_layout.has_value();
   const SequenceLayout& keys = cross ? *inputs.context_layout : inputs.layout;
-  RouteRequest request;
-  request.queries = inputs.layout;
-  request.keys = keys;
-  request.cross_attention = cross;
-  request.causal = inputs.causal;
-  request.mask = inputs.mask.kind;
-  ATTNSERVE_ASSIGN_OR_RETURN(const Route route, MakeRoute(config_, request, options));
-  ATTNSERVE_RETURN_IF_ERROR(workspace.Reserve(route));
-  const SdpaCall call = internal::MakeCall(route, inputs.layout, keys, inputs.causal, inputs.mask,
-                                           inputs.head_mask, options, outputs);
-  Pass pass{inputs, keys, cross, route, call, workspace, {}, {}};
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      const internal::RoutedCall routed,
+      internal::RouteCall(config_,
+                          {.queries = inputs.layout,
+                           .keys = keys,
+                           .cross_attention = cross,
+                           .causal = inputs.causal,
+                           .mask = inputs.mask.kind},
+                          inputs.mask, inputs.head_mask, options, outputs, workspace));
+  const Route& route = routed.route;
+  Pass pass{inputs, keys, cross, route, routed.call, workspace, {}, {}};
   ATTNSERVE_RETURN_IF_ERROR(Project(pass));
   ATTNSERVE_RETURN_IF_ERROR(Attend(pass, options, outputs.head_contribution));
   if (internal::ShouldStop(options, workspace)) return internal::Cancelled();

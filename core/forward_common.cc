@@ -1,6 +1,7 @@
 #include "core/forward_common.h"
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -16,16 +17,23 @@ std::vector<int64_t> Lengths(const SequenceLayout& layout) {
 
 }  // namespace
 
-SdpaCall MakeCall(const Route& route, const SequenceLayout& queries, const SequenceLayout& keys,
-                  bool causal, const ExplicitMask& mask, absl::Span<const float> head_mask,
-                  const ForwardOptions& options, const ForwardOutputs& outputs) {
-  SdpaCall call;
-  call.batch = queries.batch();
-  call.q_len = queries.max_length();
-  call.kv_len = keys.max_length();
-  call.q_lengths = Lengths(queries);
-  call.kv_lengths = Lengths(keys);
-  call.causal = causal;
+absl::StatusOr<RoutedCall> RouteCall(const HeadConfig& config, const RouteRequest& request,
+                                     const ExplicitMask& mask, absl::Span<const float> head_mask,
+                                     const ForwardOptions& options, const ForwardOutputs& outputs,
+                                     WorkspaceState& workspace) {
+  absl::StatusOr<Route> made = MakeRoute(config, request, options);
+  if (!made.ok()) return made.status();
+  RoutedCall routed;
+  routed.route = *std::move(made);
+  const Route& route = routed.route;
+  if (absl::Status reserved = workspace.Reserve(route); !reserved.ok()) return reserved;
+  SdpaCall& call = routed.call;
+  call.batch = request.queries.batch();
+  call.q_len = request.queries.max_length();
+  call.kv_len = request.keys.max_length();
+  call.q_lengths = Lengths(request.queries);
+  call.kv_lengths = Lengths(request.keys);
+  call.causal = request.causal;
   call.mask = mask;
   call.head_mask = head_mask;
   call.maps = &options.maps;
@@ -39,7 +47,7 @@ SdpaCall MakeCall(const Route& route, const SequenceLayout& queries, const Seque
   call.attention_maps = outputs.attention_maps;
   call.head_entropy = outputs.head_entropy;
   call.head_max_weight = outputs.head_max_weight;
-  return call;
+  return routed;
 }
 
 ForwardInfo MakeInfo(const Route& route) {

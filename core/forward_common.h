@@ -14,6 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/attention_inputs.h"
+#include "core/head_config.h"
 #include "core/kernels/sdpa_call.h"
 #include "core/kernels/workspace_state.h"
 #include "core/onednn_util.h"
@@ -23,10 +24,18 @@
 
 namespace attnserve::core::internal {
 
-// The kernels' call for `route` over these layouts and inputs.
-SdpaCall MakeCall(const Route& route, const SequenceLayout& queries, const SequenceLayout& keys,
-                  bool causal, const ExplicitMask& mask, absl::Span<const float> head_mask,
-                  const ForwardOptions& options, const ForwardOutputs& outputs);
+// A validated call's route, with its buffers reserved in the workspace, and
+// the kernels' call made from it.
+struct RoutedCall {
+  Route route;
+  SdpaCall call;
+};
+// INVALID_ARGUMENT when the route's sizes overflow, RESOURCE_EXHAUSTED when
+// its buffers cannot be allocated.
+absl::StatusOr<RoutedCall> RouteCall(const HeadConfig& config, const RouteRequest& request,
+                                     const ExplicitMask& mask, absl::Span<const float> head_mask,
+                                     const ForwardOptions& options, const ForwardOutputs& outputs,
+                                     WorkspaceState& workspace);
 
 // What a forward on `route` reports.
 ForwardInfo MakeInfo(const Route& route);
