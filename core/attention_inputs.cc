@@ -11,7 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "core/checked_math.h"
-#include "core/simd.h"
+#include "core/kernels/simd.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace attnserve::core {

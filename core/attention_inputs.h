@@ -132,7 +132,7 @@ enum class AttentionPath {
 // Which kernels run the blocked path's blocks.
 enum class BlockKernels {
   // attnserve's own AVX-512 block kernels where the CPU and head_dim allow
-  // them (core/block_kernels.h), oneDNN's block matmuls elsewhere.
+  // them (core/kernels/block_kernels.h), oneDNN's block matmuls elsewhere.
   kAuto,
   // oneDNN's block matmuls always (for comparison, and the fallback's tests).
   kOneDnn,

@@ -1,6 +1,6 @@
 #include "core/bf16.h"
 
-#include "core/simd.h"
+#include "core/kernels/simd.h"
 
 namespace attnserve::core {
 

@@ -10,7 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "core/block_kernels.h"
+#include "core/kernels/block_kernels.h"
 #include "core/checked_math.h"
 #include "core/kernels/blocked_sdpa.h"
 #include "omp.h"

@@ -7,8 +7,8 @@
 #include <limits>
 
 #include "core/bf16.h"
-#include "core/block_kernels.h"
-#include "core/online_softmax.h"
+#include "core/kernels/block_kernels.h"
+#include "core/kernels/online_softmax.h"
 
 namespace attnserve::core::internal {
 namespace {

@@ -9,7 +9,7 @@
 #include "core/kernels/blocked_sdpa.h"
 #include "core/kernels/primitives.h"
 #include "core/onednn_util.h"
-#include "core/online_softmax.h"
+#include "core/kernels/online_softmax.h"
 #include "core/status_macros.h"
 #include "omp.h"
 #include "oneapi/dnnl/dnnl.hpp"

@@ -5,10 +5,10 @@
 
 #include "absl/status/status.h"
 #include "core/bf16.h"
-#include "core/block_kernels.h"
+#include "core/kernels/block_kernels.h"
 #include "core/kernels/blocked_sdpa.h"
-#include "core/online_softmax.h"
-#include "core/simd.h"
+#include "core/kernels/online_softmax.h"
+#include "core/kernels/simd.h"
 #include "omp.h"
 
 namespace attnserve::core::internal {
@@ -25,7 +25,7 @@ inline void CpuRelax() {
 #endif
 }
 
-// SdpaBlocked on the own block kernels (core/block_kernels.h). The same work
+// SdpaBlocked on the own block kernels (core/kernels/block_kernels.h). The same work
 // items; first, every key block of the chunk is packed once (per sequence,
 // key/value head and key block, spread over the threads), then each item runs
 // its key blocks in strips of kStripRows query rows:

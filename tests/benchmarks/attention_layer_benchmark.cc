@@ -35,8 +35,8 @@
 #include "benchmark/benchmark.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
-#include "core/block_kernels.h"
-#include "core/online_softmax.h"
+#include "core/kernels/block_kernels.h"
+#include "core/kernels/online_softmax.h"
 #include "dnnl.hpp"
 #include "tests/benchmarks/allocation_counter.h"
 
@@ -153,6 +153,11 @@ void RunLayer(benchmark::State& state, int64_t block_queries, int64_t block_keys
   const int64_t batch = state.range(0), seq = state.range(1), d = state.range(2),
                 heads = state.range(3), kv_heads = state.range(4), flags = state.range(5);
   const bool causal = flags & kCausal, bf16 = flags & kBf16;
+  if (bf16 && !Bf16Supported()) {
+    // BF16 requests would run FP32, and the BF16 ceiling cannot be measured.
+    state.SkipWithError("BF16 needs AVX512-BF16 (this CPU runs BF16 requests in FP32)");
+    return;
+  }
   HeadConfig requested;
   requested.d_model = d;
   requested.num_heads = heads;
@@ -381,6 +386,11 @@ void BM_AttentionCore(benchmark::State& state) {
   const int64_t batch = state.range(0), seq = state.range(1), heads = state.range(2),
                 hd = state.range(3), flags = state.range(4);
   const bool bf16 = flags & kBf16;
+  if (bf16 && !Bf16Supported()) {
+    // BF16 requests would run FP32, and the BF16 ceiling cannot be measured.
+    state.SkipWithError("BF16 needs AVX512-BF16 (this CPU runs BF16 requests in FP32)");
+    return;
+  }
   HeadConfig requested;
   requested.d_model = heads * hd;
   requested.num_heads = heads;
@@ -433,7 +443,7 @@ BENCHMARK(BM_AttentionCore)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
-// The own block kernels alone on one thread (core/block_kernels.h): a query
+// The own block kernels alone on one thread (core/kernels/block_kernels.h): a query
 // block of 256 rows in strips of kStripRows against one packed key block,
 // scores then P V (P fixed, no softmax), operands in cache. GFLOP counts
 // 4 * 256 * keys * head_dim. args: keys, head_dim, bf16.
@@ -529,6 +539,11 @@ void BM_ProjectionsAlone(benchmark::State& state) {
   const int64_t batch = state.range(0), seq = state.range(1), d = state.range(2),
                 heads = state.range(3), kv_heads = state.range(4), flags = state.range(5);
   const bool bf16 = flags & kBf16;
+  if (bf16 && !Bf16Supported()) {
+    // BF16 requests would run FP32, and the BF16 ceiling cannot be measured.
+    state.SkipWithError("BF16 needs AVX512-BF16 (this CPU runs BF16 requests in FP32)");
+    return;
+  }
   const int64_t hd = d / heads;
   const int64_t tokens = batch * seq;
   Matmul qkv(tokens, d, (heads + 2 * kv_heads) * hd, bf16, /*bias=*/true);

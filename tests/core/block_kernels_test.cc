@@ -1,11 +1,11 @@
-// The own block kernels of the blocked path (core/block_kernels.h) against a
+// The own block kernels of the blocked path (core/kernels/block_kernels.h) against a
 // double-precision computation on fresh random operands: every strip height
 // (1..kStripRows), key counts across tile edges (1..80: one, two, three and
 // more tiles of 16 and their tails), head_dim 16..128, rows further apart
 // than head_dim, keys past `valid` packed as zeros, first and later key blocks.
 // BF16: the reference takes the same BF16-rounded operands, so both kernels
 // are held to FP32 accumulation error.
-#include "core/block_kernels.h"
+#include "core/kernels/block_kernels.h"
 
 #include <algorithm>
 #include <cmath>

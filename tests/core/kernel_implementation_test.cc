@@ -19,7 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "core/attention_layer.h"
-#include "core/block_kernels.h"
+#include "core/kernels/block_kernels.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "oneapi/dnnl/dnnl.hpp"

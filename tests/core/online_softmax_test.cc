@@ -1,10 +1,10 @@
-// The row kernels of the blocked path (core/online_softmax.h) against a
+// The row kernels of the blocked path (core/kernels/online_softmax.h) against a
 // double-precision computation, on fresh random rows: every width from 1 to 70
 // (the 16-lane loop, its tail and both together), keys past `limit` masked,
 // rows fed in several key blocks, -inf scores, BF16 output -- on each
 // implementation that runs on this CPU (portable, AVX-512, AVX512-BF16), and
 // strips of rows against the same rows one by one.
-#include "core/online_softmax.h"
+#include "core/kernels/online_softmax.h"
 
 #include <algorithm>
 #include <cmath>

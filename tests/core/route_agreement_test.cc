@@ -34,7 +34,7 @@
 #include "core/attention_inputs.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
-#include "core/block_kernels.h"
+#include "core/kernels/block_kernels.h"
 #include "core/head_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -1,5 +1,5 @@
-#ifndef ATTNSERVE_CORE_SIMD_H_
-#define ATTNSERVE_CORE_SIMD_H_
+#ifndef ATTNSERVE_CORE_KERNELS_SIMD_H_
+#define ATTNSERVE_CORE_KERNELS_SIMD_H_
 
 // Private to core/: how the element-wise loops of the core get their vector
 // versions.
@@ -73,4 +73,4 @@ ATTNSERVE_TARGET_AVX512 inline __mmask16 FirstLanes(int64_t n) {
 #define ATTNSERVE_SIMD_LOOP _Pragma("omp simd simdlen(16)")
 #endif
 
-#endif  // ATTNSERVE_CORE_SIMD_H_
+#endif  // ATTNSERVE_CORE_KERNELS_SIMD_H_

@@ -1,4 +1,4 @@
-#include "core/online_softmax.h"
+#include "core/kernels/online_softmax.h"
 
 #include <algorithm>
 #include <bit>
@@ -8,7 +8,7 @@
 #include <limits>
 
 #include "core/bf16.h"
-#include "core/simd.h"
+#include "core/kernels/simd.h"
 
 namespace attnserve::core::internal {
 namespace {

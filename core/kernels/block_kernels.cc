@@ -1,9 +1,9 @@
-#include "core/block_kernels.h"
+#include "core/kernels/block_kernels.h"
 
 #include <cstdint>
 #include <cstring>
 
-#include "core/simd.h"
+#include "core/kernels/simd.h"
 
 // The register tiles. Scores: kStripRows rows x up to 3 key tiles (24 FP32
 // accumulators of the 32 vector registers; per step of the reduction 3 vector

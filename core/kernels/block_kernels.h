@@ -1,5 +1,5 @@
-#ifndef ATTNSERVE_CORE_BLOCK_KERNELS_H_
-#define ATTNSERVE_CORE_BLOCK_KERNELS_H_
+#ifndef ATTNSERVE_CORE_KERNELS_BLOCK_KERNELS_H_
+#define ATTNSERVE_CORE_KERNELS_BLOCK_KERNELS_H_
 
 // Private to core/: attnserve's own AVX-512 products for the blocked
 // (flash-style) attention path, in place of two oneDNN matmul executions per
@@ -66,4 +66,4 @@ void BlockValuesFp32(const float* p, int64_t p_stride, int64_t rows, int64_t key
 
 }  // namespace attnserve::core::internal
 
-#endif  // ATTNSERVE_CORE_BLOCK_KERNELS_H_
+#endif  // ATTNSERVE_CORE_KERNELS_BLOCK_KERNELS_H_

@@ -1,5 +1,5 @@
-#ifndef ATTNSERVE_CORE_ONLINE_SOFTMAX_H_
-#define ATTNSERVE_CORE_ONLINE_SOFTMAX_H_
+#ifndef ATTNSERVE_CORE_KERNELS_ONLINE_SOFTMAX_H_
+#define ATTNSERVE_CORE_KERNELS_ONLINE_SOFTMAX_H_
 
 // Private to core/: the row kernels of the blocked (flash-style) attention
 // path. The online softmax has AVX-512 versions in intrinsics, chosen at run
@@ -64,4 +64,4 @@ void ScaleInto(const float* from, int64_t n, float factor, float* to);
 
 }  // namespace attnserve::core::internal
 
-#endif  // ATTNSERVE_CORE_ONLINE_SOFTMAX_H_
+#endif  // ATTNSERVE_CORE_KERNELS_ONLINE_SOFTMAX_H_
