@@ -1347,7 +1347,10 @@ TEST(AttentionLayer, LargeScoresStayFiniteAndNormalized) {
   EXPECT_LE(MaxRowSumError(buffers.maps, 12), 1e-5);
 }
 
-TEST(AttentionLayer, ConcurrentCallersAreSerializedAndCorrect) {
+// A layer holds only its weights (and their BF16 copies and Gram matrices,
+// made once): callers on several threads, each with a workspace of its own,
+// compute side by side and each gets its own correct result.
+TEST(AttentionLayer, ConcurrentCallersWithTheirOwnWorkspacesAreCorrect) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(SeedTrace(seed));
   std::mt19937_64 rng(seed);
@@ -1371,9 +1374,14 @@ TEST(AttentionLayer, ConcurrentCallersAreSerializedAndCorrect) {
     threads.emplace_back([&, t] {
       ForwardOptions options;
       options.maps.mode = Maps::kMeanOverHeads;
+      absl::StatusOr<std::unique_ptr<Workspace>> workspace = Workspace::Create();
+      if (!workspace.ok()) {
+        all_ok[t] = false;
+        return;
+      }
       for (int i = 0; i < 20; ++i) {
-        Buffers buffers;
-        if (!RunLayer(*small.layer, inputs[t], options, buffers).ok()) {
+        Buffers buffers = MakeBuffers(small.config, inputs[t], options);
+        if (!small.layer->Forward(inputs[t], options, buffers.Outputs(), workspace->get()).ok()) {
           all_ok[t] = false;
           return;
         }
