@@ -2,7 +2,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <new>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -10,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/checked_math.h"
 #include "core/status_macros.h"
 
 namespace attnserve::core {
@@ -53,17 +56,65 @@ std::string ShapeText(const SafetensorsTensor& tensor) {
   return absl::StrCat("[", absl::StrJoin(tensor.shape, ", "), "]");
 }
 
-// Reads tensor `prefix + name`, which must have exactly `shape`.
-absl::StatusOr<std::vector<float>> ReadShaped(const SafetensorsFile& file,
-                                              const std::string& prefix, absl::string_view name,
-                                              const std::vector<int64_t>& shape) {
-  const std::string full = absl::StrCat(prefix, name);
-  ATTNSERVE_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, file.Find(full));
-  if (tensor->shape != shape) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        file.display_name(), ": tensor '", full, "' has shape ", ShapeText(*tensor),
-        "; the head configuration needs [", absl::StrJoin(shape, ", "), "]"));
+absl::Status ShapeMismatch(const SafetensorsFile& file, absl::string_view full_name,
+                           const SafetensorsTensor& tensor, const std::vector<int64_t>& shape) {
+  return absl::InvalidArgumentError(absl::StrCat(
+      file.display_name(), ": tensor '", full_name, "' has shape ", ShapeText(tensor),
+      "; the head configuration needs [", absl::StrJoin(shape, ", "), "]"));
+}
+
+// One tensor a layout reads: its name after the prefix, the shape the head
+// configuration needs, and whether it may be absent (a bias, then zeros).
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  bool optional = false;
+};
+
+// The tensors `config`'s layout reads (ReadLayout reads them by index).
+std::vector<TensorSpec> LayoutTensors(const CheckpointConfig& config) {
+  const HeadConfig& h = config.head_config;
+  const int64_t d = h.d_model;
+  const int64_t q = h.q_width();
+  const int64_t kv = h.kv_width();
+  switch (config.layout) {
+    case WeightLayout::kTorchMha:
+      return {{"in_proj_weight", {3 * d, d}, false},
+              {"in_proj_bias", {3 * d}, true},
+              {"out_proj.weight", {d, d}, false},
+              {"out_proj.bias", {d}, true}};
+    case WeightLayout::kBert:
+    case WeightLayout::kLlama: {
+      const bool bert = config.layout == WeightLayout::kBert;
+      const std::string qn = bert ? "self.query." : "q_proj.";
+      const std::string kn = bert ? "self.key." : "k_proj.";
+      const std::string vn = bert ? "self.value." : "v_proj.";
+      const std::string on = bert ? "output.dense." : "o_proj.";
+      const bool optional_bias = !bert;
+      return {{qn + "weight", {q, d}, false},         {kn + "weight", {kv, d}, false},
+              {vn + "weight", {kv, d}, false},        {on + "weight", {d, q}, false},
+              {qn + "bias", {q}, optional_bias},      {kn + "bias", {kv}, optional_bias},
+              {vn + "bias", {kv}, optional_bias},     {on + "bias", {d}, optional_bias}};
+    }
+    case WeightLayout::kGpt2:
+      return {{"c_attn.weight", {d, 3 * d}, false},
+              {"c_attn.bias", {3 * d}, false},
+              {"c_proj.weight", {d, d}, false},
+              {"c_proj.bias", {d}, false}};
   }
+  return {};
+}
+
+// Reads `spec` (after `prefix`), which must have exactly its shape and finite
+// values; an absent optional tensor reads as zeros.
+absl::StatusOr<std::vector<float>> ReadSpec(const SafetensorsFile& file, const std::string& prefix,
+                                            const TensorSpec& spec) {
+  const std::string full = absl::StrCat(prefix, spec.name);
+  if (spec.optional && !file.Find(full).ok()) {
+    return std::vector<float>(static_cast<size_t>(*CheckedProduct(spec.shape)), 0.0f);
+  }
+  ATTNSERVE_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, file.Find(full));
+  if (tensor->shape != spec.shape) return ShapeMismatch(file, full, *tensor, spec.shape);
   ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> values, file.ReadFloat(full));
   for (size_t i = 0; i < values.size(); ++i) {
     if (!std::isfinite(values[i])) {
@@ -74,23 +125,24 @@ absl::StatusOr<std::vector<float>> ReadShaped(const SafetensorsFile& file,
   return values;
 }
 
-// A bias: read when present (it must then have [size]), zeros when absent and
-// `optional`.
-absl::StatusOr<std::vector<float>> ReadBias(const SafetensorsFile& file, const std::string& prefix,
-                                            absl::string_view name, int64_t size, bool optional) {
-  if (optional && !file.Find(absl::StrCat(prefix, name)).ok()) {
-    return std::vector<float>(static_cast<size_t>(size), 0.0f);
-  }
-  return ReadShaped(file, prefix, name, {size});
-}
-
-// A Linear weight [out, in] as the x W convention's [in, out].
-std::vector<float> Transpose(const std::vector<float>& w, int64_t rows, int64_t columns) {
-  std::vector<float> t(w.size());
+// Rows [row_begin, row_begin + rows) of row-major `w` [.., columns],
+// transposed to [columns, rows]: a Linear weight [out, in] (or a slice of its
+// rows) as the x W convention's [in, out].
+std::vector<float> TransposeRows(const std::vector<float>& w, int64_t columns, int64_t row_begin,
+                                 int64_t rows) {
+  std::vector<float> t(static_cast<size_t>(rows * columns));
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < columns; ++c) t[c * rows + r] = w[r * columns + c];
+    for (int64_t c = 0; c < columns; ++c) t[c * rows + r] = w[(row_begin + r) * columns + c];
   }
   return t;
+}
+
+// A whole Linear weight [rows, columns] read by `read`, transposed; the
+// tensor as read is freed on return.
+absl::StatusOr<std::vector<float>> Transposed(absl::StatusOr<std::vector<float>> read,
+                                              int64_t rows, int64_t columns) {
+  if (!read.ok()) return read.status();
+  return TransposeRows(*read, columns, 0, rows);
 }
 
 // Columns [begin, begin + width) of row-major `w` [rows, columns].
@@ -117,6 +169,70 @@ absl::Status NeedSquareHeads(const CheckpointConfig& config, absl::string_view d
         " x ", h.head_dim, ", ", h.num_kv_heads, " x ", h.head_dim, ", d_model ", h.d_model));
   }
   return absl::OkStatus();
+}
+
+// Reads the layer (its tensors' presence, shapes and dtypes already checked by
+// CheckpointWeightBytes). Each tensor is converted as soon as it is read and
+// the read copy freed, so at most one tensor exists twice at a time.
+absl::StatusOr<AttentionWeights> ReadLayout(const SafetensorsFile& file,
+                                            const CheckpointConfig& config) {
+  const HeadConfig& h = config.head_config;
+  const int64_t d = h.d_model;
+  const int64_t q = h.q_width();
+  const int64_t kv = h.kv_width();
+  const std::vector<TensorSpec> specs = LayoutTensors(config);
+  auto read = [&](size_t i) { return ReadSpec(file, config.prefix, specs[i]); };
+  AttentionWeights w;
+  switch (config.layout) {
+    case WeightLayout::kTorchMha: {
+      {
+        ATTNSERVE_ASSIGN_OR_RETURN(const std::vector<float> in_w, read(0));  // [3E, E]
+        w.w_q = TransposeRows(in_w, d, 0, d);
+        w.w_k = TransposeRows(in_w, d, d, d);
+        w.w_v = TransposeRows(in_w, d, 2 * d, d);
+      }
+      ATTNSERVE_ASSIGN_OR_RETURN(const std::vector<float> in_b, read(1));
+      w.b_q = Slice(in_b, 0, d);
+      w.b_k = Slice(in_b, d, d);
+      w.b_v = Slice(in_b, 2 * d, d);
+      ATTNSERVE_ASSIGN_OR_RETURN(w.w_o, Transposed(read(2), d, d));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_o, read(3));
+      break;
+    }
+    case WeightLayout::kBert:
+    case WeightLayout::kLlama: {
+      ATTNSERVE_ASSIGN_OR_RETURN(w.w_q, Transposed(read(0), q, d));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.w_k, Transposed(read(1), kv, d));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.w_v, Transposed(read(2), kv, d));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.w_o, Transposed(read(3), d, q));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_q, read(4));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_k, read(5));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_v, read(6));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_o, read(7));
+      break;
+    }
+    case WeightLayout::kGpt2: {  // Conv1D stores [in, out]: columns, no transpose
+      {
+        ATTNSERVE_ASSIGN_OR_RETURN(const std::vector<float> attn_w, read(0));  // [E, 3E]
+        w.w_q = Columns(attn_w, d, 3 * d, 0, d);
+        w.w_k = Columns(attn_w, d, 3 * d, d, d);
+        w.w_v = Columns(attn_w, d, 3 * d, 2 * d, d);
+      }
+      ATTNSERVE_ASSIGN_OR_RETURN(const std::vector<float> attn_b, read(1));
+      w.b_q = Slice(attn_b, 0, d);
+      w.b_k = Slice(attn_b, d, d);
+      w.b_v = Slice(attn_b, 2 * d, d);
+      ATTNSERVE_ASSIGN_OR_RETURN(w.w_o, read(2));
+      ATTNSERVE_ASSIGN_OR_RETURN(w.b_o, read(3));
+      break;
+    }
+  }
+  return w;
+}
+
+// `bytes` in GiB for a message ("208.002 GiB", "0.5 GiB").
+std::string GibText(int64_t bytes) {
+  return absl::StrCat(absl::SixDigits(static_cast<double>(bytes) / (int64_t{1} << 30)), " GiB");
 }
 
 }  // namespace
@@ -235,73 +351,62 @@ absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
   return config;
 }
 
-absl::StatusOr<AttentionWeights> LoadCheckpointWeights(const SafetensorsFile& file,
-                                                       const CheckpointConfig& config) {
-  const HeadConfig& h = config.head_config;
-  const int64_t d = h.d_model;
-  const int64_t q = h.q_width();
-  const int64_t kv = h.kv_width();
-  const std::string& p = config.prefix;
-  AttentionWeights w;
-  switch (config.layout) {
-    case WeightLayout::kTorchMha: {
-      ATTNSERVE_RETURN_IF_ERROR(NeedSquareHeads(config, file.display_name()));
-      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> in_w,
-                                 ReadShaped(file, p, "in_proj_weight", {3 * d, d}));
-      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> in_b,
-                                 ReadBias(file, p, "in_proj_bias", 3 * d, /*optional=*/true));
-      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> out_w,
-                                 ReadShaped(file, p, "out_proj.weight", {d, d}));
-      ATTNSERVE_ASSIGN_OR_RETURN(w.b_o, ReadBias(file, p, "out_proj.bias", d, /*optional=*/true));
-      w.w_q = Transpose(Slice(in_w, 0, d * d), d, d);
-      w.w_k = Transpose(Slice(in_w, d * d, d * d), d, d);
-      w.w_v = Transpose(Slice(in_w, 2 * d * d, d * d), d, d);
-      w.b_q = Slice(in_b, 0, d);
-      w.b_k = Slice(in_b, d, d);
-      w.b_v = Slice(in_b, 2 * d, d);
-      w.w_o = Transpose(out_w, d, d);
-      break;
-    }
-    case WeightLayout::kBert:
-    case WeightLayout::kLlama: {
-      const bool bert = config.layout == WeightLayout::kBert;
-      const std::string qn = bert ? "self.query." : "q_proj.";
-      const std::string kn = bert ? "self.key." : "k_proj.";
-      const std::string vn = bert ? "self.value." : "v_proj.";
-      const std::string on = bert ? "output.dense." : "o_proj.";
-      const bool optional_bias = !bert;
-      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> wq, ReadShaped(file, p, qn + "weight", {q, d}));
-      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> wk, ReadShaped(file, p, kn + "weight", {kv, d}));
-      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> wv, ReadShaped(file, p, vn + "weight", {kv, d}));
-      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> wo, ReadShaped(file, p, on + "weight", {d, q}));
-      ATTNSERVE_ASSIGN_OR_RETURN(w.b_q, ReadBias(file, p, qn + "bias", q, optional_bias));
-      ATTNSERVE_ASSIGN_OR_RETURN(w.b_k, ReadBias(file, p, kn + "bias", kv, optional_bias));
-      ATTNSERVE_ASSIGN_OR_RETURN(w.b_v, ReadBias(file, p, vn + "bias", kv, optional_bias));
-      ATTNSERVE_ASSIGN_OR_RETURN(w.b_o, ReadBias(file, p, on + "bias", d, optional_bias));
-      w.w_q = Transpose(wq, q, d);
-      w.w_k = Transpose(wk, kv, d);
-      w.w_v = Transpose(wv, kv, d);
-      w.w_o = Transpose(wo, d, q);
-      break;
-    }
-    case WeightLayout::kGpt2: {
-      ATTNSERVE_RETURN_IF_ERROR(NeedSquareHeads(config, file.display_name()));
-      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> attn_w,
-                                 ReadShaped(file, p, "c_attn.weight", {d, 3 * d}));
-      ATTNSERVE_ASSIGN_OR_RETURN(std::vector<float> attn_b,
-                                 ReadBias(file, p, "c_attn.bias", 3 * d, /*optional=*/false));
-      ATTNSERVE_ASSIGN_OR_RETURN(w.w_o, ReadShaped(file, p, "c_proj.weight", {d, d}));
-      ATTNSERVE_ASSIGN_OR_RETURN(w.b_o, ReadBias(file, p, "c_proj.bias", d, /*optional=*/false));
-      w.w_q = Columns(attn_w, d, 3 * d, 0, d);
-      w.w_k = Columns(attn_w, d, 3 * d, d, d);
-      w.w_v = Columns(attn_w, d, 3 * d, 2 * d, d);
-      w.b_q = Slice(attn_b, 0, d);
-      w.b_k = Slice(attn_b, d, d);
-      w.b_v = Slice(attn_b, 2 * d, d);
-      break;
-    }
+absl::StatusOr<int64_t> CheckpointWeightBytes(const SafetensorsFile& file,
+                                              const CheckpointConfig& config) {
+  if (config.layout == WeightLayout::kTorchMha || config.layout == WeightLayout::kGpt2) {
+    ATTNSERVE_RETURN_IF_ERROR(NeedSquareHeads(config, file.display_name()));
   }
-  return w;
+  int64_t total = 0;
+  for (const TensorSpec& spec : LayoutTensors(config)) {
+    const std::string full = absl::StrCat(config.prefix, spec.name);
+    const auto it = file.tensors().find(full);
+    if (it == file.tensors().end()) {
+      if (!spec.optional) return file.Find(full).status();
+    } else if (it->second.shape != spec.shape) {
+      return ShapeMismatch(file, full, it->second, spec.shape);
+    } else {
+      ATTNSERVE_RETURN_IF_ERROR(file.CheckFloat(full));
+    }
+    // The shapes come from a resolved head configuration, whose bounds keep
+    // these far from overflowing; checked all the same.
+    const std::optional<int64_t> elements = CheckedProduct(spec.shape);
+    const std::optional<int64_t> bytes =
+        elements ? CheckedMul(*elements, int64_t{sizeof(float)}) : std::nullopt;
+    const std::optional<int64_t> sum = bytes ? CheckedAdd(total, *bytes) : std::nullopt;
+    if (!sum) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.display_name(), ": the layer's weights overflow a 64-bit size"));
+    }
+    total = *sum;
+  }
+  return total;
+}
+
+absl::StatusOr<AttentionWeights> LoadCheckpointWeights(const SafetensorsFile& file,
+                                                       const CheckpointConfig& config,
+                                                       const CheckpointLoadOptions& options) {
+  ATTNSERVE_ASSIGN_OR_RETURN(const int64_t bytes, CheckpointWeightBytes(file, config));
+  if (bytes > options.max_weight_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.display_name(), ": the layer's weights take ", bytes, " bytes as FP32 (",
+        GibText(bytes), ", as the header declares them), over ", options.budget_name, " (",
+        options.max_weight_bytes, " bytes, ", GibText(options.max_weight_bytes),
+        "); no tensor was read"));
+  }
+  // The sizes are checked; what is left is the machine's memory. No
+  // exception leaves core: running out fails this load alone.
+  auto out_of_memory = [&] {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(file.display_name(), ": out of memory reading the layer's weights (", bytes,
+                     " bytes as FP32, ", GibText(bytes), ")"));
+  };
+  try {
+    return ReadLayout(file, config);
+  } catch (const std::bad_alloc&) {
+    return out_of_memory();
+  } catch (const std::length_error&) {
+    return out_of_memory();
+  }
 }
 
 }  // namespace attnserve::core

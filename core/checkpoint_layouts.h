@@ -1,6 +1,8 @@
 #ifndef ATTNSERVE_CORE_CHECKPOINT_LAYOUTS_H_
 #define ATTNSERVE_CORE_CHECKPOINT_LAYOUTS_H_
 
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -58,13 +60,39 @@ inline constexpr int64_t kMaxCheckpointConfigBytes = 64 << 10;
 absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
                                                        absl::string_view display_name);
 
+// The bytes the layer `config` describes takes once loaded: every tensor its
+// layout reads from `file` as FP32 (what LoadCheckpointWeights allocates for
+// the weights, whatever the stored dtype), an absent optional bias as the
+// zeros it becomes. From the header alone: nothing is read or allocated from
+// the tensors' sizes. NOT_FOUND naming the file and tensor when one is
+// missing; INVALID_ARGUMENT naming it when its shape does not match the head
+// configuration or its dtype is not F32, BF16 or F16.
+absl::StatusOr<int64_t> CheckpointWeightBytes(const SafetensorsFile& file,
+                                              const CheckpointConfig& config);
+
+struct CheckpointLoadOptions {
+  // The most bytes the layer's weights may take (CheckpointWeightBytes),
+  // checked before any tensor is read. Loading needs up to about twice this
+  // for a moment (a tensor as read beside its converted copy).
+  int64_t max_weight_bytes = std::numeric_limits<int64_t>::max();
+  // What messages call that budget: the caller's option or flag.
+  std::string budget_name = "max_weight_bytes";
+};
+
 // Reads the layer `config` describes from `file` and converts it to
 // AttentionWeights (x W + b convention: Linear weights are transposed,
-// Conv1D's are not). NOT_FOUND naming the file and tensor when one is
-// missing; INVALID_ARGUMENT naming it when its shape does not match the head
-// configuration, its dtype is not F32/BF16/F16, or a value is not finite.
+// Conv1D's are not). Every tensor's presence and shape is checked from the
+// header, and the total against options.max_weight_bytes, before any tensor
+// is read. NOT_FOUND naming the file and tensor when one is missing;
+// INVALID_ARGUMENT naming it when its shape does not match the head
+// configuration, its dtype is not F32/BF16/F16, or a value is not finite, and
+// naming options.budget_name, the bytes needed and the budget when the
+// weights do not fit it (such a checkpoint never will); RESOURCE_EXHAUSTED
+// when memory runs out while reading (std::bad_alloc is caught here: a later
+// attempt, with more memory free, may pass).
 absl::StatusOr<AttentionWeights> LoadCheckpointWeights(const SafetensorsFile& file,
-                                                       const CheckpointConfig& config);
+                                                       const CheckpointConfig& config,
+                                                       const CheckpointLoadOptions& options = {});
 
 }  // namespace attnserve::core
 

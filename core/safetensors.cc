@@ -9,8 +9,10 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <utility>
 
 #include <nlohmann/json.hpp>
@@ -385,37 +387,65 @@ absl::StatusOr<const SafetensorsTensor*> SafetensorsFile::Find(absl::string_view
   return &it->second;
 }
 
-absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat(absl::string_view name) const {
+absl::Status SafetensorsFile::CheckFloat(absl::string_view name) const {
   ATTNSERVE_ASSIGN_OR_RETURN(const SafetensorsTensor* tensor, Find(name));
-  const int64_t bytes = tensor->end - tensor->begin;
-  const int64_t elements = bytes / DtypeSize(tensor->dtype);
-  std::vector<float> out;
   switch (tensor->dtype) {
-    case SafetensorsDtype::kF32: {
-      out.resize(static_cast<size_t>(elements));
-      ATTNSERVE_RETURN_IF_ERROR(ReadAt(fd_, data_start_ + tensor->begin, bytes,
-                                       reinterpret_cast<char*>(out.data()), display_name_));
-      // The format is little-endian, as is every platform this builds on.
-      static_assert(std::endian::native == std::endian::little);
-      return out;
-    }
+    case SafetensorsDtype::kF32:
     case SafetensorsDtype::kBF16:
-    case SafetensorsDtype::kF16: {
-      std::vector<uint16_t> raw(static_cast<size_t>(elements));
-      ATTNSERVE_RETURN_IF_ERROR(ReadAt(fd_, data_start_ + tensor->begin, bytes,
-                                       reinterpret_cast<char*>(raw.data()), display_name_));
-      out.resize(raw.size());
-      const bool bf16 = tensor->dtype == SafetensorsDtype::kBF16;
-      for (size_t i = 0; i < raw.size(); ++i) {
-        out[i] = bf16 ? Bfloat16ToFloat(raw[i]) : HalfToFloat(raw[i]);
-      }
-      return out;
-    }
+    case SafetensorsDtype::kF16:
+      return absl::OkStatus();
     default:
       return absl::InvalidArgumentError(absl::StrCat(
           display_name_, ": tensor '", Printable(name), "' has dtype ", DtypeName(tensor->dtype),
           "; weights must be F32, BF16 or F16"));
   }
+}
+
+absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat(absl::string_view name) const {
+  ATTNSERVE_RETURN_IF_ERROR(CheckFloat(name));
+  const SafetensorsTensor* tensor = &tensors_.find(name)->second;
+  const bool f32 = tensor->dtype == SafetensorsDtype::kF32;
+  const bool bf16 = tensor->dtype == SafetensorsDtype::kBF16;
+  const int64_t bytes = tensor->end - tensor->begin;
+  const int64_t elements = bytes / DtypeSize(tensor->dtype);
+  // The one allocation, of the size the header declared (checked against the
+  // file's size by Open; callers bound it beforehand, e.g. LoadCheckpointWeights
+  // against its budget). Running out of memory is this call's error, not an
+  // exception.
+  auto out_of_memory = [&] {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(display_name_, ": out of memory reading tensor '", Printable(name), "' (",
+                     elements * int64_t{sizeof(float)}, " bytes as FP32)"));
+  };
+  std::vector<float> out;
+  try {
+    out.resize(static_cast<size_t>(elements));
+  } catch (const std::bad_alloc&) {
+    return out_of_memory();
+  } catch (const std::length_error&) {
+    return out_of_memory();
+  }
+  char* const out_bytes = reinterpret_cast<char*>(out.data());
+  if (f32) {
+    ATTNSERVE_RETURN_IF_ERROR(
+        ReadAt(fd_, data_start_ + tensor->begin, bytes, out_bytes, display_name_));
+    // The format is little-endian, as is every platform this builds on.
+    static_assert(std::endian::native == std::endian::little);
+    return out;
+  }
+  // BF16 and F16 are widened in place, with no second buffer: the n 2-byte
+  // values are read into the upper half of the n floats' bytes and widened
+  // front to back, so float i (bytes [4i, 4i + 4)) never overwrites a value
+  // not yet widened (value j > i is at bytes [2n + 2j, 2n + 2j + 2)).
+  const char* const raw = out_bytes + bytes;
+  ATTNSERVE_RETURN_IF_ERROR(
+      ReadAt(fd_, data_start_ + tensor->begin, bytes, out_bytes + bytes, display_name_));
+  for (int64_t i = 0; i < elements; ++i) {
+    uint16_t bits;
+    std::memcpy(&bits, raw + 2 * i, sizeof(bits));
+    out[i] = bf16 ? Bfloat16ToFloat(bits) : HalfToFloat(bits);
+  }
+  return out;
 }
 
 }  // namespace attnserve::core

@@ -81,9 +81,17 @@ class SafetensorsFile {
   // The entry of `name`, or NOT_FOUND naming the file and the tensor.
   absl::StatusOr<const SafetensorsTensor*> Find(absl::string_view name) const;
 
-  // Reads tensor `name` and converts it to FP32 (row-major, as stored).
-  // NOT_FOUND when absent; INVALID_ARGUMENT when its dtype is not F32, BF16 or
-  // F16, or the file is shorter than its header said (truncated after Open).
+  // OK when ReadFloat can read tensor `name`: it exists and is F32, BF16 or
+  // F16. NOT_FOUND or INVALID_ARGUMENT as ReadFloat's otherwise. Reads
+  // nothing.
+  absl::Status CheckFloat(absl::string_view name) const;
+
+  // Reads tensor `name` and converts it to FP32 (row-major, as stored),
+  // allocating only the result (elements x 4 bytes, as the header declares:
+  // bound it before calling, e.g. with core/checkpoint_layouts.h's
+  // CheckpointWeightBytes). NOT_FOUND when absent; INVALID_ARGUMENT when its
+  // dtype is not F32, BF16 or F16, or the file is shorter than its header said
+  // (truncated after Open); RESOURCE_EXHAUSTED when memory runs out.
   absl::StatusOr<std::vector<float>> ReadFloat(absl::string_view name) const;
 
  private:
