@@ -1,5 +1,7 @@
 #include "server/models/model_loader.h"
 
+#include <new>
+#include <stdexcept>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -52,6 +54,31 @@ void ModelLoader::Shutdown() {
   }
 }
 
+absl::StatusOr<std::shared_ptr<const Model>> ModelLoader::LoadAndWarmUp(
+    const std::string& name) const {
+  // The repository catches running out of memory while reading; this catch
+  // covers the warm-up and anything else of this one model's load, so the
+  // loader thread (and the process) never ends on it.
+  auto out_of_memory = [&](const char* what) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("out of memory while loading or warming up (", what,
+                     "); a later attempt, with more memory free, may pass"));
+  };
+  try {
+    absl::StatusOr<std::shared_ptr<const Model>> model = repository_->LoadModel(name);
+    if (model.ok() && options_.warm_up) {
+      if (absl::Status warm = options_.warm_up(**model); !warm.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat("warm-up failed: ", warm.message()));
+      }
+    }
+    return model;
+  } catch (const std::bad_alloc&) {
+    return out_of_memory("std::bad_alloc");
+  } catch (const std::length_error&) {
+    return out_of_memory("std::length_error");
+  }
+}
+
 void ModelLoader::Run() {
   while (true) {
     Job job;
@@ -65,13 +92,7 @@ void ModelLoader::Run() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
-    absl::StatusOr<std::shared_ptr<const Model>> model = repository_->LoadModel(job.name);
-    if (model.ok() && options_.warm_up) {
-      if (absl::Status warm = options_.warm_up(**model); !warm.ok()) {
-        model = absl::FailedPreconditionError(
-            absl::StrCat("warm-up failed: ", warm.message()));
-      }
-    }
+    absl::StatusOr<std::shared_ptr<const Model>> model = LoadAndWarmUp(job.name);
     const std::shared_ptr<const Model> loaded = model.ok() ? *model : nullptr;
     const absl::Status loaded_status = model.status();
     absl::Status settled = registry_->FinishLoading(job.name, job.ticket, std::move(model));
@@ -79,11 +100,16 @@ void ModelLoader::Run() {
     if (!job.done) continue;
     if (!settled.ok()) {
       job.done(settled);
+    } else if (absl::IsNotFound(loaded_status)) {
+      job.done(loaded_status);
     } else if (!loaded_status.ok()) {
-      job.done(absl::IsNotFound(loaded_status)
-                   ? loaded_status
-                   : absl::FailedPreconditionError(absl::StrCat(
-                         "model '", job.name, "' failed to load: ", loaded_status.message())));
+      // Out of memory keeps its code (a retry may pass); every other reason
+      // is the folder's, FAILED_PRECONDITION until it is fixed.
+      job.done(absl::Status(absl::IsResourceExhausted(loaded_status)
+                                ? absl::StatusCode::kResourceExhausted
+                                : absl::StatusCode::kFailedPrecondition,
+                            absl::StrCat("model '", job.name,
+                                         "' failed to load: ", loaded_status.message())));
     } else {
       // The status as it was settled (an Unload may already have removed it).
       ModelStatus ready;

@@ -46,8 +46,12 @@ class ModelLoader {
   // Marks `name` LOADING and queues its load. When the load is over, `done`
   // runs on the loader thread with the model's READY status, or: NOT_FOUND
   // (no such folder; the name is forgotten), FAILED_PRECONDITION with the
-  // reason (the model stays FAILED), ABORTED (unloaded meanwhile), UNAVAILABLE
-  // (the loader shut down first). Returns without calling `done`:
+  // reason (the model stays FAILED; among the reasons, weights over
+  // --max_model_bytes), RESOURCE_EXHAUSTED (memory ran out while loading: the
+  // model stays FAILED, a later retry may pass), ABORTED
+  // (unloaded meanwhile), UNAVAILABLE (the loader shut down first). No load
+  // ends the process: std::bad_alloc is caught and fails that model alone.
+  // Returns without calling `done`:
   // INVALID_ARGUMENT for an invalid name, ALREADY_EXISTS when it is loading or
   // ready, RESOURCE_EXHAUSTED when max_pending loads wait, UNAVAILABLE after
   // Shutdown.
@@ -68,6 +72,8 @@ class ModelLoader {
     Done done;
   };
   void Run();
+  // Loads and warms up model `name`; RESOURCE_EXHAUSTED when memory runs out.
+  absl::StatusOr<std::shared_ptr<const Model>> LoadAndWarmUp(const std::string& name) const;
 
   // Constant after construction.
   const ModelRepository* const repository_;

@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -41,8 +43,10 @@ class FdCloser {
 };
 
 // FAILED_PRECONDITION with `status`'s message: something inside a model's
-// folder is wrong (not the caller's request).
+// folder is wrong (not the caller's request). RESOURCE_EXHAUSTED (memory ran
+// out) stays: the same folder may load later.
 absl::Status InModel(const absl::Status& status) {
+  if (absl::IsResourceExhausted(status)) return status;
   return absl::FailedPreconditionError(status.message());
 }
 
@@ -83,13 +87,18 @@ int OpenNoFollow(int dir_fd, const std::string& relative, int flags) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(const std::string& root) {
+absl::StatusOr<std::unique_ptr<ModelRepository>> ModelRepository::Create(
+    const std::string& root, const ModelRepositoryOptions& options) {
+  if (options.max_model_bytes <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--max_model_bytes: must be positive, got ",
+                                                   options.max_model_bytes));
+  }
   const int fd = ::open(root.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--model_repository: cannot open '", root,
                                                    "' as a directory: ", std::strerror(errno)));
   }
-  return std::unique_ptr<ModelRepository>(new ModelRepository(root, fd));
+  return std::unique_ptr<ModelRepository>(new ModelRepository(root, fd, options));
 }
 
 ModelRepository::~ModelRepository() { ::close(root_fd_); }
@@ -160,10 +169,55 @@ absl::StatusOr<std::vector<std::string>> ModelRepository::ListModelNames() const
   return names;
 }
 
+absl::StatusOr<std::string> ModelRepository::ReadSmallFile(const std::string& relative,
+                                                           int64_t max_bytes) const {
+  absl::StatusOr<int> fd = OpenBeneath(relative, O_RDONLY | O_NONBLOCK);
+  if (!fd.ok()) return fd.status();
+  FdCloser closer(*fd);
+  struct stat st;
+  if (::fstat(closer.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(relative, ": not a regular file"));
+  }
+  // Sized by the file, so bounded before the buffer is: a file that grows
+  // meanwhile is read only up to this size.
+  if (st.st_size > max_bytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(relative, ": ", st.st_size, " bytes, over the limit ", max_bytes));
+  }
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::read(closer.get(), text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  text.resize(done);
+  return text;
+}
+
 absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
     absl::string_view name) const {
   ATTNSERVE_RETURN_IF_ERROR(ValidateModelName(name));
   const std::string folder(name);
+  // Every size is checked before it is allocated; this is the last line for
+  // what no check can see (the machine's memory running out).
+  auto out_of_memory = [&](const char* what) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(folder, ": out of memory while loading (", what,
+                     "); a later attempt, with more memory free, may pass"));
+  };
+  try {
+    return LoadModelOrThrow(folder);
+  } catch (const std::bad_alloc&) {
+    return out_of_memory("std::bad_alloc");
+  } catch (const std::length_error&) {
+    return out_of_memory("std::length_error");
+  }
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModelOrThrow(
+    const std::string& folder) const {
   {
     // The folder itself: NOT_FOUND when absent (nothing to load), refused
     // when it leaves the repository.
@@ -179,31 +233,11 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
   }
 
   const std::string config_path = absl::StrCat(folder, "/config.json");
-  absl::StatusOr<int> config_fd = OpenBeneath(config_path, O_RDONLY | O_NONBLOCK);
-  if (!config_fd.ok()) return InModel(config_fd.status());
-  std::string config_text;
-  {
-    FdCloser closer(*config_fd);
-    struct stat st;
-    if (::fstat(closer.get(), &st) != 0 || !S_ISREG(st.st_mode)) {
-      return absl::FailedPreconditionError(absl::StrCat(config_path, ": not a regular file"));
-    }
-    if (st.st_size > core::kMaxCheckpointConfigBytes) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          config_path, ": ", st.st_size, " bytes, over the limit ", core::kMaxCheckpointConfigBytes));
-    }
-    config_text.resize(static_cast<size_t>(st.st_size));
-    size_t done = 0;
-    while (done < config_text.size()) {
-      const ssize_t n = ::read(closer.get(), config_text.data() + done, config_text.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;
-      done += static_cast<size_t>(n);
-    }
-    config_text.resize(done);
-  }
+  absl::StatusOr<std::string> config_text =
+      ReadSmallFile(config_path, core::kMaxCheckpointConfigBytes);
+  if (!config_text.ok()) return InModel(config_text.status());
   absl::StatusOr<core::CheckpointConfig> config =
-      core::ParseCheckpointConfig(config_text, config_path);
+      core::ParseCheckpointConfig(*config_text, config_path);
   if (!config.ok()) return InModel(config.status());
 
   const std::string weights_path = absl::StrCat(folder, "/", config->weights);
@@ -212,7 +246,10 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
   absl::StatusOr<core::SafetensorsFile> file =
       core::SafetensorsFile::FromFd(*weights_fd, weights_path);  // owns the fd
   if (!file.ok()) return InModel(file.status());
-  absl::StatusOr<core::AttentionWeights> weights = core::LoadCheckpointWeights(*file, *config);
+  // The budget is checked from the header before any tensor is read.
+  absl::StatusOr<core::AttentionWeights> weights = core::LoadCheckpointWeights(
+      *file, *config,
+      {.max_weight_bytes = options_.max_model_bytes, .budget_name = "--max_model_bytes"});
   if (!weights.ok()) return InModel(weights.status());
 
   auto model = std::make_shared<Model>();
@@ -226,8 +263,8 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
   absl::StatusOr<std::unique_ptr<core::AttentionLayer>> layer =
       core::AttentionLayer::Create(config->head_config, *std::move(weights));
   if (!layer.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(weights_path, ": ", layer.status().message()));
+    return InModel(absl::Status(layer.status().code(),
+                                absl::StrCat(weights_path, ": ", layer.status().message())));
   }
   model->layer = *std::move(layer);
   return model;

@@ -1,6 +1,7 @@
 #ifndef ATTNSERVE_SERVER_MODELS_MODEL_REPOSITORY_H_
 #define ATTNSERVE_SERVER_MODELS_MODEL_REPOSITORY_H_
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -11,6 +12,13 @@
 #include "server/models/model_registry.h"
 
 namespace attnserve::server {
+
+struct ModelRepositoryOptions {
+  // Most bytes one model's weights may take as FP32, as its checkpoint's
+  // header declares them (--max_model_bytes, whose default this is). Must be
+  // positive.
+  int64_t max_model_bytes = int64_t{4} << 30;
+};
 
 // A --model_repository folder: one subfolder per model, holding config.json
 // (core/checkpoint_layouts.h, README "Model repository") and the safetensors
@@ -27,12 +35,19 @@ namespace attnserve::server {
 // O_NONBLOCK and must be regular files (a FIFO or device is refused, never
 // read).
 //
+// A model's weights are sized from its checkpoint's header before any tensor
+// is read (core::CheckpointWeightBytes); a model over max_model_bytes fails
+// with that reason, and running out of memory while loading fails the one
+// model (std::bad_alloc is caught), never the process.
+//
 // Thread-safe (the directory descriptor is only read).
 class ModelRepository {
  public:
   // Opens the directory `root`. INVALID_ARGUMENT naming --model_repository
-  // when it is not a readable directory.
-  static absl::StatusOr<std::unique_ptr<ModelRepository>> Create(const std::string& root);
+  // when it is not a readable directory, naming --max_model_bytes when that
+  // is not positive.
+  static absl::StatusOr<std::unique_ptr<ModelRepository>> Create(
+      const std::string& root, const ModelRepositoryOptions& options = {});
   ~ModelRepository();
   ModelRepository(const ModelRepository&) = delete;
   ModelRepository& operator=(const ModelRepository&) = delete;
@@ -49,19 +64,29 @@ class ModelRepository {
   // repository has no such folder, FAILED_PRECONDITION with the reason
   // (naming the file and, where it applies, the tensor) for anything wrong
   // inside it: a path leaving the repository, a missing, malformed or
-  // mis-shaped file or tensor.
+  // mis-shaped file or tensor, weights over max_model_bytes (the message
+  // names --max_model_bytes, the bytes needed and the limit; nothing is read
+  // from the tensors); RESOURCE_EXHAUSTED when memory runs out while loading
+  // (a later attempt may pass).
   absl::StatusOr<std::shared_ptr<const Model>> LoadModel(absl::string_view name) const;
 
   const std::string& root() const { return root_; }
+  const ModelRepositoryOptions& options() const { return options_; }
 
  private:
-  ModelRepository(std::string root, int root_fd) : root_(std::move(root)), root_fd_(root_fd) {}
+  ModelRepository(std::string root, int root_fd, const ModelRepositoryOptions& options)
+      : root_(std::move(root)), root_fd_(root_fd), options_(options) {}
+  // LoadModel without its catch of std::bad_alloc.
+  absl::StatusOr<std::shared_ptr<const Model>> LoadModelOrThrow(const std::string& folder) const;
   // Opens `relative` (below the root) read-only with `flags` added; the fd, or
   // an errno-derived status naming the path.
   absl::StatusOr<int> OpenBeneath(const std::string& relative, int flags) const;
+  // The text of `relative`, a regular file of at most `max_bytes`.
+  absl::StatusOr<std::string> ReadSmallFile(const std::string& relative, int64_t max_bytes) const;
 
   const std::string root_;
   const int root_fd_;
+  const ModelRepositoryOptions options_;
 };
 
 }  // namespace attnserve::server
