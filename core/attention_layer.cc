@@ -232,9 +232,8 @@ absl::Status AttentionLayer::Impl::Validate(const LayerInputs& inputs,
                                            "context_dim == d_model)"));
   }
 
-  if (config_.rotary.rotary_dim > 0) {
-    ATTNSERVE_RETURN_IF_ERROR(ValidatePositionOffsets(inputs.position_offsets, layout.batch()));
-  }
+  ATTNSERVE_RETURN_IF_ERROR(ValidatePositionOffsets(inputs.position_offsets, layout.batch(),
+                                                    config_.rotary.rotary_dim));
   ATTNSERVE_RETURN_IF_ERROR(
       CheckSize("output", outputs.output.size(), {{"layout.rows", layout.rows()}, {"d_model", d}}));
   ATTNSERVE_RETURN_IF_ERROR(ValidateForwardOptions(config_, layout, options));

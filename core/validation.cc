@@ -178,8 +178,11 @@ absl::Status ValidateHeadMask(absl::Span<const float> head_mask, int64_t num_hea
 }
 
 absl::Status ValidatePositionOffsets(absl::Span<const int64_t> offsets, int64_t batch,
-                                     absl::string_view field) {
+                                     int64_t rotary_dim, absl::string_view field) {
   if (offsets.empty()) return absl::OkStatus();
+  if (rotary_dim == 0) {
+    return InvalidField(field, "the layer has no rotary embeddings (rotary_dim 0)");
+  }
   if (static_cast<int64_t>(offsets.size()) != batch) {
     return InvalidField(field, absl::StrCat(offsets.size(), " offsets for a batch of ", batch));
   }

@@ -77,8 +77,10 @@ absl::Status ValidateFinite(absl::Span<const Bf16> values, const SequenceLayout&
 absl::Status ValidateHeadMask(absl::Span<const float> head_mask, int64_t num_heads,
                               absl::string_view field = "head_mask");
 
-// Empty, or [batch] RoPE positions each in [0, kMaxPositionOffset].
+// Empty, or [batch] RoPE positions each in [0, kMaxPositionOffset]; a layer
+// without rotary embeddings (rotary_dim 0) takes none.
 absl::Status ValidatePositionOffsets(absl::Span<const int64_t> offsets, int64_t batch,
+                                     int64_t rotary_dim,
                                      absl::string_view field = "position_offsets");
 
 // Elements of the attention maps `maps` asks for, for queries in `queries`

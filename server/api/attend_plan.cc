@@ -388,15 +388,10 @@ absl::Status PlanOptions(const v1::AttendRequest& request, AttendPlan& plan) {
       "head_mask"));
   plan.head_mask.assign(request.head_mask().begin(), request.head_mask().end());
 
-  if (request.position_offsets_size() > 0) {
-    if (c.rotary.rotary_dim == 0) {
-      return InvalidField("position_offsets", "the layer has no rotary embeddings (rotary_dim 0)");
-    }
-    ATTNSERVE_RETURN_IF_ERROR(core::ValidatePositionOffsets(
-        absl::MakeConstSpan(request.position_offsets().data(), request.position_offsets_size()),
-        plan.queries.batch(), "position_offsets"));
-    plan.position_offsets.assign(request.position_offsets().begin(), request.position_offsets().end());
-  }
+  ATTNSERVE_RETURN_IF_ERROR(core::ValidatePositionOffsets(
+      absl::MakeConstSpan(request.position_offsets().data(), request.position_offsets_size()),
+      plan.queries.batch(), c.rotary.rotary_dim, "position_offsets"));
+  plan.position_offsets.assign(request.position_offsets().begin(), request.position_offsets().end());
 
   switch (request.precision()) {
     case v1::PRECISION_UNSPECIFIED:

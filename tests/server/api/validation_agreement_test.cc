@@ -42,13 +42,13 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int64_t kDModel = 32, kHeads = 4, kKvHeads = 2, kHeadDim = 8, kRotaryDim = 8;
 constexpr int64_t kBatch = 2, kSeq = 4, kKvSeq = 5;  // kKvSeq: projected keys only
 
-core::HeadConfig Config() {
+core::HeadConfig Config(int64_t rotary_dim) {
   core::HeadConfig config;
   config.d_model = kDModel;
   config.num_heads = kHeads;
   config.num_kv_heads = kKvHeads;
   config.head_dim = kHeadDim;
-  config.rotary.rotary_dim = kRotaryDim;
+  config.rotary.rotary_dim = rotary_dim;
   return *core::ResolveHeadConfig(config);
 }
 
@@ -63,6 +63,7 @@ struct Call {
   std::vector<float> mask;
   std::vector<float> head_mask;
   std::vector<int64_t> position_offsets;
+  int64_t rotary_dim = kRotaryDim;  // the layer's (not projected)
   core::MapSelection maps;
 };
 
@@ -95,7 +96,7 @@ v1::AttendRequest ToWire(const Call& call) {
     *r.mutable_projected()->mutable_v() = WireTensor({kBatch, kKvHeads, kKvSeq, kHeadDim}, call.v, call.bf16);
   } else {
     c->set_d_model(kDModel);
-    c->mutable_rotary()->set_rotary_dim(kRotaryDim);
+    c->mutable_rotary()->set_rotary_dim(call.rotary_dim);
     r.mutable_layer()->set_seed(kWeightSeed);
     *r.mutable_hidden_states() = WireTensor({kBatch, kSeq, kDModel}, call.hidden, call.bf16);
   }
@@ -136,7 +137,7 @@ std::vector<float> AsSent(const std::vector<float>& values, bool bf16) {
 }
 
 absl::Status RunCore(const Call& call) {
-  const core::HeadConfig config = Config();
+  const core::HeadConfig config = Config(call.rotary_dim);
   const std::vector<float> mask_values = AsSent(call.mask, call.bf16);
   core::ExplicitMask mask;
   mask.kind = call.mask_kind;
@@ -287,6 +288,12 @@ TEST_F(ValidationAgreementTest, EveryInvalidCaseGetsTheSameVerdictAndRuleFromThe
       {"position offset 2^30 + 1",
        [](Call& c) { c.position_offsets = {0, core::kMaxPositionOffset + 1}; },
        "position_offsets[1]", "position_offsets[1]"},
+      {"position offsets for a layer without RoPE",
+       [](Call& c) {
+         c.rotary_dim = 0;
+         c.position_offsets = {0, 0};
+       },
+       "position_offsets", "position_offsets"},
       {"map head out of range",
        [](Call& c) {
          c.maps.mode = core::AttentionMapMode::kPerHead;
