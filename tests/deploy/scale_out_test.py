@@ -4,16 +4,16 @@ called through attnctl (the C++ client library)
 
   - with gRPC's client-side round_robin over all three (an ipv4: URI, or a
     comma-separated list), and
-  - through Debian's nginx balancing gRPC (deploy/nginx/nginx.conf: grpc_pass
-    to an upstream of the three) on a free loopback port, run as a plain
-    process with its own prefix.
+  - through the shipped front proxy, Debian's HAProxy with
+    deploy/haproxy/haproxy.cfg (its replicas the three) on free loopback
+    ports, run as a plain foreground process (tests/deploy/haproxy_runner.py).
 
 Each replica's own /metrics (attnserve_requests_total) says how many calls it
 served. Stopping one replica in the middle of a run loses no call: a draining
 replica answers UNAVAILABLE, which the client's retry policy sends elsewhere;
 without retries the same stop fails calls (the control).
 
-Every loop is bounded in count and time; replicas and nginx are stopped in
+Every loop is bounded in count and time; replicas and HAProxy are stopped in
 finally blocks.
 
 Usage: scale_out_test.py --server PATH/attnserve --attnctl PATH/attnctl --repo REPO
@@ -21,19 +21,18 @@ Usage: scale_out_test.py --server PATH/attnserve --attnctl PATH/attnctl --repo R
 import argparse
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import unittest
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import Server  # noqa: E402
+from haproxy_runner import HAProxy  # noqa: E402
 
 ARGS = None
 REPLICAS = 3
@@ -76,15 +75,16 @@ class Replica:
         wait_until(f"replica {index} SERVING", lambda: any("SERVING (" in l for l in list(self.server.log)),
                    60)
 
-    def attend_counts(self):
-        """{code: attnserve_requests_total{method="Attend"}} from /metrics."""
+    def attend_counts(self, method="Attend"):
+        """{code: attnserve_requests_total{method=method}} from /metrics (every
+        method's when `method` is None)."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
         counts = {}
         for labels, value in re.findall(r'^attnserve_requests_total\{([^}]*)\}\s+(\S+)$', text, re.M):
             pairs = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-            if pairs.get("method") == "Attend":
+            if method is None or pairs.get("method") == method:
                 counts[pairs["code"]] = counts.get(pairs["code"], 0) + int(float(value))
         return counts
 
@@ -115,88 +115,6 @@ def start_replicas(*flags):
             r.stop()
         raise
     return replicas
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Nginx:
-    """Debian's nginx with deploy/nginx/nginx.conf, its upstream replaced by
-    `upstreams` and its listen address by a free loopback port: a foreground
-    process (one process, no master) with a temporary prefix."""
-
-    def __init__(self, upstreams):
-        self.binary = shutil.which("nginx") or "/usr/sbin/nginx"
-        self.work = tempfile.mkdtemp(prefix="attnserve-nginx-")
-        self.proc = None
-        self.stderr = None
-        with open(os.path.join(ARGS.repo, "deploy", "nginx", "nginx.conf")) as f:
-            shipped = f.read()
-        servers = re.findall(r"^\s*server 127\.0\.0\.1:\d+( [^;]*)?;$", shipped, re.M)
-        assert len(servers) == REPLICAS, "deploy/nginx/nginx.conf: expected one server line per replica"
-        lines = iter(f"    server {u}{servers[0]};" for u in upstreams)
-        config_text = re.sub(r"^\s*server 127\.0\.0\.1:\d+( [^;]*)?;$", lambda m: next(lines), shipped,
-                             flags=re.M)
-        config_text = config_text.replace("daemon off;", "daemon off;\nmaster_process off;", 1)
-        for _ in range(3):  # a free port can be taken between the probe and nginx's bind
-            self.port = free_port()
-            text, listens = re.subn(r"listen 127\.0\.0\.1:\d+ http2;", f"listen 127.0.0.1:{self.port} http2;",
-                                    config_text)
-            assert listens == 1, "deploy/nginx/nginx.conf: expected one listen line"
-            config = os.path.join(self.work, "nginx.conf")
-            with open(config, "w") as f:
-                f.write(text)
-            test = subprocess.run([self.binary, "-t", "-e", "stderr", "-p", self.work, "-c", config],
-                                  capture_output=True, text=True, timeout=30)
-            assert test.returncode == 0, f"nginx -t: {test.stderr}"
-            self.stderr = open(os.path.join(self.work, "stderr.log"), "w")
-            self.proc = subprocess.Popen([self.binary, "-e", "stderr", "-p", self.work, "-c", config],
-                                         stdout=subprocess.DEVNULL, stderr=self.stderr)
-            if self._wait_listening():
-                self.address = f"127.0.0.1:{self.port}"
-                return
-            self.stop()
-        raise AssertionError(f"nginx did not start: {self.log()}")
-
-    def _wait_listening(self, timeout=10):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return True
-            except OSError:
-                time.sleep(0.05)
-        return False
-
-    def log(self):
-        text = ""
-        for name in ("stderr.log",):
-            path = os.path.join(self.work, name)
-            if os.path.exists(path):
-                with open(path) as f:
-                    text += f.read()
-        return text
-
-    def stop(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.stderr is not None:
-            self.stderr.close()
-            self.stderr = None
-
-    def cleanup(self):
-        self.stop()
-        shutil.rmtree(self.work, ignore_errors=True)
 
 
 def attnctl(*args, timeout=120):
@@ -258,15 +176,20 @@ class Balancing(unittest.TestCase):
                                      "--lb_policy=pick_first")
         self.assertEqual(sorted(counts), [0] * (REPLICAS - 1) + [self.CALLS])
 
-    def test_nginx_grpc_pass_spreads_calls_over_every_replica(self):
-        nginx = Nginx([r.address for r in self.replicas])
-        try:
-            self.assertEven(self.run_and_spread("nginx grpc_pass upstream", f"--target={nginx.address}"))
-            with open(os.path.join(nginx.work, "access.log")) as f:
-                proxied = [l for l in f if "/attnserve.v1.AttentionService/Attend" in l]
-            self.assertEqual(len(proxied), self.CALLS)
-        finally:
-            nginx.cleanup()
+    def test_haproxy_spreads_calls_over_every_replica_and_counts_each_replicas_calls(self):
+        with HAProxy(ARGS.repo, [r.address for r in self.replicas]) as proxy:
+            proxy.wait_replicas_up(REPLICAS)
+            before = [r.attend_counts(method=None).get("OK", 0) for r in self.replicas]
+            counts = self.run_and_spread("haproxy (deploy/haproxy/haproxy.cfg)", f"--target={proxy.address}")
+            self.assertEven(counts)
+            # HAProxy's own count of the calls each replica answered (its
+            # health checks are not HTTP requests) is each replica's count of
+            # the calls it answered OK, attnctl's GetModel included.
+            answered = proxy.server_counter("haproxy_server_http_responses_total", code="2xx")
+            served = [r.attend_counts(method=None).get("OK", 0) - b for r, b in zip(self.replicas, before)]
+            self.assertEqual([int(answered.get(f"replica{i + 1}", 0)) for i in range(REPLICAS)], served,
+                             proxy.metrics_text())
+            self.assertEqual(sum(served), self.CALLS + 1, "the calls and attnctl's one GetModel")
 
 
 class StopAReplicaMidRun(unittest.TestCase):
@@ -381,18 +304,19 @@ class StopAReplicaMidRun(unittest.TestCase):
             for r in replicas:
                 r.stop()
 
-    def test_behind_nginx_loses_no_call(self):
+    def test_behind_haproxy_loses_no_call(self):
         replicas = start_replicas()
-        nginx = None
+        proxy = None
         try:
-            nginx = Nginx([r.address for r in replicas])
-            code, out, unavailable = self.run_with_a_stop(
-                "nginx grpc_pass + client retries, SIGTERM", [f"--target={nginx.address}"], replicas)
-            self.assertEqual(code, 0, out + nginx.log())
+            proxy = HAProxy(ARGS.repo, [r.address for r in replicas])
+            proxy.wait_replicas_up(REPLICAS)
+            code, out, _ = self.run_with_a_stop(
+                "haproxy health checks + client retries, SIGTERM", [f"--target={proxy.address}"], replicas)
+            self.assertEqual(code, 0, out + proxy.log_text())
             self.assertIn(f"round trip over {self.CALLS} calls", out)
         finally:
-            if nginx is not None:
-                nginx.cleanup()
+            if proxy is not None:
+                proxy.cleanup()
             for r in replicas:
                 r.stop()
 
