@@ -1,11 +1,14 @@
 #!/usr/bin/python3
 """The deployment files, checked offline: yamllint over deploy/; the compose
-file through docker-compose's own validation and against the files it mounts;
+file through docker-compose's own validation and against the files it mounts,
+the front proxy the only published entry;
 the Kubernetes kustomizations (deploy/k8s: the base, each overlay, monitoring)
 rendered by `kubectl kustomize` (no cluster), and what they render parsed by
 kubectl and put through schema and consistency checks of our own (required
 fields and labels, selectors, probe and container ports, the shutdown budget,
-scrape configuration, the image and version); the PrometheusRule's groups
+scrape configuration, the image and version; the front proxy as the only
+way in, its ConfigMap equal to deploy/haproxy/haproxy.cfg, which `haproxy -c`
+accepts with the environment the Deployment gives it); the PrometheusRule's groups
 equal to the rules file and run through `promtool check rules` and the rules'
 unit tests; the dashboard ConfigMap equal to the dashboard; the alerts and the
 dashboard on the same classes of status codes; the in-cluster Prometheus
@@ -104,6 +107,59 @@ def project_version():
     return version
 
 
+HAPROXY_CONFIG = ("deploy", "haproxy", "haproxy.cfg")
+HAPROXY_DOCKERFILE = ("deploy", "haproxy", "Dockerfile")
+
+
+def haproxy_config_text():
+    with open(repo_path(*HAPROXY_CONFIG)) as f:
+        return f.read()
+
+
+def haproxy_settings():
+    """What deploy/haproxy/haproxy.cfg sets that the deployments must agree
+    with: the replicas' slots (server-template count), the calls in flight
+    per replica (default-server maxconn), hard-stop-after in seconds, the
+    default ports of its gRPC and stats listeners, and how long its health
+    checks may take to see a replica turn NOT_SERVING (fall checks every
+    inter, the last one taking up to timeout check)."""
+    text = haproxy_config_text()
+    slots = re.search(r"^\s*server-template \S+ 1-(\d+) ", text, re.M)
+    maxconn = re.search(r"^\s*default-server .*\bmaxconn (\d+)", text, re.M)
+    hard_stop = re.search(r"^\s*hard-stop-after (\d+)s$", text, re.M)
+    grpc_bind = re.search(r'bind "\$\{ATTNSERVE_PROXY_BIND-:(\d+)\}" proto h2', text)
+    stats_bind = re.search(r'bind "\$\{ATTNSERVE_PROXY_STATS_BIND-:(\d+)\}"', text)
+    inter = re.search(r"^\s*default-server .*\bcheck inter (\d+)s fall (\d+)\b", text, re.M)
+    check_timeout = re.search(r"^\s*timeout check (\d+)s$", text, re.M)
+    assert slots and maxconn and hard_stop and grpc_bind and stats_bind and inter and check_timeout, \
+        "haproxy.cfg changed shape"
+    return {"slots": int(slots.group(1)), "maxconn": int(maxconn.group(1)),
+            "hard_stop_after": int(hard_stop.group(1)), "grpc_port": int(grpc_bind.group(1)),
+            "stats_port": int(stats_bind.group(1)),
+            "detection_seconds": int(inter.group(1)) * int(inter.group(2)) + int(check_timeout.group(1))}
+
+
+def haproxy_check(env):
+    """`haproxy -c` of the shipped config with `env` (ATTNSERVE_* variables)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSERVE_")}
+    return subprocess.run(["haproxy", "-c", "-f", repo_path(*HAPROXY_CONFIG)], capture_output=True,
+                          text=True, timeout=120, env=dict(clean, **env))
+
+
+def proxy_dockerfile():
+    """(FROM image, EXPOSEd ports, USER, STOPSIGNAL, ENTRYPOINT, RUN text) of
+    deploy/haproxy/Dockerfile."""
+    with open(repo_path(*HAPROXY_DOCKERFILE)) as f:
+        text = re.sub(r"\\\n", " ", f.read())
+    froms = re.findall(r"^FROM (\S+)", text, re.M)
+    exposed = {int(p) for line in re.findall(r"^EXPOSE (.*)$", text, re.M) for p in line.split()}
+    user = re.findall(r"^USER (\S+)", text, re.M)[-1]
+    stop = re.findall(r"^STOPSIGNAL (\S+)", text, re.M)[-1]
+    entrypoint = json.loads(re.search(r"^ENTRYPOINT (\[.*\])$", text, re.M).group(1))
+    runs = " ".join(re.findall(r"^RUN (.*)$", text, re.M))
+    return froms, exposed, user, stop, entrypoint, runs
+
+
 def image_is_pinned(image):
     name = image.split("@")[0]
     tag = name.rsplit(":", 1)[1] if ":" in name.split("/")[-1] else None
@@ -181,16 +237,66 @@ class Compose(unittest.TestCase):
                               env=dict(os.environ, DOCKER_HOST="unix:///nonexistent.sock"))
         self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
 
-    def test_services_are_attnserve_prometheus_and_grafana_with_pinned_images(self):
-        self.assertEqual(set(self.services), {"attnserve", "prometheus", "grafana"})
+    def published(self, service):
+        """[(host address or "", host port, container port)] a service publishes."""
+        out = []
+        for p in self.services[service].get("ports", []):
+            parts = str(p).split("/")[0].split(":")
+            host_ip = parts[0] if len(parts) == 3 else ""
+            out.append((host_ip, int(parts[-2]) if len(parts) > 1 else None, int(parts[-1])))
+        return out
+
+    def test_services_are_the_proxy_attnserve_prometheus_and_grafana_with_pinned_images(self):
+        self.assertEqual(set(self.services), {"haproxy", "attnserve", "prometheus", "grafana"})
         for name, service in self.services.items():
             self.assertTrue(image_is_pinned(service["image"]), f"{name}: {service['image']}")
-        self.assertEqual(image_tag(self.services["attnserve"]["image"]), project_version(),
-                         "compose tags the image it builds with the project's VERSION")
-        build = self.services["attnserve"]["build"]
-        context = os.path.normpath(os.path.join(self.dir, build["context"]))
-        self.assertTrue(os.path.isfile(os.path.join(context, build.get("dockerfile", "Dockerfile"))))
-        self.assertEqual(os.path.realpath(context), os.path.realpath(ARGS.repo))
+        for name, context_dir in [("attnserve", ARGS.repo), ("haproxy", repo_path("deploy", "haproxy"))]:
+            self.assertEqual(image_tag(self.services[name]["image"]), project_version(),
+                             f"compose tags the {name} image it builds with the project's VERSION")
+            build = self.services[name]["build"]
+            context = os.path.normpath(os.path.join(self.dir, build["context"]))
+            self.assertTrue(os.path.isfile(os.path.join(context, build.get("dockerfile", "Dockerfile"))))
+            self.assertEqual(os.path.realpath(context), os.path.realpath(context_dir), name)
+
+    def test_the_proxy_is_the_only_published_grpc_entry_and_attnserve_publishes_nothing(self):
+        grpc, metrics, _, _ = server_settings(self.services["attnserve"].get("command"))
+        self.assertEqual(self.services["attnserve"].get("ports", []), [], "attnserve must not be published")
+        proxy = haproxy_settings()
+        env = self.services["haproxy"]["environment"]
+        bind_port = port_of(env.get("ATTNSERVE_PROXY_BIND", f":{proxy['grpc_port']}"))
+        self.assertEqual([(h, c) for h, _, c in self.published("haproxy")], [("", bind_port)],
+                         "the proxy publishes its gRPC listener, and only it")
+        for name in ("prometheus", "grafana"):
+            for host_ip, _, _ in self.published(name):
+                self.assertEqual(host_ip, "127.0.0.1", f"{name} is published beyond this machine")
+        # The proxy finds the replicas by the service name, on their gRPC port.
+        self.assertEqual(env["ATTNSERVE_REPLICAS_DNS"], f"attnserve:{grpc}")
+        self.assertTrue(self.container_port("attnserve", grpc))
+        self.assertIn("attnserve", self.services["haproxy"]["depends_on"])
+
+    def test_the_proxy_runs_the_shipped_config_from_debians_haproxy_and_stops_gracefully(self):
+        froms, exposed, user, stop, entrypoint, runs = proxy_dockerfile()
+        self.assertEqual(len(froms), 1)
+        self.assertRegex(froms[0], r"^debian:12(-slim)?$")
+        self.assertRegex(runs, r"apt-get install -y( -qq)? --no-install-recommends haproxy\b")
+        self.assertIn("HAProxy version 2\\.6\\.", runs, "the image checks it got Debian 12's 2.6")
+        self.assertNotIn(user.split(":")[0], ("root", "0"))
+        self.assertEqual(stop, "SIGUSR1")
+        self.assertEqual(entrypoint[:2], ["/usr/sbin/haproxy", "-db"])
+        config_in_image = entrypoint[entrypoint.index("-f") + 1]
+        proxy = haproxy_settings()
+        env = self.services["haproxy"]["environment"]
+        self.assertLessEqual({port_of(env["ATTNSERVE_PROXY_BIND"]), port_of(env["ATTNSERVE_PROXY_STATS_BIND"])},
+                             exposed)
+        mounts = {t: (s, ro) for s, t, ro in self.bind_mounts("haproxy")}
+        self.assertIn(config_in_image, mounts, "the shipped config is mounted where the image reads it")
+        self.assertEqual(os.path.realpath(mounts[config_in_image][0]), os.path.realpath(repo_path(*HAPROXY_CONFIG)))
+        self.assertTrue(mounts[config_in_image][1])
+        self.assertEqual(self.services["haproxy"].get("stop_signal"), "SIGUSR1")
+        self.assertGreater(seconds(self.services["haproxy"]["stop_grace_period"]), proxy["hard_stop_after"])
+        done = haproxy_check({k: str(v) for k, v in env.items()})
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        self.assertNotIn("WARNING", done.stdout + done.stderr)
 
     def test_attnserve_ports_match_its_flags_and_the_image(self):
         grpc, metrics, lame_duck, drain = server_settings(self.services["attnserve"].get("command"))
@@ -200,6 +306,8 @@ class Compose(unittest.TestCase):
         self.assertTrue(self.container_port("attnserve", metrics))
         self.assertGreaterEqual(seconds(self.services["attnserve"]["stop_grace_period"]),
                                 lame_duck + drain + SHUTDOWN_MARGIN_SECONDS)
+        self.assertGreaterEqual(lame_duck, haproxy_settings()["detection_seconds"],
+                                "the lame duck must outlast the proxy's health checks' detection")
 
     def test_every_bind_mount_source_exists(self):
         for name in self.services:
@@ -257,7 +365,10 @@ class Compose(unittest.TestCase):
 
 K8S = ("deploy", "k8s")
 # Each kustomization under deploy/k8s: the kinds it renders.
-WORKLOAD_KINDS = {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy"}
+# The workload: attnserve and its front proxy (whose configuration is a
+# ConfigMap generated from deploy/haproxy/haproxy.cfg).
+WORKLOAD_KINDS = {"Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy",
+                  "ConfigMap"}
 KUSTOMIZATIONS = {
     "base": WORKLOAD_KINDS,
     "overlays/model-repository": WORKLOAD_KINDS | {"PersistentVolumeClaim"},
@@ -419,32 +530,38 @@ class Kustomizations(unittest.TestCase):
                         self.assertIn(part, node, f"{what}: {path}")
                         node = node[part]
 
-    def test_the_images_entry_sets_the_image_of_this_version_and_the_version_label_follows_its_tag(self):
-        entries = kustomization("base")["images"]
-        self.assertEqual(len(entries), 1)
-        self.assertEqual(str(entries[0]["newTag"]), project_version(), "the image's tag is the project's VERSION")
-        with open(k8s_path("base", "deployment.yaml")) as f:
-            raw = yaml.safe_load(f)["spec"]["template"]["spec"]["containers"][0]["image"]
-        self.assertEqual(entries[0]["name"], raw, "the images: entry must name the container's image")
-        for name in ("base", "overlays/model-repository"):
-            deployment = [o for (k, _), o in render(k8s_path(name)).items() if k == "Deployment"][0]
-            image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
-            self.assertEqual(image, f"{entries[0].get('newName', raw)}:{entries[0]['newTag']}", name)
-            self.assertTrue(image_is_pinned(image), image)
-            for labels in (deployment["metadata"]["labels"], deployment["spec"]["template"]["metadata"]["labels"]):
-                self.assertEqual(str(labels["app.kubernetes.io/version"]), image_tag(image), name)
-            self.assertNotIn("app.kubernetes.io/version", deployment["spec"]["selector"]["matchLabels"],
-                             "a selector must not change with the version")
+    def test_the_images_entries_set_the_images_of_this_version_and_the_version_labels_follow_their_tags(self):
+        entries = {e["name"]: e for e in kustomization("base")["images"]}
+        files = {"attnserve": "deployment.yaml", "attnserve-proxy": "proxy-deployment.yaml"}
+        self.assertEqual(set(entries), set(files), "one images: entry per Deployment's image")
+        for deployment_name, file in files.items():
+            entry = entries[deployment_name]
+            self.assertEqual(str(entry["newTag"]), project_version(), "the images' tag is the project's VERSION")
+            with open(k8s_path("base", file)) as f:
+                raw = yaml.safe_load(f)["spec"]["template"]["spec"]["containers"][0]["image"]
+            self.assertEqual(entry["name"], raw, "the images: entry must name the container's image")
+            for name in ("base", "overlays/model-repository"):
+                deployment = render(k8s_path(name))[("Deployment", deployment_name)]
+                image = deployment["spec"]["template"]["spec"]["containers"][0]["image"]
+                self.assertEqual(image, f"{entry.get('newName', raw)}:{entry['newTag']}", name)
+                self.assertTrue(image_is_pinned(image), image)
+                for labels in (deployment["metadata"]["labels"],
+                               deployment["spec"]["template"]["metadata"]["labels"]):
+                    self.assertEqual(str(labels["app.kubernetes.io/version"]), image_tag(image), name)
+                self.assertNotIn("app.kubernetes.io/version", deployment["spec"]["selector"]["matchLabels"],
+                                 "a selector must not change with the version")
 
     def test_what_kustomize_edit_set_image_writes_moves_the_image_to_a_registry(self):
         # `kustomize edit set image attnserve=REGISTRY/attnserve:TAG` writes
         # newName and newTag into the base's images: entry; do the same to a copy.
         work = tempfile.mkdtemp(prefix="attnserve-kustomize-")
         try:
-            copy = os.path.join(work, "base")
+            # The same layout: the base includes ../../haproxy.
+            copy = os.path.join(work, "k8s", "base")
             shutil.copytree(k8s_path("base"), copy)
+            shutil.copytree(repo_path("deploy", "haproxy"), os.path.join(work, "haproxy"))
             config = kustomization("base")
-            config["images"] = [{"name": config["images"][0]["name"], "newName": "registry.invalid/team/attnserve",
+            config["images"] = [{"name": "attnserve", "newName": "registry.invalid/team/attnserve",
                                  "newTag": "9.8.7"}]
             with open(os.path.join(copy, "kustomization.yaml"), "w") as f:
                 yaml.safe_dump(config, f)
@@ -468,15 +585,26 @@ class Workload:
         cls.pod_labels = cls.pod["metadata"]["labels"]
         cls.container = cls.pod["spec"]["containers"][0]
         cls.ports = {p["name"]: p["containerPort"] for p in cls.container["ports"]}
+        cls.proxy = cls.one("Deployment", "proxy")
+        cls.proxy_pod = cls.proxy["spec"]["template"]
+        cls.proxy_container = cls.proxy_pod["spec"]["containers"][0]
+        cls.proxy_ports = {p["name"]: p["containerPort"] for p in cls.proxy_container["ports"]}
 
     @classmethod
-    def one(cls, kind):
-        found = [o for (k, _), o in cls.objects.items() if k == kind]
-        assert len(found) == 1, f"{len(found)} {kind}s"
+    def one(cls, kind, component="server"):
+        """The one object of `kind` labelled with `component` (attnserve's
+        "server", the front proxy's "proxy")."""
+        found = [o for (k, _), o in cls.objects.items()
+                 if k == kind and o["metadata"]["labels"].get("app.kubernetes.io/component") == component]
+        assert len(found) == 1, f"{len(found)} {kind}s of {component}"
         return found[0]
 
     def all(self, kind):
         return [o for (k, _), o in self.objects.items() if k == kind]
+
+    def selects(self, selector, pod_labels):
+        labels = selector.get("matchLabels", selector)
+        return bool(labels) and all(pod_labels.get(k) == v for k, v in labels.items())
 
     def assertSelects(self, selector, what):
         labels = selector.get("matchLabels", selector) if isinstance(selector, dict) else {}
@@ -540,19 +668,24 @@ class Workload:
         self.assertLessEqual(readiness["periodSeconds"] * readiness.get("failureThreshold", 3),
                              pre_stop + lame_duck)
 
-    def test_services_select_the_pods_a_headless_one_for_client_side_balancing(self):
-        services = {s["metadata"]["name"]: s for s in self.all("Service")}
-        headless = [s for s in services.values() if s["spec"].get("clusterIP") == "None"]
-        cluster_ip = [s for s in services.values() if s["spec"].get("clusterIP") != "None"]
-        self.assertEqual(len(headless), 1)
-        self.assertEqual(len(cluster_ip), 1)
-        self.assertEqual(cluster_ip[0]["spec"].get("type", "ClusterIP"), "ClusterIP")
-        for name, s in services.items():
-            self.assertSelects(s["spec"]["selector"], f"Service/{name}")
-            for p in s["spec"]["ports"]:
+    def test_the_replicas_have_only_a_headless_service_and_the_entry_is_the_proxys(self):
+        proxy_labels = self.proxy_pod["metadata"]["labels"]
+        to_replicas = [s for s in self.all("Service") if self.selects(s["spec"]["selector"], self.pod_labels)]
+        to_proxy = [s for s in self.all("Service") if self.selects(s["spec"]["selector"], proxy_labels)]
+        self.assertEqual(len(to_replicas) + len(to_proxy), len(self.all("Service")), "a Service selects nothing")
+        # The replicas: one headless Service, for the proxy to resolve.
+        self.assertEqual(len(to_replicas), 1)
+        self.assertEqual(to_replicas[0]["spec"].get("clusterIP"), "None")
+        # The entry: one Service with a cluster IP, in front of the proxy pods.
+        self.assertEqual(len(to_proxy), 1)
+        self.assertNotEqual(to_proxy[0]["spec"].get("clusterIP"), "None")
+        self.assertEqual(to_proxy[0]["metadata"]["name"], "attnserve", "clients keep the address attnserve:PORT")
+        for service, ports in [(to_replicas[0], self.ports), (to_proxy[0], self.proxy_ports)]:
+            name = service["metadata"]["name"]
+            for p in service["spec"]["ports"]:
                 target = p.get("targetPort", p["port"])
-                self.assertIn(target, list(self.ports) + list(self.ports.values()), f"Service/{name}")
-                self.assertEqual(self.ports.get(target, target), self.ports["grpc"])
+                self.assertIn(target, list(ports) + list(ports.values()), f"Service/{name}")
+                self.assertEqual(ports.get(target, target), ports["grpc"], f"Service/{name}")
                 self.assertEqual(p.get("appProtocol"), "kubernetes.io/h2c")
 
     def test_hpa_scales_the_deployment_and_keeps_room_for_the_pdb(self):
@@ -573,7 +706,7 @@ class Workload:
         else:
             self.assertLess(int(pdb["minAvailable"]), hpa["minReplicas"])
 
-    def test_network_policy_lets_only_prometheus_reach_the_metrics_port(self):
+    def test_network_policy_lets_only_the_proxy_reach_grpc_and_only_prometheus_the_metrics_port(self):
         policy = self.one("NetworkPolicy")["spec"]
         self.assertSelects(policy["podSelector"], "NetworkPolicy")
         self.assertIn("Ingress", policy["policyTypes"])
@@ -584,6 +717,15 @@ class Workload:
                 self.assertIn(port, self.ports.values(), f"NetworkPolicy port {p['port']}")
                 opened.setdefault(port, []).append(rule.get("from"))
         self.assertIn(self.ports["grpc"], opened)
+        # gRPC only from the proxy's pods: the proxy is the only way in.
+        proxy_labels = self.proxy_pod["metadata"]["labels"]
+        for sources in opened[self.ports["grpc"]]:
+            self.assertTrue(sources, "the gRPC port is open to every pod, around the proxy")
+            for peer in sources:
+                self.assertNotIn("namespaceSelector", peer)
+                self.assertNotIn("ipBlock", peer)
+                self.assertTrue(self.selects(peer["podSelector"], proxy_labels), peer)
+                self.assertFalse(self.selects(peer["podSelector"], self.pod_labels), peer)
         for sources in opened[self.ports["metrics"]]:
             self.assertTrue(sources, "the metrics port is open to every pod")
             for peer in sources:
@@ -596,6 +738,100 @@ class Workload:
         self.assertEqual(annotations["prometheus.io/scrape"], "true")
         self.assertEqual(int(annotations["prometheus.io/port"]), self.ports["metrics"])
         self.assertEqual(annotations["prometheus.io/path"], "/metrics")
+
+    # --- the front proxy
+
+    def proxy_env(self):
+        """{name: value} of the proxy container's plain environment values,
+        and {name: fieldPath} of those taken from the pod."""
+        env = self.proxy_container["env"]
+        return ({e["name"]: e["value"] for e in env if "value" in e},
+                {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in env if "valueFrom" in e})
+
+    def test_the_proxy_runs_the_shipped_config_from_the_configmap_generated_from_it(self):
+        _, _, _, _, entrypoint, _ = proxy_dockerfile()
+        config_in_image = entrypoint[entrypoint.index("-f") + 1]
+        mounts = {m["name"]: m for m in self.proxy_container["volumeMounts"]}
+        volumes = {v["name"]: v for v in self.proxy_pod["spec"]["volumes"]}
+        [(name, mount)] = [(n, m) for n, m in mounts.items() if m["mountPath"] == os.path.dirname(config_in_image)]
+        self.assertTrue(mount["readOnly"])
+        config_map = self.objects[("ConfigMap", volumes[name]["configMap"]["name"])]
+        self.assertEqual(config_map["data"], {os.path.basename(config_in_image): haproxy_config_text()},
+                         "the ConfigMap is deploy/haproxy/haproxy.cfg, unchanged")
+        self.assertRegex(config_map["metadata"]["name"], r"^attnserve-proxy-[a-z0-9]+$",
+                         "a hashed name: a changed configuration rolls the proxy pods")
+
+    def test_the_proxy_finds_the_replicas_through_the_headless_service_and_its_config_checks(self):
+        values, fields = self.proxy_env()
+        self.assertEqual(fields.get("POD_NAMESPACE"), "metadata.namespace")
+        names = [e["name"] for e in self.proxy_container["env"]]
+        self.assertLess(names.index("POD_NAMESPACE"), names.index("ATTNSERVE_REPLICAS_DNS"),
+                        "$(POD_NAMESPACE) expands only a variable defined before it")
+        grpc, _, _, _ = server_settings(self.container["args"])
+        [headless] = [s for s in self.all("Service") if s["spec"].get("clusterIP") == "None"]
+        self.assertEqual(values["ATTNSERVE_REPLICAS_DNS"],
+                         f"{headless['metadata']['name']}.$(POD_NAMESPACE).svc.cluster.local:{grpc}",
+                         "HAProxy's resolvers need the full name (no search domains)")
+        self.assertTrue(self.selects(headless["spec"]["selector"], self.pod_labels))
+        env = {k: v.replace("$(POD_NAMESPACE)", "serving") for k, v in values.items()}
+        done = haproxy_check(env)
+        self.assertEqual(done.returncode, 0, done.stdout + done.stderr)
+        self.assertNotIn("WARNING", done.stdout + done.stderr)
+
+    def test_the_proxy_ports_probes_and_shutdown_fit_its_config_and_image(self):
+        values, _ = self.proxy_env()
+        proxy = haproxy_settings()
+        _, exposed, user, _, _, _ = proxy_dockerfile()
+        self.assertEqual(self.proxy_ports, {"grpc": port_of(values["ATTNSERVE_PROXY_BIND"]),
+                                            "stats": port_of(values["ATTNSERVE_PROXY_STATS_BIND"])})
+        self.assertNotIn("metrics", self.proxy_ports, "the scrape configs keep ports named metrics for attnserve")
+        self.assertLessEqual(set(self.proxy_ports.values()), exposed)
+        self.assertEqual(self.proxy_container["readinessProbe"]["httpGet"]["path"], "/ready")
+        self.assertEqual(self.proxy_container["livenessProbe"]["httpGet"]["path"], "/alive")
+        for probe in ("readinessProbe", "livenessProbe"):
+            port = self.proxy_container[probe]["httpGet"]["port"]
+            self.assertEqual(self.proxy_ports.get(port, port), self.proxy_ports["stats"], probe)
+        text = haproxy_config_text()
+        self.assertRegex(text, r"(?m)^\s*monitor-uri /ready$")
+        self.assertRegex(text, r"(?m)^\s*http-request return status 200 .* if \{ path /alive \}$")
+        pre_stop = float(self.proxy_container["lifecycle"]["preStop"]["exec"]["command"][1])
+        self.assertGreaterEqual(self.proxy_pod["spec"]["terminationGracePeriodSeconds"],
+                                pre_stop + proxy["hard_stop_after"] + SHUTDOWN_MARGIN_SECONDS)
+        security = self.proxy_pod["spec"]["securityContext"]
+        self.assertTrue(security["runAsNonRoot"])
+        self.assertEqual(str(security["runAsUser"]), user.split(":")[0])
+        self.assertTrue(self.proxy_container["securityContext"]["readOnlyRootFilesystem"])
+        self.assertEqual(self.proxy_container["securityContext"]["capabilities"]["drop"], ["ALL"])
+        self.assertGreaterEqual(self.proxy["spec"]["replicas"], 2)
+        pdb = self.one("PodDisruptionBudget", "proxy")["spec"]
+        self.assertTrue(self.selects(pdb["selector"], self.proxy_pod["metadata"]["labels"]))
+        self.assertLess(int(pdb["maxUnavailable"]), self.proxy["spec"]["replicas"])
+
+    def test_the_proxy_has_a_slot_per_replica_and_queues_before_a_replica_sheds(self):
+        proxy = haproxy_settings()
+        hpa = self.one("HorizontalPodAutoscaler")["spec"]
+        self.assertGreaterEqual(proxy["slots"], hpa["maxReplicas"], "server-template slots < maxReplicas")
+        flags = flag_values(self.container["args"])
+        self.assertLessEqual(proxy["maxconn"], int(flags["max_queued_requests"]),
+                             "the proxy would send a replica more calls than it queues")
+        _, _, lame_duck, _ = server_settings(self.container["args"])
+        self.assertGreaterEqual(lame_duck, proxy["detection_seconds"],
+                                "the lame duck must outlast the proxy's health checks' detection")
+
+    def test_the_proxy_network_policy_opens_grpc_and_only_prometheus_reaches_its_stats(self):
+        policy = self.one("NetworkPolicy", "proxy")["spec"]
+        self.assertTrue(self.selects(policy["podSelector"], self.proxy_pod["metadata"]["labels"]))
+        opened = {}
+        for rule in policy["ingress"]:
+            self.assertTrue(rule.get("ports"), "an ingress rule without ports opens every port")
+            for p in rule["ports"]:
+                opened.setdefault(self.proxy_ports.get(p["port"], p["port"]), []).append(rule.get("from"))
+        self.assertEqual(set(opened), {self.proxy_ports["grpc"], self.proxy_ports["stats"]})
+        self.assertEqual(opened[self.proxy_ports["grpc"]], [None], "gRPC from anywhere: the entry")
+        for sources in opened[self.proxy_ports["stats"]]:
+            self.assertTrue(sources)
+            for peer in sources:
+                self.assertEqual(peer["podSelector"]["matchLabels"], {"app.kubernetes.io/name": "prometheus"})
 
 
 class Base(Workload, unittest.TestCase):
@@ -628,7 +864,7 @@ class ModelRepositoryOverlay(Workload, unittest.TestCase):
         base = render(k8s_path("base"))
         self.assertEqual(set(self.objects) - set(base), {("PersistentVolumeClaim", "attnserve-models")})
         for key, obj in base.items():
-            if key[0] != "Deployment":
+            if key != ("Deployment", "attnserve"):
                 self.assertEqual(self.objects[key], obj, key)
         ours = json.loads(json.dumps(self.deployment))
         pod = ours["spec"]["template"]["spec"]
