@@ -12,7 +12,8 @@ Frobenius error <= 1e-5 against the weights the checkpoint holds (for FP16 and
 BF16 checkpoints: the rounded weights, which the server converts exactly).
 
 Then: corrupt checkpoints each fail their model with a reason while the
-others answer; LoadModel/UnloadModel/ListModels through attnctl with an admin
+others answer (among them a well-formed one declaring 208 GiB of weights, over
+--max_model_bytes: the server starts and lives); LoadModel/UnloadModel/ListModels through attnctl with an admin
 token; and the load time of a BERT-base-sized layer (printed).
 
 Usage: model_repository_test.py --server PATH/attnserve --attnctl PATH/attnctl --proto_dir REPO/proto
@@ -47,6 +48,33 @@ def rounded(array, dtype):
     if dtype == "BF16":
         return bf16_round(array)
     return array
+
+
+# A Llama layer of a plausible configuration whose checkpoint declares 208 GiB
+# of weights as FP32 (q_proj.weight and o_proj.weight [393216, 65536], 96 GiB
+# each), and the bytes the server counts for it (its zero biases included).
+HUGE_CONFIG = {"layout": "llama", "prefix": "model.layers.0.self_attn.", "d_model": 65536,
+               "num_heads": 96, "num_kv_heads": 8, "head_dim": 4096}
+HUGE_SHAPES = {"q_proj.weight": [393216, 65536], "k_proj.weight": [32768, 65536],
+               "v_proj.weight": [32768, 65536], "o_proj.weight": [65536, 393216]}
+HUGE_FP32_BYTES = 4 * (sum(r * c for r, c in HUGE_SHAPES.values()) + 393216 + 2 * 32768 + 65536)
+DEFAULT_MAX_MODEL_BYTES = 4 << 30  # --max_model_bytes' default
+
+
+def write_sparse_safetensors(path, tensors):
+    """A well-formed safetensors file whose header declares `tensors` (name ->
+    (dtype, shape)), extended to the size the header needs without writing
+    the data (a sparse file: no disk blocks)."""
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = int(np.prod(shape)) * {"F32": 4, "BF16": 2, "F16": 2}[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        f.truncate(8 + len(text) + offset)
 
 
 def write_model(repo, name, config, tensors):
@@ -204,6 +232,7 @@ class ModelRepositoryTest(unittest.TestCase):
             "c_mis_shaped": (data, dict(config, d_model=64, num_heads=4),
                              "'h.5.attn.c_attn.weight' has shape [32, 96]; the head configuration needs [64, 192]"),
             "c_missing": (data, dict(config, prefix="h.6.attn."), "no tensor named 'h.6.attn.c_attn.weight'"),
+            "c_huge": (None, HUGE_CONFIG, f"over --max_model_bytes ({DEFAULT_MAX_MODEL_BYTES} bytes"),
         }
         for name, (blob, cfg, _) in cases.items():
             folder = os.path.join(cls.repo, name)
@@ -213,6 +242,8 @@ class ModelRepositoryTest(unittest.TestCase):
             path = os.path.join(folder, "model.safetensors")
             if name == "c_bad_dtype":
                 write_safetensors(path, {"h.5.attn.c_attn.weight": (b"\0" * 16, "F99", [4])})
+            elif name == "c_huge":
+                write_sparse_safetensors(path, {cfg["prefix"] + n: ("F32", shape) for n, shape in HUGE_SHAPES.items()})
             elif name == "c_int_dtype":
                 write_safetensors(path, {"h.5.attn.c_attn.weight": (b"\0" * (32 * 96 * 4), "I32", [32, 96]),
                                          "h.5.attn.c_attn.bias": (np.zeros(96), "F32"),
@@ -273,6 +304,27 @@ class ModelRepositoryTest(unittest.TestCase):
                 self.assertEqual(e.exception.code(), self.grpc.StatusCode.FAILED_PRECONDITION)
                 self.assertIn(reason, e.exception.details())
                 self.assertEqual(self.attend("gpt2", x).output.shape, [1, 2, 32])
+
+    def test_a_checkpoint_declaring_96_gib_fails_its_model_and_the_server_lives(self):
+        """The 208 GiB model was in the repository at start-up: the server
+        started, the model is FAILED with the bytes it needs and the limit,
+        nothing near its size was ever resident, and a LoadModel of it at run
+        time answers the same while the other models serve."""
+        pb = self.pb
+        info = self.stub.GetModel(pb.GetModelRequest(name="c_huge"), metadata=self.md(), timeout=60)
+        self.assertEqual(info.state, pb.MODEL_STATE_FAILED)
+        self.assertIn(f"take {HUGE_FP32_BYTES} bytes as FP32", info.failure_reason)
+        self.assertIn(f"over --max_model_bytes ({DEFAULT_MAX_MODEL_BYTES} bytes", info.failure_reason)
+        with self.assertRaises(self.grpc.RpcError) as e:
+            self.stub.LoadModel(pb.LoadModelRequest(name="c_huge"), metadata=self.md(ADMIN_TOKEN), timeout=60)
+        self.assertEqual(e.exception.code(), self.grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn(f"take {HUGE_FP32_BYTES} bytes as FP32", e.exception.details())
+        self.assertIsNone(self.server.proc.poll(), "attnserve exited")
+        x = (self.rng.standard_normal((1, 3, 64)) * 0.5).astype(np.float32)
+        self.assertEqual(self.attend("llama_gqa", x).output.shape, [1, 3, 64])
+        peak_kib = self.server.memory_kib()["VmHWM"]
+        print(f"  attnserve peak RSS with the 208 GiB model refused: {peak_kib / 1024:.0f} MiB", file=sys.stderr)
+        self.assertLess(peak_kib, 1 << 20, "peak RSS passed 1 GiB")
 
     def attnctl(self, *args, token=ADMIN_TOKEN):
         token_file = os.path.join(self.tmp, "admin_token" if token == ADMIN_TOKEN else "user_token")
