@@ -14,7 +14,7 @@ BUILD_PKGS=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev prometheus-cpp-dev
-  zlib1g-dev libssl-dev nlohmann-json3-dev
+  zlib1g-dev libssl-dev nlohmann-json3-dev libjemalloc-dev
 )
 # Libraries only the tests and benchmarks link (ATTNSERVE_BUILD_TESTS=ON).
 TEST_BUILD_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev)
@@ -24,18 +24,21 @@ TEST_BUILD_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev)
 # Prometheus' own server and promtool check the metrics, the scrape config and
 # the alert rules (python3-yaml derives the test's scrape config).
 # The deployment checks: yamllint and docker-compose (`config` validates the
-# compose file offline) lint deploy/, nginx balances gRPC over local replicas,
-# kubectl renders the Kubernetes manifests offline. stress-ng keeps every core
-# busy while deploy/test.sh runs the server tests once more.
+# compose file offline) lint deploy/, HAProxy (the front proxy the deployment
+# ships) balances gRPC over local replicas, kubectl renders the Kubernetes
+# manifests offline. stress-ng keeps every core busy while deploy/test.sh runs
+# the server tests once more. python3-h2 and nghttp2-client (h2load) are the
+# hostile-client suite's tools.
 TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-torch libopenblas0
-  prometheus python3-yaml yamllint nginx docker-compose openssl stress-ng)
+  prometheus python3-yaml yamllint docker-compose openssl stress-ng
+  haproxy python3-h2 nghttp2-client)
 # Debian's kubectl, unless a kubectl is installed already: another package's
 # /usr/bin/kubectl (e.g. the Google Cloud SDK's) conflicts with it.
 if ! command -v kubectl > /dev/null; then TEST_PKGS+=(kubernetes-client); fi
 # What the built binaries load (deploy/check_runtime_deps.sh proves the list
 # complete against ldd).
 RUNTIME_PKGS=(libgrpc++1.51 libgrpc29 libprotobuf32 libdnnl2 libabsl20220623 libgomp1
-  libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0)
+  libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libjemalloc2)
 # Fuzzing (deploy/fuzz.sh) needs clang: libclang-rt-14-dev holds libFuzzer
 # (libclang_rt.fuzzer) and clang's ASan/UBSan runtimes; libomp-14-dev is what
 # clang -fopenmp links (FindOpenMP fails without it). CI does not fuzz.
@@ -67,8 +70,8 @@ SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 echo "install_deps.sh: installing ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
-# Test peers (nginx, Prometheus) are started by the tests themselves: keep
-# their packages from starting system services (nginx would take port 80), as
+# Test peers (HAProxy, Prometheus) are started by the tests themselves: keep
+# their packages from starting system services (HAProxy would take its ports), as
 # container images do, unless the machine already has a policy of its own.
 POLICY=/usr/sbin/policy-rc.d
 if [ ! -e "$POLICY" ]; then

@@ -1,13 +1,16 @@
 #include "server/attn_server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include <grpc/grpc.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
@@ -27,6 +30,22 @@ absl::Status CheckRange(absl::string_view flag, int64_t value, int64_t min, int6
   if (value >= min && value <= max) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("--", flag, ": ", value, " is outside [", min, ", ", max, "]"));
+}
+
+// The end of a drain: how long calls cut short get to answer, and how long
+// answers still leaving get once the server stops listening.
+constexpr absl::Duration kCutShortWait = absl::Seconds(5);
+constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
+// How long no call may have arrived before the server stops listening.
+constexpr absl::Duration kQuietPeriod = absl::Milliseconds(250);
+
+// Transport limits beyond the options (SECURITY.md says why each).
+constexpr absl::Duration kHandshakeTimeout = absl::Seconds(10);
+constexpr int kMaxMetadataBytes = 16 * 1024;
+
+// Seconds as the int milliseconds of a channel argument (at most ~24 days).
+int ClampedMilliseconds(int64_t seconds) {
+  return static_cast<int>(std::min<int64_t>(seconds, std::numeric_limits<int>::max() / 1000) * 1000);
 }
 
 // Start-up queues at most this many loads at once (below ModelLoaderOptions'
@@ -52,6 +71,32 @@ absl::Status WarmUp(const Model& model, ComputeExecutor& executor) {
   }));
   done.WaitForNotification();
   return status;
+}
+
+// The transport's defences (SECURITY.md, "Hostile clients"): the HTTP/2 and
+// connection limits of the options, a resource quota that bounds the bytes
+// gRPC buffers for all connections, and no SO_REUSEPORT, so that a second
+// instance on a busy port fails to start instead of taking part of its
+// traffic.
+void ApplyConnectionLimits(const ServerOptions& options, grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_concurrent_streams);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS,
+                             ClampedMilliseconds(options.max_connection_idle_seconds));
+  if (options.max_connection_age_seconds > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               ClampedMilliseconds(options.max_connection_age_seconds));
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               ClampedMilliseconds(options.max_connection_age_grace_seconds));
+  }
+  // A connection that has not finished its TLS handshake and sent its HTTP/2
+  // settings by then is closed (gRPC's default is 120 s).
+  builder.AddChannelArgument(GRPC_ARG_SERVER_HANDSHAKE_TIMEOUT_MS,
+                             static_cast<int>(absl::ToInt64Milliseconds(kHandshakeTimeout)));
+  builder.AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
+  grpc::ResourceQuota quota("attnserve-transport");
+  quota.Resize(static_cast<size_t>(options.max_transport_bytes));
+  builder.SetResourceQuota(quota);
 }
 
 }  // namespace
@@ -89,6 +134,29 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--drain_timeout_seconds: ", options.drain_timeout_seconds, " is outside [0, 3600]"));
   }
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckRange("max_model_bytes", options.max_model_bytes, int64_t{1} << 20, int64_t{1} << 44));
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckRange("max_concurrent_streams", options.max_concurrent_streams, 1, 1 << 20));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_connection_idle_seconds",
+                                       options.max_connection_idle_seconds, 1, int64_t{1} << 30));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_connection_age_seconds",
+                                       options.max_connection_age_seconds, 0, int64_t{1} << 30));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_connection_age_grace_seconds",
+                                       options.max_connection_age_grace_seconds, 0,
+                                       int64_t{1} << 30));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_transport_bytes", options.max_transport_bytes,
+                                       int64_t{16} << 20, int64_t{1} << 44));
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckRange("min_open_files", options.min_open_files, 0, int64_t{1} << 30));
+  if (!(options.watchdog_interval_seconds >= 0 && options.watchdog_interval_seconds <= 3600)) {
+    return absl::InvalidArgumentError(absl::StrCat("--watchdog_interval_seconds: ",
+                                                   options.watchdog_interval_seconds,
+                                                   " is outside [0, 3600]"));
+  }
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("watchdog_failures", options.watchdog_failures, 1, 1000));
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckRange("max_rss_bytes", options.max_rss_bytes, 0, int64_t{1} << 46));
   if (options.listen_address.empty()) {
     return absl::InvalidArgumentError("--listen_address: required (host:port)");
   }
@@ -138,11 +206,13 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   builder.AddListeningPort(options.listen_address, credentials, &server->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_receive_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_send_message_bytes));
+  ApplyConnectionLimits(options, builder);
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("--listen_address: cannot listen on '", options.listen_address, "'"));
+    return absl::UnavailableError(absl::StrCat(
+        "--listen_address: cannot listen on '", options.listen_address,
+        "' (is another process, perhaps another attnserve, serving on that port?)"));
   }
   // gRPC's health service says SERVING from the start; it must not until the
   // models are loaded and warm.
@@ -156,6 +226,7 @@ void AttnServer::SetHealth(bool serving) {
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   health->SetServingStatus("", serving);
   health->SetServingStatus(v1::AttentionService::service_full_name(), serving);
+  metrics_->SetServing(serving);
 }
 
 absl::Status AttnServer::LoadModelsAndServe() {
@@ -225,16 +296,30 @@ void AttnServer::Shutdown() {
     service_->set_state(AttentionServiceImpl::State::kDraining);
     const absl::Time drain_deadline = absl::Now() + absl::Seconds(options_.drain_timeout_seconds);
     absl::SleepFor(absl::Seconds(options_.lame_duck_seconds));
-    // 2. Calls in flight finish (up to the drain timeout).
+    // 2. Calls in flight finish (up to the drain timeout); those still
+    //    running then stop and answer UNAVAILABLE (retryable), never CANCELLED.
     if (!service_->WaitForIdle(drain_deadline)) {
-      LogLine("drain timeout: cancelling the calls still in flight");
+      LogLine("drain timeout: the calls still in flight stop and answer UNAVAILABLE");
+      service_->CutShortCallsInFlight();
+      service_->WaitForIdle(absl::Now() + kCutShortWait);
+    }
+    // gRPC 1.51 ends a call whose request is still arriving when the server
+    // stops with CANCELLED, which clients do not retry. Stop once calls have
+    // stopped coming (the proxies and balancers have seen NOT_SERVING), or
+    // at the drain timeout.
+    if (!service_->WaitForQuiet(kQuietPeriod, drain_deadline)) {
+      LogLine("drain timeout: calls still arriving; those whose requests are still in transit "
+              "end CANCELLED");
     }
     // 3. Loads: the one in progress finishes, queued ones answer UNAVAILABLE,
     //    so no LoadModel call is left unfinished when the server stops.
     if (loader_ != nullptr) loader_->Shutdown();
-    // 4. Stop: a moment to flush finished calls' responses, then streams still
-    //    open (health Watch) and anything left are cancelled.
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+    // 4. Stop: GOAWAY (clients send new calls elsewhere); calls that arrived
+    //    since step 2 have been answered UNAVAILABLE and get kShutdownGrace for
+    //    their answers to leave, then what is left (health Watch streams) is
+    //    cancelled.
+    server_->GetHealthCheckService()->Shutdown();
+    server_->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
   }
   // Loads finish before the executor their warm-up runs on stops.
   if (loader_ != nullptr) loader_->Shutdown();  // idempotent

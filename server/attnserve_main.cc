@@ -3,9 +3,11 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,11 +23,14 @@
 #include "cli/command_line.h"
 #include "core/runtime_info.h"
 #include "server/attn_server.h"
+#include "server/process_guard.h"
 #include "server/common/server_options.h"
 #include "server/observability/log.h"
 
 namespace {
 const attnserve::server::ServerOptions kDefaults;
+// The watchdog stopped the server (see --watchdog_interval_seconds).
+constexpr int kExitWatchdog = 3;
 
 constexpr char kUsage[] = R"(attnserve: serves multi-head attention over gRPC
 (attnserve.v1.AttentionService, grpc.health.v1.Health, server reflection).
@@ -34,7 +39,9 @@ Usage: attnserve [--listen_address=0.0.0.0:50051] [flags]
 Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish,
 and the process exits 0.
 Exit status: 0 after a stop by signal (and for --help, --version); 1 when the
-server cannot start or load its models; 2 for a mistake on the command line.
+server cannot start or load its models; 2 for a mistake on the command line;
+3 when the watchdog stopped it (the gRPC port no longer accepted connections,
+or memory stayed over --max_rss_bytes): its supervisor should restart it.
 OpenMP threads sleep between requests (OMP_WAIT_POLICY=PASSIVE) unless the
 environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT.)";
 
@@ -103,6 +110,32 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
           "and # comments ignored): every AttentionService call then needs 'authorization: "
           "Bearer <token>' (health and reflection stay open)");
 
+ABSL_FLAG(int64_t, max_model_bytes, kDefaults.max_model_bytes,
+          "Most bytes of weights one repository model may hold, as its checkpoint's header declares "
+          "them (checked before reading); a model over it is FAILED while the others serve");
+ABSL_FLAG(int, max_concurrent_streams, kDefaults.max_concurrent_streams,
+          "Most calls open at once on one client connection (HTTP/2 streams)");
+ABSL_FLAG(int64_t, max_connection_idle_seconds, kDefaults.max_connection_idle_seconds,
+          "A connection with no call open for this long is closed");
+ABSL_FLAG(int64_t, max_connection_age_seconds, kDefaults.max_connection_age_seconds,
+          "A connection is closed after this long (its calls get "
+          "--max_connection_age_grace_seconds to finish); 0: no age limit");
+ABSL_FLAG(int64_t, max_connection_age_grace_seconds, kDefaults.max_connection_age_grace_seconds,
+          "How long the calls of a connection closed for its age may take to finish");
+ABSL_FLAG(int64_t, max_transport_bytes, kDefaults.max_transport_bytes,
+          "Most bytes gRPC's transport may buffer for all connections together (resource quota)");
+ABSL_FLAG(int64_t, min_open_files, kDefaults.min_open_files,
+          "Start-up raises the open-file limit (RLIMIT_NOFILE) to its hard limit and refuses to "
+          "start when that is below this");
+ABSL_FLAG(double, watchdog_interval_seconds, kDefaults.watchdog_interval_seconds,
+          "How often the watchdog checks that the gRPC port still accepts connections and that "
+          "memory is within --max_rss_bytes; 0: no watchdog");
+ABSL_FLAG(int, watchdog_failures, kDefaults.watchdog_failures,
+          "Failed watchdog checks in a row after which the server turns NOT_SERVING and exits "
+          "non-zero (exit code 3) for its supervisor to restart it");
+ABSL_FLAG(int64_t, max_rss_bytes, kDefaults.max_rss_bytes,
+          "Resident memory above which the watchdog counts a failed check; 0: no bound");
+
 ABSL_FLAG(std::string, model_repository, "",
           "Folder of models (one subfolder each: config.json and safetensors weights; README "
           "'Model repository'): all are loaded at start-up, LoadModel/UnloadModel manage them. "
@@ -161,6 +194,16 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
   options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
+  options.max_model_bytes = absl::GetFlag(FLAGS_max_model_bytes);
+  options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  options.max_connection_idle_seconds = absl::GetFlag(FLAGS_max_connection_idle_seconds);
+  options.max_connection_age_seconds = absl::GetFlag(FLAGS_max_connection_age_seconds);
+  options.max_connection_age_grace_seconds = absl::GetFlag(FLAGS_max_connection_age_grace_seconds);
+  options.max_transport_bytes = absl::GetFlag(FLAGS_max_transport_bytes);
+  options.min_open_files = absl::GetFlag(FLAGS_min_open_files);
+  options.watchdog_interval_seconds = absl::GetFlag(FLAGS_watchdog_interval_seconds);
+  options.watchdog_failures = absl::GetFlag(FLAGS_watchdog_failures);
+  options.max_rss_bytes = absl::GetFlag(FLAGS_max_rss_bytes);
   return options;
 }
 
@@ -199,6 +242,14 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   using attnserve::server::LogLine;
+  // Before any thread starts: many client connections must not run the
+  // process out of descriptors.
+  const absl::StatusOr<int64_t> open_files =
+      attnserve::server::RaiseOpenFileLimit(options.min_open_files);
+  if (!open_files.ok()) {
+    LogLine(absl::StrCat("cannot start: ", open_files.status().message()));
+    return cli::kExitFailure;
+  }
   // What runs, as --version and attnserve_build_info say it.
   const attnserve::core::RuntimeInfo runtime = attnserve::core::GetRuntimeInfo();
   LogLine(absl::StrCat("attnserve ", cli::Version(), " (revision ", cli::Revision(), ", ",
@@ -211,7 +262,8 @@ int main(int argc, char** argv) {
     return cli::kExitFailure;
   }
   LogLine(absl::StrCat("listening on port ", (*server)->port(), " (", options.listen_address,
-                       "); health NOT_SERVING until the models are loaded"));
+                       "); health NOT_SERVING until the models are loaded; open-file limit ",
+                       *open_files));
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
   LogLine(absl::StrCat("OpenMP wait policy ", wait_policy != nullptr ? wait_policy : "(libgomp default)",
                        std::getenv("GOMP_SPINCOUNT") != nullptr
@@ -251,16 +303,48 @@ int main(int argc, char** argv) {
   LogLine(absl::StrCat("SERVING (", absl::FormatDuration(absl::Now() - process_start),
                        " after start)"));
 
+  // The watchdog ends a server that can no longer serve (exit 3), so that its
+  // supervisor restarts it; a stop signal ends it as usual (exit 0).
+  absl::Notification tripped;
+  std::string trip_reason;  // written before tripped is notified
+  std::atomic<bool> stopping{false};  // a trip after the stop began is ignored
+  std::unique_ptr<attnserve::server::Watchdog> watchdog;
+  if (options.watchdog_interval_seconds > 0) {
+    watchdog = std::make_unique<attnserve::server::Watchdog>(attnserve::server::WatchdogOptions{
+        .host = attnserve::server::ProbeHost(options.listen_address),
+        .port = (*server)->port(),
+        .interval = absl::Seconds(options.watchdog_interval_seconds),
+        .failures = options.watchdog_failures,
+        .max_rss_bytes = options.max_rss_bytes,
+        .on_trip =
+            [&](const std::string& reason) {
+              if (stopping.load()) return;
+              trip_reason = reason;
+              tripped.Notify();
+            },
+    });
+  }
+  const timespec poll = {.tv_sec = 0, .tv_nsec = 100 * 1000 * 1000};
   int signal_number = 0;
-  sigwait(&stop_signals, &signal_number);
-  LogLine(absl::StrCat("received ", strsignal(signal_number),
-                       ": NOT_SERVING, draining calls in flight (a second signal stops at once)"));
+  while (!tripped.HasBeenNotified()) {
+    signal_number = sigtimedwait(&stop_signals, nullptr, &poll);
+    if (signal_number > 0) break;
+  }
+  stopping.store(true);
+  const bool by_watchdog = tripped.HasBeenNotified();
+  if (by_watchdog) {
+    LogLine(absl::StrCat("watchdog: ", trip_reason, ": NOT_SERVING, draining calls in flight, then "
+                         "exiting with status ", kExitWatchdog));
+  } else {
+    LogLine(absl::StrCat("received ", strsignal(signal_number),
+                         ": NOT_SERVING, draining calls in flight (a second signal stops at once)"));
+  }
   absl::Notification stopped;
   std::thread drain([&] {
     (*server)->Shutdown();
+    watchdog.reset();  // its probes would fail from here on
     stopped.Notify();
   });
-  const timespec poll = {.tv_sec = 0, .tv_nsec = 100 * 1000 * 1000};
   while (!stopped.HasBeenNotified()) {
     if (sigtimedwait(&stop_signals, nullptr, &poll) > 0) {
       LogLine("second stop signal: exiting without draining");
@@ -269,5 +353,5 @@ int main(int argc, char** argv) {
   }
   drain.join();
   LogLine("stopped");
-  return 0;
+  return by_watchdog ? kExitWatchdog : cli::kExitOk;
 }

@@ -129,7 +129,8 @@ struct AttentionServiceImpl::AttendJob final : ScheduledWork {
     deadline = DeadlineOf(*context);
   }
 
-  bool IsCancelled() const override { return context->IsCancelled(); }
+  bool IsCancelled() const override { return context->IsCancelled() || CutShort(); }
+  bool CutShort() const { return service->cut_short_.load(std::memory_order_relaxed); }
   void Skip(absl::Status status) override {
     reactor->Dequeued(absl::Now() - enqueued);
     service->metrics_->OnSkipped(absl::IsDeadlineExceeded(status)
@@ -137,8 +138,15 @@ struct AttentionServiceImpl::AttendJob final : ScheduledWork {
                                      : Metrics::SkipReason::kCancelled);
     Finish(status);
   }
-  // Finishes the call with `status` (serializing the response when OK).
+  // Finishes the call with `status` (serializing the response when OK). A
+  // call the drain stopped answers UNAVAILABLE, as a call refused during the
+  // drain does: the client's retry policy sends it elsewhere.
   void Finish(absl::Status status) {
+    if (absl::IsCancelled(status) && CutShort() && !context->IsCancelled()) {
+      status = absl::UnavailableError(
+          "the server is shutting down: the call was stopped before it finished; retry on another "
+          "replica");
+    }
     if (status.ok()) {
       bool own_buffer = false;
       const grpc::Status serialized = grpc::SerializationTraits<v1::AttendResponse>::Serialize(
@@ -175,7 +183,7 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
   auto should_stop = [&jobs] {
     const absl::Time now = absl::Now();
     for (const AttendJob* job : jobs) {
-      if (now < job->deadline && !job->context->IsCancelled()) return false;
+      if (now < job->deadline && !job->IsCancelled()) return false;
     }
     return true;
   };
@@ -291,6 +299,7 @@ void AttentionServiceImpl::set_state(State state) {
 
 absl::Status AttentionServiceImpl::BeginCall() {
   absl::MutexLock lock(&mu_);
+  last_arrival_ = absl::Now();
   switch (state_) {
     case State::kStarting:
       return absl::UnavailableError("the server is starting: models are loading; retry");
@@ -306,6 +315,25 @@ absl::Status AttentionServiceImpl::BeginCall() {
 void AttentionServiceImpl::EndCall() {
   absl::MutexLock lock(&mu_);
   --in_flight_;
+}
+
+bool AttentionServiceImpl::WaitForQuiet(absl::Duration quiet, absl::Time deadline) {
+  while (true) {
+    absl::Time quiet_at;
+    {
+      absl::MutexLock lock(&mu_);
+      quiet_at = last_arrival_ + quiet;
+    }
+    const absl::Time now = absl::Now();
+    if (now >= quiet_at) return true;
+    if (now >= deadline) return false;
+    absl::SleepFor(std::min(quiet_at, deadline) - now);
+  }
+}
+
+void AttentionServiceImpl::CutShortCallsInFlight() {
+  cut_short_.store(true, std::memory_order_relaxed);
+  scheduler_->StopWaiting();  // queued calls are swept now, not after a batching delay
 }
 
 bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {

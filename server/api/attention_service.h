@@ -2,6 +2,7 @@
 #define ATTNSERVE_SERVER_API_ATTENTION_SERVICE_H_
 
 #include <cstdint>
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -65,6 +66,15 @@ class AttentionServiceImpl final
   // True when idle.
   bool WaitForIdle(absl::Time deadline);
 
+  // Waits until no Attend call has arrived (admitted or refused) for `quiet`,
+  // or until `deadline`. True when quiet.
+  bool WaitForQuiet(absl::Duration quiet, absl::Time deadline);
+
+  // The end of a drain: admitted calls still queued or computing stop (before
+  // their next compute stage) and answer UNAVAILABLE, which clients retry on
+  // another replica. Irreversible; the server is shutting down.
+  void CutShortCallsInFlight();
+
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const grpc::ByteBuffer* request_bytes,
                                    grpc::ByteBuffer* response_bytes) override;
@@ -109,9 +119,13 @@ class AttentionServiceImpl final
   struct AttendJob;
   void RunBatch(std::vector<std::unique_ptr<ScheduledWork>> batch, const BatchInfo& info);
 
+  // CutShortCallsInFlight() was called.
+  std::atomic<bool> cut_short_{false};
+
   absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_arrival_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Used only on the compute executor, which runs one batch at a time.
   LayerCache layer_cache_;
   // Where every model's forwards compute (made on the first batch). Its

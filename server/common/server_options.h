@@ -81,6 +81,33 @@ struct ServerOptions {
   // their estimates; a request that does not fit beside the admitted ones is
   // RESOURCE_EXHAUSTED (retry later), one larger than all of it INVALID_ARGUMENT.
   int64_t max_inflight_bytes = int64_t{6} << 30;
+  // Most bytes a repository model's weights may take (as the checkpoint's
+  // header declares them, checked before anything is read or allocated); a
+  // model over it is FAILED with that reason while the others serve.
+  int64_t max_model_bytes = int64_t{4} << 30;
+  // The hostile-network defences (SECURITY.md, "What the hostile-client suite
+  // shows"). Most concurrent calls on one HTTP/2 connection.
+  int max_concurrent_streams = 100;
+  // A connection with no call open for this long is closed (GOAWAY).
+  int64_t max_connection_idle_seconds = 300;
+  // A connection is closed after this long, open calls given
+  // max_connection_age_grace_seconds to finish; 0: no age limit.
+  int64_t max_connection_age_seconds = 0;
+  int64_t max_connection_age_grace_seconds = 30;
+  // Bytes gRPC's transport may hold for all connections together (its
+  // resource quota: read buffers, flow-control windows).
+  int64_t max_transport_bytes = int64_t{1} << 30;
+  // The start-up raises the soft RLIMIT_NOFILE to the hard limit and refuses
+  // to start when it stays below this many.
+  int64_t min_open_files = 4096;
+  // The watchdog: every watchdog_interval_seconds it opens a connection to
+  // the gRPC port; when `watchdog_failures` probes in a row get no answer (the
+  // listener no longer accepts), or the process' RSS stays above
+  // max_rss_bytes (0: no bound) as long, health turns NOT_SERVING and the
+  // process exits non-zero so that its supervisor restarts it. 0: no watchdog.
+  double watchdog_interval_seconds = 5;
+  int watchdog_failures = 3;
+  int64_t max_rss_bytes = 0;
 };
 
 // The attnserve binary's default --metrics_address. Not Prometheus' own 9090:

@@ -152,7 +152,8 @@ absl::string_view RpcMethodName(RpcMethod method) {
 
 Metrics::Metrics()
     : registry_(std::make_shared<prometheus::Registry>()),
-      process_(std::make_shared<ProcessCollector>()) {}
+      process_(std::make_shared<ProcessCollector>()),
+      readiness_(std::make_shared<prometheus::Registry>()) {}
 
 Metrics::~Metrics() {
   if (exposer_ == nullptr) return;
@@ -257,6 +258,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
             {"cpu_isa", runtime.cpu_isa}})
       .Set(1);
 
+  m->serving_ = &prometheus::BuildGauge()
+                    .Name("attnserve_serving")
+                    .Help("1 while the server serves (health SERVING); 0 while it starts or drains.")
+                    .Register(*m->readiness_)
+                    .Add({});
+
   for (RpcMethod method : kMethods) {
     for (absl::StatusCode code : ExpectedCodes(method)) {
       m->requests_->Add({{"method", std::string(RpcMethodName(method))}, {"code", CodeName(code)}});
@@ -278,6 +285,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
     }
     m->exposer_->RegisterCollectable(m->registry_);
     m->exposer_->RegisterCollectable(m->process_);
+    m->exposer_->RegisterCollectable(m->readiness_);
+    m->exposer_->RegisterCollectable(m->readiness_, "/ready");
     const std::vector<int> ports = m->exposer_->GetListeningPorts();
     if (ports.empty()) {
       return absl::UnavailableError(
@@ -380,8 +389,13 @@ void Metrics::OnComputed(absl::string_view model, absl::string_view kernel_path,
       .Increment(static_cast<double>(compute.attention_map_bytes));
 }
 
+void Metrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }
+
 std::string Metrics::TextExposition() const {
   std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (prometheus::MetricFamily& family : readiness_->Collect()) {
+    families.push_back(std::move(family));
+  }
   for (prometheus::MetricFamily& family : process_->Collect()) {
     families.push_back(std::move(family));
   }

@@ -65,6 +65,12 @@ class Metrics {
   // endpoint.
   int port() const { return port_; }
 
+  // attnserve_serving: 1 while the server serves (health SERVING), 0 while it
+  // starts or drains. Besides /metrics, the endpoint serves it alone at
+  // /ready, small enough for a proxy's health check to read it on every
+  // check (deploy/haproxy/haproxy.cfg expects "attnserve_serving 1").
+  void SetServing(bool serving);
+
   // Makes `name` a model label: creates its series (at 0) and its
   // attnserve_model_info series. Adding a name again does nothing.
   void AddModel(absl::string_view name, const core::HeadConfig& config);
@@ -121,6 +127,8 @@ class Metrics {
   // Constant after Create.
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<ProcessCollector> process_;
+  std::shared_ptr<prometheus::Registry> readiness_;  // attnserve_serving alone
+  prometheus::Gauge* serving_ = nullptr;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string address_;  // as given; empty without an endpoint
   int port_ = 0;

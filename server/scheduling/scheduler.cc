@@ -83,6 +83,11 @@ int64_t Scheduler::queue_depth() const {
   return static_cast<int64_t>(queue_.size());
 }
 
+void Scheduler::StopWaiting() {
+  absl::MutexLock lock(&mu_);
+  stop_waiting_ = true;
+}
+
 int64_t Scheduler::reserved_bytes() const {
   absl::MutexLock lock(&mu_);
   return reserved_bytes_;
@@ -150,7 +155,7 @@ void Scheduler::Drain() {
         const ScheduledWork& head = *queue_.front();
         const bool batchable = batching && head.batch_key != 0 &&
                                head.tokens < options_.max_batch_tokens;
-        if (batchable && options_.max_queue_delay > absl::ZeroDuration() &&
+        if (batchable && !stop_waiting_ && options_.max_queue_delay > absl::ZeroDuration() &&
             JoinableTokensLocked() < options_.max_batch_tokens) {
           // Wait for more of its kind, up to the delay; then start over (the
           // queue may have changed meanwhile).
@@ -162,7 +167,7 @@ void Scheduler::Drain() {
             // then starts with what is queued.
             const ScheduledWork* const waiting = &head;
             auto full = [this, waiting]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-              return queue_.empty() || queue_.front().get() != waiting ||
+              return stop_waiting_ || queue_.empty() || queue_.front().get() != waiting ||
                      JoinableTokensLocked() >= options_.max_batch_tokens;
             };
             mu_.AwaitWithDeadline(absl::Condition(&full), until);

@@ -116,6 +116,12 @@ class Scheduler {
   //   UNAVAILABLE         the executor is shutting down
   absl::Status Submit(std::unique_ptr<ScheduledWork> work);
 
+  // Ends waiting for batch-mates, now and from here on: a batch waiting for
+  // more requests starts (or, when its requests were cancelled meanwhile, is
+  // skipped) at once. The server calls it when it stops its calls in flight
+  // at the end of a drain.
+  void StopWaiting();
+
   // Requests admitted and not yet started.
   int64_t queue_depth() const;
   // Bytes reserved by requests queued or running.
@@ -146,6 +152,8 @@ class Scheduler {
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // A Drain task is queued on or running on the executor.
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  // StopWaiting() was called.
+  bool stop_waiting_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace attnserve::server
