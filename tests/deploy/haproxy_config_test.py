@@ -16,7 +16,9 @@ Debian's HAProxy 2.6:
     connect); a replica in its lame duck, alive and listening but NOT_SERVING,
     is taken out within the config's detection time;
   - the per-client limits are in effect: HAProxy announces the configured
-    streams per connection, and refuses the connection past the configured
+    streams per connection, refuses a header block larger than its buffer
+    before the backend (a request within the limits gets the backend's 503:
+    its one replica is down), and refuses the connection past the configured
     count from one address while another address still connects.
 
 Usage: haproxy_config_test.py --server PATH/attnserve --repo REPO
@@ -310,6 +312,41 @@ class ClientLimits(unittest.TestCase):
                     settings = e.changed_settings
         self.assertIsNotNone(settings, "no SETTINGS from the proxy")
         self.assertEqual(settings[h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS].new_value, limit)
+
+    def call(self, extra_headers):
+        """One gRPC-shaped request through the proxy with python3-h2; returns
+        the :status answered, or the event that ended it instead (a stream
+        reset, the connection ended)."""
+        client = h2.connection.H2Connection()
+        client.initiate_connection()
+        s = socket.create_connection(("127.0.0.1", self.proxy.port), timeout=10)
+        self.sockets.append(s)
+        client.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "attnserve"),
+                                (":path", "/attnserve.v1.AttentionService/Attend"),
+                                ("content-type", "application/grpc"), ("te", "trailers"), *extra_headers])
+        client.send_data(1, b"\0\0\0\0\0", end_stream=True)
+        s.sendall(client.data_to_send())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            data = s.recv(65536)
+            if not data:
+                return "connection closed"
+            for e in client.receive_data(data):
+                if isinstance(e, h2.events.ResponseReceived) and e.stream_id == 1:
+                    return dict(e.headers)[b":status"].decode()
+                if isinstance(e, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                    return type(e).__name__
+            s.sendall(client.data_to_send())
+        return "no answer"
+
+    def test_a_header_block_past_the_buffer_is_refused_at_the_proxy(self):
+        bufsize = int(re.search(r"(?m)^\s*tune\.bufsize (\d+)$", config_text()).group(1))
+        # The control: a request within the limits goes on to the backend,
+        # whose one replica is down: 503 from the proxy.
+        self.assertEqual(self.call([("x-small", "a" * 100)]), "503")
+        outcome = self.call([("x-large", "a" * bufsize)])
+        self.assertIn(outcome, {"400", "431", "StreamReset", "ConnectionTerminated", "connection closed"},
+                      "a header block over tune.bufsize must not reach the backend")
 
     def test_connections_past_the_limit_from_one_address_are_refused_and_other_addresses_connect(self):
         limit = int(re.search(r"tcp-request connection reject if \{ sc0_conn_cur gt (\d+) \}",
