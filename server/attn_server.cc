@@ -183,7 +183,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
                                          .queue_capacity = options.max_queued_requests}));
   if (!options.model_repository.empty()) {
     ATTNSERVE_ASSIGN_OR_RETURN(server->repository_,
-                               ModelRepository::Create(options.model_repository));
+                               ModelRepository::Create(options.model_repository,
+                                                       {.max_model_bytes = options.max_model_bytes}));
     AttnServer* self = server.get();
     server->loader_ = std::make_unique<ModelLoader>(
         server->repository_.get(), &server->registry_,
