@@ -19,6 +19,7 @@ overruns. Attacks:
   metrics_huge_headers HTTP/1.1 requests to /metrics with a header of several MiB
 """
 import argparse
+import ipaddress
 import json
 import resource
 import select
@@ -59,8 +60,11 @@ def idle_flood(a):
     limit = raise_open_file_limit(a.connections + 64)
     count = min(a.connections, limit - 64)
     sockets = []
-    for _ in range(count):
+    for i in range(count):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if a.source:  # spread over a.sources loopback addresses from a.source on
+            base = ipaddress.ip_address(a.source)
+            s.bind((str(base + i % a.sources), 0))
         s.setblocking(False)
         s.connect_ex((a.host, a.port))
         sockets.append(s)
@@ -132,7 +136,8 @@ def rapid_reset(a):
                         if reconnects > 100:
                             return
                     try:
-                        conn = RawConnection(a.host, a.port, send_timeout=1.0, connect_timeout=2.0)
+                        conn = RawConnection(a.host, a.port, send_timeout=1.0, connect_timeout=2.0,
+                                             source=a.source)
                     except OSError:
                         with lock:
                             totals["connect_errors"] += 1
@@ -146,8 +151,11 @@ def rapid_reset(a):
                     conn.send(template)
                     streams += batch
                     next_id += 2 * batch
+                except socket.timeout:
+                    stalls += 1  # the server has not read for a second
                 except OSError:
-                    stalls += 1  # the server stopped reading for a second, or closed
+                    conn.closed.set()  # the server closed the connection: a new one
+                    continue
                 t_next += batch / per_connection
                 now = time.monotonic()
                 if t_next > now:
@@ -196,7 +204,8 @@ def slow_bodies(a):
                "closed_by_server": 0, "answered": answers}
     for c in range(-(-a.streams // a.streams_per_connection)):
         check_loopback(a.host)
-        sock = socket.create_connection((a.host, a.port), timeout=5)
+        sock = socket.create_connection((a.host, a.port), timeout=5,
+                                        source_address=(a.source, 0) if a.source else None)
         sock.settimeout(5)
         conn = h2.connection.H2Connection(config=config)
         conn.initiate_connection()
@@ -293,7 +302,7 @@ def _send_header_block(a, stream_frames, what):
     a.seconds pass, then waits for the server's answer until a.seconds pass
     (or the connection closes). Returns what was sent and seen."""
     end = time.monotonic() + a.seconds
-    conn = RawConnection(a.host, a.port, send_timeout=1.0)
+    conn = RawConnection(a.host, a.port, send_timeout=1.0, source=a.source)
     sent_frames, stalls, started = 0, 0, time.monotonic()
     try:
         pending = None
@@ -306,8 +315,10 @@ def _send_header_block(a, stream_frames, what):
                 conn.send(pending)
                 sent_frames += 1
                 pending = None
-            except OSError:
+            except socket.timeout:
                 stalls += 1  # the server has not read for a second
+            except OSError:
+                break  # the server closed the connection
         send_seconds = time.monotonic() - started
         # What the server does about it: RST_STREAM, GOAWAY or closing, or nothing.
         while time.monotonic() < end and not (conn.closed.is_set() or conn.resets or conn.goaway):
@@ -483,8 +494,13 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("attack", choices=sorted(ATTACKS))
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--source", default="",
+                        help="loopback address to connect from (e.g. 127.0.0.2, apart from the "
+                             "good client's 127.0.0.1)")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--sources", type=int, default=1,
+                        help="idle_flood: connect from this many addresses, --source and the next")
     parser.add_argument("--connections", type=int, default=2)
     parser.add_argument("--rate", type=float, default=4000, help="rapid_reset: streams/s in all")
     parser.add_argument("--streams", type=int, default=32)
@@ -498,6 +514,9 @@ def main():
     parser.add_argument("--requests", type=int, default=16)
     a = parser.parse_args()
     check_loopback(a.host)
+    if a.source:
+        check_loopback(a.source)
+        check_loopback(str(ipaddress.ip_address(a.source) + a.sources - 1))
     summary = ATTACKS[a.attack](a)
     print(json.dumps(summary), flush=True)
 

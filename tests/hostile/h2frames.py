@@ -103,9 +103,11 @@ class RawConnection:
     send_timeout seconds or has closed the connection. Not for concurrent
     senders beyond its lock's serialization."""
 
-    def __init__(self, host, port, send_timeout=5.0, connect_timeout=5.0, initial_window=None):
+    def __init__(self, host, port, send_timeout=5.0, connect_timeout=5.0, initial_window=None,
+                 source=""):
         check_loopback(host)
-        self.sock = socket.create_connection((host, port), timeout=connect_timeout)
+        self.sock = socket.create_connection((host, port), timeout=connect_timeout,
+                                             source_address=(source, 0) if source else None)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.settimeout(send_timeout)
         self._lock = threading.Lock()

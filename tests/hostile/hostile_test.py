@@ -6,18 +6,19 @@
 Each attack gets a fresh server (loopback, free ports, an open-file limit of
 its own) and runs for a bounded time and count from its own process
 (attacks.py). Meanwhile a separate well-behaved client (good_client.py) calls
-at a fixed rate -- Attend, or GET /metrics for the metrics-port attacks --
-and this process samples the server's VmRSS and open fds (/proc/PID/status,
-/proc/PID/fd) every 50 ms. After the attack it waits for recovery: good calls
-succeed again (5 in a row, each on a new connection) and RSS and fds are back
-within bounds; then an "after" window of good calls, then SIGTERM.
+at a fixed rate -- Attend on a new connection every second, or GET /metrics
+for the metrics-port attacks -- and this process samples the server's VmRSS
+and open fds (/proc/PID/status, /proc/PID/fd) every 50 ms. After the attack
+it waits for recovery: 5 good calls in a row succeed, and RSS and fds are
+back within bounds; then an "after" window of good calls, then SIGTERM.
 
 An attack passes when the server either
-  - stayed alive: peak RSS within 1.5x its idle RSS plus the budget the test
-    configures (--max_inflight_bytes + --max_transport_bytes), peak fds within
-    its idle fds plus the attack's connections plus 64, recovered within the
-    recovery wait, 95% of the good calls after recovery OK, fds back near idle,
-    and SIGTERM then exits 0 within the lame-duck plus drain time (+10 s); or
+  - stayed alive: peak RSS within 1.5x its idle RSS plus the in-flight budget
+    the test configures (--max_inflight_bytes; the transport's quota,
+    --max_transport_bytes, is set below it), peak fds within its idle fds
+    plus the attack's connections plus 64, recovered within the recovery
+    wait, 95% of the good calls after recovery OK, fds back near idle, and
+    SIGTERM then exits 0 within the lame-duck plus drain time (+10 s); or
   - exited with the watchdog's code 3 (the listener stopped accepting, or RSS
     passed --max_rss_bytes) for its supervisor to restart it,
 and never "alive but deaf". The short form (the default; CTest hostile_short)
@@ -44,6 +45,8 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+PROXY_RUNNER = os.path.join(REPO, "tests", "deploy", "haproxy_runner.py")
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 from harness import generate_stubs, wait_serving  # noqa: E402
 
@@ -59,8 +62,11 @@ class Scale:
     def __init__(self, full):
         self.full = full
         self.nofile = 4096 if full else 1024
-        self.inflight_bytes = (1 << 30) if full else 128 * MIB
-        self.transport_bytes = 256 * MIB if full else 128 * MIB
+        # The RSS bound is 1.5 x idle + the in-flight budget; the transport's
+        # quota is set well below that budget (bodies still arriving are held
+        # there, and admitted requests are not, so no attack here has both).
+        self.inflight_bytes = (1 << 30) if full else 256 * MIB
+        self.transport_bytes = 256 * MIB if full else 64 * MIB
         self.good_rate = 20 if full else 10
         # The full form measures OK rates, so a call is late after 2 s; the
         # short form asserts none and only needs calls to end eventually.
@@ -76,10 +82,14 @@ class Attack:
     kind of good call measured beside it, and what the server needs for it."""
 
     def __init__(self, name, label, seconds, args=(), kind="grpc", connections=2,
-                 server_flags=(), token=False, program=None):
+                 server_flags=(), token=False, program=None, direct_peak_bounded=True):
         self.name, self.label, self.seconds, self.args = name, label, seconds, list(args)
         self.kind, self.connections, self.server_flags = kind, connections, list(server_flags)
         self.token, self.program = token, program
+        # False where the peak of a direct attack is gRPC's alone to bound (a
+        # flaw of Debian's gRPC 1.51 that no option of ours reaches): the peak
+        # is reported, and RSS must come back within the bound (recovery).
+        self.direct_peak_bounded = direct_peak_bounded
 
     def command(self, server):
         if self.program is not None:
@@ -104,8 +114,11 @@ def attacks(scale):
         Attack("idle_flood", f"idle TCP connections: {flood} against an fd limit of {scale.nofile}",
                20 if full else 4, ["--connections", str(flood)], connections=flood),
         Attack("rapid_reset",
-               f"HTTP/2 rapid reset: 2 connections, {'5000' if full else '3000'} streams/s",
-               10 if full else 3, ["--connections", "2", "--rate", "5000" if full else "3000"]),
+               f"HTTP/2 rapid reset: 2 connections, {'15000' if full else '5000'} streams/s",
+               15 if full else 4, ["--connections", "2", "--rate", "15000" if full else "5000"],
+               # CVE-2023-44487, unpatched in gRPC 1.51: a server short of CPU
+               # falls behind the resets and its memory grows meanwhile.
+               direct_peak_bounded=False),
         Attack("slow_bodies",
                f"slow bodies: {slow[1]} streams declaring 60 MiB, {slow[3]} MiB sent each",
                15 if full else 5, slow, connections=8),
@@ -119,9 +132,8 @@ def attacks(scale):
                f"CONTINUATION flood: {'16' if full else '4'} MiB, header block never ended",
                20 if full else 5, ["--size_mib", "16" if full else "4"], connections=1),
         Attack("metrics_slowloris",
-               f"/metrics slowloris: {'128' if full else '32'} connections, a header line/s each",
-               20 if full else 5, ["--connections", "128" if full else "32"], kind="metrics",
-               connections=128 if full else 32),
+               "/metrics slowloris: 128 connections, a header line/s each",
+               20 if full else 5, ["--connections", "128"], kind="metrics", connections=128),
         Attack("metrics_huge_headers",
                f"/metrics huge headers: {'16' if full else '4'} MiB header line, 4 at a time",
                20 if full else 5,
@@ -316,32 +328,97 @@ def codes_of(calls):
     return ", ".join(f"{n} {c}" for c, n in counts.most_common(3))
 
 
-def run_attack(attack, path, scale, binary, stubs, health):
-    """Runs one attack and returns its row (a dict), the verdict included."""
-    import grpc
-    seed = random.randrange(2**63)
+def server_command_flags(attack, scale, binary, seed, token_file):
     flags = ["--listen_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
              f"--builtin_model_seed={seed}", f"--max_inflight_bytes={scale.inflight_bytes}",
              f"--max_transport_bytes={scale.transport_bytes}", f"--min_open_files={scale.nofile}",
              "--watchdog_interval_seconds=1", "--watchdog_failures=3",
              f"--lame_duck_seconds={scale.lame_duck_seconds}",
-             f"--drain_timeout_seconds={scale.drain_seconds}", *attack.server_flags, *ARGS.server_flag]
+             f"--drain_timeout_seconds={scale.drain_seconds}", *attack.server_flags,
+             *ARGS.server_flag]
+    if token_file:
+        flags.append(f"--auth_tokens_file={token_file}")
     # A server from before a defence existed lacks its flag: run it without.
-    flags = [f for f in flags if f.split("=", 1)[0] in server_flags(binary)]
+    return [f for f in flags if f.split("=", 1)[0] in server_flags(binary)]
+
+
+def start_proxy(server):
+    """The shipped HAProxy in front of the server, its replica UP."""
+    sys.path.insert(0, os.path.dirname(PROXY_RUNNER))
+    from haproxy_runner import HAProxy
+    proxy = HAProxy(REPO, [server.target])
+    proxy.wait_replicas_up(1)
+    return proxy
+
+
+def launch_attack(attack, server, proxy, row):
+    """Runs the attacker to its end (killed if it overruns by 60 s); its
+    summary goes in the row. Through the proxy it connects from 127.0.0.2 (the
+    idle flood from 64 addresses on), so the proxy's per-address limits meet
+    the attacker, not the good client."""
+    command = attack.command(server)
+    if proxy is not None and attack.program is None:
+        port = command.index("--port") + 1
+        command[port] = str(proxy.port)
+        command += ["--source", "127.0.0.2"]
+        if attack.name == "idle_flood":  # many clients: the proxy's per-address limit is not all
+            command += ["--sources", "64"]
+    attacker = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL)
+    try:
+        out, err = attacker.communicate(timeout=attack.seconds + 60)
+    except subprocess.TimeoutExpired:
+        attacker.kill()
+        out, err = attacker.communicate()
+        row["notes"].append("the attacker overran its time and was killed")
+    lines = out.strip().splitlines()
+    if attack.program is not None:
+        row["attacker"] = " ".join(attack.program)
+    else:
+        row["attacker"] = lines[-1] if lines else f"(no summary; stderr: {err.strip()[-300:]})"
+
+
+def wait_recovery(server, good, monitor, t_end, rss_bound, idle_fds, scale):
+    """The time good calls (started after t_end) succeed again, RECOVERED_AFTER_OK
+    in a row, and RSS and fds are back within bounds; None if not within the
+    recovery wait or the server exits."""
+    memory_ok_at = None
+    deadline = t_end + scale.recovery_wait
+    while time.monotonic() < deadline and server.exit_code() is None:
+        s = monitor.latest()
+        if memory_ok_at is None and s and s[0] > t_end and s[1] * 1024 <= rss_bound \
+                and s[2] <= idle_fds + 32:
+            memory_ok_at = s[0]
+        calls_ok_at = first_recovered_call(good.started_between(t_end, float("inf")))
+        if calls_ok_at is not None and memory_ok_at is not None:
+            return max(calls_ok_at, memory_ok_at)
+        time.sleep(0.1)
+    return None
+
+
+def run_attack(attack, path, scale, binary, stubs, health):
+    """Runs one attack and returns its row (a dict), the verdict included."""
+    import grpc
+    seed = random.randrange(2**63)
     token, tmp = "", tempfile.TemporaryDirectory()
+    token_file = None
     if attack.token:
         token = "%032x" % random.getrandbits(128)
-        with open(os.path.join(tmp.name, "tokens"), "w") as f:
+        token_file = os.path.join(tmp.name, "tokens")
+        with open(token_file, "w") as f:
             f.write(token + "\n")
-        flags.append(f"--auth_tokens_file={os.path.join(tmp.name, 'tokens')}")
+    flags = server_command_flags(attack, scale, binary, seed, token_file)
     row = {"attack": attack.label, "path": path, "problems": [], "notes": []}
-    server = good = attacker = monitor = None
+    server = good = monitor = proxy = None
     try:
         server = ServerProcess(binary, flags, scale.nofile)
         channel = grpc.insecure_channel(server.target)
         wait_serving(health[1].HealthStub(channel), health[0])
         channel.close()
-        target = (f"127.0.0.1:{server.metrics_port}" if attack.kind == "metrics" else server.target)
+        if path == "proxy":
+            proxy = start_proxy(server)
+        target = (f"127.0.0.1:{server.metrics_port}" if attack.kind == "metrics" else
+                  proxy.address if proxy else server.target)
         good = GoodCalls(attack.kind, target, scale, stubs, seed, token)
         wait_for(lambda: sum(c == "OK" for _, _, c in good.results) >= RECOVERED_AFTER_OK, 120,
                  "the first good calls")
@@ -351,46 +428,26 @@ def run_attack(attack, path, scale, binary, stubs, health):
             time.sleep(0.05)
         idle_rss = max(s[0] for s in idle if s) * 1024
         idle_fds = max(s[1] for s in idle if s)
-        rss_bound = 1.5 * idle_rss + scale.inflight_bytes + scale.transport_bytes
+        rss_bound = 1.5 * idle_rss + scale.inflight_bytes
         fds_bound = idle_fds + attack.connections + 64
         row.update(idle_rss=idle_rss, idle_fds=idle_fds, rss_bound=rss_bound)
         monitor = Monitor(server)
 
         t_attack = time.monotonic()
-        attacker = subprocess.Popen(attack.command(server), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-        try:
-            out, err = attacker.communicate(timeout=attack.seconds + 60)
-        except subprocess.TimeoutExpired:
-            attacker.kill()
-            out, err = attacker.communicate()
-            row["notes"].append("the attacker overran its time and was killed")
+        launch_attack(attack, server, proxy, row)
         t_end = time.monotonic()
-        lines = out.strip().splitlines()
-        if attack.program is not None:
-            row["attacker"] = " ".join(attack.program)
-        else:
-            row["attacker"] = lines[-1] if lines else f"(no summary; stderr: {err.strip()[-300:]})"
-
-        # Recovery: good calls (started after the attack) OK again, RSS and fds within bounds.
-        recovered_at, memory_ok_at = None, None
-        deadline = t_end + scale.recovery_wait
-        while time.monotonic() < deadline and server.exit_code() is None:
-            s = monitor.latest()
-            if memory_ok_at is None and s and s[0] > t_end and s[1] * 1024 <= rss_bound \
-                    and s[2] <= idle_fds + 32:
-                memory_ok_at = s[0]
-            calls_ok_at = first_recovered_call(good.started_between(t_end, float("inf")))
-            if calls_ok_at is not None and memory_ok_at is not None:
-                recovered_at = max(calls_ok_at, memory_ok_at)
-                break
-            time.sleep(0.1)
+        if proxy is not None:
+            row["notes"].append(f"proxy's connections to attnserve at the attack's end: "
+                                f"{sum(proxy.upstream_connections().values())}")
+        recovered_at = wait_recovery(server, good, monitor, t_end, rss_bound, idle_fds, scale)
         after_end = (recovered_at or time.monotonic()) + scale.after_seconds
         while time.monotonic() < after_end and server.exit_code() is None:
             time.sleep(0.1)
         after_end = min(after_end, time.monotonic())
         good.stop()
         monitor.stop()
+        if proxy is not None and not proxy.running():
+            row["problems"].append("the proxy exited")
 
         during = good.started_between(t_attack, t_end)
         after = good.started_between(t_end, after_end)
@@ -407,42 +464,52 @@ def run_attack(attack, path, scale, binary, stubs, health):
             cpu_attack=(attack_samples[-1][3] - attack_samples[0][3]) if len(attack_samples) > 1
             else None,
             recovery=(recovered_at - t_end) if recovered_at else None)
-        code = server.exit_code()
-        if code is not None:
-            row["exit"] = code
-            if code == WATCHDOG_EXIT:
-                row["notes"].append(f"exited {code} (watchdog) {time.monotonic() - t_attack:.0f} s "
-                                    "after the attack began")
-            else:
-                row["problems"].append(f"exited {code} (not the watchdog's {WATCHDOG_EXIT})")
-        else:
-            judge_alive(row, scale, rss_bound, fds_bound, settled)
-            code, took = server.terminate(scale.lame_duck_seconds + scale.drain_seconds + 10)
-            row["sigterm"] = (code, took)
-            if code != 0:
-                row["problems"].append(
-                    f"SIGTERM: {'still running' if code is None else f'exit {code}'} after "
-                    f"{took:.0f} s (lame duck {scale.lame_duck_seconds:g} s + drain "
-                    f"{scale.drain_seconds:g} s + 10)")
-        if server.emfile_lines:
-            row["notes"].append(f"server logged 'Too many open files' {server.emfile_lines} times")
-        if row["problems"]:
-            row["notes"].append("server log tail: " + " | ".join(list(server.tail)[-5:]))
+        peak_bounded = path == "proxy" or attack.direct_peak_bounded
+        judge_end(row, server, scale, rss_bound, fds_bound, settled, t_attack, peak_bounded)
     except Exception as e:  # noqa: BLE001 -- a broken run is a failed row, the others still run
         row["problems"].append(f"the run broke: {e.__class__.__name__}: {e}")
     finally:
-        for p in (attacker, good, server):
+        for p in (good, server):
             if p is not None:
                 p.kill()
         if monitor is not None:
             monitor.stop()
+        if proxy is not None:
+            proxy.cleanup()
         tmp.cleanup()
     row["verdict"] = ("FAILED: " + "; ".join(row["problems"]) if row["problems"] else
-                      ("exited 3 (watchdog)" if row.get("exit") == WATCHDOG_EXIT else "survived"))
+                      "exited 3 (watchdog)" if row.get("exit") == WATCHDOG_EXIT else
+                      "survived, peak RSS over the bound" if row.get("peak_over") else "survived")
     return row
 
 
-def judge_alive(row, scale, rss_bound, fds_bound, settled):
+def judge_end(row, server, scale, rss_bound, fds_bound, settled, t_attack, peak_bounded):
+    """The server's end: exited (only the watchdog's code passes) or alive
+    (the bounds, then SIGTERM must exit 0 within the drain)."""
+    code = server.exit_code()
+    if code is not None:
+        row["exit"] = code
+        if code == WATCHDOG_EXIT:
+            row["notes"].append(f"exited {code} (watchdog) {time.monotonic() - t_attack:.0f} s "
+                                "after the attack began")
+        else:
+            row["problems"].append(f"exited {code} (not the watchdog's {WATCHDOG_EXIT})")
+    else:
+        judge_alive(row, scale, rss_bound, fds_bound, settled, peak_bounded)
+        code, took = server.terminate(scale.lame_duck_seconds + scale.drain_seconds + 10)
+        row["sigterm"] = (code, took)
+        if code != 0:
+            row["problems"].append(
+                f"SIGTERM: {'still running' if code is None else f'exit {code}'} after "
+                f"{took:.0f} s (lame duck {scale.lame_duck_seconds:g} s + drain "
+                f"{scale.drain_seconds:g} s + 10)")
+    if server.emfile_lines:
+        row["notes"].append(f"server logged 'Too many open files' {server.emfile_lines} times")
+    if row["problems"]:
+        row["notes"].append("server log tail: " + " | ".join(list(server.tail)[-5:]))
+
+
+def judge_alive(row, scale, rss_bound, fds_bound, settled, peak_bounded):
     """The bounds a server that stayed alive must have kept (row's problems)."""
     if row["recovery"] is None:
         latest = f"RSS {row['rss_after'] / MIB:.0f} MiB (bound {rss_bound / MIB:.0f}), " \
@@ -451,8 +518,12 @@ def judge_alive(row, scale, rss_bound, fds_bound, settled):
             f"alive but not recovered {scale.recovery_wait:.0f} s after the attack (good calls "
             f"after it: {row['failed_after'] or 'too few OK in a row'}; {latest})")
     if row["peak_rss"] is not None and row["peak_rss"] > rss_bound:
-        row["problems"].append(f"peak RSS {row['peak_rss'] / MIB:.0f} MiB over the bound "
-                               f"{rss_bound / MIB:.0f} MiB")
+        over = f"peak RSS {row['peak_rss'] / MIB:.0f} MiB over the bound {rss_bound / MIB:.0f} MiB"
+        if peak_bounded:
+            row["problems"].append(over)
+        else:
+            row["peak_over"] = True
+            row["notes"].append(over + " (gRPC 1.51's to bound; not asserted)")
     if row["peak_fds"] is not None and row["peak_fds"] > fds_bound:
         row["problems"].append(f"peak fds {row['peak_fds']} over {fds_bound}")
     if row["recovery"] is not None and settled and ok_rate(settled) < 0.95:
@@ -511,7 +582,10 @@ def main():
                         help="run the attacks whose name or description matches this regex")
     parser.add_argument("--server_flag", action="append", default=[],
                         help="one more flag for every server started (repeatable)")
+    parser.add_argument("--paths", default="direct,proxy",
+                        help="direct, proxy or both (proxy: when the tree has its launcher)")
     ARGS = parser.parse_args()
+    paths = [p for p in ARGS.paths.split(",") if p == "direct" or os.path.exists(PROXY_RUNNER)]
     scale = Scale(ARGS.full)
     # The attacker and the good client hold many sockets; they inherit this limit.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -525,19 +599,22 @@ def main():
         for attack in attacks(scale):
             if ARGS.only and not re.search(ARGS.only, f"{attack.name} {attack.label}"):
                 continue
-            t0 = time.monotonic()
-            row = run_attack(attack, "direct", scale, ARGS.server, stubs,
-                             (health_pb2, health_pb2_grpc))
-            rows.append(row)
-            print(f"{attack.label} ({time.monotonic() - t0:.0f} s): {row['verdict']}", flush=True)
-    proxy = os.path.join(HERE, "..", "deploy", "haproxy_runner.py")
+            for path in paths:
+                if path == "proxy" and attack.kind == "metrics":
+                    continue  # the proxy does not carry the metrics port
+                t0 = time.monotonic()
+                row = run_attack(attack, path, scale, ARGS.server, stubs,
+                                 (health_pb2, health_pb2_grpc))
+                rows.append(row)
+                print(f"{attack.label}, {path} ({time.monotonic() - t0:.0f} s): {row['verdict']}",
+                      flush=True)
     print_table(rows, ARGS.full)
     wanted = {"--max_inflight_bytes", "--max_transport_bytes", "--min_open_files",
               "--watchdog_interval_seconds", "--watchdog_failures"}
     missing = sorted(wanted - server_flags(ARGS.server))
     if missing:
         print(f"this server has no {', '.join(missing)}: run without them")
-    if not os.path.exists(proxy):
+    if "proxy" in ARGS.paths and not os.path.exists(PROXY_RUNNER):
         print("proxy path: not run (tests/deploy/haproxy_runner.py is not in the tree yet)")
     print(f"{len(rows)} attacks in {time.monotonic() - started:.0f} s on "
           f"{cpu_model()}, {time.strftime('%Y-%m-%d')}")
