@@ -32,6 +32,9 @@ using Json = nlohmann::json;
 // a shape or offsets list, is at depth 3); refused while parsing so no deep
 // structure is ever built.
 constexpr int kMaxJsonDepth = 8;
+// A header's lists are shapes (at most kMaxRank) and offsets (2); a longer
+// list is refused while parsing (checks after parsing name the shape's rank).
+constexpr int64_t kMaxJsonArrayElements = 64;
 // More dimensions than any real tensor.
 constexpr size_t kMaxRank = 16;
 
@@ -59,8 +62,6 @@ std::optional<SafetensorsDtype> ParseDtype(absl::string_view name) {
   return std::nullopt;
 }
 
-struct DepthExceeded {};
-
 // The tensor name as it may appear in a message: bounded and printable.
 std::string Printable(absl::string_view name) {
   std::string out;
@@ -68,6 +69,93 @@ std::string Printable(absl::string_view name) {
   if (name.size() > 120) out += "...";
   return out;
 }
+
+// Builds a header's JSON value as nlohmann's own DOM parser does (its
+// callback parser is not used: it scans the enclosing object each time an
+// object closes, quadratic in a header's entries), refusing before each
+// value is built: nesting deeper than kMaxJsonDepth, an array of more than
+// kMaxJsonArrayElements, more than kMaxSafetensorsHeaderValues values in all,
+// and a top-level name given twice. So the parsed header's memory is bounded
+// by its value count, not by what its text may unfold into.
+class BoundedJsonBuilder {
+ public:
+  explicit BoundedJsonBuilder(Json& root) : dom_(root, /*allow_exceptions=*/false) {}
+
+  bool null() { return Value() && dom_.null(); }
+  bool boolean(bool v) { return Value() && dom_.boolean(v); }
+  bool number_integer(Json::number_integer_t v) { return Value() && dom_.number_integer(v); }
+  bool number_unsigned(Json::number_unsigned_t v) { return Value() && dom_.number_unsigned(v); }
+  bool number_float(Json::number_float_t v, const std::string& text) {
+    return Value() && dom_.number_float(v, text);
+  }
+  bool string(std::string& v) { return Value() && dom_.string(v); }
+  bool binary(Json::binary_t& v) { return Value() && dom_.binary(v); }
+  bool start_object(std::size_t size) { return Open(false) && dom_.start_object(size); }
+  bool end_object() {
+    open_.pop_back();
+    return dom_.end_object();
+  }
+  bool start_array(std::size_t size) { return Open(true) && dom_.start_array(size); }
+  bool end_array() {
+    open_.pop_back();
+    return dom_.end_array();
+  }
+  bool key(std::string& name) {
+    if (!Count()) return false;
+    if (open_.size() == 1 && !top_names_.insert(name).second) {
+      error_ = absl::StrCat("header names '", Printable(name), "' twice");
+      return false;
+    }
+    return dom_.key(name);
+  }
+  template <class Exception>
+  bool parse_error(std::size_t /*position*/, const std::string& /*token*/, const Exception& e) {
+    error_ = absl::StrCat("header is not valid JSON: ", Printable(e.what()));
+    return false;
+  }
+
+  // Why parsing stopped.
+  const std::string& error() const { return error_; }
+
+ private:
+  struct Container {
+    bool array;
+    int64_t elements;
+  };
+  // One more value or name.
+  bool Count() {
+    if (++values_ > kMaxSafetensorsHeaderValues) {
+      error_ = absl::StrCat("header holds more than ", kMaxSafetensorsHeaderValues,
+                            " JSON values and names");
+      return false;
+    }
+    return true;
+  }
+  // One more value, in its container.
+  bool Value() {
+    if (!Count()) return false;
+    if (!open_.empty() && open_.back().array && ++open_.back().elements > kMaxJsonArrayElements) {
+      error_ = absl::StrCat("header has a list of more than ", kMaxJsonArrayElements, " elements");
+      return false;
+    }
+    return true;
+  }
+  bool Open(bool array) {
+    if (!Value()) return false;
+    if (static_cast<int>(open_.size()) >= kMaxJsonDepth) {
+      error_ = absl::StrCat("header nests deeper than ", kMaxJsonDepth, " levels");
+      return false;
+    }
+    open_.push_back({array, 0});
+    return true;
+  }
+
+  nlohmann::detail::json_sax_dom_parser<Json> dom_;
+  std::vector<Container> open_;
+  std::set<std::string, std::less<>> top_names_;
+  int64_t values_ = 0;
+  std::string error_;
+};
 
 // A non-negative JSON integer as int64, or nullopt.
 std::optional<int64_t> NonNegativeInt(const Json& value) {
@@ -218,54 +306,41 @@ absl::Status ParseSafetensorsHeader(
     std::map<std::string, SafetensorsTensor, std::less<>>* tensors,
     std::map<std::string, std::string, std::less<>>* metadata) {
   Json root;
-  std::set<std::string> top_keys;
-  bool duplicate = false;
-  std::string duplicate_key;
+  BoundedJsonBuilder builder(root);
+  bool parsed = false;
   try {
-    Json::parser_callback_t callback = [&](int depth, Json::parse_event_t event, Json& parsed) {
-      if (depth > kMaxJsonDepth) throw DepthExceeded{};
-      if (event == Json::parse_event_t::key && depth == 1 && parsed.is_string()) {
-        if (!top_keys.insert(parsed.get<std::string>()).second && !duplicate) {
-          duplicate = true;
-          duplicate_key = parsed.get<std::string>();
-        }
-      }
-      return true;
-    };
-    root = Json::parse(header.begin(), header.end(), callback, /*allow_exceptions=*/false);
-  } catch (const DepthExceeded&) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(display_name, ": header nests deeper than ", kMaxJsonDepth, " levels"));
+    parsed = Json::sax_parse(header.begin(), header.end(), &builder);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(display_name, ": out of memory parsing the header"));
   } catch (const std::exception& e) {
     return absl::InvalidArgumentError(
-        absl::StrCat(display_name, ": header is not valid JSON: ", e.what()));
+        absl::StrCat(display_name, ": header is not valid JSON: ", Printable(e.what())));
   }
-  if (root.is_discarded()) {
-    return absl::InvalidArgumentError(absl::StrCat(display_name, ": header is not valid JSON"));
+  if (!parsed) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        display_name, ": ", builder.error().empty() ? "header is not valid JSON" : builder.error()));
   }
   if (!root.is_object()) {
     return absl::InvalidArgumentError(
         absl::StrCat(display_name, ": header is JSON but not an object"));
   }
-  if (duplicate) {
-    return absl::InvalidArgumentError(absl::StrCat(display_name, ": header names '",
-                                                   Printable(duplicate_key), "' twice"));
-  }
   tensors->clear();
   metadata->clear();
   try {
-    for (const auto& [name, entry] : root.items()) {
+    for (auto& [name, entry] : root.get_ref<Json::object_t&>()) {
       if (name == "__metadata__") {
         if (!entry.is_object()) {
           return absl::InvalidArgumentError(
               absl::StrCat(display_name, ": __metadata__ is not an object"));
         }
-        for (const auto& [key, value] : entry.items()) {
+        for (auto& [key, value] : entry.get_ref<Json::object_t&>()) {
           if (!value.is_string()) {
             return absl::InvalidArgumentError(absl::StrCat(
                 display_name, ": __metadata__ '", Printable(key), "' is not a string"));
           }
-          (*metadata)[key] = value.get<std::string>();
+          // Moved, not copied: a header's strings are held once.
+          (*metadata)[key] = std::move(value.get_ref<std::string&>());
         }
         continue;
       }

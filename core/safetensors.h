@@ -35,6 +35,11 @@ struct SafetensorsTensor {
 // The largest header accepted (the format's reference implementation uses the
 // same bound): a header length above it is refused before anything is read.
 inline constexpr int64_t kMaxSafetensorsHeaderBytes = int64_t{100} << 20;
+// The most JSON values and names a header may hold (a tensor's entry takes
+// about 12; a checkpoint of 80,000 tensors fits), refused while parsing: the
+// parsed header's memory is bounded by it (about 100 MiB), whatever its text
+// would unfold into (a list of 50 million zeros, millions of empty objects).
+inline constexpr int64_t kMaxSafetensorsHeaderValues = int64_t{1} << 20;
 
 // A safetensors file (https://huggingface.co/docs/safetensors): an 8-byte
 // little-endian header length N, N bytes of JSON header (an object mapping
@@ -42,8 +47,10 @@ inline constexpr int64_t kMaxSafetensorsHeaderBytes = int64_t{100} << 20;
 // optional "__metadata__" object of strings), then the data section.
 //
 // Open parses and checks the whole header before any tensor is read: N within
-// the file and kMaxSafetensorsHeaderBytes, the header valid JSON and an
-// object, every entry's dtype known, shape a list of non-negative integers
+// the file and kMaxSafetensorsHeaderBytes, the header valid JSON (nesting at
+// most 8 deep, lists of at most 64 elements, at most
+// kMaxSafetensorsHeaderValues values, each refused as it is parsed) and an
+// object naming no tensor twice, every entry's dtype known, shape a list of non-negative integers
 // whose element count (and byte size) does not overflow, offsets ordered,
 // inside the data section and not overlapping another tensor's, and
 // end - begin == elements x dtype size. Tensors are read later with bounded
@@ -51,8 +58,9 @@ inline constexpr int64_t kMaxSafetensorsHeaderBytes = int64_t{100} << 20;
 // read whole to load one layer, and nothing is allocated from an unchecked
 // size.
 //
-// Errors are INVALID_ARGUMENT (malformed file) or NOT_FOUND (no such tensor),
-// and name the file (as given in `display_name`) and the tensor.
+// Errors are INVALID_ARGUMENT (malformed file), NOT_FOUND (no such tensor) or
+// RESOURCE_EXHAUSTED (memory ran out), and name the file (as given in
+// `display_name`) and the tensor.
 //
 // Thread-compatible: const methods may run concurrently (reads use pread);
 // moving or destroying needs external synchronization.

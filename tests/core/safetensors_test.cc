@@ -109,6 +109,22 @@ std::string Entry(const std::string& dtype, const std::string& shape, const std:
                       ",\"data_offsets\":", offsets, "}}");
 }
 
+// "[0,0,...]" with `n` zeros.
+std::string ManyZeros(int n) {
+  std::string out = "[0";
+  for (int i = 1; i < n; ++i) out += ",0";
+  return out + "]";
+}
+
+// A header object of `n` members `before` i `after` (e.g. "t0":{}), inside
+// "__metadata__" when `in_metadata`.
+std::string ManyEntries(const std::string& before, const std::string& after, int n,
+                        bool in_metadata) {
+  std::string out = in_metadata ? "{\"__metadata__\":{" : "{";
+  for (int i = 0; i < n; ++i) absl::StrAppend(&out, i == 0 ? "" : ",", before, i, after);
+  return out + (in_metadata ? "}}" : "}");
+}
+
 TEST(Safetensors, EachDefectIsRefusedWithItsReason) {
   const std::string data16(16, '\0');
   SafetensorsWriter good;
@@ -163,6 +179,18 @@ TEST(Safetensors, EachDefectIsRefusedWithItsReason) {
        absl::StatusCode::kInvalidArgument, "names 't' twice", ""},
       {"deep nesting", SafetensorsWriter::Assemble(std::string(100, '[') + std::string(100, ']'), ""),
        absl::StatusCode::kInvalidArgument, "nests deeper than", ""},
+      // What a header's text may unfold into is bounded while it is parsed:
+      // a list longer than any shape, more values than a checkpoint has.
+      {"long list", SafetensorsWriter::Assemble(Entry("F32", ManyZeros(65), "[0,0]"), ""),
+       absl::StatusCode::kInvalidArgument, "header has a list of more than 64 elements", ""},
+      {"too many values", SafetensorsWriter::Assemble(ManyEntries("\"k", "\":\"\"", 600000, true), ""),
+       absl::StatusCode::kInvalidArgument,
+       absl::StrCat("header holds more than ", kMaxSafetensorsHeaderValues, " JSON values"), ""},
+      // 400,000 entries parse in linear time (a parser that scanned the
+      // header's object each time an entry closes would take many minutes
+      // here) and the first entry's defect is reported.
+      {"many entries", SafetensorsWriter::Assemble(ManyEntries("\"t", "\":{}", 400000, false), ""),
+       absl::StatusCode::kInvalidArgument, "tensor 't0': dtype missing", ""},
       {"truncated data", good_bytes.substr(0, good_bytes.size() - 3),
        absl::StatusCode::kInvalidArgument, "out of range, or the file is truncated", ""},
       {"missing tensor", good_bytes, absl::StatusCode::kNotFound, "no tensor named 'q'", "q"},
