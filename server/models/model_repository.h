@@ -9,15 +9,15 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "server/common/server_options.h"
 #include "server/models/model_registry.h"
 
 namespace attnserve::server {
 
 struct ModelRepositoryOptions {
   // Most bytes one model's weights may take as FP32, as its checkpoint's
-  // header declares them (--max_model_bytes, whose default this is). Must be
-  // positive.
-  int64_t max_model_bytes = int64_t{4} << 30;
+  // header declares them (--max_model_bytes). Must be positive.
+  int64_t max_model_bytes = ServerOptions().max_model_bytes;
 };
 
 // A --model_repository folder: one subfolder per model, holding config.json

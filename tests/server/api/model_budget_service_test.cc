@@ -38,8 +38,9 @@ using ::attnserve::testing::WriteSparseCheckpoint;
 using ::testing::HasSubstr;
 using grpc::health::v1::HealthCheckResponse;
 
-// The budget the server runs with: --max_model_bytes' default.
-constexpr int64_t kDefaultMaxModelBytes = int64_t{4} << 30;
+// The budget the server runs with (--max_model_bytes; not its default, so
+// the messages show it is the one configured).
+constexpr int64_t kMaxModelBytes = int64_t{3} << 30;
 
 void AddHugeModel(const TestRepository& repo, const std::string& name) {
   const std::string folder = repo.root() + "/" + name;
@@ -64,7 +65,7 @@ void ExpectOverBudgetReason(absl::string_view reason, absl::string_view name) {
   EXPECT_THAT(reason, HasSubstr(absl::StrCat(name, "/model.safetensors")));
   EXPECT_THAT(reason, HasSubstr(absl::StrCat("take ", kHugeLlamaWeightBytes, " bytes as FP32")));
   EXPECT_THAT(reason,
-              HasSubstr(absl::StrCat("over --max_model_bytes (", kDefaultMaxModelBytes, " bytes")));
+              HasSubstr(absl::StrCat("over --max_model_bytes (", kMaxModelBytes, " bytes")));
 }
 
 TEST(ModelBudgetService, ACheckpointDeclaring96GiBFailsItsModelWhileTheOthersServe) {
@@ -77,6 +78,8 @@ TEST(ModelBudgetService, ACheckpointDeclaring96GiBFailsItsModelWhileTheOthersSer
   options.lame_duck_seconds = 0;
   options.drain_timeout_seconds = 5;
   options.model_repository = repo.root();
+  ASSERT_NE(options.max_model_bytes, kMaxModelBytes);
+  options.max_model_bytes = kMaxModelBytes;
   auto server = AttnServer::Create(options);
   ASSERT_THAT(server, IsOk());
   ASSERT_THAT((*server)->LoadModelsAndServe(), IsOk());

@@ -54,14 +54,17 @@ TEST(ModelBudget, AModelOverMaxModelBytesFailsNamingItWhileTheOthersLoad) {
   TestRepository repo;
   repo.AddSmallModel("good", 1);
   AddHugeModel(repo, "huge", "BF16");
-  auto repository = ModelRepository::Create(repo.root());  // the default budget, 4 GiB
+  auto repository = ModelRepository::Create(repo.root());  // --max_model_bytes' default
   ASSERT_THAT(repository, IsOk());
-  EXPECT_EQ((*repository)->options().max_model_bytes, int64_t{4} << 30);
+  const int64_t budget = ServerOptions().max_model_bytes;
+  EXPECT_EQ((*repository)->options().max_model_bytes, budget);
+  ASSERT_LT(budget, kHugeLlamaWeightBytes);
   absl::StatusOr<std::shared_ptr<const Model>> huge = (*repository)->LoadModel("huge");
   EXPECT_THAT(huge, StatusIs(absl::StatusCode::kFailedPrecondition, "huge/model.safetensors"));
   EXPECT_THAT(huge.status().message(),
               HasSubstr(absl::StrCat("take ", kHugeLlamaWeightBytes, " bytes as FP32")));
-  EXPECT_THAT(huge.status().message(), HasSubstr("over --max_model_bytes (4294967296 bytes"));
+  EXPECT_THAT(huge.status().message(),
+              HasSubstr(absl::StrCat("over --max_model_bytes (", budget, " bytes")));
   absl::StatusOr<std::shared_ptr<const Model>> good = (*repository)->LoadModel("good");
   ASSERT_THAT(good, IsOk());
   EXPECT_EQ((*good)->layer->config().d_model, 16);
