@@ -13,7 +13,9 @@ BF16 checkpoints: the rounded weights, which the server converts exactly).
 
 Then: corrupt checkpoints each fail their model with a reason while the
 others answer (among them a well-formed one declaring 208 GiB of weights, over
---max_model_bytes: the server starts and lives); LoadModel/UnloadModel/ListModels through attnctl with an admin
+--max_model_bytes: the server starts and lives; and, with a budget that lets it
+through, a server whose address space is limited runs out of memory loading it
+and fails that model alone); LoadModel/UnloadModel/ListModels through attnctl with an admin
 token; and the load time of a BERT-base-sized layer (printed).
 
 Usage: model_repository_test.py --server PATH/attnserve --attnctl PATH/attnctl --proto_dir REPO/proto
@@ -58,7 +60,16 @@ HUGE_CONFIG = {"layout": "llama", "prefix": "model.layers.0.self_attn.", "d_mode
 HUGE_SHAPES = {"q_proj.weight": [393216, 65536], "k_proj.weight": [32768, 65536],
                "v_proj.weight": [32768, 65536], "o_proj.weight": [65536, 393216]}
 HUGE_FP32_BYTES = 4 * (sum(r * c for r, c in HUGE_SHAPES.values()) + 393216 + 2 * 32768 + 65536)
-DEFAULT_MAX_MODEL_BYTES = 4 << 30  # --max_model_bytes' default
+MAX_MODEL_BYTES = 3 << 30  # the servers' --max_model_bytes (not its default: the messages show it is used)
+
+
+def write_huge_model(repo, name):
+    folder = os.path.join(repo, name)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(HUGE_CONFIG, f)
+    write_sparse_safetensors(os.path.join(folder, "model.safetensors"),
+                             {HUGE_CONFIG["prefix"] + n: ("F32", shape) for n, shape in HUGE_SHAPES.items()})
 
 
 def write_sparse_safetensors(path, tensors):
@@ -75,6 +86,11 @@ def write_sparse_safetensors(path, tensors):
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
         f.truncate(8 + len(text) + offset)
+
+
+def attention_stub(channel):
+    from attnserve.v1 import attention_pb2_grpc
+    return attention_pb2_grpc.AttentionServiceStub(channel)
 
 
 def write_model(repo, name, config, tensors):
@@ -204,7 +220,8 @@ class ModelRepositoryTest(unittest.TestCase):
         tokens = os.path.join(cls.tmp, "tokens")
         with open(tokens, "w") as f:
             f.write(f"{USER_TOKEN}\nadmin:{ADMIN_TOKEN}\n")
-        cls.server = Server(ARGS.server, f"--model_repository={cls.repo}", f"--auth_tokens_file={tokens}")
+        cls.server = Server(ARGS.server, f"--model_repository={cls.repo}", f"--auth_tokens_file={tokens}",
+                            f"--max_model_bytes={MAX_MODEL_BYTES}")
         cls.channel = grpc.insecure_channel(cls.server.target)
         cls.stub = attention_pb2_grpc.AttentionServiceStub(cls.channel)
         wait_serving(health_pb2_grpc.HealthStub(cls.channel), health_pb2)
@@ -232,7 +249,7 @@ class ModelRepositoryTest(unittest.TestCase):
             "c_mis_shaped": (data, dict(config, d_model=64, num_heads=4),
                              "'h.5.attn.c_attn.weight' has shape [32, 96]; the head configuration needs [64, 192]"),
             "c_missing": (data, dict(config, prefix="h.6.attn."), "no tensor named 'h.6.attn.c_attn.weight'"),
-            "c_huge": (None, HUGE_CONFIG, f"over --max_model_bytes ({DEFAULT_MAX_MODEL_BYTES} bytes"),
+            "c_huge": (None, HUGE_CONFIG, f"over --max_model_bytes ({MAX_MODEL_BYTES} bytes"),
         }
         for name, (blob, cfg, _) in cases.items():
             folder = os.path.join(cls.repo, name)
@@ -243,7 +260,7 @@ class ModelRepositoryTest(unittest.TestCase):
             if name == "c_bad_dtype":
                 write_safetensors(path, {"h.5.attn.c_attn.weight": (b"\0" * 16, "F99", [4])})
             elif name == "c_huge":
-                write_sparse_safetensors(path, {cfg["prefix"] + n: ("F32", shape) for n, shape in HUGE_SHAPES.items()})
+                write_huge_model(cls.repo, name)
             elif name == "c_int_dtype":
                 write_safetensors(path, {"h.5.attn.c_attn.weight": (b"\0" * (32 * 96 * 4), "I32", [32, 96]),
                                          "h.5.attn.c_attn.bias": (np.zeros(96), "F32"),
@@ -314,7 +331,7 @@ class ModelRepositoryTest(unittest.TestCase):
         info = self.stub.GetModel(pb.GetModelRequest(name="c_huge"), metadata=self.md(), timeout=60)
         self.assertEqual(info.state, pb.MODEL_STATE_FAILED)
         self.assertIn(f"take {HUGE_FP32_BYTES} bytes as FP32", info.failure_reason)
-        self.assertIn(f"over --max_model_bytes ({DEFAULT_MAX_MODEL_BYTES} bytes", info.failure_reason)
+        self.assertIn(f"over --max_model_bytes ({MAX_MODEL_BYTES} bytes", info.failure_reason)
         with self.assertRaises(self.grpc.RpcError) as e:
             self.stub.LoadModel(pb.LoadModelRequest(name="c_huge"), metadata=self.md(ADMIN_TOKEN), timeout=60)
         self.assertEqual(e.exception.code(), self.grpc.StatusCode.FAILED_PRECONDITION)
@@ -325,6 +342,47 @@ class ModelRepositoryTest(unittest.TestCase):
         peak_kib = self.server.memory_kib()["VmHWM"]
         print(f"  attnserve peak RSS with the 208 GiB model refused: {peak_kib / 1024:.0f} MiB", file=sys.stderr)
         self.assertLess(peak_kib, 1 << 20, "peak RSS passed 1 GiB")
+
+    def test_running_out_of_memory_while_loading_fails_the_model_not_the_process(self):
+        """With a budget that lets the 208 GiB model through, loading it runs
+        out of memory (the server runs with its address space limited to
+        16 GiB, so it does whatever the machine has): the model is FAILED with
+        the tensor it could not hold, LoadModel of it answers
+        RESOURCE_EXHAUSTED, and the process lives and serves its other model."""
+        import health_pb2
+        import health_pb2_grpc
+        grpc, pb = self.grpc, self.pb
+        repo = os.path.join(self.tmp, "oom_repo")
+        os.makedirs(repo)
+        Checkpoints(repo, self.torch, self.rng).gpt2("small", 32, 2, "F32")
+        write_huge_model(repo, "huge")
+        wrapper = os.path.join(self.tmp, "attnserve_16g")
+        with open(wrapper, "w") as f:
+            f.write(f'#!/bin/sh\nulimit -v {16 << 20}\nexec "{os.path.abspath(ARGS.server)}" "$@"\n')
+        os.chmod(wrapper, 0o755)
+        server = Server(wrapper, f"--model_repository={repo}", f"--max_model_bytes={1 << 40}")
+        channel = None
+        try:
+            channel = grpc.insecure_channel(server.target)
+            stub = attention_stub(channel)
+            wait_serving(health_pb2_grpc.HealthStub(channel), health_pb2)
+            info = stub.GetModel(pb.GetModelRequest(name="huge"), timeout=60)
+            self.assertEqual(info.state, pb.MODEL_STATE_FAILED)
+            self.assertIn("huge/model.safetensors: out of memory reading tensor "
+                          "'model.layers.0.self_attn.q_proj.weight' (103079215104 bytes as FP32)",
+                          info.failure_reason)
+            with self.assertRaises(grpc.RpcError) as e:
+                stub.LoadModel(pb.LoadModelRequest(name="huge"), timeout=60)
+            self.assertEqual(e.exception.code(), grpc.StatusCode.RESOURCE_EXHAUSTED)
+            self.assertIn("out of memory reading tensor", e.exception.details())
+            self.assertIsNone(server.proc.poll(), "attnserve exited")
+            x = (self.rng.standard_normal((1, 3, 32)) * 0.5).astype(np.float32)
+            out = stub.Attend(pb.AttendRequest(model="small", hidden_states=to_tensor(pb, x)), timeout=60)
+            self.assertEqual(out.output.shape, [1, 3, 32])
+        finally:
+            if channel is not None:
+                channel.close()
+            server.stop()
 
     def attnctl(self, *args, token=ADMIN_TOKEN):
         token_file = os.path.join(self.tmp, "admin_token" if token == ADMIN_TOKEN else "user_token")
