@@ -9,8 +9,8 @@ its own) and runs for a bounded time and count from its own process
 at a fixed rate -- Attend on a new connection every second, or GET /metrics
 for the metrics-port attacks -- and this process samples the server's VmRSS
 and open fds (/proc/PID/status, /proc/PID/fd) every 50 ms. After the attack
-it waits for recovery: 5 good calls in a row succeed, and RSS and fds are
-back within bounds; then an "after" window of good calls, then SIGTERM.
+it waits for recovery: every good call for 2 s succeeds, and RSS and fds
+are back within bounds; then an "after" window of good calls, then SIGTERM.
 
 An attack passes when the server either
   - stayed alive: peak RSS within 1.5x its idle RSS plus the in-flight budget
@@ -31,6 +31,7 @@ shipped HAProxy configuration) once the tree has its launcher,
 tests/deploy/haproxy_runner.py.
 """
 import argparse
+import bisect
 import collections
 import json
 import os
@@ -53,7 +54,7 @@ from harness import generate_stubs, wait_serving  # noqa: E402
 MIB = 1 << 20
 PYTHON = "/usr/bin/python3"
 WATCHDOG_EXIT = 3  # the server's exit code when its watchdog gives up (attnserve --help)
-RECOVERED_AFTER_OK = 5  # good calls in a row that mean "answers again"
+RECOVERED_WINDOW = 2.0  # seconds in which every good call was OK: "answers again"
 
 
 class Scale:
@@ -304,13 +305,21 @@ def wait_for(predicate, timeout, what, interval=0.05):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def first_recovered_call(calls):
-    """Start time of the first of RECOVERED_AFTER_OK OK calls in a row, or None."""
-    run = 0
-    for i, (t, _, code) in enumerate(calls):
-        run = run + 1 if code == "OK" else 0
-        if run == RECOVERED_AFTER_OK:
-            return calls[i - RECOVERED_AFTER_OK + 1][0]
+def first_recovered_call(calls, window):
+    """Start time of the first OK call from which every call started within
+    `window` seconds was OK (and that window is complete), or None."""
+    failures = [t for t, _, code in calls if code != "OK"]
+    if not calls:
+        return None
+    last = calls[-1][0]
+    for t, _, code in calls:
+        if t + window > last:
+            return None
+        if code != "OK":
+            continue
+        next_failure = bisect.bisect_left(failures, t)
+        if next_failure == len(failures) or failures[next_failure] > t + window:
+            return t
     return None
 
 
@@ -379,9 +388,9 @@ def launch_attack(attack, server, proxy, row):
 
 
 def wait_recovery(server, good, monitor, t_end, rss_bound, idle_fds, scale):
-    """The time good calls (started after t_end) succeed again, RECOVERED_AFTER_OK
-    in a row, and RSS and fds are back within bounds; None if not within the
-    recovery wait or the server exits."""
+    """The time good calls (started after t_end) succeed again (all of them
+    for RECOVERED_WINDOW seconds) and RSS and fds are back within bounds; None
+    if not within the recovery wait or the server exits."""
     memory_ok_at = None
     deadline = t_end + scale.recovery_wait
     while time.monotonic() < deadline and server.exit_code() is None:
@@ -389,7 +398,8 @@ def wait_recovery(server, good, monitor, t_end, rss_bound, idle_fds, scale):
         if memory_ok_at is None and s and s[0] > t_end and s[1] * 1024 <= rss_bound \
                 and s[2] <= idle_fds + 32:
             memory_ok_at = s[0]
-        calls_ok_at = first_recovered_call(good.started_between(t_end, float("inf")))
+        calls_ok_at = first_recovered_call(good.started_between(t_end, float("inf")),
+                                           RECOVERED_WINDOW)
         if calls_ok_at is not None and memory_ok_at is not None:
             return max(calls_ok_at, memory_ok_at)
         time.sleep(0.1)
@@ -420,7 +430,7 @@ def run_attack(attack, path, scale, binary, stubs, health):
         target = (f"127.0.0.1:{server.metrics_port}" if attack.kind == "metrics" else
                   proxy.address if proxy else server.target)
         good = GoodCalls(attack.kind, target, scale, stubs, seed, token)
-        wait_for(lambda: sum(c == "OK" for _, _, c in good.results) >= RECOVERED_AFTER_OK, 120,
+        wait_for(lambda: sum(c == "OK" for _, _, c in good.results) >= 5, 120,
                  "the first good calls")
         idle = []
         for _ in range(10):  # the idle level: the most over half a second of good calls
