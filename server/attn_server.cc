@@ -34,7 +34,7 @@ absl::Status CheckRange(absl::string_view flag, int64_t value, int64_t min, int6
 
 // The end of a drain: how long calls cut short get to answer, and how long
 // answers still leaving get once the server stops listening.
-constexpr absl::Duration kCutShortWait = absl::Seconds(5);
+constexpr absl::Duration kCutShortWait = absl::Seconds(2);
 constexpr absl::Duration kShutdownGrace = absl::Seconds(2);
 // How long no call may have arrived before the server stops listening.
 constexpr absl::Duration kQuietPeriod = absl::Milliseconds(250);
@@ -291,12 +291,15 @@ void AttnServer::Shutdown() {
     shut_down_ = true;
   }
   if (server_ != nullptr) {  // null only when Create failed
-    // 1. Lame duck: still listening, health NOT_SERVING and new Attend calls
-    //    UNAVAILABLE, so health checkers and load balancers move away.
+    // 1. Lame duck: health NOT_SERVING while the server still listens and
+    //    serves, so that health checkers, proxies and balancers move away
+    //    before it refuses anything (a proxy takes about its check interval
+    //    to notice; calls refused meanwhile could exhaust a client's retries
+    //    on this replica). Then new Attend calls get UNAVAILABLE.
     SetHealth(false);
-    service_->set_state(AttentionServiceImpl::State::kDraining);
     const absl::Time drain_deadline = absl::Now() + absl::Seconds(options_.drain_timeout_seconds);
     absl::SleepFor(absl::Seconds(options_.lame_duck_seconds));
+    service_->set_state(AttentionServiceImpl::State::kDraining);
     // 2. Calls in flight finish (up to the drain timeout); those still
     //    running then stop and answer UNAVAILABLE (retryable), never CANCELLED.
     if (!service_->WaitForIdle(drain_deadline)) {

@@ -49,10 +49,12 @@ class AttnServer {
   // listed.
   absl::Status LoadModelsAndServe();
 
-  // Turns health NOT_SERVING and refuses new calls (UNAVAILABLE) while still
-  // listening for options.lame_duck_seconds, lets calls in flight finish (up
-  // to options.drain_timeout_seconds from the start, then cancels them), and
-  // stops (open health Watch streams end). Idempotent.
+  // Turns health NOT_SERVING while still listening and serving for
+  // options.lame_duck_seconds, then refuses new calls (UNAVAILABLE), lets
+  // calls in flight finish (up to options.drain_timeout_seconds from the
+  // start; those left then stop and answer UNAVAILABLE), waits until calls
+  // stop arriving (up to the same deadline), and stops (open health Watch
+  // streams end). Idempotent.
   void Shutdown();
 
   // The bound port (the one picked, when options asked for port 0).

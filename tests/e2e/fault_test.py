@@ -404,7 +404,9 @@ class Sigterm(FaultCase):
     # them, so all of them are in flight together before the signal however
     # slowly they upload or compute. The drain waits out that delay and
     # computes them; its timeout leaves room for a busy machine.
-    FLAGS = ("--lame_duck_seconds=1", "--max_batch_tokens=1000000", "--max_queue_delay_us=10000000",
+    # No lame duck: new calls are refused from the signal on (during a lame
+    # duck the server still serves them).
+    FLAGS = ("--lame_duck_seconds=0", "--max_batch_tokens=1000000", "--max_queue_delay_us=10000000",
              "--drain_timeout_seconds=300")
 
     @classmethod
