@@ -45,6 +45,26 @@ bool NonFinite(float value) {
   return (std::bit_cast<uint32_t>(value) & 0x7f800000u) == 0x7f800000u;
 }
 bool NonFinite(Bf16 value) { return (value & 0x7f80u) == 0x7f80u; }
+// Whether any of values[0, n) is not finite: the largest exponent field is all
+// ones. One vectorized pass (SIMD max), no branch per value.
+bool AnyNonFinite(const float* values, int64_t n) {
+  uint32_t largest = 0;
+#pragma omp simd reduction(max : largest)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t exponent = std::bit_cast<uint32_t>(values[i]) & 0x7f800000u;
+    largest = exponent > largest ? exponent : largest;
+  }
+  return largest == 0x7f800000u;
+}
+bool AnyNonFinite(const Bf16* values, int64_t n) {
+  uint16_t largest = 0;
+#pragma omp simd reduction(max : largest)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t exponent = static_cast<uint16_t>(values[i] & 0x7f80u);
+    largest = exponent > largest ? exponent : largest;
+  }
+  return largest == 0x7f80u;
+}
 float AsFloat(float value) { return value; }
 float AsFloat(Bf16 value) { return Bfloat16ToFloat(value); }
 
@@ -74,9 +94,8 @@ absl::Status Finite(absl::Span<const T> values, const SequenceLayout& layout, in
           layout.is_padded() ? (b * blocks + h) * block_rows : layout.row_offset(b);
       const T* row = values.data() + first_row * width;
       const int64_t n = layout.length(b) * width;
-      bool any = false;  // no branch per value; the position is looked for on a hit only
-      for (int64_t i = 0; i < n; ++i) any |= NonFinite(row[i]);
-      if (!any) continue;
+      // The position is looked for on a hit only.
+      if (!AnyNonFinite(row, n)) continue;
       int64_t i = 0;
       while (!NonFinite(row[i])) ++i;
       return InvalidField(field, absl::StrCat("sequence ", b, blocks > 1 ? absl::StrCat(", head ", h) : "",
