@@ -159,6 +159,7 @@ class ServerProcess:
         self.tail = collections.deque(maxlen=40)
         self.lines = 0
         self.emfile_lines = 0
+        self.watchdog_line = None  # (time.monotonic(), the watchdog's log line) once it trips
         ports = threading.Event()
 
         def pump():
@@ -166,6 +167,8 @@ class ServerProcess:
                 self.lines += 1
                 self.tail.append(line.rstrip("\n"))
                 self.emfile_lines += "Too many open files" in line
+                if self.watchdog_line is None and "watchdog: " in line:
+                    self.watchdog_line = (time.monotonic(), line.strip())
                 m = re.search(r"listening on port (\d+)", line)
                 if m:
                     self.port = int(m.group(1))
@@ -446,6 +449,7 @@ def run_attack(attack, path, scale, binary, stubs, health):
         t_attack = time.monotonic()
         launch_attack(attack, server, proxy, row)
         t_end = time.monotonic()
+        row["attack_seconds"] = t_end - t_attack
         if proxy is not None:
             row["notes"].append(f"proxy's connections to attnserve at the attack's end: "
                                 f"{sum(proxy.upstream_connections().values())}")
@@ -500,8 +504,11 @@ def judge_end(row, server, scale, rss_bound, fds_bound, settled, t_attack, peak_
     if code is not None:
         row["exit"] = code
         if code == WATCHDOG_EXIT:
-            row["notes"].append(f"exited {code} (watchdog) {time.monotonic() - t_attack:.0f} s "
-                                "after the attack began")
+            row["notes"].append(f"exited {code} (watchdog), {row['attack_seconds']:.0f} s attack")
+            if server.watchdog_line:
+                t, line = server.watchdog_line
+                row["notes"].append(f"{t - t_attack:.1f} s after the attack began: "
+                                    f"{line.split('attnserve: ', 1)[-1]}")
         else:
             row["problems"].append(f"exited {code} (not the watchdog's {WATCHDOG_EXIT})")
     else:
