@@ -297,9 +297,10 @@ void AttnServer::Shutdown() {
     //    to notice; calls refused meanwhile could exhaust a client's retries
     //    on this replica). Then new Attend calls get UNAVAILABLE.
     SetHealth(false);
-    const absl::Time drain_deadline = absl::Now() + absl::Seconds(options_.drain_timeout_seconds);
     absl::SleepFor(absl::Seconds(options_.lame_duck_seconds));
     service_->set_state(AttentionServiceImpl::State::kDraining);
+    // The drain counts from the end of the lame duck, whose calls it drains.
+    const absl::Time drain_deadline = absl::Now() + absl::Seconds(options_.drain_timeout_seconds);
     // 2. Calls in flight finish (up to the drain timeout); those still
     //    running then stop and answer UNAVAILABLE (retryable), never CANCELLED.
     if (!service_->WaitForIdle(drain_deadline)) {

@@ -51,10 +51,11 @@ class AttnServer {
 
   // Turns health NOT_SERVING while still listening and serving for
   // options.lame_duck_seconds, then refuses new calls (UNAVAILABLE), lets
-  // calls in flight finish (up to options.drain_timeout_seconds from the
-  // start; those left then stop and answer UNAVAILABLE), waits until calls
-  // stop arriving (up to the same deadline), and stops (open health Watch
-  // streams end). Idempotent.
+  // calls in flight finish (up to options.drain_timeout_seconds after the lame
+  // duck; those left then stop before their next compute stage and answer
+  // UNAVAILABLE), waits until calls stop arriving (up to the same deadline),
+  // and stops (open health Watch streams end; a compute stage still running
+  // more than 4 s after the deadline ends its call CANCELLED). Idempotent.
   void Shutdown();
 
   // The bound port (the one picked, when options asked for port 0).

@@ -88,8 +88,8 @@ ABSL_FLAG(int64_t, max_queue_delay_us, kDefaults.max_queue_delay_us,
 ABSL_FLAG(double, lame_duck_seconds, kDefaults.lame_duck_seconds,
           "On SIGTERM/SIGINT, how long health says NOT_SERVING while the server still listens");
 ABSL_FLAG(double, drain_timeout_seconds, kDefaults.drain_timeout_seconds,
-          "On SIGTERM/SIGINT, how long calls in flight may take to finish (from the signal); a "
-          "second signal stops at once");
+          "On SIGTERM/SIGINT, how long calls in flight may take to finish after the lame duck (those "
+          "left then answer UNAVAILABLE); a second signal stops at once");
 ABSL_FLAG(uint64_t, builtin_model_seed, kDefaults.builtin_model_seed,
           "Seed of the built-in model's weights (docs/seeded_weights.md)");
 ABSL_FLAG(std::string, metrics_address, attnserve::server::kDefaultMetricsAddress,
@@ -341,14 +341,17 @@ int main(int argc, char** argv) {
   }
   absl::Notification stopped;
   std::thread drain([&] {
-    (*server)->Shutdown();
     watchdog.reset();  // its probes would fail from here on
+    (*server)->Shutdown();
     stopped.Notify();
   });
+  // A stop signal during a signal's drain stops at once; during the
+  // watchdog's drain the first one (its supervisor's) lets the drain finish.
+  int signals_left = by_watchdog ? 2 : 1;
   while (!stopped.HasBeenNotified()) {
-    if (sigtimedwait(&stop_signals, nullptr, &poll) > 0) {
+    if (sigtimedwait(&stop_signals, nullptr, &poll) > 0 && --signals_left == 0) {
       LogLine("second stop signal: exiting without draining");
-      _exit(1);
+      _exit(by_watchdog ? kExitWatchdog : cli::kExitFailure);
     }
   }
   drain.join();

@@ -139,35 +139,34 @@ std::string ProbeHost(absl::string_view listen_address) {
     host = host.substr(1, host.size() - 2);
   }
   if (host.empty() || host == "0.0.0.0") return "127.0.0.1";
-  if (host == "::") return "::1";
+  // Every loopback address (a host without IPv6 serves "[::]" on IPv4).
+  if (host == "::") return "localhost";
   return std::string(host);
 }
 
-absl::Status ProbeListener(absl::string_view host, int port, absl::Duration timeout) {
-  const absl::Time deadline = absl::Now() + timeout;
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const std::string host_string(host);
-  const std::string port_string = absl::StrCat(port);
-  if (const int error = getaddrinfo(host_string.c_str(), port_string.c_str(), &hints, &found);
-      error != 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot resolve ", host_string, ": ", gai_strerror(error)));
-  }
-  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> addresses(found, &freeaddrinfo);
-  ScopedFd fd(socket(found->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+namespace {
+
+// ProbeListener for one resolved address; `stopped` ends the wait early
+// (UNAVAILABLE "stopped").
+absl::Status ProbeAddress(const addrinfo& address, const std::string& where, int port,
+                          absl::Time deadline, absl::Duration timeout,
+                          const std::function<bool()>& stopped) {
+  ScopedFd fd(socket(address.ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
   if (fd.get() < 0) {
     return absl::UnavailableError(absl::StrCat("cannot open a socket: ", std::strerror(errno)));
   }
-  const std::string where = absl::StrCat(host_string, ":", port);
-  if (connect(fd.get(), found->ai_addr, found->ai_addrlen) != 0 && errno != EINPROGRESS) {
+  if (connect(fd.get(), address.ai_addr, address.ai_addrlen) != 0 && errno != EINPROGRESS) {
     return absl::UnavailableError(
         absl::StrCat("cannot connect to ", where, ": ", std::strerror(errno)));
   }
+  // Waits in short slices, so that `stopped` is seen within kSlice.
+  constexpr absl::Duration kSlice = absl::Milliseconds(50);
   short revents = 0;
-  if (!WaitFor(fd.get(), POLLOUT, deadline, &revents)) {
-    return absl::UnavailableError(absl::StrCat("connecting to ", where, " timed out"));
+  while (!WaitFor(fd.get(), POLLOUT, std::min(deadline, absl::Now() + kSlice), &revents)) {
+    if (absl::Now() >= deadline) {
+      return absl::UnavailableError(absl::StrCat("connecting to ", where, " timed out"));
+    }
+    if (stopped && stopped()) return absl::UnavailableError("stopped");
   }
   int error = 0;
   socklen_t error_size = sizeof(error);
@@ -194,8 +193,36 @@ absl::Status ProbeListener(absl::string_view host, int port, absl::Duration time
           where, " accepted no connection within ", absl::FormatDuration(timeout),
           " (connected, but the connection stayed in the listen backlog)"));
     }
-    absl::SleepFor(absl::Milliseconds(10));
+    if (stopped && stopped()) return absl::UnavailableError("stopped");
+    absl::SleepFor(kSlice);  // the tables can be long under a connection flood
   }
+}
+
+}  // namespace
+
+absl::Status ProbeListener(absl::string_view host, int port, absl::Duration timeout,
+                           const std::function<bool()>& stopped) {
+  const absl::Time deadline = absl::Now() + timeout;
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  const std::string host_string(host);
+  const std::string port_string = absl::StrCat(port);
+  if (const int error = getaddrinfo(host_string.c_str(), port_string.c_str(), &hints, &found);
+      error != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve ", host_string, ": ", gai_strerror(error)));
+  }
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> addresses(found, &freeaddrinfo);
+  const std::string where = absl::StrCat(host_string, ":", port);
+  // Every address the name has ("localhost" may be ::1 first while the
+  // server listens on 127.0.0.1 only): the listener accepts on one of them.
+  absl::Status last;
+  for (const addrinfo* address = found; address != nullptr; address = address->ai_next) {
+    last = ProbeAddress(*address, where, port, deadline, timeout, stopped);
+    if (last.ok()) return last;
+  }
+  return last;
 }
 
 Watchdog::Watchdog(WatchdogOptions options)
@@ -209,7 +236,9 @@ Watchdog::~Watchdog() {
 void Watchdog::Run() {
   int listener_failures = 0, memory_failures = 0;
   while (!stop_.WaitForNotificationWithTimeout(options_.interval)) {
-    const absl::Status probe = ProbeListener(options_.host, options_.port, options_.probe_timeout);
+    const absl::Status probe = ProbeListener(options_.host, options_.port, options_.probe_timeout,
+                                             [this] { return stop_.HasBeenNotified(); });
+    if (stop_.HasBeenNotified()) return;
     listener_failures = probe.ok() ? 0 : listener_failures + 1;
     const int64_t rss = ResidentBytes();
     const bool over = options_.max_rss_bytes > 0 && rss > options_.max_rss_bytes;

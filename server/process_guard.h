@@ -35,10 +35,14 @@ int64_t ResidentBytes();
 // malformed client. OK when accepted; UNAVAILABLE saying what failed
 // otherwise (no descriptor for a socket, connect refused or timed out, left
 // in the backlog).
-absl::Status ProbeListener(absl::string_view host, int port, absl::Duration timeout);
+// Every address `host` resolves to is tried until one accepts. `stopped`,
+// when given, is polled every 50 ms and ends the wait early.
+absl::Status ProbeListener(absl::string_view host, int port, absl::Duration timeout,
+                           const std::function<bool()>& stopped = {});
 
 // The host to probe for a listen address: its host, with a wildcard
-// ("0.0.0.0", "[::]", empty) replaced by the loopback address of its family.
+// replaced by loopback: "0.0.0.0" and empty by 127.0.0.1, "[::]" by
+// localhost (both families: ProbeListener tries each address).
 std::string ProbeHost(absl::string_view listen_address);
 
 struct WatchdogOptions {

@@ -299,7 +299,6 @@ void AttentionServiceImpl::set_state(State state) {
 
 absl::Status AttentionServiceImpl::BeginCall() {
   absl::MutexLock lock(&mu_);
-  last_arrival_ = absl::Now();
   switch (state_) {
     case State::kStarting:
       return absl::UnavailableError("the server is starting: models are loading; retry");
@@ -345,6 +344,10 @@ bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
                                                        const grpc::ByteBuffer* request_bytes,
                                                        grpc::ByteBuffer* response_bytes) {
+  {
+    absl::MutexLock lock(&mu_);
+    last_arrival_ = absl::Now();  // for WaitForQuiet
+  }
   if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
     auto* reactor =
         new ObservedReactor(context, RpcMethod::kAttend, "", metrics_, options_.access_log);

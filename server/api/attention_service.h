@@ -66,8 +66,10 @@ class AttentionServiceImpl final
   // True when idle.
   bool WaitForIdle(absl::Time deadline);
 
-  // Waits until no Attend call has arrived (admitted or refused) for `quiet`,
-  // or until `deadline`. True when quiet.
+  // Waits until no Attend call has reached the handler (admitted or refused,
+  // valid or not) for `quiet`, or until `deadline`. True when quiet. A
+  // heuristic for "clients have moved away": a call whose request is still
+  // being uploaded has not reached the handler yet.
   bool WaitForQuiet(absl::Duration quiet, absl::Time deadline);
 
   // The end of a drain: admitted calls still queued or computing stop (before

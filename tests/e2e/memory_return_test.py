@@ -123,6 +123,9 @@ def main():
                   f"last {timeline[-1][1] / mib:.0f} MiB; within {args.ratio}x of the baseline "
                   + (f"after {recovered_after:.1f} s" if recovered_after is not None
                      else f"NOT within {RECOVERY_SECONDS} s"))
+            if peak[0] <= args.ratio * baseline:
+                failures.append(f"the burst did not raise RSS above {args.ratio}x the baseline "
+                                "(nothing to fall back from: a bigger burst is needed)")
             if counts["failed"]:
                 failures.append(f"{counts['failed']} calls of the burst failed")
             if recovered_after is None:
