@@ -174,8 +174,10 @@ class Shutdown(unittest.TestCase):
         # tokens) and waits up to 10 s from the first arrival for more: the
         # executor holds them, so they stay in flight until the signal however
         # slowly they upload or compute. The drain then waits out that delay
-        # and computes them; its timeout leaves room for a busy machine.
-        server = Server(ARGS.server, "--lame_duck_seconds=1", "--max_batch_tokens=1000000",
+        # and computes them; its timeout leaves room for a busy machine. No
+        # lame duck: new calls are refused from the signal on (a lame duck
+        # still serves them).
+        server = Server(ARGS.server, "--lame_duck_seconds=0", "--max_batch_tokens=1000000",
                         "--max_queue_delay_us=10000000", "--drain_timeout_seconds=300")
         try:
             channel = grpc.insecure_channel(server.target, options=[
@@ -199,8 +201,8 @@ class Shutdown(unittest.TestCase):
                 time.sleep(0.01)
             in_flight = sum(not f.done() for f in futures)
             server.proc.send_signal(signal.SIGTERM)
-            # Health turns NOT_SERVING while the server still listens (lame duck
-            # and drain), for Watch streams and for new Checks.
+            # Health turns NOT_SERVING while the server still listens (the
+            # drain), for Watch streams and for new Checks.
             self.assertEqual(next(watch).status, health_pb2.HealthCheckResponse.NOT_SERVING)
             status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=60).status
             self.assertEqual(status, health_pb2.HealthCheckResponse.NOT_SERVING)
