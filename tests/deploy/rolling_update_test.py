@@ -42,7 +42,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 sys.path.insert(0, HERE)
-from harness import Server, generate_stubs, metric, reference_attention, rel_error, seeded_weights  # noqa: E402
+from harness import (Server, generate_stubs, metric, reference_attention, rel_error,  # noqa: E402
+                     seeded_weights, wait_until)
 from haproxy_runner import HAProxy  # noqa: E402
 
 ARGS = None
@@ -62,15 +63,6 @@ def log(message):
     sys.stderr.write(f"rolling_update: {message}\n")
     sys.stderr.flush()
 
-
-def wait_until(what, check, timeout, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def retry_options():

@@ -31,7 +31,7 @@ import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Server  # noqa: E402
+from harness import Server, wait_until  # noqa: E402
 from haproxy_runner import HAProxy  # noqa: E402
 
 ARGS = None
@@ -44,15 +44,6 @@ def log(message):
     sys.stderr.write(f"scale_out: {message}\n")
     sys.stderr.flush()
 
-
-def wait_until(what, check, timeout, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class Replica:

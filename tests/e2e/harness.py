@@ -189,6 +189,18 @@ def metric(samples, name, **labels):
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+def wait_until(what, check, timeout, interval=0.05):
+    """Polls check() until it returns something true (returned) or `timeout`
+    seconds pass (AssertionError naming `what`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
 def stop_process(proc, timeout=10):
     """SIGTERM, then SIGKILL after `timeout` seconds; waits for the process."""
     if proc is None or proc.poll() is not None:

@@ -49,7 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 PROXY_RUNNER = os.path.join(REPO, "tests", "deploy", "haproxy_runner.py")
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
-from harness import generate_stubs, wait_serving  # noqa: E402
+from harness import generate_stubs, wait_serving, wait_until  # noqa: E402
 
 MIB = 1 << 20
 PYTHON = "/usr/bin/python3"
@@ -298,16 +298,6 @@ def server_flags(binary):
     return _FLAGS[binary]
 
 
-def wait_for(predicate, timeout, what, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
 def first_recovered_call(calls, window):
     """Start time of the first OK call from which every call started within
     `window` seconds was OK (and that window is complete), or None."""
@@ -433,8 +423,8 @@ def run_attack(attack, path, scale, binary, stubs, health):
         target = (f"127.0.0.1:{server.metrics_port}" if attack.kind == "metrics" else
                   proxy.address if proxy else server.target)
         good = GoodCalls(attack.kind, target, scale, stubs, seed, token)
-        wait_for(lambda: sum(c == "OK" for _, _, c in good.results) >= 5, 120,
-                 "the first good calls")
+        wait_until("the first good calls",
+                   lambda: sum(c == "OK" for _, _, c in good.results) >= 5, 120)
         idle = []
         for _ in range(10):  # the idle level: the most over half a second of good calls
             idle.append(server.sample())
