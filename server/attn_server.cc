@@ -149,6 +149,7 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                                        int64_t{16} << 20, int64_t{1} << 44));
   ATTNSERVE_RETURN_IF_ERROR(
       CheckRange("min_open_files", options.min_open_files, 0, int64_t{1} << 30));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("metrics_threads", options.metrics_threads, 1, 4096));
   if (!(options.watchdog_interval_seconds >= 0 && options.watchdog_interval_seconds <= 3600)) {
     return absl::InvalidArgumentError(absl::StrCat("--watchdog_interval_seconds: ",
                                                    options.watchdog_interval_seconds,
@@ -180,6 +181,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
                                .compute_threads = options.compute_threads}));
   ATTNSERVE_ASSIGN_OR_RETURN(
       server->metrics_, Metrics::Create({.address = options.metrics_address,
+                                         .threads = options.metrics_threads,
                                          .queue_capacity = options.max_queued_requests}));
   if (!options.model_repository.empty()) {
     ATTNSERVE_ASSIGN_OR_RETURN(server->repository_,

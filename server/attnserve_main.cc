@@ -95,6 +95,9 @@ ABSL_FLAG(uint64_t, builtin_model_seed, kDefaults.builtin_model_seed,
 ABSL_FLAG(std::string, metrics_address, attnserve::server::kDefaultMetricsAddress,
           "host:port serving Prometheus metrics at /metrics (port 0 picks a free port, printed "
           "at start-up); empty: no metrics endpoint");
+ABSL_FLAG(int, metrics_threads, kDefaults.metrics_threads,
+          "Threads serving the metrics port, one connection each; a connection that has not sent "
+          "its request headers within 5 s is closed");
 ABSL_FLAG(bool, access_log, kDefaults.access_log,
           "Log one JSON line per call to stderr (request id, method, model, shapes, status, "
           "queue and compute time)");
@@ -188,6 +191,7 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
   options.drain_timeout_seconds = absl::GetFlag(FLAGS_drain_timeout_seconds);
   options.builtin_model_seed = absl::GetFlag(FLAGS_builtin_model_seed);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  options.metrics_threads = absl::GetFlag(FLAGS_metrics_threads);
   options.access_log = absl::GetFlag(FLAGS_access_log);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);

@@ -54,6 +54,11 @@ struct ServerOptions {
   // embedding program or a test opens no port it did not ask for; the
   // attnserve binary's --metrics_address defaults to kDefaultMetricsAddress.
   std::string metrics_address;
+  // Threads of the metrics endpoint: each serves one HTTP connection at a
+  // time, and a connection whose request headers are not complete within
+  // 5 s (MetricsOptions::kRequestTimeoutMs) is closed, so /metrics keeps answering while
+  // fewer connections than this dribble their headers.
+  int metrics_threads = 256;
   // One JSON line per call on stderr (server/observability/access_log.h).
   bool access_log = false;
   // TLS on the gRPC port: PEM certificate chain and private key. Both empty:

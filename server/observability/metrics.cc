@@ -278,7 +278,11 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
   if (!options.address.empty()) {
     m->address_ = options.address;
     try {
-      m->exposer_ = std::make_unique<prometheus::Exposer>(options.address, /*num_threads=*/2);
+      // civetweb's options: request_timeout_ms bounds the time from a
+      // request's first byte to the end of its headers, and each read and write.
+      m->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+          "listening_ports", options.address, "num_threads", std::to_string(options.threads),
+          "request_timeout_ms", std::to_string(MetricsOptions::kRequestTimeoutMs)});
     } catch (const std::exception& e) {
       return absl::UnavailableError(
           absl::StrCat("--metrics_address: cannot listen on '", options.address, "': ", e.what()));

@@ -39,6 +39,12 @@ struct MetricsOptions {
   // host:port of the HTTP endpoint serving /metrics; port 0 picks a free port
   // (see Metrics::port). Empty: no endpoint (the metrics are still kept).
   std::string address;
+  // The endpoint's threads: each serves one connection at a time. A request
+  // whose headers are not complete within kRequestTimeoutMs is dropped (and
+  // any read or write that stalls as long), so a connection that dribbles
+  // holds a thread for at most that long.
+  int threads = 256;
+  static constexpr int kRequestTimeoutMs = 5000;
   // The compute queue's capacity, exported as attnserve_queue_capacity.
   int64_t queue_capacity = 0;
 };

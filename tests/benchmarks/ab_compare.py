@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compares two builds' attention_layer_benchmark binaries shape by shape.
 
-Runs the two binaries alternately (A, B, A, B, ...), each round over every benchmark the filter selects, and prints
+Runs the two binaries alternately (A B, B A, A B, ...), each round over every benchmark the filter selects, and prints
 per benchmark the median real time of each, B/A, and the CPU model. Alternating shares the machine's drifts between
 the two; medians drop the outlier rounds. A row is flagged when B's median differs from A's by more than --tolerance.
 
@@ -50,8 +50,10 @@ def main():
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     samples = {"before": {}, "after": {}}
+    pair = (("before", args.before), ("after", args.after))
     for r in range(args.rounds):
-        for label, binary in (("before", args.before), ("after", args.after)):
+        # A B, B A, A B, ...: neither build always runs first in its round.
+        for label, binary in (pair if r % 2 == 0 else pair[::-1]):
             print(f"round {r + 1}/{args.rounds}: {label}", file=sys.stderr, flush=True)
             for name, t in run(binary, args.filter, args.min_time).items():
                 samples[label].setdefault(name, []).append(t)

@@ -19,11 +19,15 @@ Debian's HAProxy 2.6:
     streams per connection, refuses a header block larger than its buffer
     before the backend (a request within the limits gets the backend's 503:
     its one replica is down), and refuses the connection past the configured
-    count from one address while another address still connects.
+    count from one address while another address still connects; against
+    the real binary, an address holding its limit of calls in flight (bodies
+    that never end) gets 429 for exactly the calls past it while a call from
+    another address is served.
 
 Usage: haproxy_config_test.py --server PATH/attnserve --repo REPO
 """
 import argparse
+import json
 import os
 import re
 import signal
@@ -264,6 +268,54 @@ class AgainstTheServer(unittest.TestCase):
                 with socket.create_connection(("127.0.0.1", server.port), timeout=5):
                     pass  # still listening: the check read its health, not the port
                 self.assertIn("replica1 is DOWN", proxy.log_text())
+        finally:
+            server.stop()
+
+
+class CallsInFlightPerAddress(unittest.TestCase):
+    """The per-address limit on calls in flight, against the real binary."""
+
+    def test_one_address_past_its_calls_in_flight_gets_429_while_another_is_served(self):
+        import grpc
+        import health_pb2
+        import health_pb2_grpc
+        limit = int(re.search(r"sc1_trackers\(calls_per_address\) gt (\d+)", config_text()).group(1))
+        extra = 8
+        server = Server(ARGS.server, "--compute_threads=1")
+        try:
+            with HAProxy(ARGS.repo, [server.target]) as proxy:
+                proxy.wait_replicas_up(1, timeout=120)
+                # From 127.0.0.2, limit + extra calls whose bodies never end
+                # (each sends 64 KiB of a declared 4 MiB message: past the
+                # proxy's 16 KiB buffer, so each goes on to the replica and
+                # stays in flight) for 10 s, then it prints what it saw.
+                attacker = subprocess.Popen(
+                    [sys.executable, os.path.join(HERE, "..", "hostile", "attacks.py"), "slow_bodies",
+                     "--port", str(proxy.port), "--source", "127.0.0.2", "--seconds", "10",
+                     "--streams", str(limit + extra), "--streams_per_connection", "8",
+                     "--declared_mib", "4", "--send_mib", "0.0625", "--rate_mib", "64"],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                try:
+                    deadline = time.monotonic() + 60
+                    while proxy.server_counter("haproxy_server_current_sessions").get("replica1", 0) < limit:
+                        if attacker.poll() is not None:
+                            self.fail(f"the attacker ended first: {attacker.communicate()}")
+                        self.assertLess(time.monotonic(), deadline, "the attacker's calls never reached the replica")
+                        time.sleep(0.1)
+                    # The address at its limit: a call from 127.0.0.1 is served.
+                    with grpc.insecure_channel(proxy.address) as channel:
+                        answer = health_pb2_grpc.HealthStub(channel).Check(
+                            health_pb2.HealthCheckRequest(service=SERVICE), timeout=30)
+                    self.assertEqual(answer.status, health_pb2.HealthCheckResponse.SERVING)
+                    self.assertEqual(
+                        proxy.server_counter("haproxy_server_current_sessions").get("replica1"), limit,
+                        "the replica holds more of one address's calls than the limit")
+                finally:
+                    out, err = attacker.communicate(timeout=120)
+                self.assertEqual(attacker.returncode, 0, err)
+                answered = json.loads(out.strip().splitlines()[-1])["answered"]
+                self.assertEqual(answered, {"http 429": extra},
+                                 f"the {extra} calls past the limit, and only they, must be refused")
         finally:
             server.stop()
 

@@ -53,7 +53,7 @@ SEQ = 8
 # Calls each new replica serves before the next replacement (and the end).
 CALLS_PER_NEW_REPLICA = 20
 # Connections the proxy may hold to one replica: per HAProxy thread one or
-# two in use (16 calls per replica at most, 32 streams per connection) plus
+# two in use (64 calls per replica at most, 100 streams per connection) plus
 # at most 2 idle ones (pool-max-conn), plus a health check's.
 MAX_UPSTREAM_CONNECTIONS_PER_THREAD = 3
 CALL_TIMEOUT_SECONDS = 60

