@@ -173,6 +173,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   std::optional<TokenSet> tokens;
   if (!options.auth_tokens_file.empty()) {
     ATTNSERVE_ASSIGN_OR_RETURN(tokens, TokenSet::Load(options.auth_tokens_file));
+    if (!options.tls_cert_file.empty()) {
+      // On TLS, a call without a valid token ends before its body is read.
+      credentials->SetAuthMetadataProcessor(
+          MakeTokenAuthProcessor(*tokens, v1::AttentionService::service_full_name()));
+    }
   }
   std::unique_ptr<AttnServer> server(new AttnServer(options));
   ATTNSERVE_ASSIGN_OR_RETURN(

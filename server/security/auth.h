@@ -3,9 +3,12 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include <grpcpp/security/auth_metadata_processor.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -52,6 +55,16 @@ class TokenSet {
 
   std::vector<Entry> entries_;
 };
+
+// Checks the bearer token of every call to `service` (a full service name,
+// "attnserve.v1.AttentionService") from the call's headers, before its
+// request message is read: a call without a valid token ends UNAUTHENTICATED
+// while its body has sent at most a flow-control window, instead of being
+// buffered whole for the handler to refuse. Calls to other services (health,
+// reflection) pass. gRPC runs metadata processors only on TLS ports; the
+// handlers still authenticate (and check admin rights) on every port.
+std::shared_ptr<grpc::AuthMetadataProcessor> MakeTokenAuthProcessor(TokenSet tokens,
+                                                                   absl::string_view service);
 
 }  // namespace attnserve::server
 

@@ -24,6 +24,7 @@ import json
 import resource
 import select
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -187,7 +188,8 @@ def slow_bodies(a):
     a.declared_mib MiB, then up to a.send_mib MiB of it within the windows
     the server grants, at most a.rate_mib MiB/s in all, and hold the calls
     open (never finishing the message) until a.seconds have passed. With
-    a.token the calls carry "authorization: Bearer <a.token>" (a wrong one)."""
+    a.token the calls carry "authorization: Bearer <a.token>" (a wrong one);
+    with a.tls they go over TLS."""
     end = time.monotonic() + a.seconds
     config = h2.config.H2Configuration(client_side=True, header_encoding="utf-8")
     headers = [(":method", "POST"), (":scheme", "http"),
@@ -206,6 +208,12 @@ def slow_bodies(a):
         check_loopback(a.host)
         sock = socket.create_connection((a.host, a.port), timeout=5,
                                         source_address=(a.source, 0) if a.source else None)
+        if a.tls:  # TLS with ALPN h2; the server's certificate is not checked
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            context.set_alpn_protocols(["h2"])
+            sock = context.wrap_socket(sock, server_hostname="localhost")
         sock.settimeout(5)
         conn = h2.connection.H2Connection(config=config)
         conn.initiate_connection()
@@ -223,6 +231,9 @@ def slow_bodies(a):
     started = time.monotonic()
     while time.monotonic() < end and any(c["open"] for c in conns):
         readable, _, _ = select.select([c["sock"] for c in conns if c["open"]], [], [], 0.005)
+        # TLS may hold decrypted bytes that select() does not see.
+        readable += [c["sock"] for c in conns if c["open"] and isinstance(c["sock"], ssl.SSLSocket)
+                     and c["sock"].pending() and c["sock"] not in readable]
         for c in conns:
             if c["sock"] in readable:
                 _receive(c, summary, answers)
@@ -530,6 +541,7 @@ def main():
     parser.add_argument("--send_mib", type=float, default=24)
     parser.add_argument("--rate_mib", type=float, default=256)
     parser.add_argument("--token", default="")
+    parser.add_argument("--tls", action="store_true", help="slow_bodies: over TLS (ALPN h2)")
     parser.add_argument("--size_mib", type=float, default=4)
     parser.add_argument("--interval", type=float, default=1.0)
     parser.add_argument("--requests", type=int, default=16)
