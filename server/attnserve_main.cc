@@ -211,6 +211,107 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
   return options;
 }
 
+// What the server runs with and what it leaves open, logged at start-up.
+void LogConfiguration(const attnserve::server::ServerOptions& options,
+                      const attnserve::server::AttnServer& server) {
+  using attnserve::server::LogLine;
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  LogLine(absl::StrCat("OpenMP wait policy ", wait_policy != nullptr ? wait_policy : "(libgomp default)",
+                       std::getenv("GOMP_SPINCOUNT") != nullptr
+                           ? absl::StrCat(", GOMP_SPINCOUNT ", std::getenv("GOMP_SPINCOUNT"))
+                           : "",
+                       " (PASSIVE unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT)"));
+  if (options.tls_cert_file.empty()) {
+    LogLine("WARNING: serving plaintext gRPC (no --tls_cert): anyone on the network can read and "
+            "alter calls");
+  } else {
+    LogLine(options.tls_client_ca_file.empty()
+                ? "serving gRPC over TLS"
+                : "serving gRPC over mutual TLS (client certificates required)");
+  }
+  if (options.auth_tokens_file.empty()) {
+    LogLine("AttentionService calls are not authenticated (no --auth_tokens_file)");
+  } else {
+    LogLine("AttentionService calls need a bearer token (--auth_tokens_file)");
+  }
+  if (!options.model_repository.empty() && options.auth_tokens_file.empty()) {
+    LogLine("WARNING: LoadModel/UnloadModel are open to every client (no --auth_tokens_file)");
+  }
+  if (options.limits.max_request_bytes > options.max_inflight_bytes) {
+    LogLine("WARNING: --max_request_bytes is over --max_inflight_bytes: requests between the two "
+            "are always refused");
+  }
+  if (options.metrics_address.empty()) {
+    LogLine("metrics endpoint off (--metrics_address is empty)");
+  } else {
+    LogLine(absl::StrCat("metrics on port ", server.metrics_port(), " (",
+                         options.metrics_address, "), path /metrics"));
+  }
+}
+
+// Serves until a stop signal (false) or the watchdog's trip (true), then
+// drains. A stop signal during a signal's drain exits at once; during the
+// watchdog's drain the first (its supervisor's) is let through, a second
+// exits at once.
+bool ServeUntilStopped(const attnserve::server::ServerOptions& options,
+                       attnserve::server::AttnServer& server, const sigset_t& stop_signals) {
+  namespace cli = attnserve::cli;
+  using attnserve::server::LogLine;
+  // The watchdog ends a server that can no longer serve (exit 3), so that its
+  // supervisor restarts it; a stop signal ends it as usual (exit 0).
+  absl::Notification tripped;
+  std::string trip_reason;  // written before tripped is notified
+  std::atomic<bool> stopping{false};  // a trip after the stop began is ignored
+  std::unique_ptr<attnserve::server::Watchdog> watchdog;
+  if (options.watchdog_interval_seconds > 0) {
+    watchdog = std::make_unique<attnserve::server::Watchdog>(attnserve::server::WatchdogOptions{
+        .host = attnserve::server::ProbeHost(options.listen_address),
+        .port = server.port(),
+        .interval = absl::Seconds(options.watchdog_interval_seconds),
+        .failures = options.watchdog_failures,
+        .max_rss_bytes = options.max_rss_bytes,
+        .on_trip =
+            [&](const std::string& reason) {
+              if (stopping.load()) return;
+              trip_reason = reason;
+              tripped.Notify();
+            },
+    });
+  }
+  const timespec poll = {.tv_sec = 0, .tv_nsec = 100 * 1000 * 1000};
+  int signal_number = 0;
+  while (!tripped.HasBeenNotified()) {
+    signal_number = sigtimedwait(&stop_signals, nullptr, &poll);
+    if (signal_number > 0) break;
+  }
+  stopping.store(true);
+  const bool by_watchdog = tripped.HasBeenNotified();
+  if (by_watchdog) {
+    LogLine(absl::StrCat("watchdog: ", trip_reason, ": NOT_SERVING, draining calls in flight, then "
+                         "exiting with status ", kExitWatchdog));
+  } else {
+    LogLine(absl::StrCat("received ", strsignal(signal_number),
+                         ": NOT_SERVING, draining calls in flight (a second signal stops at once)"));
+  }
+  absl::Notification stopped;
+  std::thread drain([&] {
+    watchdog.reset();  // its probes would fail from here on
+    server.Shutdown();
+    stopped.Notify();
+  });
+  // A stop signal during a signal's drain stops at once; during the
+  // watchdog's drain the first one (its supervisor's) lets the drain finish.
+  int signals_left = by_watchdog ? 2 : 1;
+  while (!stopped.HasBeenNotified()) {
+    if (sigtimedwait(&stop_signals, nullptr, &poll) > 0 && --signals_left == 0) {
+      LogLine("second stop signal: exiting without draining");
+      _exit(by_watchdog ? kExitWatchdog : cli::kExitFailure);
+    }
+  }
+  drain.join();
+  return by_watchdog;
+}
+
 int main(int argc, char** argv) {
   namespace cli = attnserve::cli;
   // The command line first: --help, --version and mistakes need no OpenMP.
@@ -268,38 +369,7 @@ int main(int argc, char** argv) {
   LogLine(absl::StrCat("listening on port ", (*server)->port(), " (", options.listen_address,
                        "); health NOT_SERVING until the models are loaded; open-file limit ",
                        *open_files));
-  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
-  LogLine(absl::StrCat("OpenMP wait policy ", wait_policy != nullptr ? wait_policy : "(libgomp default)",
-                       std::getenv("GOMP_SPINCOUNT") != nullptr
-                           ? absl::StrCat(", GOMP_SPINCOUNT ", std::getenv("GOMP_SPINCOUNT"))
-                           : "",
-                       " (PASSIVE unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT)"));
-  if (options.tls_cert_file.empty()) {
-    LogLine("WARNING: serving plaintext gRPC (no --tls_cert): anyone on the network can read and "
-            "alter calls");
-  } else {
-    LogLine(options.tls_client_ca_file.empty()
-                ? "serving gRPC over TLS"
-                : "serving gRPC over mutual TLS (client certificates required)");
-  }
-  if (options.auth_tokens_file.empty()) {
-    LogLine("AttentionService calls are not authenticated (no --auth_tokens_file)");
-  } else {
-    LogLine("AttentionService calls need a bearer token (--auth_tokens_file)");
-  }
-  if (!options.model_repository.empty() && options.auth_tokens_file.empty()) {
-    LogLine("WARNING: LoadModel/UnloadModel are open to every client (no --auth_tokens_file)");
-  }
-  if (options.limits.max_request_bytes > options.max_inflight_bytes) {
-    LogLine("WARNING: --max_request_bytes is over --max_inflight_bytes: requests between the two "
-            "are always refused");
-  }
-  if (options.metrics_address.empty()) {
-    LogLine("metrics endpoint off (--metrics_address is empty)");
-  } else {
-    LogLine(absl::StrCat("metrics on port ", (*server)->metrics_port(), " (",
-                         options.metrics_address, "), path /metrics"));
-  }
+  LogConfiguration(options, **server);
   if (absl::Status loaded = (*server)->LoadModelsAndServe(); !loaded.ok()) {
     LogLine(absl::StrCat("cannot load models: ", loaded.ToString()));
     return cli::kExitFailure;
@@ -307,58 +377,7 @@ int main(int argc, char** argv) {
   LogLine(absl::StrCat("SERVING (", absl::FormatDuration(absl::Now() - process_start),
                        " after start)"));
 
-  // The watchdog ends a server that can no longer serve (exit 3), so that its
-  // supervisor restarts it; a stop signal ends it as usual (exit 0).
-  absl::Notification tripped;
-  std::string trip_reason;  // written before tripped is notified
-  std::atomic<bool> stopping{false};  // a trip after the stop began is ignored
-  std::unique_ptr<attnserve::server::Watchdog> watchdog;
-  if (options.watchdog_interval_seconds > 0) {
-    watchdog = std::make_unique<attnserve::server::Watchdog>(attnserve::server::WatchdogOptions{
-        .host = attnserve::server::ProbeHost(options.listen_address),
-        .port = (*server)->port(),
-        .interval = absl::Seconds(options.watchdog_interval_seconds),
-        .failures = options.watchdog_failures,
-        .max_rss_bytes = options.max_rss_bytes,
-        .on_trip =
-            [&](const std::string& reason) {
-              if (stopping.load()) return;
-              trip_reason = reason;
-              tripped.Notify();
-            },
-    });
-  }
-  const timespec poll = {.tv_sec = 0, .tv_nsec = 100 * 1000 * 1000};
-  int signal_number = 0;
-  while (!tripped.HasBeenNotified()) {
-    signal_number = sigtimedwait(&stop_signals, nullptr, &poll);
-    if (signal_number > 0) break;
-  }
-  stopping.store(true);
-  const bool by_watchdog = tripped.HasBeenNotified();
-  if (by_watchdog) {
-    LogLine(absl::StrCat("watchdog: ", trip_reason, ": NOT_SERVING, draining calls in flight, then "
-                         "exiting with status ", kExitWatchdog));
-  } else {
-    LogLine(absl::StrCat("received ", strsignal(signal_number),
-                         ": NOT_SERVING, draining calls in flight (a second signal stops at once)"));
-  }
-  absl::Notification stopped;
-  std::thread drain([&] {
-    watchdog.reset();  // its probes would fail from here on
-    (*server)->Shutdown();
-    stopped.Notify();
-  });
-  // A stop signal during a signal's drain stops at once; during the
-  // watchdog's drain the first one (its supervisor's) lets the drain finish.
-  int signals_left = by_watchdog ? 2 : 1;
-  while (!stopped.HasBeenNotified()) {
-    if (sigtimedwait(&stop_signals, nullptr, &poll) > 0 && --signals_left == 0) {
-      LogLine("second stop signal: exiting without draining");
-      _exit(by_watchdog ? kExitWatchdog : cli::kExitFailure);
-    }
-  }
-  drain.join();
+  const bool by_watchdog = ServeUntilStopped(options, **server, stop_signals);
   LogLine("stopped");
   return by_watchdog ? kExitWatchdog : cli::kExitOk;
 }
