@@ -1,0 +1,184 @@
+#!/usr/bin/python3
+"""What the wire costs: attnserve's round trip against a plain loopback socket.
+
+  tests/benchmarks/transport_benchmark.py --server build/server/attnserve \\
+      --attnctl build/client/attnctl --proto_dir proto [--calls 20] [--only REGEX]
+
+Starts attnserve (the built-in model, d_model 768, 12 heads) on a free loopback
+port and, for each request below, one at a time:
+
+  - Python (grpcio): the median round trip of --calls Attend calls, and the
+    server's compute for each (the response's timing.compute);
+  - C++ (attnctl bench --concurrency=1): its median round trip and the
+    server's mean compute;
+  - the loopback socket: the median time a TCP connection on 127.0.0.1 with
+    warm buffers takes to carry the same request bytes one way and the
+    response bytes back (one process, a thread at each end);
+  - the server's minor page faults per call (/proc/PID/stat over the Python
+    calls), against the response's size in 4 KiB pages.
+
+Prints per request: bytes (request + response), socket ms, transport ms (round
+trip minus compute) and its ratio to the socket, for Python and C++, and the
+faults. The CPU model goes on top: compare figures of one run only.
+"""
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+from harness import Server, generate_stubs, to_tensor, wait_serving  # noqa: E402
+
+D_MODEL = 768
+PAGE = 4096
+# name, batch, seq, maps
+REQUESTS = [("B=8 S=128", 8, 128, "none"), ("B=1 S=512", 1, 512, "none"),
+            ("B=1 S=2048", 1, 2048, "none"), ("B=4 S=512, per-head maps", 4, 512, "per-head")]
+
+
+def cpu_model():
+    with open("/proc/cpuinfo") as f:
+        info = {k.strip(): v for k, v in (line.split(":", 1) for line in f if ":" in line)}
+    return f"{info['model name'].strip()} (family {info['cpu family'].strip()}, " \
+           f"model {info['model'].strip()}), {os.cpu_count()} vCPUs"
+
+
+def minor_faults(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])  # field 10, minflt
+
+
+def socket_round_trip_ms(request_bytes, response_bytes, calls):
+    """Median ms for request_bytes one way and response_bytes back over a
+    loopback TCP connection, buffers allocated once and reused."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    request, response = bytearray(request_bytes), bytearray(response_bytes)
+
+    def receive(sock, buffer):
+        view, got = memoryview(buffer), 0
+        while got < len(buffer):
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise ConnectionError("closed")
+            got += n
+
+    def serve():
+        peer, _ = listener.accept()
+        peer_request = bytearray(request_bytes)
+        with peer:
+            for _ in range(calls + 2):
+                receive(peer, peer_request)
+                peer.sendall(response)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    times = []
+    with socket.create_connection(listener.getsockname()) as client:
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reply = bytearray(response_bytes)
+        for i in range(calls + 2):
+            t0 = time.perf_counter()
+            client.sendall(request)
+            receive(client, reply)
+            if i >= 2:  # two warm-up trips
+                times.append(time.perf_counter() - t0)
+    thread.join()
+    listener.close()
+    return statistics.median(times) * 1e3
+
+
+def grpcio_calls(stub, pb, batch, seq, maps, calls, pid):
+    """(median round trip ms, median compute ms, request bytes, response
+    bytes, minor faults per call) of `calls` Attend calls after two warm-ups."""
+    x = np.random.default_rng(0).standard_normal((batch, seq, D_MODEL)).astype(np.float32)
+    request = pb.AttendRequest(model="default", hidden_states=to_tensor(pb, x),
+                               attention_maps=pb.AttentionMapRequest(
+                                   mode=pb.ATTENTION_MAP_MODE_PER_HEAD if maps == "per-head"
+                                   else pb.ATTENTION_MAP_MODE_NONE))
+    for _ in range(2):
+        stub.Attend(request, timeout=600)
+    trips, computes, size = [], [], 0
+    faults_before = minor_faults(pid)
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        response = stub.Attend(request, timeout=600)
+        trips.append(time.perf_counter() - t0)
+        computes.append(response.timing.compute.ToNanoseconds() * 1e-9)
+        size = response.ByteSize()
+    faults = (minor_faults(pid) - faults_before) / calls
+    return (statistics.median(trips) * 1e3, statistics.median(computes) * 1e3, request.ByteSize(),
+            size, faults)
+
+
+def attnctl_bench(attnctl, target, batch, seq, maps, calls):
+    """(median round trip ms, mean compute ms) from attnctl bench."""
+    done = subprocess.run([attnctl, "bench", f"--target={target}", "--concurrency=1",
+                           f"--requests={calls + 2}", f"--batch={batch}", f"--seq={seq}",
+                           f"--maps={maps}", "--json"], capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"attnctl bench failed: {done.stderr[-500:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return report["latency_ms"]["p50"], report["server"]["compute_ms"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", required=True, help="the attnserve binary")
+    parser.add_argument("--attnctl", required=True, help="the attnctl binary")
+    parser.add_argument("--proto_dir", required=True)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--only", default="", help="the requests whose name matches this regex")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as stubs:
+        generate_stubs(stubs, args.proto_dir)
+        import grpc
+        import health_pb2
+        import health_pb2_grpc
+        from attnserve.v1 import attention_pb2 as pb
+        from attnserve.v1 import attention_pb2_grpc
+        server = Server(args.server, "--max_receive_message_bytes=1073741824",
+                        "--max_send_message_bytes=1073741824")
+        try:
+            options = [("grpc.max_receive_message_length", 1 << 30),
+                       ("grpc.max_send_message_length", 1 << 30)]
+            with grpc.insecure_channel(server.target, options=options) as channel:
+                wait_serving(health_pb2_grpc.HealthStub(channel), health_pb2)
+                stub = attention_pb2_grpc.AttentionServiceStub(channel)
+                print(f"CPU: {cpu_model()}; {args.calls} calls per request, one at a time, medians")
+                print(f"{'request':26} {'bytes':>9} {'socket':>8} | {'py trip':>8} {'compute':>8} "
+                      f"{'transport':>9} {'ratio':>6} | {'C++ trip':>8} {'compute':>8} {'transport':>9} "
+                      f"{'ratio':>6} | {'faults/call':>11} {'% of pages':>10}")
+                for name, batch, seq, maps in REQUESTS:
+                    if args.only and not re.search(args.only, name):
+                        continue
+                    trip, compute, req_bytes, resp_bytes, faults = grpcio_calls(
+                        stub, pb, batch, seq, maps, args.calls, server.proc.pid)
+                    sock = socket_round_trip_ms(req_bytes, resp_bytes, args.calls)
+                    cc_trip, cc_compute = attnctl_bench(args.attnctl, server.target, batch, seq, maps,
+                                                        args.calls)
+                    py_transport, cc_transport = trip - compute, cc_trip - cc_compute
+                    pages = resp_bytes / PAGE
+                    print(f"{name:26} {(req_bytes + resp_bytes) / 1e6:8.1f}M {sock:7.2f}ms | "
+                          f"{trip:7.2f}ms {compute:7.2f}ms {py_transport:8.2f}ms "
+                          f"{py_transport / sock:6.1f} | {cc_trip:7.2f}ms {cc_compute:7.2f}ms "
+                          f"{cc_transport:8.2f}ms {cc_transport / sock:6.1f} | {faults:11.0f} "
+                          f"{100 * faults / pages:9.1f}%", flush=True)
+        finally:
+            server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
