@@ -29,7 +29,7 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
-from harness import Server, generate_stubs, wait_until  # noqa: E402
+from harness import Server, run_tests_with_stubs, wait_until  # noqa: E402
 
 ARGS = None
 STREAMS = 8
@@ -120,9 +120,7 @@ def main():
     parser.add_argument("--server", required=True)
     parser.add_argument("--proto_dir", required=True)
     ARGS, rest = parser.parse_known_args()
-    with tempfile.TemporaryDirectory() as stubs:
-        generate_stubs(stubs, ARGS.proto_dir)
-        unittest.main(argv=[sys.argv[0], "-v", *rest])
+    run_tests_with_stubs(ARGS.proto_dir, rest)
 
 
 if __name__ == "__main__":
