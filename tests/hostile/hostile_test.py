@@ -19,11 +19,12 @@ An attack passes when the server either
     plus the attack's connections plus 64, recovered within the recovery
     wait, 95% of the good calls after recovery OK, fds back near idle, and
     SIGTERM then exits 0 within the lame-duck plus drain time (+10 s); or
-  - exited with the watchdog's code 3 (the listener stopped accepting, or RSS
-    passed --max_rss_bytes) for its supervisor to restart it,
+  - exited with the watchdog's code 3 (the listener stopped accepting, or, in
+    the direct rapid reset only, RSS passed --max_rss_bytes) for its
+    supervisor to restart it,
 and never "alive but deaf". Where the shipped defences are meant to keep
 calls served during an attack (through the proxy: the idle flood and slow
-bodies; direct: the /metrics slowloris), at least 90% of the good calls
+bodies; direct: the /metrics slowloris), at least half of the good calls
 during it must be OK (99% with --full). The short form (the default; CTest
 hostile_short) asserts only that and prints no latency figures. --full runs
 longer, larger attacks, adds runs without an attack (idle, and with one core
@@ -79,15 +80,18 @@ class Scale:
         self.max_rss_bytes = self.inflight_bytes + 32 * MIB
         self.good_rate = 20 if full else 10
         # The full form measures OK rates, so a call is late after 2 s; the
-        # short form asserts none and only needs calls to end eventually.
+        # short form's rates (attacks' served_on) are looser and its calls
+        # only need to end eventually.
         self.deadline = 2.0 if full else 10.0
         self.recovery_wait = 60.0 if full else 30.0
         self.after_seconds = 10.0 if full else 2.0
         self.drain_seconds = 5.0
         # Where an attack's row says good calls are served during it: the
-        # share that must be OK (the issue's target in the full form; the
-        # short form runs on busy CI machines).
-        self.served_during = 0.99 if full else 0.9
+        # share that must be OK. The full form: the target, 99%. The short
+        # form's 4-5 s attacks see only 40-50 good calls on busy CI machines,
+        # where a few slow ones are noise: half, which still fails the
+        # starvation these defences stopped (15-17% OK before them).
+        self.served_during = 0.99 if full else 0.5
         self.lame_duck_seconds = 0.5
 
 
@@ -355,13 +359,15 @@ def server_command_flags(attack, scale, binary, seed, token_file):
              f"--builtin_model_seed={seed}", f"--max_inflight_bytes={scale.inflight_bytes}",
              f"--max_transport_bytes={scale.transport_bytes}", f"--min_open_files={scale.nofile}",
              "--watchdog_interval_seconds=1", "--watchdog_failures=3",
-             # As the shipped manifests do: memory past this for 3 s ends the
-             # process (exit 3) for its supervisor to restart, where gRPC 1.51
-             # alone would keep it (a direct rapid reset).
-             f"--max_rss_bytes={scale.max_rss_bytes}",
              f"--lame_duck_seconds={scale.lame_duck_seconds}",
              f"--drain_timeout_seconds={scale.drain_seconds}", *attack.server_flags,
              *ARGS.server_flag]
+    if not attack.direct_peak_bounded:
+        # As the shipped manifests do: memory past this for 3 s ends the
+        # process (exit 3) for its supervisor to restart, where gRPC 1.51
+        # alone would keep it (a direct rapid reset). Only here: elsewhere the
+        # RSS bound is ours to keep, and an exit would hide a breach of it.
+        flags.append(f"--max_rss_bytes={scale.max_rss_bytes}")
     if token_file:
         flags.append(f"--auth_tokens_file={token_file}")
     # A server from before a defence existed lacks its flag: run it without.
