@@ -286,10 +286,7 @@ absl::Status AttentionServiceImpl::AuthorizeAdmin(
 absl::StatusOr<Principal> AttentionServiceImpl::Authenticate(
     const grpc::CallbackServerContext& context) const {
   if (!tokens_.has_value()) return Principal{};
-  const auto& metadata = context.client_metadata();
-  const auto found = metadata.find("authorization");
-  if (found == metadata.end()) return tokens_->Authenticate(std::nullopt);
-  return tokens_->Authenticate(absl::string_view(found->second.data(), found->second.size()));
+  return tokens_->Authenticate(context.client_metadata());
 }
 
 void AttentionServiceImpl::set_state(State state) {

@@ -97,6 +97,13 @@ absl::StatusOr<Principal> TokenSet::Authenticate(
   return Principal{.is_admin = entries_[matched].is_admin};
 }
 
+absl::StatusOr<Principal> TokenSet::Authenticate(
+    const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const {
+  const auto found = metadata.find("authorization");
+  if (found == metadata.end()) return Authenticate(std::nullopt);
+  return Authenticate(absl::string_view(found->second.data(), found->second.size()));
+}
+
 namespace {
 
 class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
@@ -115,11 +122,7 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
                           method_prefix_)) {
       return grpc::Status::OK;
     }
-    const auto found = metadata.find("authorization");
-    const absl::StatusOr<Principal> caller =
-        found == metadata.end()
-            ? tokens_.Authenticate(std::nullopt)
-            : tokens_.Authenticate(absl::string_view(found->second.data(), found->second.size()));
+    const absl::StatusOr<Principal> caller = tokens_.Authenticate(metadata);
     if (!caller.ok()) {
       return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(caller.status().message()));
     }

@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -42,6 +43,10 @@ class TokenSet {
   // UNAUTHENTICATED when it is absent, not "Bearer <token>", or the token is
   // not in the set; the message never contains the token.
   absl::StatusOr<Principal> Authenticate(std::optional<absl::string_view> authorization) const;
+  // The same for a call's metadata (its "authorization" entry), as a handler
+  // (ServerContext::client_metadata) or an auth metadata processor sees it.
+  absl::StatusOr<Principal> Authenticate(
+      const std::multimap<grpc::string_ref, grpc::string_ref>& metadata) const;
 
   int size() const { return static_cast<int>(entries_.size()); }
 
