@@ -8,6 +8,20 @@ function(attnserve_warnings target)
   endif()
 endfunction()
 
+# attnserve_link_allocator(<executable>): links ATTNSERVE_MALLOC's allocator
+# (jemalloc, with its settings in cli/jemalloc_settings.cc) into a binary;
+# nothing for "system" and for sanitizer builds (they bring their own).
+function(attnserve_link_allocator target)
+  if(ATTNSERVE_MALLOC STREQUAL "jemalloc" AND NOT ATTNSERVE_SANITIZE)
+    find_package(PkgConfig REQUIRED)
+    pkg_check_modules(JEMALLOC REQUIRED IMPORTED_TARGET jemalloc)
+    target_sources(${target} PRIVATE ${PROJECT_SOURCE_DIR}/cli/jemalloc_settings.cc)
+    target_link_libraries(${target} PRIVATE PkgConfig::JEMALLOC)
+  elseif(NOT ATTNSERVE_MALLOC STREQUAL "system" AND NOT ATTNSERVE_SANITIZE)
+    message(FATAL_ERROR "ATTNSERVE_MALLOC must be jemalloc or system, not '${ATTNSERVE_MALLOC}'")
+  endif()
+endfunction()
+
 # attnserve_test(NAME <name> SOURCES <files...> LIBS <targets...> [LABELS <labels...>])
 # One GoogleTest binary per test file, registered with CTest test by test.
 # Tests labelled `tsan` exercise our threads without gRPC: deploy/sanitize.sh

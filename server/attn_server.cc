@@ -158,6 +158,8 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   ATTNSERVE_RETURN_IF_ERROR(CheckRange("watchdog_failures", options.watchdog_failures, 1, 1000));
   ATTNSERVE_RETURN_IF_ERROR(
       CheckRange("max_rss_bytes", options.max_rss_bytes, 0, int64_t{1} << 46));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_allocator_cache_bytes",
+                                       options.max_allocator_cache_bytes, 0, int64_t{1} << 46));
   if (options.listen_address.empty()) {
     return absl::InvalidArgumentError("--listen_address: required (host:port)");
   }
@@ -225,6 +227,20 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   // gRPC's health service says SERVING from the start; it must not until the
   // models are loaded and warm.
   server->SetHealth(false);
+  AttnServer* self = server.get();
+  server->allocator_cache_ = std::make_unique<AllocatorCacheKeeper>(AllocatorCacheOptions{
+      .max_bytes = options.max_allocator_cache_bytes,
+      .last_arrival = [self] { return self->service_->last_arrival(); },
+      .on_look =
+          [self](int64_t cached_bytes, AllocatorCacheOptions::Release release) {
+            self->metrics_->SetAllocatorCachedBytes(cached_bytes);
+            if (release != AllocatorCacheOptions::Release::kNone) {
+              self->metrics_->OnAllocatorCacheReleased(
+                  release == AllocatorCacheOptions::Release::kIdle ? Metrics::CacheRelease::kIdle
+                                                                   : Metrics::CacheRelease::kBound);
+            }
+          },
+  });
   return server;
 }
 

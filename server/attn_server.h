@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/allocator_cache.h"
 #include "server/api/attention_service.h"
 #include "server/common/server_options.h"
 #include "server/models/model_loader.h"
@@ -82,6 +83,8 @@ class AttnServer {
   std::unique_ptr<ModelLoader> loader_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
+  // Gives the allocator's freed memory back when idle or over its bound.
+  std::unique_ptr<AllocatorCacheKeeper> allocator_cache_;
   int port_ = 0;
 
   absl::Mutex shutdown_mu_;

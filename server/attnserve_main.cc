@@ -136,6 +136,10 @@ ABSL_FLAG(double, watchdog_interval_seconds, kDefaults.watchdog_interval_seconds
 ABSL_FLAG(int, watchdog_failures, kDefaults.watchdog_failures,
           "Failed watchdog checks in a row after which the server turns NOT_SERVING and exits "
           "non-zero (exit code 3) for its supervisor to restart it");
+ABSL_FLAG(int64_t, max_allocator_cache_bytes, kDefaults.max_allocator_cache_bytes,
+          "Freed memory the allocator may keep for reuse by the next calls (no page faults for "
+          "their buffers); more is given back to the system at once, and all of it after 2 s "
+          "without calls. 0: give it back at once");
 ABSL_FLAG(int64_t, max_rss_bytes, kDefaults.max_rss_bytes,
           "Resident memory above which the watchdog counts a failed check; 0: no bound");
 
@@ -208,6 +212,7 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
   options.watchdog_interval_seconds = absl::GetFlag(FLAGS_watchdog_interval_seconds);
   options.watchdog_failures = absl::GetFlag(FLAGS_watchdog_failures);
   options.max_rss_bytes = absl::GetFlag(FLAGS_max_rss_bytes);
+  options.max_allocator_cache_bytes = absl::GetFlag(FLAGS_max_allocator_cache_bytes);
   return options;
 }
 

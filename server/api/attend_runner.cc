@@ -63,26 +63,29 @@ void SetHowItRan(const core::ForwardInfo& info, const AttendPlan& plan,
 absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request,
                                                 const AttendPlan& plan, LayerCache& cache,
                                                 const ComputeContext& compute,
-                                                v1::AttendResponse* response) {
+                                                WireResponse* wire) {
+  v1::AttendResponse* response = &wire->message;
   core::ForwardOptions options = ForwardOptionsFor(plan, compute.block_kernels);
   options.should_stop = compute.should_stop;
 
   // Outputs go straight into the response's buffers.
   OutputTensor output(plan.output_shape, plan.output_dtype, plan.float_data_response,
-                      response->mutable_output());
+                      response->mutable_output(), &wire->output_raw);
   std::optional<OutputTensor> maps;
   if (!plan.map_shape.empty()) {
     maps.emplace(plan.map_shape, plan.output_dtype, plan.float_data_response,
-                 response->mutable_attention_maps());
+                 response->mutable_attention_maps(), &wire->maps_raw);
   }
+  // Statistics are a few values per head: their bytes travel in the message.
   std::optional<OutputTensor> entropy, max_weight, contribution;
   if (plan.head_statistics) {
     const int64_t shape[] = {plan.queries.batch(), plan.config.num_heads};
     v1::HeadStatistics* stats = response->mutable_head_statistics();
-    entropy.emplace(shape, v1::DATA_TYPE_FP32, false, stats->mutable_entropy());
-    max_weight.emplace(shape, v1::DATA_TYPE_FP32, false, stats->mutable_max_weight());
+    entropy.emplace(shape, v1::DATA_TYPE_FP32, false, stats->mutable_entropy(), nullptr);
+    max_weight.emplace(shape, v1::DATA_TYPE_FP32, false, stats->mutable_max_weight(), nullptr);
     if (!plan.projected) {
-      contribution.emplace(shape, v1::DATA_TYPE_FP32, false, stats->mutable_contribution());
+      contribution.emplace(shape, v1::DATA_TYPE_FP32, false, stats->mutable_contribution(),
+                           nullptr);
     }
   }
   core::ForwardOutputs outputs;
@@ -232,9 +235,11 @@ void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
   row = 0;
   for (BatchMember& member : members) {
     const AttendPlan& plan = *member.plan;
-    v1::AttendResponse* response = member.response;
+    v1::AttendResponse* response = &member.response->message;
     OutputTensor out(plan.output_shape, plan.output_dtype, plan.float_data_response,
-                     response->mutable_output());
+                     response->mutable_output(), &member.response->output_raw);
+    // Padding rows are 0, as the core leaves them (the buffer is not zeroed).
+    if (plan.queries.is_padded()) std::fill(out.values().begin(), out.values().end(), 0.0f);
     for (int64_t b = 0; b < plan.queries.batch(); ++b) {
       const int64_t to = plan.queries.is_padded() ? b * plan.queries.max_length()
                                                   : plan.queries.row_offset(b);

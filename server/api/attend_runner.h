@@ -10,6 +10,7 @@
 #include "core/attention_inputs.h"
 #include "core/workspace.h"
 #include "server/api/attend_plan.h"
+#include "server/api/wire_response.h"
 #include "server/models/layer_cache.h"
 
 namespace attnserve::server {
@@ -31,7 +32,7 @@ struct ComputeContext {
 absl::StatusOr<core::ForwardInfo> RunAttendPlan(const v1::AttendRequest& request,
                                                 const AttendPlan& plan, LayerCache& cache,
                                                 const ComputeContext& compute,
-                                                v1::AttendResponse* response);
+                                                WireResponse* response);
 
 // The batch key of a planned request (see Scheduler): requests with the same
 // nonzero key can run as one Forward whose result for each is its own. Nonzero
@@ -51,7 +52,7 @@ int64_t BatchCopyBytes(const AttendPlan& plan);
 struct BatchMember {
   const v1::AttendRequest* request = nullptr;
   const AttendPlan* plan = nullptr;  // BatchKey(*plan) equal across the batch
-  v1::AttendResponse* response = nullptr;
+  WireResponse* response = nullptr;
   absl::Status status;  // set by RunAttendBatch
 };
 

@@ -2,7 +2,6 @@
 
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/proto_buffer_reader.h>
-#include <grpcpp/support/proto_buffer_writer.h>
 
 #include <chrono>
 #include <memory>
@@ -18,6 +17,7 @@
 #include "server/api/observed_reactor.h"
 #include "server/api/status_util.h"
 #include "server/api/tensor_codec.h"
+#include "server/api/wire_response.h"
 #include "server/observability/access_log.h"
 #include "server/scheduling/scheduler.h"
 
@@ -85,22 +85,19 @@ void FillModelStatus(const ModelStatus& status, const RequestLimits& limits, v1:
 
 // Reports a successful compute of a request of `tokens` query tokens: the
 // batch's compute time and the map bytes in `response`.
-void ObserveCompute(int64_t tokens, const v1::AttendResponse& response, absl::Duration compute,
+void ObserveCompute(int64_t tokens, const WireResponse& response, absl::Duration compute,
                     ObservedReactor& reactor, Metrics& metrics) {
-  const v1::Tensor& maps = response.attention_maps();
-  const auto map_bytes = static_cast<int64_t>(maps.raw_data().size() +
-                                              maps.float_data_size() * sizeof(float));
-  metrics.OnComputed(reactor.model_label(), response.kernel_path(),
+  metrics.OnComputed(reactor.model_label(), response.message.kernel_path(),
                      {.duration = compute,
                       .tokens = tokens,
-                      .attention_map_bytes = map_bytes});
+                      .attention_map_bytes = response.attention_map_bytes()});
   reactor.set_compute(compute);
 }
 
 // One Attend call's messages, alive until the call is finished.
 struct AttendCall {
   v1::AttendRequest request;
-  v1::AttendResponse response;
+  WireResponse response;
 };
 
 int64_t QueryTokens(const AttendPlan& plan) {
@@ -148,13 +145,7 @@ struct AttentionServiceImpl::AttendJob final : ScheduledWork {
           "replica");
     }
     if (status.ok()) {
-      bool own_buffer = false;
-      const grpc::Status serialized = grpc::SerializationTraits<v1::AttendResponse>::Serialize(
-          call->response, response_bytes, &own_buffer);
-      if (!serialized.ok()) {
-        status = absl::InternalError(
-            absl::StrCat("response: cannot serialize: ", serialized.error_message()));
-      }
+      status = call->response.SerializeTo(response_bytes);
     }
     reactor->FinishCall(ToGrpcStatus(status));
     service->EndCall();
@@ -224,6 +215,10 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
     if (!statuses[i].ok()) jobs[i]->call->response.Clear();
   }
   const absl::Duration compute = absl::Now() - start;
+  // The requests' tensors are done with: free them now rather than once the
+  // responses are sent (a slow reader would hold them), so that the next
+  // request reuses their memory.
+  for (AttendJob* job : jobs) v1::AttendRequest().Swap(&job->call->request);
   // What the batch computed: its members that succeeded (one refused for a
   // non-finite input, say, did not run with the others).
   int64_t computed_requests = 0, computed_sequences = 0, computed_tokens = 0;
@@ -240,7 +235,7 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
   for (size_t i = 0; i < jobs.size(); ++i) {
     AttendJob& job = *jobs[i];
     if (statuses[i].ok()) {
-      v1::Timing* timing = job.call->response.mutable_timing();
+      v1::Timing* timing = job.call->response.message.mutable_timing();
       SetDuration(start - job.arrival, timing->mutable_queue());
       SetDuration(compute, timing->mutable_compute());
       timing->set_batch_size(static_cast<int32_t>(computed_requests));
@@ -332,6 +327,11 @@ void AttentionServiceImpl::CutShortCallsInFlight() {
   scheduler_->StopWaiting();  // queued calls are swept now, not after a batching delay
 }
 
+absl::Time AttentionServiceImpl::last_arrival() const {
+  absl::MutexLock lock(&mu_);
+  return last_arrival_;
+}
+
 bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
@@ -343,7 +343,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        grpc::ByteBuffer* response_bytes) {
   {
     absl::MutexLock lock(&mu_);
-    last_arrival_ = absl::Now();  // for WaitForQuiet
+    last_arrival_ = absl::Now();  // for WaitForQuiet and last_arrival()
   }
   if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
     auto* reactor =

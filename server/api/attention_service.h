@@ -71,6 +71,9 @@ class AttentionServiceImpl final
   // heuristic for "clients have moved away": a call whose request is still
   // being uploaded has not reached the handler yet.
   bool WaitForQuiet(absl::Duration quiet, absl::Time deadline);
+  // When the last Attend call reached the handler (InfinitePast before the
+  // first).
+  absl::Time last_arrival() const;
 
   // The end of a drain: admitted calls still queued or computing stop (before
   // their next compute stage) and answer UNAVAILABLE, which clients retry on
@@ -124,7 +127,7 @@ class AttentionServiceImpl final
   // CutShortCallsInFlight() was called.
   std::atomic<bool> cut_short_{false};
 
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_arrival_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();

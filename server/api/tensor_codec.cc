@@ -142,9 +142,24 @@ FloatValues::FloatValues(const v1::Tensor& tensor, const TensorSpec& spec) {
   values_ = absl::MakeConstSpan(storage_);
 }
 
+RawBytes RawBytes::Uninitialized(size_t size) {
+  RawBytes raw;
+  // new char[] leaves the bytes as the allocator had them: no zero-fill, and
+  // with jemalloc no page faults when pages freed by an earlier response are
+  // reused. operator new[] aligns to 16 bytes: floats can live there.
+  raw.bytes_.reset(new char[size]);
+  raw.size_ = size;
+  return raw;
+}
+
+char* RawBytes::release() {
+  size_ = 0;
+  return bytes_.release();
+}
+
 OutputTensor::OutputTensor(absl::Span<const int64_t> shape, v1::DataType dtype,
-                           bool use_float_data, v1::Tensor* tensor)
-    : tensor_(tensor), dtype_(dtype) {
+                           bool use_float_data, v1::Tensor* tensor, RawBytes* raw)
+    : tensor_(tensor), dtype_(dtype), raw_(raw) {
   tensor->Clear();
   tensor->set_dtype(dtype);
   int64_t elements = 1;
@@ -152,29 +167,37 @@ OutputTensor::OutputTensor(absl::Span<const int64_t> shape, v1::DataType dtype,
     tensor->add_shape(d);
     elements *= d;  // shapes here come from validated requests
   }
+  const auto n = static_cast<size_t>(elements);
+  elements_ = n;
   if (dtype == v1::DATA_TYPE_BF16) {
-    scratch_.resize(elements);
-    values_ = absl::MakeSpan(scratch_);
+    scratch_.reset(new float[n]);  // not zeroed: the kernels write every value
+    values_ = absl::MakeSpan(scratch_.get(), n);
   } else if (use_float_data) {
     tensor->mutable_float_data()->Resize(static_cast<int>(elements), 0.0f);
-    values_ = absl::MakeSpan(tensor->mutable_float_data()->mutable_data(), elements);
+    values_ = absl::MakeSpan(tensor->mutable_float_data()->mutable_data(), n);
   } else {
-    std::string* raw = tensor->mutable_raw_data();
-    raw->resize(static_cast<size_t>(elements) * sizeof(float));
-    // std::string storage is allocated by operator new (16-byte aligned) or, for
-    // a few bytes, inside the string object (8-byte aligned): float-aligned.
-    values_ = absl::MakeSpan(reinterpret_cast<float*>(raw->data()), elements);
+    values_ = absl::MakeSpan(reinterpret_cast<float*>(AllocateRaw(n * sizeof(float))), n);
   }
+}
+
+char* OutputTensor::AllocateRaw(size_t bytes) {
+  if (raw_ == nullptr) {
+    std::string* in_message = tensor_->mutable_raw_data();
+    in_message->resize(bytes);
+    // std::string storage comes from operator new (16-byte aligned) or, for a
+    // few bytes, lies inside the string object (8-byte aligned): float-aligned.
+    return in_message->data();
+  }
+  *raw_ = RawBytes::Uninitialized(bytes);
+  return raw_->data();
 }
 
 void OutputTensor::Commit() {
   if (dtype_ != v1::DATA_TYPE_BF16) return;
-  std::string* raw = tensor_->mutable_raw_data();
-  raw->resize(scratch_.size() * 2);
   // Little-endian halves (x86-64, as everywhere the wire format is read raw).
-  core::FloatsToBf16(scratch_.data(), static_cast<int64_t>(scratch_.size()),
-                     reinterpret_cast<core::Bf16*>(raw->data()));
-  std::vector<float>().swap(scratch_);
+  core::FloatsToBf16(scratch_.get(), static_cast<int64_t>(elements_),
+                     reinterpret_cast<core::Bf16*>(AllocateRaw(elements_ * 2)));
+  scratch_.reset();
   values_ = {};
 }
 

@@ -1,7 +1,9 @@
 #ifndef ATTNSERVE_SERVER_API_TENSOR_CODEC_H_
 #define ATTNSERVE_SERVER_API_TENSOR_CODEC_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -42,25 +44,53 @@ class FloatValues {
   absl::Span<const float> values_;
 };
 
-// A response tensor being filled: values() is FP32 to compute into (the
-// message's own bytes when the wire form is FP32, a scratch buffer for BF16);
-// Commit() writes the wire form. `tensor` must outlive it.
+// The raw_data bytes of a response tensor, kept outside the message until
+// they are sent (see WireResponse): allocated without being zeroed, since the
+// kernels write every byte. Move-only; empty by default.
+class RawBytes {
+ public:
+  RawBytes() = default;
+  static RawBytes Uninitialized(size_t size);
+
+  char* data() { return bytes_.get(); }
+  const char* data() const { return bytes_.get(); }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  // Gives up the buffer (to be freed with delete[]); empty afterwards.
+  char* release();
+
+ private:
+  std::unique_ptr<char[]> bytes_;
+  size_t size_ = 0;
+};
+
+// A response tensor being filled: values() is FP32 to compute into; Commit()
+// writes the wire form. The wire form is float_data in `tensor`, or raw bytes
+// (FP32 or BF16) in `raw` -- `tensor` then gets the dtype and shape, its
+// raw_data stays empty -- or, with `raw` null, in `tensor`'s raw_data. FP32
+// raw values are computed in place; BF16 ones in a scratch buffer that
+// Commit() rounds into place. `tensor` and `raw` must outlive it.
 class OutputTensor {
  public:
   // dtype FP32 or BF16; use_float_data only with FP32.
   OutputTensor(absl::Span<const int64_t> shape, v1::DataType dtype, bool use_float_data,
-               v1::Tensor* tensor);
+               v1::Tensor* tensor, RawBytes* raw);
   OutputTensor(const OutputTensor&) = delete;
   OutputTensor& operator=(const OutputTensor&) = delete;
 
   absl::Span<float> values() { return values_; }
-  // BF16: rounds the values to nearest even into raw_data. FP32: nothing left to do.
+  // BF16: rounds the values to nearest even into place. Otherwise nothing left to do.
   void Commit();
 
  private:
+  // `bytes` of raw wire form, in raw_ or in the message.
+  char* AllocateRaw(size_t bytes);
+
   v1::Tensor* tensor_;
   v1::DataType dtype_;
-  std::vector<float> scratch_;
+  RawBytes* raw_;  // null: the raw bytes go in tensor_
+  std::unique_ptr<float[]> scratch_;  // BF16: the FP32 values before rounding
+  size_t elements_ = 0;
   absl::Span<float> values_;
 };
 

@@ -113,6 +113,10 @@ struct ServerOptions {
   double watchdog_interval_seconds = 5;
   int watchdog_failures = 3;
   int64_t max_rss_bytes = 0;
+  // Freed memory the allocator may keep for the next calls (jemalloc builds;
+  // server/allocator_cache.h): more is given back at once, and all of it once
+  // no call has arrived for 2 s.
+  int64_t max_allocator_cache_bytes = int64_t{512} << 20;
 };
 
 // The attnserve binary's default --metrics_address. Not Prometheus' own 9090:

@@ -240,6 +240,22 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                        .Help("Calls arrived and not yet finished.")
                        .Register(r)
                        .Add({});
+  m->allocator_cached_ =
+      &prometheus::BuildGauge()
+           .Name("attnserve_allocator_cached_bytes")
+           .Help("Freed memory the allocator keeps for reuse by the next calls (no page faults "
+                 "for their buffers); given back when idle or over --max_allocator_cache_bytes. "
+                 "0 when the binary does not run on jemalloc.")
+           .Register(r)
+           .Add({});
+  auto& cache_releases = prometheus::BuildCounter()
+                             .Name("attnserve_allocator_cache_releases_total")
+                             .Help("Times the allocator's cache was given back to the system: "
+                                   "after 2 s without calls (idle) or over "
+                                   "--max_allocator_cache_bytes (bound).")
+                             .Register(r);
+  m->cache_releases_ = {&cache_releases.Add({{"reason", "idle"}}),
+                        &cache_releases.Add({{"reason", "bound"}})};
   prometheus::BuildGauge()
       .Name("attnserve_queue_capacity")
       .Help("Attend requests the compute queue holds; more are refused (RESOURCE_EXHAUSTED).")
@@ -394,6 +410,14 @@ void Metrics::OnComputed(absl::string_view model, absl::string_view kernel_path,
 }
 
 void Metrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }
+
+void Metrics::SetAllocatorCachedBytes(int64_t bytes) {
+  allocator_cached_->Set(static_cast<double>(bytes));
+}
+
+void Metrics::OnAllocatorCacheReleased(CacheRelease reason) {
+  cache_releases_[reason == CacheRelease::kIdle ? 0 : 1]->Increment();
+}
 
 std::string Metrics::TextExposition() const {
   std::vector<prometheus::MetricFamily> families = registry_->Collect();

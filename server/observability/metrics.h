@@ -121,6 +121,14 @@ class Metrics {
   // cancelled while it was queued.
   void OnSkipped(SkipReason reason);
 
+  // attnserve_allocator_cached_bytes: freed memory the allocator keeps for
+  // reuse (server/allocator_cache.h), as last looked at.
+  void SetAllocatorCachedBytes(int64_t bytes);
+  enum class CacheRelease { kIdle, kBound };
+  // The allocator's cache was given back to the system:
+  // attnserve_allocator_cache_releases_total{reason="idle"|"bound"} + 1.
+  void OnAllocatorCacheReleased(CacheRelease reason);
+
   // The text exposition of the registry and the process collector, as
   // /metrics serves it (less the endpoint's own exposer_* families).
   std::string TextExposition() const;
@@ -153,6 +161,8 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* model_info_ = nullptr;
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Gauge* in_flight_ = nullptr;
+  prometheus::Gauge* allocator_cached_ = nullptr;
+  std::vector<prometheus::Counter*> cache_releases_;  // idle, bound
 
   mutable absl::Mutex mu_;
   std::set<std::string, std::less<>> models_ ABSL_GUARDED_BY(mu_);

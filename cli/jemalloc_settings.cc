@@ -1,0 +1,25 @@
+// jemalloc's settings for the attnserve and attnctl binaries (linked only when
+// they link jemalloc: ATTNSERVE_MALLOC=jemalloc; attnserve_link_allocator).
+// jemalloc reads this symbol at start-up; MALLOC_CONF in the environment
+// overrides it.
+//
+// Freed pages stay with jemalloc until attnserve gives them back
+// (server/allocator_cache.h): a call's buffers -- its request, its response,
+// gRPC's read buffers -- are reused by the next call without page faults.
+// jemalloc's own timed release (dirty_decay_ms) is off: it returned pages
+// still being reused call after call (a 50 MB map response faulted 12000
+// pages a call with a 5 s decay, 2-40 with none; docs/measurements.md, "What
+// the wire costs"). The keeper releases them after 2 s without calls and
+// whenever they pass --max_allocator_cache_bytes, so RSS still falls back
+// after a burst ("Memory after load"). attnctl has no keeper: it holds at
+// most what its largest calls needed, until it exits.
+//
+// muzzy_decay_ms:0: released pages are returned at once (MADV_DONTNEED).
+// oversize_threshold:0 turns off jemalloc's arena for allocations over 8 MiB,
+// which frees their pages at once: a response's output and maps (up to
+// --max_attention_map_bytes) would be fresh pages on every call.
+extern "C" {
+// NOLINTNEXTLINE: the name is jemalloc's.
+extern const char* malloc_conf;
+const char* malloc_conf = "dirty_decay_ms:-1,muzzy_decay_ms:0,oversize_threshold:0";
+}

@@ -1,0 +1,44 @@
+#ifndef ATTNSERVE_SERVER_API_WIRE_RESPONSE_H_
+#define ATTNSERVE_SERVER_API_WIRE_RESPONSE_H_
+
+#include <grpcpp/support/byte_buffer.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "attnserve/v1/attention.pb.h"
+#include "server/api/tensor_codec.h"
+
+namespace attnserve::server {
+
+// An AttendResponse on its way to the wire. The bulk of it -- the raw_data of
+// the output and of the attention maps -- stays in buffers of its own, which
+// the kernels wrote into; Serialize hands those buffers to gRPC as slices, so
+// the bytes are not copied into the message, nor the message into gRPC's
+// buffers (for a 50 MB map, two copies of 50 MB and their page faults).
+//
+// The bytes on the wire parse, with any protobuf parser, into the message with
+// those raw_data fields set: protobuf merges a message field that occurs
+// twice, so each raw_data follows the message as a second occurrence of its
+// tensor field holding only raw_data.
+//
+// Not thread-safe; used by one call at a time.
+struct WireResponse {
+  // Everything but the raw bytes below: message.output's and
+  // message.attention_maps' dtype and shape, their float_data if they use it.
+  v1::AttendResponse message;
+  RawBytes output_raw;  // message.output's raw_data, when it travels raw
+  RawBytes maps_raw;    // message.attention_maps' raw_data, likewise
+
+  // The bytes of the attention maps in the response, raw or float_data.
+  int64_t attention_map_bytes() const;
+  // Forgets everything (a failed call sends no response).
+  void Clear();
+  // The wire form into `out`, taking the raw buffers (empty afterwards; gRPC
+  // frees them once sent). INTERNAL if the message cannot be serialized.
+  absl::Status SerializeTo(grpc::ByteBuffer* out);
+};
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_API_WIRE_RESPONSE_H_
