@@ -269,6 +269,8 @@ void Shapes(benchmark::internal::Benchmark* b) {
   // of `attnctl bench --concurrency=32 --batch=1 --seq=128`).
   b->Args({1, 128, 768, 12, 12, 0});
   b->Args({32, 128, 768, 12, 12, 0});
+  // A lone small request (compute_gap.py compares the server's compute with it).
+  b->Args({1, 16, 768, 12, 12, 0});
   b->Args({8, 128, 768, 12, 12, 0});
   b->Args({1, 512, 768, 12, 12, 0});
   b->Args({1, 2048, 768, 12, 12, 0});

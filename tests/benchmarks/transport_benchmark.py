@@ -9,13 +9,16 @@ port and, for each request below, one at a time:
 
   - Python (grpcio): the median round trip of --calls Attend calls, and the
     server's compute for each (the response's timing.compute);
-  - C++ (attnctl bench --concurrency=1): its median round trip and the
-    server's mean compute;
+  - C++ (attnctl bench --concurrency=1): its mean round trip and the
+    server's mean compute (attnctl reports the compute's mean only);
   - the loopback socket: the median time a TCP connection on 127.0.0.1 with
     warm buffers takes to carry the same request bytes one way and the
     response bytes back (one process, a thread at each end);
   - the server's minor page faults per call (/proc/PID/stat over the Python
     calls), against the response's size in 4 KiB pages.
+
+The maps request runs twice: FP32 on the wire, then BF16 (output_dtype), which
+halves the bytes.
 
 Prints per request: bytes (request + response), socket ms, transport ms (round
 trip minus compute) and its ratio to the socket, for Python and C++, and the
@@ -41,9 +44,12 @@ from harness import Server, generate_stubs, to_tensor, wait_serving  # noqa: E40
 
 D_MODEL = 768
 PAGE = 4096
-# name, batch, seq, maps
-REQUESTS = [("B=8 S=128", 8, 128, "none"), ("B=1 S=512", 1, 512, "none"),
-            ("B=1 S=2048", 1, 2048, "none"), ("B=4 S=512, per-head maps", 4, 512, "per-head")]
+WARM_UP_CALLS = 5
+# name, batch, seq, maps, wire dtype of the output and maps
+REQUESTS = [("B=8 S=128", 8, 128, "none", "fp32"), ("B=1 S=512", 1, 512, "none", "fp32"),
+            ("B=1 S=2048", 1, 2048, "none", "fp32"),
+            ("B=4 S=512, per-head maps", 4, 512, "per-head", "fp32"),
+            ("  the same, BF16 on the wire", 4, 512, "per-head", "bf16")]
 
 
 def cpu_model():
@@ -99,15 +105,18 @@ def socket_round_trip_ms(request_bytes, response_bytes, calls):
     return statistics.median(times) * 1e3
 
 
-def grpcio_calls(stub, pb, batch, seq, maps, calls, pid):
+def grpcio_calls(stub, pb, batch, seq, maps, dtype, calls, pid):
     """(median round trip ms, median compute ms, request bytes, response
-    bytes, minor faults per call) of `calls` Attend calls after two warm-ups."""
+    bytes, minor faults per call) of `calls` Attend calls after WARM_UP_CALLS
+    (the server's threads each reach a steady state: its allocator then reuses
+    the buffers of earlier calls)."""
     x = np.random.default_rng(0).standard_normal((batch, seq, D_MODEL)).astype(np.float32)
     request = pb.AttendRequest(model="default", hidden_states=to_tensor(pb, x),
                                attention_maps=pb.AttentionMapRequest(
                                    mode=pb.ATTENTION_MAP_MODE_PER_HEAD if maps == "per-head"
-                                   else pb.ATTENTION_MAP_MODE_NONE))
-    for _ in range(2):
+                                   else pb.ATTENTION_MAP_MODE_NONE),
+                               output_dtype=pb.DATA_TYPE_BF16 if dtype == "bf16" else pb.DATA_TYPE_FP32)
+    for _ in range(WARM_UP_CALLS):
         stub.Attend(request, timeout=600)
     trips, computes, size = [], [], 0
     faults_before = minor_faults(pid)
@@ -122,15 +131,15 @@ def grpcio_calls(stub, pb, batch, seq, maps, calls, pid):
             size, faults)
 
 
-def attnctl_bench(attnctl, target, batch, seq, maps, calls):
-    """(median round trip ms, mean compute ms) from attnctl bench."""
+def attnctl_bench(attnctl, target, batch, seq, maps, dtype, calls):
+    """(mean round trip ms, mean compute ms) from attnctl bench."""
     done = subprocess.run([attnctl, "bench", f"--target={target}", "--concurrency=1",
                            f"--requests={calls + 2}", f"--batch={batch}", f"--seq={seq}",
-                           f"--maps={maps}", "--json"], capture_output=True, text=True, timeout=1800)
+                           f"--maps={maps}", f"--output_dtype={dtype}", "--json"], capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"attnctl bench failed: {done.stderr[-500:]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    return report["latency_ms"]["p50"], report["server"]["compute_ms"]
+    return report["latency_ms"]["mean"], report["server"]["compute_ms"]
 
 
 def main():
@@ -160,14 +169,14 @@ def main():
                 print(f"{'request':26} {'bytes':>9} {'socket':>8} | {'py trip':>8} {'compute':>8} "
                       f"{'transport':>9} {'ratio':>6} | {'C++ trip':>8} {'compute':>8} {'transport':>9} "
                       f"{'ratio':>6} | {'faults/call':>11} {'% of pages':>10}")
-                for name, batch, seq, maps in REQUESTS:
+                for name, batch, seq, maps, dtype in REQUESTS:
                     if args.only and not re.search(args.only, name):
                         continue
                     trip, compute, req_bytes, resp_bytes, faults = grpcio_calls(
-                        stub, pb, batch, seq, maps, args.calls, server.proc.pid)
+                        stub, pb, batch, seq, maps, dtype, args.calls, server.proc.pid)
                     sock = socket_round_trip_ms(req_bytes, resp_bytes, args.calls)
                     cc_trip, cc_compute = attnctl_bench(args.attnctl, server.target, batch, seq, maps,
-                                                        args.calls)
+                                                        dtype, args.calls)
                     py_transport, cc_transport = trip - compute, cc_trip - cc_compute
                     pages = resp_bytes / PAGE
                     print(f"{name:26} {(req_bytes + resp_bytes) / 1e6:8.1f}M {sock:7.2f}ms | "

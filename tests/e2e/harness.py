@@ -99,16 +99,17 @@ def rel_error(actual, expected):
 
 
 class Server:
-    """The attnserve binary on a free loopback port (port 0, read from its log)."""
+    """The attnserve binary on a free loopback port (port 0, read from its log);
+    `env`: variables set for it on top of this process' environment."""
 
-    def __init__(self, binary, *flags):
+    def __init__(self, binary, *flags, env=None):
         self.seed = int(np.random.default_rng().integers(0, 2**63))
         self.proc = subprocess.Popen(
             # Metrics on a free loopback port too: the default 0.0.0.0:9464
             # would clash between tests running side by side.
             [binary, "--listen_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
              f"--builtin_model_seed={self.seed}", *flags],
-            stderr=subprocess.PIPE, text=True)
+            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         self.log = []
         self.metrics_port = None
         port_seen = threading.Event()
