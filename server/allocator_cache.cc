@@ -58,12 +58,12 @@ void AllocatorCacheKeeper::Run() {
   using Release = AllocatorCacheOptions::Release;
   while (!stop_.WaitForNotificationWithTimeout(options_.interval)) {
     int64_t cached = AllocatorCachedBytes();
-    const absl::Time last_arrival =
-        options_.last_arrival ? options_.last_arrival() : absl::InfinitePast();
+    const absl::Time last_activity =
+        options_.last_activity ? options_.last_activity() : absl::InfinitePast();
     Release release = Release::kNone;
     if (cached > options_.max_bytes) {
       release = Release::kBound;
-    } else if (cached >= kIdleReleaseFloor && absl::Now() - last_arrival >= options_.idle) {
+    } else if (cached >= kIdleReleaseFloor && absl::Now() - last_activity >= options_.idle) {
       release = Release::kIdle;
     }
     if (release != Release::kNone) {

@@ -32,12 +32,13 @@ void ReleaseAllocatorCache();
 struct AllocatorCacheOptions {
   // The cache is released whenever it holds more (--max_allocator_cache_bytes).
   int64_t max_bytes = int64_t{512} << 20;
-  // ... and whenever no call has arrived for this long (down to 1 MiB).
+  // ... and whenever calls have been inactive this long (down to 1 MiB).
   absl::Duration idle = absl::Seconds(2);
   // How often it looks.
   absl::Duration interval = absl::Milliseconds(250);
-  // When the last call arrived (AttentionServiceImpl::last_arrival).
-  std::function<absl::Time()> last_arrival;
+  // When calls were last active (AttentionServiceImpl::last_activity: now
+  // while one is in flight).
+  std::function<absl::Time()> last_activity;
   // Called on the keeper's thread after each look, with the cached bytes then
   // and whether (and why) it released them: for the metrics.
   enum class Release { kNone, kIdle, kBound };

@@ -230,7 +230,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   AttnServer* self = server.get();
   server->allocator_cache_ = std::make_unique<AllocatorCacheKeeper>(AllocatorCacheOptions{
       .max_bytes = options.max_allocator_cache_bytes,
-      .last_arrival = [self] { return self->service_->last_arrival(); },
+      .last_activity = [self] { return self->service_->last_activity(); },
       .on_look =
           [self](int64_t cached_bytes, AllocatorCacheOptions::Release release) {
             self->metrics_->SetAllocatorCachedBytes(cached_bytes);

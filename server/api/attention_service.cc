@@ -3,6 +3,7 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -306,6 +307,7 @@ absl::Status AttentionServiceImpl::BeginCall() {
 void AttentionServiceImpl::EndCall() {
   absl::MutexLock lock(&mu_);
   --in_flight_;
+  last_end_ = absl::Now();
 }
 
 bool AttentionServiceImpl::WaitForQuiet(absl::Duration quiet, absl::Time deadline) {
@@ -327,9 +329,9 @@ void AttentionServiceImpl::CutShortCallsInFlight() {
   scheduler_->StopWaiting();  // queued calls are swept now, not after a batching delay
 }
 
-absl::Time AttentionServiceImpl::last_arrival() const {
+absl::Time AttentionServiceImpl::last_activity() const {
   absl::MutexLock lock(&mu_);
-  return last_arrival_;
+  return in_flight_ > 0 ? absl::Now() : std::max(last_arrival_, last_end_);
 }
 
 bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
@@ -343,7 +345,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                                        grpc::ByteBuffer* response_bytes) {
   {
     absl::MutexLock lock(&mu_);
-    last_arrival_ = absl::Now();  // for WaitForQuiet and last_arrival()
+    last_arrival_ = absl::Now();  // for WaitForQuiet and last_activity()
   }
   if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
     auto* reactor =

@@ -71,9 +71,10 @@ class AttentionServiceImpl final
   // heuristic for "clients have moved away": a call whose request is still
   // being uploaded has not reached the handler yet.
   bool WaitForQuiet(absl::Duration quiet, absl::Time deadline);
-  // When the last Attend call reached the handler (InfinitePast before the
+  // When Attend calls were last active: now while one is in flight, else when
+  // the last one finished or reached the handler (InfinitePast before the
   // first).
-  absl::Time last_arrival() const;
+  absl::Time last_activity() const;
 
   // The end of a drain: admitted calls still queued or computing stop (before
   // their next compute stage) and answer UNAVAILABLE, which clients retry on
@@ -130,6 +131,7 @@ class AttentionServiceImpl final
   mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time last_end_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time last_arrival_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Used only on the compute executor, which runs one batch at a time.
   LayerCache layer_cache_;
