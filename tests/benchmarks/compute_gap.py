@@ -76,7 +76,8 @@ def server_ms(binary, shapes, precisions, calls, env):
     server = Server(binary, env=env)
     times = {}
     try:
-        with grpc.insecure_channel(server.target) as channel:
+        with grpc.insecure_channel(server.target, options=[
+                ("grpc.max_receive_message_length", 1 << 30)]) as channel:
             wait_serving(health_pb2_grpc.HealthStub(channel), health_pb2)
             stub = rpc.AttentionServiceStub(channel)
             rng = np.random.default_rng()
