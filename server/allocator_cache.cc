@@ -1,5 +1,6 @@
 #include "server/allocator_cache.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <utility>
 
@@ -70,7 +71,7 @@ void AllocatorCacheKeeper::Run() {
       ReleaseAllocatorCache();
       cached = AllocatorCachedBytes();
     }
-    if (options_.on_look) options_.on_look(cached, release);
+    if (options_.on_look) options_.on_look(std::max<int64_t>(cached, 0), release);
   }
 }
 

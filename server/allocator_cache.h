@@ -11,7 +11,7 @@
 namespace attnserve::server {
 
 // The allocator's cache of freed memory. The attnserve binary runs on jemalloc
-// (server/jemalloc_settings.cc), which keeps what a call frees -- its request,
+// (cli/jemalloc_settings.cc), which keeps what a call frees -- its request,
 // its response buffers, gRPC's read buffers -- mapped, for the next call to
 // reuse without page faults or zero-filling (on these virtual machines a fault
 // per 4 KiB page costs more than sending the page: docs/measurements.md, "What
@@ -30,7 +30,8 @@ int64_t AllocatorCachedBytes();
 void ReleaseAllocatorCache();
 
 struct AllocatorCacheOptions {
-  // The cache is released whenever it holds more (--max_allocator_cache_bytes).
+  // The cache is released whenever it holds more at a look
+  // (--max_allocator_cache_bytes).
   int64_t max_bytes = int64_t{512} << 20;
   // ... and whenever calls have been inactive this long (down to 1 MiB).
   absl::Duration idle = absl::Seconds(2);

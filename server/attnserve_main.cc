@@ -138,8 +138,8 @@ ABSL_FLAG(int, watchdog_failures, kDefaults.watchdog_failures,
           "non-zero (exit code 3) for its supervisor to restart it");
 ABSL_FLAG(int64_t, max_allocator_cache_bytes, kDefaults.max_allocator_cache_bytes,
           "Freed memory the allocator may keep for reuse by the next calls (no page faults for "
-          "their buffers); more is given back to the system at once, and all of it after 2 s "
-          "without calls. 0: give it back at once");
+          "their buffers); over it, all of it is given back to the system (checked 4 times a "
+          "second), and likewise after 2 s without calls. 0: give it back at every check");
 ABSL_FLAG(int64_t, max_rss_bytes, kDefaults.max_rss_bytes,
           "Resident memory above which the watchdog counts a failed check; 0: no bound");
 

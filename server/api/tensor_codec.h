@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -50,6 +51,13 @@ class FloatValues {
 class RawBytes {
  public:
   RawBytes() = default;
+  RawBytes(RawBytes&& other) noexcept
+      : bytes_(std::move(other.bytes_)), size_(std::exchange(other.size_, 0)) {}
+  RawBytes& operator=(RawBytes&& other) noexcept {
+    bytes_ = std::move(other.bytes_);
+    size_ = std::exchange(other.size_, 0);
+    return *this;
+  }
   static RawBytes Uninitialized(size_t size);
 
   char* data() { return bytes_.get(); }

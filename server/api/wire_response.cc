@@ -22,15 +22,15 @@ void AppendVarint(uint64_t value, std::string* out) {
   out->append(reinterpret_cast<const char*>(bytes), static_cast<size_t>(end - bytes));
 }
 
-// The bytes that introduce `raw` as raw_data of a Tensor in field
-// `field_number` of the response: the tensor field's tag and length, then
-// raw_data's tag and length. The raw bytes themselves follow.
-std::string RawDataPrefix(int field_number, size_t raw_size) {
-  const uint32_t raw_tag =
-      WireFormatLite::MakeTag(v1::Tensor::kRawDataFieldNumber,
-                              WireFormatLite::WIRETYPE_LENGTH_DELIMITED);
-  std::string inner;
-  AppendVarint(raw_tag, &inner);
+// The bytes that introduce `raw` as the raw_data of the tensor `header`
+// (its dtype and shape, no data) in field `field_number` of the response: the
+// field's tag and length, the header's fields, then raw_data's tag and length.
+// The raw bytes themselves follow.
+std::string RawTensorPrefix(int field_number, const v1::Tensor& header, size_t raw_size) {
+  std::string inner = header.SerializeAsString();
+  AppendVarint(WireFormatLite::MakeTag(v1::Tensor::kRawDataFieldNumber,
+                                       WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
+               &inner);
   AppendVarint(raw_size, &inner);
   std::string prefix;
   AppendVarint(WireFormatLite::MakeTag(field_number, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
@@ -61,21 +61,36 @@ void WireResponse::Clear() {
 }
 
 absl::Status WireResponse::SerializeTo(grpc::ByteBuffer* out) {
+  // A raw tensor is written whole, in one occurrence of its field (some
+  // decoders replace a message field that occurs twice rather than merging
+  // it): the message goes without it, then the tensor's header and bytes.
+  struct RawTensor {
+    int field_number;
+    v1::Tensor header;
+    RawBytes* bytes;
+  };
+  std::vector<RawTensor> raws;
+  if (!output_raw.empty()) {
+    raws.push_back({v1::AttendResponse::kOutputFieldNumber, std::move(*message.mutable_output()),
+                    &output_raw});
+    message.clear_output();
+  }
+  if (!maps_raw.empty()) {
+    raws.push_back({v1::AttendResponse::kAttentionMapsFieldNumber,
+                    std::move(*message.mutable_attention_maps()), &maps_raw});
+    message.clear_attention_maps();
+  }
   std::string head;
   if (!message.SerializeToString(&head)) {
     return absl::InternalError("response: cannot serialize the message");
   }
   std::vector<grpc::Slice> slices;
-  slices.reserve(5);
-  const std::pair<int, RawBytes*> raws[] = {
-      {v1::AttendResponse::kOutputFieldNumber, &output_raw},
-      {v1::AttendResponse::kAttentionMapsFieldNumber, &maps_raw}};
-  for (const auto& [field_number, raw] : raws) {
-    if (raw->empty()) continue;
-    head += RawDataPrefix(field_number, raw->size());
+  slices.reserve(2 * raws.size() + 1);
+  for (RawTensor& raw : raws) {
+    head += RawTensorPrefix(raw.field_number, raw.header, raw.bytes->size());
     slices.push_back(grpc::Slice(head));
     head.clear();
-    slices.push_back(TakeAsSlice(*raw));
+    slices.push_back(TakeAsSlice(*raw.bytes));
   }
   if (!head.empty() || slices.empty()) slices.push_back(grpc::Slice(head));
   grpc::ByteBuffer bytes(slices.data(), slices.size());

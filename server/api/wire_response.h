@@ -17,10 +17,9 @@ namespace attnserve::server {
 // the bytes are not copied into the message, nor the message into gRPC's
 // buffers (for a 50 MB map, two copies of 50 MB and their page faults).
 //
-// The bytes on the wire parse, with any protobuf parser, into the message with
-// those raw_data fields set: protobuf merges a message field that occurs
-// twice, so each raw_data follows the message as a second occurrence of its
-// tensor field holding only raw_data.
+// The bytes on the wire are the message with those raw_data fields set, each
+// raw tensor written whole (header and bytes) after the message's other
+// fields: what any protobuf parser reads, field order being free.
 //
 // Not thread-safe; used by one call at a time.
 struct WireResponse {
@@ -35,7 +34,8 @@ struct WireResponse {
   // Forgets everything (a failed call sends no response).
   void Clear();
   // The wire form into `out`, taking the raw buffers (empty afterwards; gRPC
-  // frees them once sent). INTERNAL if the message cannot be serialized.
+  // frees them once sent) and the raw tensors' headers out of `message`.
+  // INTERNAL if the message cannot be serialized.
   absl::Status SerializeTo(grpc::ByteBuffer* out);
 };
 

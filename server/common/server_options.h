@@ -114,8 +114,8 @@ struct ServerOptions {
   int watchdog_failures = 3;
   int64_t max_rss_bytes = 0;
   // Freed memory the allocator may keep for the next calls (jemalloc builds;
-  // server/allocator_cache.h): more is given back at once, and all of it once
-  // no call has arrived for 2 s.
+  // server/allocator_cache.h): over it, all of it is given back (checked every
+  // 250 ms), and likewise after 2 s without calls.
   int64_t max_allocator_cache_bytes = int64_t{512} << 20;
 };
 
