@@ -238,14 +238,17 @@ void RunAttendBatch(absl::Span<BatchMember> members, LayerCache& cache,
     v1::AttendResponse* response = &member.response->message;
     OutputTensor out(plan.output_shape, plan.output_dtype, plan.float_data_response,
                      response->mutable_output(), &member.response->output_raw);
-    // Padding rows are 0, as the core leaves them (the buffer is not zeroed).
-    if (plan.queries.is_padded()) std::fill(out.values().begin(), out.values().end(), 0.0f);
     for (int64_t b = 0; b < plan.queries.batch(); ++b) {
       const int64_t to = plan.queries.is_padded() ? b * plan.queries.max_length()
                                                   : plan.queries.row_offset(b);
-      std::copy_n(output.data() + row * d_model, plan.queries.length(b) * d_model,
-                  out.values().data() + to * d_model);
-      row += plan.queries.length(b);
+      const int64_t length = plan.queries.length(b);
+      float* const rows = out.values().data() + to * d_model;
+      std::copy_n(output.data() + row * d_model, length * d_model, rows);
+      // Padding rows are 0, as the core leaves them (the buffer is not zeroed).
+      if (plan.queries.is_padded()) {
+        std::fill_n(rows + length * d_model, (plan.queries.max_length() - length) * d_model, 0.0f);
+      }
+      row += length;
     }
     out.Commit();
     SetHowItRan(*info, plan, response);

@@ -34,19 +34,12 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
-from harness import (Server, generate_stubs, machine_runs_bf16, stop_process,  # noqa: E402
+from harness import (Server, cpu_model, generate_stubs, machine_runs_bf16, stop_process,  # noqa: E402
                      to_tensor, wait_serving)
 
 D_MODEL = 768
 SHAPES = [(1, 16), (8, 128), (1, 512), (1, 2048)]  # (batch, seq)
 WARM_UP_CALLS = 5
-
-
-def cpu_model():
-    with open("/proc/cpuinfo") as f:
-        info = {k.strip(): v for k, v in (line.split(":", 1) for line in f if ":" in line)}
-    return f"{info['model name'].strip()} (family {info['cpu family'].strip()}, " \
-           f"model {info['model'].strip()}), {os.cpu_count()} vCPUs"
 
 
 def benchmark_name(batch, seq, bf16):

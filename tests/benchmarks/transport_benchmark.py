@@ -40,7 +40,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
-from harness import Server, generate_stubs, to_tensor, wait_serving  # noqa: E402
+from harness import (Server, cpu_model, generate_stubs, minor_faults, to_tensor,  # noqa: E402
+                     wait_serving)
 
 D_MODEL = 768
 PAGE = 4096
@@ -50,18 +51,6 @@ REQUESTS = [("B=8 S=128", 8, 128, "none", "fp32"), ("B=1 S=512", 1, 512, "none",
             ("B=1 S=2048", 1, 2048, "none", "fp32"),
             ("B=4 S=512, per-head maps", 4, 512, "per-head", "fp32"),
             ("  the same, BF16 on the wire", 4, 512, "per-head", "bf16")]
-
-
-def cpu_model():
-    with open("/proc/cpuinfo") as f:
-        info = {k.strip(): v for k, v in (line.split(":", 1) for line in f if ":" in line)}
-    return f"{info['model name'].strip()} (family {info['cpu family'].strip()}, " \
-           f"model {info['model'].strip()}), {os.cpu_count()} vCPUs"
-
-
-def minor_faults(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[7])  # field 10, minflt
 
 
 def socket_round_trip_ms(request_bytes, response_bytes, calls):

@@ -24,17 +24,12 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (Server, metric, parse_exposition, run_tests_with_stubs, stop_process,  # noqa: E402
+from harness import (Server, metric, minor_faults, parse_exposition, run_tests_with_stubs, stop_process,  # noqa: E402
                      to_tensor, wait_serving, wait_until)
 
 ARGS = None
 PAGE = 4096
 MIB = 1 << 20
-
-
-def minor_faults(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[7])  # field 10, minflt
 
 
 class AllocatorCacheTest(unittest.TestCase):

@@ -98,6 +98,20 @@ def rel_error(actual, expected):
     return float(np.linalg.norm(np.asarray(actual, np.float64) - expected) / np.linalg.norm(expected))
 
 
+def cpu_model():
+    """The CPU's model name, family and model, and the vCPU count, for benchmark output."""
+    with open("/proc/cpuinfo") as f:
+        info = {k.strip(): v for k, v in (line.split(":", 1) for line in f if ":" in line)}
+    return f"{info['model name'].strip()} (family {info['cpu family'].strip()}, " \
+           f"model {info['model'].strip()}), {os.cpu_count()} vCPUs"
+
+
+def minor_faults(pid):
+    """The minor page faults process `pid` has taken (/proc/PID/stat field 10)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
 class Server:
     """The attnserve binary on a free loopback port (port 0, read from its log);
     `env`: variables set for it on top of this process' environment."""
