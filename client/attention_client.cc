@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/file_io.h"
+#include "client/map_assembler.h"
 
 namespace attnserve::client {
 namespace {
@@ -309,6 +310,33 @@ absl::Status AttentionClient::UnloadModel(absl::string_view name) const {
 
 absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendRequest& request) const {
   return Call(*stub_, &v1::AttentionService::Stub::Attend, request, options_);
+}
+
+absl::StatusOr<v1::AttendResponse> AttentionClient::AttendStream(
+    const v1::AttendRequest& request, int64_t* chunks) const {
+  grpc::ClientContext context;
+  if (!options_.bearer_token.empty()) {
+    context.AddMetadata("authorization", "Bearer " + options_.bearer_token);
+  }
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
+  std::unique_ptr<grpc::ClientReader<v1::AttendStreamResponse>> reader =
+      stub_->AttendStream(&context, request);
+  MapAssembler assembler;
+  absl::Status assembled;
+  v1::AttendStreamResponse message;
+  while (reader->Read(&message)) {
+    if (assembled.ok()) assembled = assembler.Add(message);
+    if (!assembled.ok()) context.TryCancel();  // read on to the end the cancel brings
+  }
+  const grpc::Status status = reader->Finish();
+  if (!assembled.ok()) return assembled;
+  if (!status.ok()) {
+    return ExplainMessageSizeError(FromGrpc(status), static_cast<int64_t>(request.ByteSizeLong()),
+                                   options_.max_receive_message_bytes);
+  }
+  if (chunks != nullptr) *chunks = assembler.chunks();
+  return assembler.Finish();
 }
 
 void AttentionClient::AttendAsync(grpc::ClientContext* context, const v1::AttendRequest* request,

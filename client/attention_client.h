@@ -112,6 +112,12 @@ class AttentionClient {
   absl::StatusOr<v1::LoadModelResponse> LoadModel(absl::string_view name) const;
   absl::Status UnloadModel(absl::string_view name) const;
   absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request) const;
+  // Attend through AttendStream: the maps come in chunks (each a message
+  // under gRPC's usual 4 MiB) and are put back in place (MapAssembler), so
+  // maps larger than one message arrive whole. `chunks`, when given, gets the
+  // number of map chunks received.
+  absl::StatusOr<v1::AttendResponse> AttendStream(const v1::AttendRequest& request,
+                                                  int64_t* chunks = nullptr) const;
   // Starts an Attend call and returns at once; `done` runs on a gRPC thread
   // with the call's status when it ends. `context` (fresh), `request` and
   // `response` must live until then. The context gets the deadline

@@ -125,6 +125,10 @@ ABSL_FLAG(attnserve::client::Int64List, heads, {},
           "attend --maps=per-head: only these heads, e.g. 0,3");
 ABSL_FLAG(attnserve::client::Int64List, rows, {},
           "attend --maps: only these query positions, e.g. 5");
+ABSL_FLAG(bool, stream_maps, false,
+          "attend: call AttendStream: the maps come in chunks of at most 1 MiB and are put back "
+          "together here (maps larger than one message; the server's --max_attention_map_bytes "
+          "still bounds them)");
 ABSL_FLAG(bool, stats, false,
           "attend: per-head statistics (entropy, max weight, contribution), printed as a table");
 ABSL_FLAG(std::string, save_output, "", "attend: write the output to this .npy file ('<f4')");
@@ -357,9 +361,11 @@ int RunAttend(const AttentionClient& client) {
 
   std::vector<double> latencies_ms;
   absl::StatusOr<v1::AttendResponse> response;
+  const bool stream_maps = absl::GetFlag(FLAGS_stream_maps);
+  int64_t chunks = 0;
   for (int64_t i = 0; i < repeat; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    response = client.Attend(call->request);
+    response = stream_maps ? client.AttendStream(call->request, &chunks) : client.Attend(call->request);
     latencies_ms.push_back(
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
             .count());
@@ -379,6 +385,7 @@ int RunAttend(const AttentionClient& client) {
   std::printf("%s", FormatAttendSummary(*call, *response).c_str());
   std::printf("server: queue %s, compute %s\n", DurationText(response->timing().queue()).c_str(),
               DurationText(response->timing().compute()).c_str());
+  if (stream_maps) std::printf("maps streamed in %lld chunks\n", static_cast<long long>(chunks));
   if (repeat == 1) {
     std::printf("round trip %.3f ms\n", latencies_ms[0]);
   } else {

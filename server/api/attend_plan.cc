@@ -1,5 +1,6 @@
 #include "server/api/attend_plan.h"
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -534,7 +535,8 @@ core::ForwardOptions ForwardOptionsFor(const AttendPlan& plan, core::BlockKernel
 absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
                                       const ModelRegistry& registry, const RequestLimits& limits,
                                       int64_t max_response_bytes,
-                                      core::BlockKernels block_kernels) {
+                                      core::BlockKernels block_kernels,
+                                      MapDelivery map_delivery) {
   AttendPlan plan;
   ATTNSERVE_RETURN_IF_ERROR(PlanSource(request, registry, limits, plan));
   ATTNSERVE_RETURN_IF_ERROR(PlanInputs(request, limits, plan));
@@ -558,12 +560,19 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
   // below kResponseFramingBytes.
   const int64_t response_bytes = (plan.output_elements + plan.map_elements) * value_bytes +
                                  statistics * int64_t{sizeof(float)} + kResponseFramingBytes;
-  if (response_bytes > max_response_bytes) {
+  const bool streamed = map_delivery == MapDelivery::kStreamed;
+  // The largest message: the whole response, or, streamed, the response
+  // without the maps or a chunk (of at least one row).
+  const int64_t largest_message =
+      streamed ? std::max(response_bytes - plan.map_elements * value_bytes,
+                          plan.keys.max_length() * value_bytes + kResponseFramingBytes)
+               : response_bytes;
+  if (largest_message > max_response_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "response: ", response_bytes, " bytes of output and maps is over this server's limit of ",
-        max_response_bytes,
+        "response: ", largest_message, " bytes of output", streamed ? "" : " and maps",
+        " is over this server's limit of ", max_response_bytes,
         " (--max_send_message_bytes); send fewer sequences, ask for fewer maps, or ask for BF16 "
-        "output"));
+        "output", streamed ? "" : " (or the maps streamed: AttendStream)"));
   }
   if (plan.float_data_response &&
       std::max(plan.output_elements, plan.map_elements) > std::numeric_limits<int>::max()) {

@@ -68,6 +68,12 @@ struct AttendPlan {
   int64_t memory_bytes = 0;
 };
 
+// How the response carries the maps: in the AttendResponse (Attend), or
+// streamed in chunks after it (AttendStream), where the message limit applies
+// to the response without the maps and to each chunk, and only
+// --max_attention_map_bytes to the maps' total.
+enum class MapDelivery { kInResponse, kStreamed };
+
 // Validates `request` against the registry and the limits before anything is
 // allocated from its sizes:
 //   INVALID_ARGUMENT   a malformed field, or fields that do not fit together
@@ -76,8 +82,9 @@ struct AttendPlan {
 //                      `limits`, an estimated scratch over
 //                      limits.max_scratch_bytes or memory_bytes over
 //                      limits.max_request_bytes, a response over
-//                      max_response_bytes (the message names the limit, its
-//                      flag and what to ask for instead)
+//                      max_response_bytes (a message of the response, as
+//                      `map_delivery` sends it; the message names the limit,
+//                      its flag and what to ask for instead)
 //   NOT_FOUND          the model is not loaded
 //   UNAVAILABLE, FAILED_PRECONDITION  the model is loading, or its load
 //                      failed (ModelRegistry::Find)
@@ -87,7 +94,8 @@ struct AttendPlan {
 absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
                                       const ModelRegistry& registry, const RequestLimits& limits,
                                       int64_t max_response_bytes,
-                                      core::BlockKernels block_kernels);
+                                      core::BlockKernels block_kernels,
+                                      MapDelivery map_delivery = MapDelivery::kInResponse);
 
 // The core's options for a planned request (what the runner passes and the
 // route that sized the request was made with), without should_stop.

@@ -15,6 +15,8 @@
 #include "core/status_macros.h"
 #include "server/api/attend_plan.h"
 #include "server/api/attend_runner.h"
+#include "server/api/map_stream.h"
+#include "server/api/map_stream_reactor.h"
 #include "server/api/observed_reactor.h"
 #include "server/api/status_util.h"
 #include "server/api/tensor_codec.h"
@@ -87,12 +89,12 @@ void FillModelStatus(const ModelStatus& status, const RequestLimits& limits, v1:
 // Reports a successful compute of a request of `tokens` query tokens: the
 // batch's compute time and the map bytes in `response`.
 void ObserveCompute(int64_t tokens, const WireResponse& response, absl::Duration compute,
-                    ObservedReactor& reactor, Metrics& metrics) {
-  metrics.OnComputed(reactor.model_label(), response.message.kernel_path(),
+                    CallObserver& observer, Metrics& metrics) {
+  metrics.OnComputed(observer.model_label(), response.message.kernel_path(),
                      {.duration = compute,
                       .tokens = tokens,
                       .attention_map_bytes = response.attention_map_bytes()});
-  reactor.set_compute(compute);
+  observer.set_compute(compute);
 }
 
 // One Attend call's messages, alive until the call is finished.
@@ -109,16 +111,17 @@ int64_t QueryTokens(const AttendPlan& plan) {
 
 }  // namespace
 
-// An admitted Attend call waiting in the scheduler, then running.
+// An admitted Attend or AttendStream call waiting in the scheduler, then
+// running.
 struct AttentionServiceImpl::AttendJob final : ScheduledWork {
   AttendJob(AttentionServiceImpl* service, grpc::CallbackServerContext* context,
-            std::shared_ptr<AttendCall> call, grpc::ByteBuffer* response_bytes,
-            ObservedReactor* reactor, absl::Time arrival, AttendPlan plan)
+            std::shared_ptr<AttendCall> call, CallObserver* observer, Deliver deliver,
+            absl::Time arrival, AttendPlan plan)
       : service(service),
         context(context),
         call(std::move(call)),
-        response_bytes(response_bytes),
-        reactor(reactor),
+        observer(observer),
+        deliver(std::move(deliver)),
         arrival(arrival),
         plan(std::move(plan)) {
     batch_key = BatchKey(this->plan);
@@ -130,33 +133,29 @@ struct AttentionServiceImpl::AttendJob final : ScheduledWork {
   bool IsCancelled() const override { return context->IsCancelled() || CutShort(); }
   bool CutShort() const { return service->cut_short_.load(std::memory_order_relaxed); }
   void Skip(absl::Status status) override {
-    reactor->Dequeued(absl::Now() - enqueued);
+    observer->Dequeued(absl::Now() - enqueued);
     service->metrics_->OnSkipped(absl::IsDeadlineExceeded(status)
                                      ? Metrics::SkipReason::kDeadline
                                      : Metrics::SkipReason::kCancelled);
     Finish(status);
   }
-  // Finishes the call with `status` (serializing the response when OK). A
-  // call the drain stopped answers UNAVAILABLE, as a call refused during the
-  // drain does: the client's retry policy sends it elsewhere.
+  // Delivers the response (status OK) or `status`. A call the drain stopped
+  // answers UNAVAILABLE, as a call refused during the drain does: the
+  // client's retry policy sends it elsewhere.
   void Finish(absl::Status status) {
     if (absl::IsCancelled(status) && CutShort() && !context->IsCancelled()) {
       status = absl::UnavailableError(
           "the server is shutting down: the call was stopped before it finished; retry on another "
           "replica");
     }
-    if (status.ok()) {
-      status = call->response.SerializeTo(response_bytes);
-    }
-    reactor->FinishCall(ToGrpcStatus(status));
-    service->EndCall();
+    deliver(std::move(status), call->response);
   }
 
   AttentionServiceImpl* const service;
   grpc::CallbackServerContext* const context;
   const std::shared_ptr<AttendCall> call;
-  grpc::ByteBuffer* const response_bytes;
-  ObservedReactor* const reactor;
+  CallObserver* const observer;  // the reactor's
+  const Deliver deliver;
   const absl::Time arrival;
   const AttendPlan plan;
 };
@@ -167,7 +166,7 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
   std::vector<AttendJob*> jobs;
   for (const auto& work : batch) {
     auto* job = static_cast<AttendJob*>(work.get());
-    job->reactor->Dequeued(start - job->enqueued);
+    job->observer->Dequeued(start - job->enqueued);
     jobs.push_back(job);
   }
   // The compute stops before a stage (CANCELLED) only when no request of
@@ -230,7 +229,7 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
     computed_tokens += jobs[i]->tokens;
   }
   if (computed_requests > 0) {
-    metrics_->OnBatch(jobs[0]->reactor->model_label(), computed_requests, computed_sequences,
+    metrics_->OnBatch(jobs[0]->observer->model_label(), computed_requests, computed_sequences,
                       computed_tokens);
   }
   for (size_t i = 0; i < jobs.size(); ++i) {
@@ -241,7 +240,7 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
       SetDuration(compute, timing->mutable_compute());
       timing->set_batch_size(static_cast<int32_t>(computed_requests));
       timing->set_batch_tokens(computed_tokens);
-      ObserveCompute(job.tokens, job.call->response, compute, *job.reactor, *metrics_);
+      ObserveCompute(job.tokens, job.call->response, compute, *job.observer, *metrics_);
     }
     job.Finish(std::move(statuses[i]));
   }
@@ -340,16 +339,17 @@ bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
   return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
-                                                       const grpc::ByteBuffer* request_bytes,
-                                                       grpc::ByteBuffer* response_bytes) {
+template <class Reactor>
+Reactor* AttentionServiceImpl::HandleAttend(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request_bytes,
+    MapDelivery map_delivery, const std::function<Reactor*(absl::string_view model)>& make_reactor,
+    const std::function<Deliver(Reactor*)>& make_deliver) {
   {
     absl::MutexLock lock(&mu_);
     last_arrival_ = absl::Now();  // for WaitForQuiet and last_activity()
   }
   if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
-    auto* reactor =
-        new ObservedReactor(context, RpcMethod::kAttend, "", metrics_, options_.access_log);
+    Reactor* reactor = make_reactor("");
     reactor->FinishCall(ToGrpcStatus(caller.status()));
     return reactor;
   }
@@ -358,8 +358,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   // A call that died during upload (deadline, cancel) arrives with no bytes:
   // it is the client's deadline or cancel, not a malformed request.
   if (request_bytes == nullptr || !request_bytes->Valid() || context->IsCancelled()) {
-    auto* reactor =
-        new ObservedReactor(context, RpcMethod::kAttend, "", metrics_, options_.access_log);
+    Reactor* reactor = make_reactor("");
     reactor->FinishCall(absl::Now() >= DeadlineOf(*context)
                             ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
                                            "the deadline passed before the request arrived")
@@ -371,9 +370,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   const grpc::Status parsed =
       grpc::SerializationTraits<v1::AttendRequest>::Deserialize(&bytes, &call->request);
   // A request that did not parse names no model (its bytes may not be UTF-8).
-  auto* reactor = new ObservedReactor(context, RpcMethod::kAttend,
-                                      parsed.ok() ? call->request.model() : "", metrics_,
-                                      options_.access_log);
+  Reactor* reactor = make_reactor(parsed.ok() ? call->request.model() : "");
   if (!parsed.ok()) {
     reactor->FinishCall(grpc::Status(
         grpc::StatusCode::INVALID_ARGUMENT,
@@ -382,7 +379,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
     return reactor;
   }
   const v1::AttendRequest& request = call->request;
-  if (reactor->access_log()) reactor->set_shapes(AttendShapes(request));
+  if (reactor->observer().access_log()) reactor->observer().set_shapes(AttendShapes(request));
   const absl::Time arrival = absl::Now();
   if (absl::Status admitted = BeginCall(); !admitted.ok()) {
     reactor->FinishCall(ToGrpcStatus(admitted));
@@ -390,21 +387,65 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   }
   absl::StatusOr<AttendPlan> plan =
       PlanAttend(request, *registry_, options_.limits, options_.max_send_message_bytes,
-                 options_.block_kernels);
+                 options_.block_kernels, map_delivery);
   if (!plan.ok()) {
     reactor->FinishCall(ToGrpcStatus(plan.status()));
     EndCall();
     return reactor;
   }
   metrics_->OnQueued();
-  absl::Status submitted = scheduler_->Submit(std::make_unique<AttendJob>(
-      this, context, std::move(call), response_bytes, reactor, arrival, *std::move(plan)));
+  absl::Status submitted = scheduler_->Submit(
+      std::make_unique<AttendJob>(this, context, std::move(call), &reactor->observer(),
+                                  make_deliver(reactor), arrival, *std::move(plan)));
   if (!submitted.ok()) {
     metrics_->OnQueueRefused();
     reactor->FinishCall(ToGrpcStatus(submitted));
     EndCall();
   }
   return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request_bytes,
+                                                       grpc::ByteBuffer* response_bytes) {
+  return HandleAttend<ObservedReactor>(
+      context, request_bytes, MapDelivery::kInResponse,
+      [&](absl::string_view model) {
+        return new ObservedReactor(context, RpcMethod::kAttend, model, metrics_,
+                                   options_.access_log);
+      },
+      [this, response_bytes](ObservedReactor* reactor) -> Deliver {
+        return [this, reactor, response_bytes](absl::Status status, WireResponse& response) {
+          if (status.ok()) status = response.SerializeTo(response_bytes);
+          reactor->FinishCall(ToGrpcStatus(status));
+          EndCall();
+        };
+      });
+}
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request_bytes) {
+  // Each chunk's values leave room for its framing under the message limit.
+  const int64_t chunk_bytes = std::max<int64_t>(
+      1, std::min(kMapChunkBytes, options_.max_send_message_bytes - int64_t{4096}));
+  return HandleAttend<MapStreamReactor>(
+      context, request_bytes, MapDelivery::kStreamed,
+      [&](absl::string_view model) {
+        return new MapStreamReactor(context, model, metrics_, options_.access_log);
+      },
+      [this, chunk_bytes](MapStreamReactor* reactor) -> Deliver {
+        return [this, reactor, chunk_bytes](absl::Status status, WireResponse& response) {
+          if (!status.ok()) {
+            reactor->FinishCall(ToGrpcStatus(status));
+            EndCall();
+            return;
+          }
+          // The call stays in flight (a drain waits for it) until its last
+          // chunk is sent.
+          reactor->Send(std::make_unique<MapStream>(std::move(response), chunk_bytes),
+                        [this] { EndCall(); });
+        };
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerContext* context,

@@ -1,17 +1,21 @@
 #ifndef ATTNSERVE_SERVER_API_ATTENTION_SERVICE_H_
 #define ATTNSERVE_SERVER_API_ATTENTION_SERVICE_H_
 
-#include <cstdint>
 #include <atomic>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/api/attend_plan.h"
+#include "server/api/wire_response.h"
 #include "server/common/server_options.h"
 #include "server/models/layer_cache.h"
 #include "server/models/model_loader.h"
@@ -50,7 +54,8 @@ inline constexpr int64_t kRetainedWorkspaceBytes = int64_t{64} << 20;
 
 class AttentionServiceImpl final
     : public v1::AttentionService::WithRawCallbackMethod_Attend<
-          v1::AttentionService::CallbackService> {
+          v1::AttentionService::WithRawCallbackMethod_AttendStream<
+              v1::AttentionService::CallbackService>> {
  public:
   enum class State { kStarting, kServing, kDraining };
 
@@ -84,6 +89,11 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const grpc::ByteBuffer* request_bytes,
                                    grpc::ByteBuffer* response_bytes) override;
+  // Attend with the maps streamed after the response (MapStream), each
+  // message under --max_send_message_bytes; the call counts as in flight
+  // until its last message is sent.
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* AttendStream(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request_bytes) override;
   grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
                                        const v1::ListModelsRequest* request,
                                        v1::ListModelsResponse* response) override;
@@ -123,6 +133,17 @@ class AttentionServiceImpl final
   // Runs one batch the scheduler formed, on the compute executor, and
   // finishes its calls.
   struct AttendJob;
+  // Sends an admitted call's result: the response when the status is OK, else
+  // the status. Ends the call (EndCall) once it is sent.
+  using Deliver = std::function<void(absl::Status status, WireResponse& response)>;
+  // Attend's and AttendStream's handler: authenticates, parses, plans and
+  // submits the call; `make_reactor` makes its reactor (for the model the
+  // request names) and `make_deliver` what sends its result.
+  template <class Reactor>
+  Reactor* HandleAttend(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request_bytes,
+                        MapDelivery map_delivery,
+                        const std::function<Reactor*(absl::string_view model)>& make_reactor,
+                        const std::function<Deliver(Reactor*)>& make_deliver);
   void RunBatch(std::vector<std::unique_ptr<ScheduledWork>> batch, const BatchInfo& info);
 
   // CutShortCallsInFlight() was called.

@@ -1,7 +1,5 @@
 #include "server/api/wire_response.h"
 
-#include <grpcpp/support/slice.h>
-
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,32 +20,28 @@ void AppendVarint(uint64_t value, std::string* out) {
   out->append(reinterpret_cast<const char*>(bytes), static_cast<size_t>(end - bytes));
 }
 
-// The bytes that introduce `raw` as the raw_data of the tensor `header`
-// (its dtype and shape, no data) in field `field_number` of the response: the
-// field's tag and length, the header's fields, then raw_data's tag and length.
-// The raw bytes themselves follow.
-std::string RawTensorPrefix(int field_number, const v1::Tensor& header, size_t raw_size) {
-  std::string inner = header.SerializeAsString();
-  AppendVarint(WireFormatLite::MakeTag(v1::Tensor::kRawDataFieldNumber,
-                                       WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
-               &inner);
-  AppendVarint(raw_size, &inner);
-  std::string prefix;
-  AppendVarint(WireFormatLite::MakeTag(field_number, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
-               &prefix);
-  AppendVarint(inner.size() + raw_size, &prefix);
-  return prefix + inner;
-}
-
 void FreeRawBytes(void* bytes) { delete[] static_cast<char*>(bytes); }
 
-// A slice over the raw bytes that frees them when gRPC lets go of it.
+}  // namespace
+
+std::string LengthDelimitedFieldStart(int field_number, size_t body_size) {
+  std::string start;
+  AppendVarint(WireFormatLite::MakeTag(field_number, WireFormatLite::WIRETYPE_LENGTH_DELIMITED),
+               &start);
+  AppendVarint(body_size, &start);
+  return start;
+}
+
+std::string RawTensorFieldStart(int field_number, const v1::Tensor& header, size_t raw_size) {
+  std::string inner = header.SerializeAsString();
+  inner += LengthDelimitedFieldStart(v1::Tensor::kRawDataFieldNumber, raw_size);
+  return LengthDelimitedFieldStart(field_number, inner.size() + raw_size) + inner;
+}
+
 grpc::Slice TakeAsSlice(RawBytes& raw) {
   const size_t size = raw.size();
   return grpc::Slice(raw.release(), size, &FreeRawBytes);
 }
-
-}  // namespace
 
 int64_t WireResponse::attention_map_bytes() const {
   return static_cast<int64_t>(maps_raw.size() + message.attention_maps().raw_data().size() +
@@ -61,6 +55,14 @@ void WireResponse::Clear() {
 }
 
 absl::Status WireResponse::SerializeTo(grpc::ByteBuffer* out) {
+  absl::StatusOr<std::vector<grpc::Slice>> slices = TakeWireSlices();
+  if (!slices.ok()) return slices.status();
+  grpc::ByteBuffer bytes(slices->data(), slices->size());
+  out->Swap(&bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<grpc::Slice>> WireResponse::TakeWireSlices() {
   // A raw tensor is written whole, in one occurrence of its field (some
   // decoders replace a message field that occurs twice rather than merging
   // it): the message goes without it, then the tensor's header and bytes.
@@ -87,15 +89,13 @@ absl::Status WireResponse::SerializeTo(grpc::ByteBuffer* out) {
   std::vector<grpc::Slice> slices;
   slices.reserve(2 * raws.size() + 1);
   for (RawTensor& raw : raws) {
-    head += RawTensorPrefix(raw.field_number, raw.header, raw.bytes->size());
+    head += RawTensorFieldStart(raw.field_number, raw.header, raw.bytes->size());
     slices.push_back(grpc::Slice(head));
     head.clear();
     slices.push_back(TakeAsSlice(*raw.bytes));
   }
   if (!head.empty() || slices.empty()) slices.push_back(grpc::Slice(head));
-  grpc::ByteBuffer bytes(slices.data(), slices.size());
-  out->Swap(&bytes);
-  return absl::OkStatus();
+  return slices;
 }
 
 }  // namespace attnserve::server

@@ -3,9 +3,14 @@
 
 #include <grpcpp/support/byte_buffer.h>
 
+#include <grpcpp/support/slice.h>
+
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
 #include "server/api/tensor_codec.h"
 
@@ -37,7 +42,24 @@ struct WireResponse {
   // frees them once sent) and the raw tensors' headers out of `message`.
   // INTERNAL if the message cannot be serialized.
   absl::Status SerializeTo(grpc::ByteBuffer* out);
+  // The same wire form as slices, for a caller that frames it further.
+  absl::StatusOr<std::vector<grpc::Slice>> TakeWireSlices();
 };
+
+// The start of a length-delimited protobuf field: its tag, then the length of
+// its body of `body_size` bytes (which the caller writes after it).
+std::string LengthDelimitedFieldStart(int field_number, size_t body_size);
+
+// The bytes that introduce `raw_size` raw bytes as the raw_data of the tensor
+// `header` (its dtype and shape, no data) in field `field_number` of a
+// message: the field's start, the header's fields, then raw_data's start. The
+// raw bytes themselves follow; the tensor is written whole, in one occurrence
+// of its field.
+std::string RawTensorFieldStart(int field_number, const v1::Tensor& header, size_t raw_size);
+
+// A slice over `raw`'s buffer that frees it when gRPC lets go of it; `raw` is
+// empty afterwards.
+grpc::Slice TakeAsSlice(RawBytes& raw);
 
 }  // namespace attnserve::server
 

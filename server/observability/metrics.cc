@@ -60,8 +60,9 @@ const Histogram::BucketBoundaries& BatchTokenBuckets() {
   return *buckets;
 }
 
-constexpr RpcMethod kMethods[] = {RpcMethod::kAttend, RpcMethod::kListModels, RpcMethod::kGetModel,
-                                  RpcMethod::kLoadModel, RpcMethod::kUnloadModel};
+constexpr RpcMethod kMethods[] = {RpcMethod::kAttend,    RpcMethod::kAttendStream,
+                                  RpcMethod::kListModels, RpcMethod::kGetModel,
+                                  RpcMethod::kLoadModel,  RpcMethod::kUnloadModel};
 
 // The codes each method can answer with today; their request counters exist
 // from the start, so error ratios are defined before the first error.
@@ -69,6 +70,7 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
   using absl::StatusCode;
   switch (method) {
     case RpcMethod::kAttend:
+    case RpcMethod::kAttendStream:
       return {StatusCode::kOk,          StatusCode::kInvalidArgument,
               StatusCode::kNotFound,    StatusCode::kResourceExhausted,
               StatusCode::kUnavailable, StatusCode::kDeadlineExceeded,
@@ -138,6 +140,8 @@ absl::string_view RpcMethodName(RpcMethod method) {
   switch (method) {
     case RpcMethod::kAttend:
       return "Attend";
+    case RpcMethod::kAttendStream:
+      return "AttendStream";
     case RpcMethod::kListModels:
       return "ListModels";
     case RpcMethod::kGetModel:
@@ -319,9 +323,12 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
 
 void Metrics::CreateModelSeries(const std::string& model) {
   // Every code a method can answer, so rates of errors exist before the first one.
-  for (absl::StatusCode code : ExpectedCodes(RpcMethod::kAttend)) {
-    request_duration_->Add({{"method", "Attend"}, {"model", model}, {"code", CodeName(code)}},
-                           DurationBuckets());
+  for (RpcMethod method : {RpcMethod::kAttend, RpcMethod::kAttendStream}) {
+    for (absl::StatusCode code : ExpectedCodes(method)) {
+      request_duration_->Add(
+          {{"method", std::string(RpcMethodName(method))}, {"model", model}, {"code", CodeName(code)}},
+          DurationBuckets());
+    }
   }
   if (!model.empty()) {
     for (absl::StatusCode code : ExpectedCodes(RpcMethod::kGetModel)) {

@@ -31,7 +31,7 @@ namespace attnserve::server {
 class ProcessCollector;
 
 // The RPCs that metrics and the access log know by name.
-enum class RpcMethod { kAttend, kListModels, kGetModel, kLoadModel, kUnloadModel };
+enum class RpcMethod { kAttend, kAttendStream, kListModels, kGetModel, kLoadModel, kUnloadModel };
 // "Attend", "ListModels", "GetModel", ...: the proto's method names.
 absl::string_view RpcMethodName(RpcMethod method);
 
