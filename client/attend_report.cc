@@ -314,15 +314,16 @@ void SetStatistic(Struct& s, const std::string& key, const v1::Tensor& tensor) {
   }
 }
 
-double Millis(const google::protobuf::Duration& d) {
-  return static_cast<double>(d.seconds()) * 1e3 + d.nanos() / 1e6;
-}
-
 }  // namespace
+
+double DurationMillis(const google::protobuf::Duration& d) {
+  return static_cast<double>(d.seconds()) * 1e3 + static_cast<double>(d.nanos()) * 1e-6;
+}
 
 absl::StatusOr<std::string> FormatAttendJson(const AttendCall& call,
                                              const v1::AttendResponse& response,
                                              const std::vector<double>& latencies_ms,
+                                             const std::vector<double>& transports_ms,
                                              const std::vector<std::string>& files) {
   Struct json;
   SetString(json, "model", response.model());
@@ -342,8 +343,8 @@ absl::StatusOr<std::string> FormatAttendJson(const AttendCall& call,
     }
   }
   Struct& server = SetStruct(json, "server");
-  SetNumber(server, "queue_ms", Millis(response.timing().queue()));
-  SetNumber(server, "compute_ms", Millis(response.timing().compute()));
+  SetNumber(server, "queue_ms", DurationMillis(response.timing().queue()));
+  SetNumber(server, "compute_ms", DurationMillis(response.timing().compute()));
   SetNumber(server, "batch_size", response.timing().batch_size());
   SetNumber(server, "batch_tokens", static_cast<double>(response.timing().batch_tokens()));
   SetNumber(json, "calls", static_cast<double>(latencies_ms.size()));
@@ -356,6 +357,13 @@ absl::StatusOr<std::string> FormatAttendJson(const AttendCall& call,
   SetNumber(latency, "max", latencies_ms.empty() ? 0 : latencies_ms.back());
   SetNumber(latency, "mean",
             latencies_ms.empty() ? 0 : sum / static_cast<double>(latencies_ms.size()));
+  Struct& transport = SetStruct(json, "transport_ms");
+  double transport_sum = 0;
+  for (double ms : transports_ms) transport_sum += ms;
+  SetNumber(transport, "p50", Percentile(transports_ms, 50));
+  SetNumber(transport, "mean", transports_ms.empty()
+                                   ? 0
+                                   : transport_sum / static_cast<double>(transports_ms.size()));
   ListValue* written = (*json.mutable_fields())["files"].mutable_list_value();
   for (const std::string& line : files) written->add_values()->set_string_value(line);
   return JsonLine(json);

@@ -39,18 +39,25 @@ absl::StatusOr<std::string> FormatHeadStatistics(const AttendCall& call,
 // protobuf cannot print it.
 absl::StatusOr<std::string> JsonLine(const google::protobuf::Message& message);
 
+// A protobuf Duration in milliseconds.
+double DurationMillis(const google::protobuf::Duration& d);
+
 // `attnctl attend --json`: one JSON object (one line) of what the server
 // returned -- model, kernel_path, precision (enum name); output and
 // attention_maps as dtype and shape (their values go to --save_output and
 // --save_maps); head_statistics decoded, [batch][num_heads] each; the last
 // call's timing as "server" {queue_ms, compute_ms, batch_size, batch_tokens}
 // -- and of the calls: input_source, "calls", their round trips as
-// "latency_ms" {p50, p90, p99, max, mean} (the names bench --json uses), and
-// "files" (SaveAttendFiles' lines). `latencies_ms`: one per call, ascending.
-// INTERNAL if the JSON cannot be printed.
+// "latency_ms" {p50, p90, p99, max, mean} (the names bench --json uses), each
+// call's round trip minus the compute its response reports as "transport_ms"
+// {p50, mean} (what the wire and both ends' gRPC cost), and "files"
+// (SaveAttendFiles' lines). `latencies_ms`: one per call, ascending;
+// `transports_ms`: one per call, ascending. INTERNAL if the JSON cannot be
+// printed.
 absl::StatusOr<std::string> FormatAttendJson(const AttendCall& call,
                                              const v1::AttendResponse& response,
                                              const std::vector<double>& latencies_ms,
+                                             const std::vector<double>& transports_ms,
                                              const std::vector<std::string>& files);
 
 // Writes the files `options` asks for (output and maps as '<f4' .npy, the

@@ -359,7 +359,7 @@ int RunAttend(const AttentionClient& client) {
   absl::StatusOr<AttendCall> call = AttendCallFor(client, options);
   if (!call.ok()) return Fail(call.status());
 
-  std::vector<double> latencies_ms;
+  std::vector<double> latencies_ms, transports_ms;
   absl::StatusOr<v1::AttendResponse> response;
   const bool stream_maps = absl::GetFlag(FLAGS_stream_maps);
   int64_t chunks = 0;
@@ -370,14 +370,16 @@ int RunAttend(const AttentionClient& client) {
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
             .count());
     if (!response.ok()) return Fail(response.status());
+    transports_ms.push_back(latencies_ms.back() - DurationMillis(response->timing().compute()));
     ShowProgress(i + 1, repeat);
   }
 
   std::sort(latencies_ms.begin(), latencies_ms.end());
+  std::sort(transports_ms.begin(), transports_ms.end());
   if (absl::GetFlag(FLAGS_json)) {
     absl::StatusOr<std::vector<std::string>> written = SaveAttendFiles(options, *call, *response);
     if (!written.ok()) return Fail(written.status());
-    absl::StatusOr<std::string> json = FormatAttendJson(*call, *response, latencies_ms, *written);
+    absl::StatusOr<std::string> json = FormatAttendJson(*call, *response, latencies_ms, transports_ms, *written);
     if (!json.ok()) return Fail(json.status());
     std::printf("%s\n", json->c_str());
     return cli::kExitOk;

@@ -13,15 +13,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "client/attend_report.h"
 
 namespace attnserve::client {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double Millis(const google::protobuf::Duration& d) {
-  return static_cast<double>(d.seconds()) * 1e3 + static_cast<double>(d.nanos()) * 1e-6;
-}
 
 // Everything the calls' callbacks record, and the loop state they drive.
 class Recorder {
@@ -130,8 +127,8 @@ class Recorder {
       return;
     }
     latencies_ms_.push_back(std::chrono::duration<double, std::milli>(latency).count());
-    queue_ms_ += Millis(response.timing().queue());
-    compute_ms_ += Millis(response.timing().compute());
+    queue_ms_ += DurationMillis(response.timing().queue());
+    compute_ms_ += DurationMillis(response.timing().compute());
     batch_size_ += response.timing().batch_size();
     batch_tokens_ += static_cast<double>(response.timing().batch_tokens());
   }

@@ -10,15 +10,20 @@ port and, for each request below, one at a time:
   - Python (grpcio): the median round trip of --calls Attend calls, and the
     server's compute for each (the response's timing.compute);
   - C++ (attnctl bench --concurrency=1): its mean round trip and the
-    server's mean compute (attnctl reports the compute's mean only);
+    server's mean compute (attnctl reports the compute's mean only); streamed,
+    attnctl attend --repeat: the median round trip and the median of each
+    call's round trip minus its compute;
   - the loopback socket: the median time a TCP connection on 127.0.0.1 with
     warm buffers takes to carry the same request bytes one way and the
     response bytes back (one process, a thread at each end);
   - the server's minor page faults per call (/proc/PID/stat over the Python
     calls), against the response's size in 4 KiB pages.
 
-The maps request runs twice: FP32 on the wire, then BF16 (output_dtype), which
-halves the bytes.
+The maps request runs four times: FP32 on the wire, then BF16 (output_dtype),
+which halves the bytes, each as one Attend response and streamed (AttendStream:
+the response, then the maps in chunks of at most 1 MiB, put back in place by
+the client as they arrive; Python with harness.attend_stream, C++ with attnctl
+attend --stream_maps --repeat).
 
 Prints per request: bytes (request + response), socket ms, transport ms (round
 trip minus compute) and its ratio to the socket, for Python and C++, and the
@@ -40,17 +45,20 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
-from harness import (Server, cpu_model, generate_stubs, minor_faults, to_tensor,  # noqa: E402
-                     wait_serving)
+from harness import (Server, attend_stream, cpu_model, generate_stubs, minor_faults,  # noqa: E402
+                     to_tensor, wait_serving)
 
 D_MODEL = 768
 PAGE = 4096
 WARM_UP_CALLS = 5
-# name, batch, seq, maps, wire dtype of the output and maps
-REQUESTS = [("B=8 S=128", 8, 128, "none", "fp32"), ("B=1 S=512", 1, 512, "none", "fp32"),
-            ("B=1 S=2048", 1, 2048, "none", "fp32"),
-            ("B=4 S=512, per-head maps", 4, 512, "per-head", "fp32"),
-            ("  the same, BF16 on the wire", 4, 512, "per-head", "bf16")]
+# name, batch, seq, maps, wire dtype of the output and maps, streamed
+REQUESTS = [("B=8 S=128", 8, 128, "none", "fp32", False),
+            ("B=1 S=512", 1, 512, "none", "fp32", False),
+            ("B=1 S=2048", 1, 2048, "none", "fp32", False),
+            ("B=4 S=512, per-head maps", 4, 512, "per-head", "fp32", False),
+            ("  streamed", 4, 512, "per-head", "fp32", True),
+            ("  BF16 on the wire", 4, 512, "per-head", "bf16", False),
+            ("  BF16, streamed", 4, 512, "per-head", "bf16", True)]
 
 
 def socket_round_trip_ms(request_bytes, response_bytes, calls):
@@ -94,34 +102,52 @@ def socket_round_trip_ms(request_bytes, response_bytes, calls):
     return statistics.median(times) * 1e3
 
 
-def grpcio_calls(stub, pb, batch, seq, maps, dtype, calls, pid):
+def grpcio_calls(stub, pb, batch, seq, maps, dtype, streamed, calls, pid):
     """(median round trip ms, median compute ms, request bytes, response
-    bytes, minor faults per call) of `calls` Attend calls after WARM_UP_CALLS
-    (the server's threads each reach a steady state: its allocator then reuses
-    the buffers of earlier calls)."""
+    bytes, minor faults per call) of `calls` Attend (or AttendStream) calls
+    after WARM_UP_CALLS (the server's threads each reach a steady state: its
+    allocator then reuses the buffers of earlier calls)."""
     x = np.random.default_rng(0).standard_normal((batch, seq, D_MODEL)).astype(np.float32)
     request = pb.AttendRequest(model="default", hidden_states=to_tensor(pb, x),
                                attention_maps=pb.AttentionMapRequest(
                                    mode=pb.ATTENTION_MAP_MODE_PER_HEAD if maps == "per-head"
                                    else pb.ATTENTION_MAP_MODE_NONE),
                                output_dtype=pb.DATA_TYPE_BF16 if dtype == "bf16" else pb.DATA_TYPE_FP32)
+    def call():
+        if not streamed:
+            response = stub.Attend(request, timeout=600)
+            return response, response.ByteSize()
+        response, maps, _ = attend_stream(stub, pb, request, timeout=600)
+        return response, response.ByteSize() + maps.size * (2 if dtype == "bf16" else 4)
+
     for _ in range(WARM_UP_CALLS):
-        stub.Attend(request, timeout=600)
+        call()
     trips, computes, size = [], [], 0
     faults_before = minor_faults(pid)
     for _ in range(calls):
         t0 = time.perf_counter()
-        response = stub.Attend(request, timeout=600)
+        response, size = call()
         trips.append(time.perf_counter() - t0)
         computes.append(response.timing.compute.ToNanoseconds() * 1e-9)
-        size = response.ByteSize()
     faults = (minor_faults(pid) - faults_before) / calls
     return (statistics.median(trips) * 1e3, statistics.median(computes) * 1e3, request.ByteSize(),
             size, faults)
 
 
-def attnctl_bench(attnctl, target, batch, seq, maps, dtype, calls):
-    """(mean round trip ms, mean compute ms) from attnctl bench."""
+def attnctl_bench(attnctl, target, batch, seq, maps, dtype, streamed, calls):
+    """(mean round trip ms, mean compute ms) from attnctl bench; streamed: (median
+    round trip ms, that minus the median of each call's transport) from attnctl
+    attend --stream_maps --repeat (bench sends Attend only)."""
+    if streamed:
+        done = subprocess.run([attnctl, "attend", f"--target={target}", "--stream_maps",
+                               f"--repeat={calls + WARM_UP_CALLS}", f"--batch={batch}",
+                               f"--seq={seq}", f"--maps={maps}", f"--output_dtype={dtype}", "--json"],
+                              capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(f"attnctl attend failed: {done.stderr[-500:]}")
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+        trip = report["latency_ms"]["p50"]
+        return trip, trip - report["transport_ms"]["p50"]
     done = subprocess.run([attnctl, "bench", f"--target={target}", "--concurrency=1",
                            f"--requests={calls + 2}", f"--batch={batch}", f"--seq={seq}",
                            f"--maps={maps}", f"--output_dtype={dtype}", "--json"], capture_output=True, text=True, timeout=1800)
@@ -158,14 +184,14 @@ def main():
                 print(f"{'request':26} {'bytes':>9} {'socket':>8} | {'py trip':>8} {'compute':>8} "
                       f"{'transport':>9} {'ratio':>6} | {'C++ trip':>8} {'compute':>8} {'transport':>9} "
                       f"{'ratio':>6} | {'faults/call':>11} {'% of pages':>10}")
-                for name, batch, seq, maps, dtype in REQUESTS:
+                for name, batch, seq, maps, dtype, streamed in REQUESTS:
                     if args.only and not re.search(args.only, name):
                         continue
                     trip, compute, req_bytes, resp_bytes, faults = grpcio_calls(
-                        stub, pb, batch, seq, maps, dtype, args.calls, server.proc.pid)
+                        stub, pb, batch, seq, maps, dtype, streamed, args.calls, server.proc.pid)
                     sock = socket_round_trip_ms(req_bytes, resp_bytes, args.calls)
                     cc_trip, cc_compute = attnctl_bench(args.attnctl, server.target, batch, seq, maps,
-                                                        dtype, args.calls)
+                                                        dtype, streamed, args.calls)
                     py_transport, cc_transport = trip - compute, cc_trip - cc_compute
                     pages = resp_bytes / PAGE
                     print(f"{name:26} {(req_bytes + resp_bytes) / 1e6:8.1f}M {sock:7.2f}ms | "

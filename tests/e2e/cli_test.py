@@ -301,6 +301,28 @@ class WithServer(unittest.TestCase):
         self.assertGreaterEqual(got["server"]["batch_tokens"], batch * seq, got["server"])
         self.assertGreaterEqual(got["server"]["batch_size"], 1, got["server"])
         self.assertGreaterEqual(got["server"]["compute_ms"], 0)
+        # Each call's round trip minus its compute: positive, under the trip.
+        self.assertGreater(got["transport_ms"]["p50"], 0)
+        self.assertLess(got["transport_ms"]["p50"], latency["max"])
+
+    def test_stream_maps_brings_maps_over_the_clients_limit_and_saves_them_as_attend_does(self):
+        # [1, 12, 512, 512] FP32 maps are 12.6 MB, over a 2 MB receive limit
+        # that the 1.6 MB output is under: Attend's one message is refused,
+        # AttendStream's chunks (1 MiB each) arrive.
+        flags = ["--batch=1", "--seq=512", "--maps=per-head", "--seed=9",
+                 "--max_receive_message_bytes=2000000"]
+        code, out, err = self.attnctl("attend", *flags)
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("RESOURCE_EXHAUSTED", err)
+        streamed = os.path.join(self.tmp.name, "streamed.npy")
+        code, out, err = self.attnctl("attend", *flags, "--stream_maps", f"--save_maps={streamed}")
+        self.assertEqual(code, 0, out + err)
+        self.assertIn("maps streamed in 12 chunks", out)  # one head (1 MiB) a chunk
+        whole = os.path.join(self.tmp.name, "whole.npy")
+        code, out, err = self.attnctl("attend", *flags[:-1], f"--save_maps={whole}")
+        self.assertEqual(code, 0, out + err)
+        np.testing.assert_array_equal(np.load(streamed), np.load(whole))
+        self.assertEqual(np.load(streamed).shape, (1, 12, 512, 512))
 
     def test_a_response_over_the_clients_limit_names_its_flag(self):
         # 16 tokens x 768 floats: about 49 KB of output, over a 10000-byte limit.

@@ -19,8 +19,8 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (Server, run_tests_with_stubs, metric, reference_attention, rel_error,  # noqa: E402
-                     seeded_weights, wait_serving)
+from harness import (Server, attend_stream, run_tests_with_stubs, metric,  # noqa: E402
+                     reference_attention, rel_error, seeded_weights, wait_serving)
 
 ARGS = None
 
@@ -71,7 +71,8 @@ class EndToEnd(unittest.TestCase):
                  for b in responses[1].file_descriptor_response.file_descriptor_proto]
         methods = {m.name for f in files for s in f.service if s.name == "AttentionService"
                    for m in s.method}
-        self.assertEqual(methods, {"Attend", "ListModels", "GetModel", "LoadModel", "UnloadModel"})
+        self.assertEqual(methods, {"Attend", "AttendStream", "ListModels", "GetModel", "LoadModel",
+                                   "UnloadModel"})
 
     def test_list_models_reports_the_builtin_head_configuration(self):
         models = self.stub.ListModels(self.pb.ListModelsRequest(), timeout=60).models
@@ -98,6 +99,31 @@ class EndToEnd(unittest.TestCase):
             self.assertLessEqual(rel_error(maps, ref_maps), 1e-5, (batch, seq))
             np.testing.assert_allclose(maps.sum(axis=-1), 1.0, atol=1e-5)
             self.assertEqual(r.kernel_path, "fp32/materialized")
+
+    def test_attend_stream_brings_maps_larger_than_grpcios_receive_limit(self):
+        # A channel with grpcio's defaults: it takes no message over 4 MiB.
+        # The maps, [4, 12, 256, 256] FP32, are 12.6 MB: Attend's one message
+        # is refused by the client, AttendStream's chunks arrive and are put
+        # back in place as they come.
+        info = self.stub.GetModel(self.pb.GetModelRequest(name="default"), timeout=60)
+        h = info.head_config
+        weights = seeded_weights(self.server.seed, h.d_model, h.num_heads, h.num_kv_heads, h.head_dim)
+        x = np.random.default_rng().standard_normal((4, 256, h.d_model)).astype(np.float32)
+        request = self.request(x, self.pb.ATTENTION_MAP_MODE_PER_HEAD)
+        with self.grpc.insecure_channel(self.server.target) as channel:
+            stub = self.pb_grpc.AttentionServiceStub(channel)
+            with self.assertRaises(self.grpc.RpcError) as refused:
+                stub.Attend(request, timeout=60)
+            self.assertEqual(refused.exception.code(), self.grpc.StatusCode.RESOURCE_EXHAUSTED)
+            response, maps, chunks = attend_stream(stub, self.pb, request)
+        self.assertGreaterEqual(chunks, 12)  # at most 1 MiB each
+        out = np.frombuffer(response.output.raw_data, dtype="<f4").reshape(tuple(response.output.shape))
+        ref_out, ref_maps = reference_attention(x, weights, h.num_heads, h.num_kv_heads, h.head_dim,
+                                                h.scale)
+        self.assertEqual(maps.shape, (4, h.num_heads, 256, 256))
+        self.assertLessEqual(rel_error(out, ref_out), 1e-5)
+        self.assertLessEqual(rel_error(maps, ref_maps), 1e-5)
+        np.testing.assert_allclose(maps.sum(axis=-1), 1.0, atol=1e-5)
 
     def test_bytes_that_are_not_a_request_get_invalid_argument_naming_the_request(self):
         attend = self.channel.unary_unary("/attnserve.v1.AttentionService/Attend")

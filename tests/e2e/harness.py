@@ -263,6 +263,28 @@ def from_tensor(pb, tensor):
     return np.frombuffer(tensor.raw_data, dtype="<f4").reshape(shape)
 
 
+def attend_stream(stub, pb, request, timeout=60):
+    """Calls AttendStream and puts the maps back in place as they arrive, one
+    chunk at a time: (response, maps as a float32 array or None, chunks). The
+    response is the first message's (its attention_maps carry no values)."""
+    response, maps, chunks = None, None, 0
+    for message in stub.AttendStream(request, timeout=timeout):
+        if message.HasField("response"):
+            response = message.response
+            if response.HasField("attention_maps"):
+                maps = np.empty(tuple(response.attention_maps.shape), np.float32)
+            continue
+        chunk = message.map_chunk
+        part = from_tensor(pb, chunk.maps)[0]  # [heads, rows, keys], or [rows, keys]
+        if maps.ndim == 4:
+            maps[chunk.sequence, chunk.first_head:chunk.first_head + part.shape[0],
+                 chunk.first_row:chunk.first_row + part.shape[1]] = part
+        else:
+            maps[chunk.sequence, chunk.first_row:chunk.first_row + part.shape[0]] = part
+        chunks += 1
+    return response, maps, chunks
+
+
 def bf16_round(array):
     """float32 values rounded to the nearest bfloat16 (ties to even), as float32."""
     bits = np.ascontiguousarray(array, dtype="<f4").view("<u4").astype(np.uint64)
