@@ -341,6 +341,69 @@ constexpr SoftmaxStripFn kSoftmaxStrips[8] = {
     &Avx512SoftmaxStrip<4>, &Avx512SoftmaxStrip<5>, &Avx512SoftmaxStrip<6>,
     &Avx512SoftmaxStrip<7>, &Avx512SoftmaxStrip<8>};
 
+// AVX2 and FMA (x86-64-v3), checked by features.
+#define ATTNSERVE_TARGET_AVX2_FMA __attribute__((target("avx2,fma")))
+
+bool CpuHasAvx2Fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+// Exp on 8 lanes, as the scalar one: y = max(y, kExpFloor) (NaN stays: MAXPS
+// returns its second operand when either is NaN), 2^round * p(frac) with the
+// degree-7 polynomial, 0 where y < kExpFloor.
+ATTNSERVE_TARGET_AVX2_FMA inline __m256 Exp8(__m256 y) {
+  const __m256 t = _mm256_mul_ps(_mm256_max_ps(_mm256_set1_ps(kExpFloor), y),
+                                 _mm256_set1_ps(kLog2e));
+  const __m256 r = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, r);
+  __m256 p = _mm256_set1_ps(kC7);
+  for (const float c : {kC6, kC5, kC4, kC3, kC2, kC1, 1.0f}) {
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  }
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(r), _mm256_set1_epi32(127)), 23);
+  const __m256 below = _mm256_cmp_ps(y, _mm256_set1_ps(kExpFloor), _CMP_LT_OQ);
+  return _mm256_andnot_ps(below, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// FP32 probabilities in place, 8 keys a vector, the tail past the last whole
+// vector by the scalar Exp; BF16 probabilities as the portable row.
+ATTNSERVE_TARGET_AVX2_FMA float Avx2SoftmaxRow(float* x, int64_t limit, int64_t width, float scale,
+                                               float& m, float& l, uint16_t* p_bf16) {
+  if (p_bf16 != nullptr) return PortableSoftmaxRow(x, limit, width, scale, m, l, p_bf16);
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  const int64_t body = limit & ~int64_t{7};
+  __m256 max8 = _mm256_set1_ps(kMinusInf);
+  for (int64_t j = 0; j < body; j += 8) max8 = _mm256_max_ps(_mm256_loadu_ps(x + j), max8);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, max8);
+  float m_new = m;
+  for (const float lane : lanes) m_new = std::max(m_new, lane);
+  for (int64_t j = body; j < limit; ++j) m_new = std::max(m_new, x[j]);
+  if (m_new == kMinusInf) return NothingVisible(x, width, nullptr);
+  const __m256 shift = _mm256_set1_ps(m_new);
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (int64_t j = 0; j < body; j += 8) {
+    const __m256 p = Exp8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), shift), scale8));
+    _mm256_storeu_ps(x + j, p);
+    sum8 = _mm256_add_ps(sum8, p);
+  }
+  _mm256_store_ps(lanes, sum8);
+  float sum = 0.0f;
+  for (const float lane : lanes) sum += lane;
+  for (int64_t j = body; j < limit; ++j) {
+    x[j] = Exp((x[j] - m_new) * scale);
+    sum += x[j];
+  }
+  std::fill(x + limit, x + width, 0.0f);
+  const float alpha = Exp((m - m_new) * scale);  // m == -inf: 0
+  l = l * alpha + sum;
+  m = m_new;
+  return alpha;
+}
+
 #endif  // ATTNSERVE_X86_INTRINSICS
 
 }  // namespace
@@ -354,9 +417,12 @@ bool SoftmaxKernelRuns(SoftmaxKernel kernel) {
       return CpuHasAvx512();
     case SoftmaxKernel::kAvx512Bf16:
       return CpuHasAvx512Bf16();
+    case SoftmaxKernel::kAvx2:
+      return CpuHasAvx2Fma();
 #else
     case SoftmaxKernel::kAvx512:
     case SoftmaxKernel::kAvx512Bf16:
+    case SoftmaxKernel::kAvx2:
       return false;
 #endif
   }
@@ -374,6 +440,7 @@ float OnlineSoftmaxRowOn(SoftmaxKernel kernel, float* x, int64_t limit, int64_t 
   if (kernel == SoftmaxKernel::kAvx512) {
     return Avx512SoftmaxRow(x, limit, width, scale, m, l, p_bf16);
   }
+  if (kernel == SoftmaxKernel::kAvx2) return Avx2SoftmaxRow(x, limit, width, scale, m, l, p_bf16);
 #endif
   return PortableSoftmaxRow(x, limit, width, scale, m, l, p_bf16);
 }
@@ -384,6 +451,8 @@ float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, floa
                                         ? SoftmaxKernel::kAvx512Bf16
                                     : SoftmaxKernelRuns(SoftmaxKernel::kAvx512)
                                         ? SoftmaxKernel::kAvx512
+                                    : SoftmaxKernelRuns(SoftmaxKernel::kAvx2)
+                                        ? SoftmaxKernel::kAvx2
                                         : SoftmaxKernel::kPortable;
   return OnlineSoftmaxRowOn(best, x, limit, width, scale, m, l, p_bf16);
 }

@@ -2,10 +2,11 @@
 #define ATTNSERVE_CORE_KERNELS_ONLINE_SOFTMAX_H_
 
 // Private to core/: the row kernels of the blocked (flash-style) attention
-// path. The online softmax has AVX-512 versions in intrinsics, chosen at run
-// time: strips of up to 8 rows where the CPU has AVX512-BF16 (a single row is
-// a strip of one), a row kernel where it has AVX-512 F/BW/DQ/VL only, and a
-// portable row elsewhere. The others are plain C++ that GCC vectorizes, with
+// path. The online softmax has AVX-512 and AVX2 versions in intrinsics,
+// chosen at run time by the CPU's features: strips of up to 8 rows where the
+// CPU has AVX512-BF16 (a single row is a strip of one), a row kernel where it
+// has AVX-512 F/BW/DQ/VL only, an FP32 row kernel where it has AVX2 and FMA,
+// and a portable row elsewhere. The others are plain C++ that GCC vectorizes, with
 // AVX-512 and AVX2 clones picked at load time (target_clones). The baseline
 // build runs on any x86-64.
 
@@ -40,9 +41,10 @@ float OnlineSoftmaxRow(float* x, int64_t limit, int64_t width, float scale, floa
 
 // The implementations of the row step; OnlineSoftmaxRow takes the first
 // that runs on this CPU of kAvx512Bf16 (a strip of one row), kAvx512 (FP32
-// and BF16 rounded in integer lanes, degree-7 exponential) and kPortable.
+// and BF16 rounded in integer lanes, degree-7 exponential), kAvx2 (AVX2+FMA:
+// FP32 in 8 lanes, degree-7 exponential; BF16 as kPortable) and kPortable.
 // Tests run each one that runs here through OnlineSoftmaxRowOn.
-enum class SoftmaxKernel { kPortable, kAvx512, kAvx512Bf16 };
+enum class SoftmaxKernel { kPortable, kAvx512, kAvx512Bf16, kAvx2 };
 bool SoftmaxKernelRuns(SoftmaxKernel kernel);
 float OnlineSoftmaxRowOn(SoftmaxKernel kernel, float* x, int64_t limit, int64_t width, float scale,
                          float& m, float& l, uint16_t* p_bf16);

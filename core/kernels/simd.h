@@ -6,7 +6,11 @@
 //
 // ATTNSERVE_CLONES on a function gives it an AVX-512 clone, an AVX2 clone and
 // the baseline, chosen once by the dynamic loader (GCC's target_clones on
-// ifunc). Sanitizer builds take the baseline: an ifunc resolver runs while the
+// ifunc). The clones are ISA levels (x86-64-v4: AVX-512 F/BW/CD/DQ/VL;
+// x86-64-v3: AVX2, FMA, BMI1/2, F16C), which the resolver picks by the CPU's
+// features. Not "arch=haswell"/"arch=skylake-avx512": for those GCC's
+// resolver tests the CPU *model* (__builtin_cpu_is), so every AMD CPU, and
+// every Intel one but those two models, ran the baseline. Sanitizer builds take the baseline: an ifunc resolver runs while the
 // dynamic loader relocates, before the sanitizer's runtime is set up, and its
 // instrumented code crashes there (seen under TSan).
 //
@@ -62,7 +66,7 @@ ATTNSERVE_TARGET_AVX512 inline __mmask16 FirstLanes(int64_t n) {
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
 #define ATTNSERVE_CLONES \
-  __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define ATTNSERVE_CLONES
 #endif

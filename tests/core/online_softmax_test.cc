@@ -12,6 +12,8 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <set>
+#include <string>
 #include <vector>
 
 #include "core/bf16.h"
@@ -31,7 +33,8 @@ constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 std::vector<SoftmaxKernel> Kernels() {
   std::vector<SoftmaxKernel> kernels;
   for (const SoftmaxKernel kernel :
-       {SoftmaxKernel::kPortable, SoftmaxKernel::kAvx512, SoftmaxKernel::kAvx512Bf16}) {
+       {SoftmaxKernel::kPortable, SoftmaxKernel::kAvx512, SoftmaxKernel::kAvx512Bf16,
+        SoftmaxKernel::kAvx2}) {
     if (SoftmaxKernelRuns(kernel)) kernels.push_back(kernel);
   }
   return kernels;
@@ -45,6 +48,8 @@ const char* KernelName(SoftmaxKernel kernel) {
       return "avx512";
     case SoftmaxKernel::kAvx512Bf16:
       return "avx512-bf16";
+    case SoftmaxKernel::kAvx2:
+      return "avx2";
   }
   return "?";
 }
@@ -57,6 +62,8 @@ TEST(OnlineSoftmax, EachKernelRunsWhereTheCpuHasItsInstructions) {
   EXPECT_EQ(SoftmaxKernelRuns(SoftmaxKernel::kAvx512), ::attnserve::testing::CpuInfoHasAvx512());
   EXPECT_EQ(SoftmaxKernelRuns(SoftmaxKernel::kAvx512Bf16),
             ::attnserve::testing::CpuInfoHasAvx512Bf16());
+  const std::set<std::string> flags = ::attnserve::testing::CpuInfoFlags();
+  EXPECT_EQ(SoftmaxKernelRuns(SoftmaxKernel::kAvx2), flags.count("avx2") && flags.count("fma"));
 }
 
 // FastExp's relative error: the polynomial's 4e-7 and the rounding of

@@ -1,0 +1,266 @@
+#include "core/decode/decode_kernels.h"
+
+#include <cstdint>
+
+#include "core/bf16.h"
+#include "core/kernels/simd.h"
+
+namespace attnserve::core::internal {
+namespace {
+
+// ATTNSERVE_SIMD_LOOP with a sum over the loop in `sum` (the dot products).
+#if defined(__clang__)
+#define ATTNSERVE_SIMD_SUM_LOOP
+#else
+#define ATTNSERVE_SIMD_SUM_LOOP _Pragma("omp simd simdlen(16) reduction(+ : sum)")
+#endif
+
+[[gnu::always_inline]] inline float Widen(float x) { return x; }
+[[gnu::always_inline]] inline float Widen(Bf16 x) { return Bfloat16ToFloat(x); }
+
+template <typename T>
+[[gnu::always_inline]] inline void Scores(const float* __restrict q, const T* __restrict k,
+                                          int64_t keys, int64_t head_dim, float* __restrict s) {
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* row = k + j * head_dim;
+    float sum = 0.0f;
+    ATTNSERVE_SIMD_SUM_LOOP
+    for (int64_t d = 0; d < head_dim; ++d) sum += q[d] * Widen(row[d]);
+    s[j] = sum;
+  }
+}
+
+// Four keys per pass over acc: a quarter of the accumulator's loads and
+// stores.
+template <typename T>
+[[gnu::always_inline]] inline void Values(const float* __restrict p, const T* __restrict v,
+                                          int64_t keys, int64_t head_dim, float alpha,
+                                          float* __restrict acc) {
+  if (alpha != 1.0f) {
+    ATTNSERVE_SIMD_LOOP
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] *= alpha;
+  }
+  int64_t j = 0;
+  for (; j + 4 <= keys; j += 4) {
+    const T* r0 = v + j * head_dim;
+    const T* r1 = r0 + head_dim;
+    const T* r2 = r1 + head_dim;
+    const T* r3 = r2 + head_dim;
+    const float p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];
+    ATTNSERVE_SIMD_LOOP
+    for (int64_t d = 0; d < head_dim; ++d) {
+      acc[d] += p0 * Widen(r0[d]) + p1 * Widen(r1[d]) + p2 * Widen(r2[d]) + p3 * Widen(r3[d]);
+    }
+  }
+  for (; j < keys; ++j) {
+    const T* row = v + j * head_dim;
+    const float pj = p[j];
+    ATTNSERVE_SIMD_LOOP
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] += pj * Widen(row[d]);
+  }
+}
+
+#if defined(ATTNSERVE_X86_INTRINSICS)
+// AVX2 and FMA: x86-64-v3, what every x86 server of the last decade has
+// (AVX-512 CPUs included: the decode is memory-bound, and these kernels keep
+// up with memory on AVX2 already). Checked at run time by features, never by
+// CPU model.
+#define ATTNSERVE_TARGET_AVX2 __attribute__((target("avx2,fma")))
+
+bool CpuHasAvx2Fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+
+ATTNSERVE_TARGET_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+ATTNSERVE_TARGET_AVX2 inline __m256 Load8(const Bf16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// [sum of a[0]'s lanes, ..., sum of a[7]'s lanes].
+ATTNSERVE_TARGET_AVX2 inline __m256 LaneSums(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // u0 = [a0..a3 over lanes 0-3 | a0..a3 over lanes 4-7], u1 likewise for a4..a7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+ATTNSERVE_TARGET_AVX2 inline float LaneSum(__m256 a) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+}
+
+// q . k for dimensions [from, head_dim) (the tail past whole vectors).
+template <typename T>
+inline float TailDot(const float* q, const T* k, int64_t from, int64_t head_dim) {
+  float sum = 0.0f;
+  for (int64_t d = from; d < head_dim; ++d) sum += q[d] * Widen(k[d]);
+  return sum;
+}
+
+// Eight keys at a time, one accumulator each (independent FMA chains), their
+// lanes summed together at the end.
+template <typename T>
+ATTNSERVE_TARGET_AVX2 void ScoresAvx2(const float* q, const T* k, int64_t keys, int64_t head_dim,
+                                      float* s) {
+  const int64_t body = head_dim & ~int64_t{7};
+  int64_t j = 0;
+  for (; j + 8 <= keys; j += 8) {
+    const T* rows = k + j * head_dim;
+    __m256 acc[8];
+    for (__m256& a : acc) a = _mm256_setzero_ps();
+    for (int64_t d = 0; d < body; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        acc[t] = _mm256_fmadd_ps(qv, Load8(rows + t * head_dim + d), acc[t]);
+      }
+    }
+    __m256 sums = LaneSums(acc);
+    if (body < head_dim) {
+      alignas(32) float tail[8];
+      for (int t = 0; t < 8; ++t) tail[t] = TailDot(q, rows + t * head_dim, body, head_dim);
+      sums = _mm256_add_ps(sums, _mm256_load_ps(tail));
+    }
+    _mm256_storeu_ps(s + j, sums);
+  }
+  for (; j < keys; ++j) {
+    const T* row = k + j * head_dim;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < body; d += 8) {
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), Load8(row + d), acc);
+    }
+    s[j] = LaneSum(acc) + TailDot(q, row, body, head_dim);
+  }
+}
+
+// acc [d0, d0 + 8 kVectors) = acc * alpha + sum_j p_j v_j, held in registers
+// over the keys.
+template <int kVectors, typename T>
+ATTNSERVE_TARGET_AVX2 void ValuesChunkAvx2(const float* p, const T* v, int64_t keys,
+                                           int64_t head_dim, int64_t d0, __m256 alpha,
+                                           float* acc) {
+  __m256 a[kVectors];
+#pragma GCC unroll 8
+  for (int i = 0; i < kVectors; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + d0 + 8 * i), alpha);
+  for (int64_t j = 0; j < keys; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const T* row = v + j * head_dim + d0;
+#pragma GCC unroll 8
+    for (int i = 0; i < kVectors; ++i) a[i] = _mm256_fmadd_ps(pj, Load8(row + 8 * i), a[i]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < kVectors; ++i) _mm256_storeu_ps(acc + d0 + 8 * i, a[i]);
+}
+
+template <typename T>
+ATTNSERVE_TARGET_AVX2 void ValuesAvx2(const float* p, const T* v, int64_t keys, int64_t head_dim,
+                                      float alpha, float* acc) {
+  const __m256 alpha_v = _mm256_set1_ps(alpha);
+  int64_t d = 0;
+  for (; d + 64 <= head_dim; d += 64) ValuesChunkAvx2<8>(p, v, keys, head_dim, d, alpha_v, acc);
+  for (; d + 32 <= head_dim; d += 32) ValuesChunkAvx2<4>(p, v, keys, head_dim, d, alpha_v, acc);
+  for (; d + 8 <= head_dim; d += 8) ValuesChunkAvx2<1>(p, v, keys, head_dim, d, alpha_v, acc);
+  for (; d < head_dim; ++d) {
+    float sum = acc[d] * alpha;
+    for (int64_t j = 0; j < keys; ++j) sum += p[j] * Widen(v[j * head_dim + d]);
+    acc[d] = sum;
+  }
+}
+#endif  // ATTNSERVE_X86_INTRINSICS
+
+// The portable versions, vectorized by the compiler.
+ATTNSERVE_CLONES
+void PortableScores(const float* q, const float* k, int64_t keys, int64_t head_dim, float* s) {
+  Scores(q, k, keys, head_dim, s);
+}
+
+ATTNSERVE_CLONES
+void PortableScores(const float* q, const Bf16* k, int64_t keys, int64_t head_dim, float* s) {
+  Scores(q, k, keys, head_dim, s);
+}
+
+ATTNSERVE_CLONES
+void PortableValues(const float* p, const float* v, int64_t keys, int64_t head_dim, float alpha,
+                    float* acc) {
+  Values(p, v, keys, head_dim, alpha, acc);
+}
+
+ATTNSERVE_CLONES
+void PortableValues(const float* p, const Bf16* v, int64_t keys, int64_t head_dim, float alpha,
+                    float* acc) {
+  Values(p, v, keys, head_dim, alpha, acc);
+}
+
+template <typename T>
+void ScoresOn(DecodeKernel kernel, const float* q, const T* k, int64_t keys, int64_t head_dim,
+              float* s) {
+#if defined(ATTNSERVE_X86_INTRINSICS)
+  if (kernel == DecodeKernel::kAvx2) return ScoresAvx2(q, k, keys, head_dim, s);
+#endif
+  (void)kernel;
+  PortableScores(q, k, keys, head_dim, s);
+}
+
+template <typename T>
+void ValuesOn(DecodeKernel kernel, const float* p, const T* v, int64_t keys, int64_t head_dim,
+              float alpha, float* acc) {
+#if defined(ATTNSERVE_X86_INTRINSICS)
+  if (kernel == DecodeKernel::kAvx2) return ValuesAvx2(p, v, keys, head_dim, alpha, acc);
+#endif
+  (void)kernel;
+  PortableValues(p, v, keys, head_dim, alpha, acc);
+}
+
+DecodeKernel BestKernel() {
+#if defined(ATTNSERVE_X86_INTRINSICS)
+  if (CpuHasAvx2Fma()) return DecodeKernel::kAvx2;
+#endif
+  return DecodeKernel::kPortable;
+}
+
+}  // namespace
+
+bool DecodeKernelRuns(DecodeKernel kernel) {
+  return kernel == DecodeKernel::kPortable || BestKernel() == DecodeKernel::kAvx2;
+}
+
+void DecodeScoresOn(DecodeKernel kernel, const float* q, const float* k, int64_t keys,
+                    int64_t head_dim, float* s) {
+  ScoresOn(kernel, q, k, keys, head_dim, s);
+}
+void DecodeScoresOn(DecodeKernel kernel, const float* q, const Bf16* k, int64_t keys,
+                    int64_t head_dim, float* s) {
+  ScoresOn(kernel, q, k, keys, head_dim, s);
+}
+void DecodeValuesOn(DecodeKernel kernel, const float* p, const float* v, int64_t keys,
+                    int64_t head_dim, float alpha, float* acc) {
+  ValuesOn(kernel, p, v, keys, head_dim, alpha, acc);
+}
+void DecodeValuesOn(DecodeKernel kernel, const float* p, const Bf16* v, int64_t keys,
+                    int64_t head_dim, float alpha, float* acc) {
+  ValuesOn(kernel, p, v, keys, head_dim, alpha, acc);
+}
+
+void DecodeScores(const float* q, const float* k, int64_t keys, int64_t head_dim, float* s) {
+  static const DecodeKernel kernel = BestKernel();
+  ScoresOn(kernel, q, k, keys, head_dim, s);
+}
+void DecodeScores(const float* q, const Bf16* k, int64_t keys, int64_t head_dim, float* s) {
+  static const DecodeKernel kernel = BestKernel();
+  ScoresOn(kernel, q, k, keys, head_dim, s);
+}
+void DecodeValues(const float* p, const float* v, int64_t keys, int64_t head_dim, float alpha,
+                  float* acc) {
+  static const DecodeKernel kernel = BestKernel();
+  ValuesOn(kernel, p, v, keys, head_dim, alpha, acc);
+}
+void DecodeValues(const float* p, const Bf16* v, int64_t keys, int64_t head_dim, float alpha,
+                  float* acc) {
+  static const DecodeKernel kernel = BestKernel();
+  ValuesOn(kernel, p, v, keys, head_dim, alpha, acc);
+}
+
+}  // namespace attnserve::core::internal

@@ -1,0 +1,100 @@
+#ifndef ATTNSERVE_CORE_DECODE_LAYER_KV_CACHE_H_
+#define ATTNSERVE_CORE_DECODE_LAYER_KV_CACHE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "core/decode/kv_block_pool.h"
+#include "core/decode/kv_layout.h"
+
+namespace attnserve::core {
+
+// One layer's keys and values of one sequence, in blocks of a KvBlockPool: a
+// block table (blocks in token order) and a length in tokens. Token t lies in
+// block t / block_tokens at row t % block_tokens of each KV head's K and V
+// rows (core/decode/kv_layout.h). Blocks may be shared with forks
+// (copy on write): a block whose reference count is above 1 is never written;
+// Append copies it first.
+//
+// Not thread-safe: one owner at a time (different caches may be used from
+// different threads, also caches that share blocks: the pool is
+// thread-safe). The pool must outlive the cache.
+class LayerKvCache {
+ public:
+  // An empty cache. INVALID_ARGUMENT for a null pool or an invalid layout
+  // (ValidateKvLayout).
+  static absl::StatusOr<std::unique_ptr<LayerKvCache>> Create(KvBlockPool* pool,
+                                                              const KvLayout& layout);
+  // Releases its blocks.
+  ~LayerKvCache();
+  LayerKvCache(const LayerKvCache&) = delete;
+  LayerKvCache& operator=(const LayerKvCache&) = delete;
+
+  // Appends n >= 0 tokens:
+  //   k, v: [n, num_kv_heads, head_dim] FP32 row-major
+  // (rounded to BF16, to nearest even, when the layout is BF16), taking
+  // blocks from the pool as needed and copying a shared last block first.
+  // All or nothing: INVALID_ARGUMENT when n < 0 or a span's size is not
+  // n * num_kv_heads * head_dim; RESOURCE_EXHAUSTED when the pool refuses the
+  // blocks; the cache is unchanged on either.
+  absl::Status Append(absl::Span<const float> k, absl::Span<const float> v, int64_t n);
+
+  // Keeps the first `length` tokens and releases the blocks past them.
+  // INVALID_ARGUMENT (nothing changed) unless 0 <= length <= length().
+  absl::Status Truncate(int64_t length);
+
+  // A new cache with the same tokens, sharing every block (reference counts
+  // incremented, nothing copied); either may then append without changing the
+  // other's rows. Cannot fail.
+  std::unique_ptr<LayerKvCache> Fork() const;
+
+  int64_t length() const { return length_; }
+  const KvLayout& layout() const { return layout_; }
+  int block_tokens() const { return block_tokens_; }
+  KvBlockPool* pool() const { return pool_; }
+  // The block table: ceil(length / block_tokens) blocks, in token order.
+  absl::Span<const KvBlockHandle> blocks() const { return blocks_; }
+
+  // The K (and V) rows of `kv_head` in block `block` (both in range):
+  // [block_tokens, head_dim] in the layout's precision (float or Bf16), of
+  // which the first min(block_tokens, length - block * block_tokens) hold
+  // tokens. Valid until the cache next changes.
+  const std::byte* key_rows(int64_t block, int kv_head) const {
+    return blocks_[static_cast<size_t>(block)].data + kv_head * head_rows_bytes_;
+  }
+  const std::byte* value_rows(int64_t block, int kv_head) const {
+    return blocks_[static_cast<size_t>(block)].data +
+           (layout_.num_kv_heads + kv_head) * head_rows_bytes_;
+  }
+
+ private:
+  LayerKvCache(KvBlockPool* pool, const KvLayout& layout);
+
+  // Copies the first `tokens` rows of every KV head's K and V from one block
+  // to another of this layout.
+  void CopyRows(const KvBlockHandle& from, const KvBlockHandle& to, int64_t tokens) const;
+  // Writes token rows [0, n) of k and v at positions length_ ... (blocks
+  // present and unshared).
+  void WriteRows(const float* k, const float* v, int64_t n);
+
+  // Constant after construction.
+  KvBlockPool* const pool_;
+  const KvLayout layout_;
+  const int block_tokens_;
+  // Bytes of one KV head's K (or V) rows in a block: kv_head's K rows start
+  // kv_head times this from the block's start, its V rows num_kv_heads +
+  // kv_head times (KvKeyRowsOffset, KvValueRowsOffset).
+  const int64_t head_rows_bytes_;
+
+  std::vector<KvBlockHandle> blocks_;
+  int64_t length_ = 0;
+};
+
+}  // namespace attnserve::core
+
+#endif  // ATTNSERVE_CORE_DECODE_LAYER_KV_CACHE_H_

@@ -1,0 +1,381 @@
+#include "core/decode/paged_attention.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+#include "core/bf16.h"
+#include "core/checked_math.h"
+#include "core/decode/decode_kernels.h"
+#include "core/decode/kv_layout.h"
+#include "core/decode/layer_kv_cache.h"
+#include "core/decode/paged_attention_plan.h"
+#include "core/head_config.h"
+#include "core/kernels/online_softmax.h"
+#include "core/status_macros.h"
+
+namespace attnserve::core {
+namespace {
+
+// Query rows (the G heads of a group times new rows) that share one pass over
+// a unit's keys; a tile's accumulators ([rows, head_dim] FP32) stay in L1/L2.
+constexpr int64_t kTileRows = 32;
+// Below this many units per thread, long contexts are split into key ranges.
+constexpr int64_t kUnitsPerThread = 4;
+// The fewest keys a split covers: shorter ranges cost more to merge than they
+// spread.
+constexpr int64_t kMinSplitKeys = 256;
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+// An item's sizes, resolved once.
+struct ItemView {
+  const PagedAttentionItem* item = nullptr;
+  const LayerKvCache* cache = nullptr;
+  int64_t heads = 0;
+  int64_t group = 0;  // G = heads / num_kv_heads
+  int64_t head_dim = 0;
+  int64_t n = 0;
+  int64_t length = 0;  // L
+  int64_t first = 0;   // L - n: the position of new row 0
+  int64_t block_tokens = 0;
+  bool bf16 = false;
+  // The row of query head h and new row i, of q and out; of the map.
+  int64_t q_row(int64_t i, int64_t h) const { return (i * heads + h) * head_dim; }
+  int64_t map_row(int64_t i, int64_t h) const { return (h * n + i) * length; }
+};
+
+// Keys [key_begin, key_end) of one (item, KV head): all of them (partial < 0:
+// the unit writes out and maps), or one split whose softmax state goes to the
+// partial states at `partial` floats ([G n] rows of m, l, acc[head_dim]).
+struct Unit {
+  int64_t item = 0;
+  int64_t kv_head = 0;
+  int64_t key_begin = 0;
+  int64_t key_end = 0;
+  int64_t partial = -1;
+};
+
+// The splits of one (item, KV head) to merge: units [first_unit, first_unit + splits).
+struct Merge {
+  int64_t item = 0;
+  int64_t kv_head = 0;
+  int64_t first_unit = 0;
+  int64_t splits = 0;
+};
+
+// One thread's online-softmax state of a tile of rows.
+struct TileState {
+  std::vector<float> m, l, acc, scores;
+  void Reset(int64_t rows, int64_t head_dim, int64_t block_tokens) {
+    m.assign(static_cast<size_t>(rows), kMinusInf);
+    l.assign(static_cast<size_t>(rows), 0.0f);
+    acc.assign(static_cast<size_t>(rows * head_dim), 0.0f);
+    if (scores.size() < static_cast<size_t>(block_tokens)) {
+      scores.resize(static_cast<size_t>(block_tokens));
+    }
+  }
+};
+
+absl::Status Invalid(int64_t index, absl::string_view field, absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat("items[", index, "].", field, ": ", message));
+}
+
+// OK when `span_size` is the product of `dims`; INVALID_ARGUMENT naming the field otherwise.
+absl::Status CheckSize(int64_t index, absl::string_view field, size_t span_size,
+                       std::initializer_list<int64_t> dims, absl::string_view shape) {
+  const std::optional<int64_t> expected = CheckedProduct(dims);
+  if (!expected || static_cast<int64_t>(span_size) != *expected) {
+    return Invalid(index, field,
+                   absl::StrCat("has ", span_size, " floats, expected ", shape, " = ",
+                                expected.value_or(-1)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateItem(const PagedAttentionItem& item, int64_t index) {
+  if (item.cache == nullptr) return Invalid(index, "cache", "must not be null");
+  const KvLayout& layout = item.cache->layout();
+  if (item.num_heads < 1 || item.num_heads > kMaxHeads ||
+      item.num_heads % layout.num_kv_heads != 0) {
+    return Invalid(index, "num_heads",
+                   absl::StrCat("must be a multiple of the cache's num_kv_heads ",
+                                layout.num_kv_heads, " in [1, ", kMaxHeads, "], got ",
+                                item.num_heads));
+  }
+  const int64_t length = item.cache->length();
+  if (item.new_tokens < 1 || item.new_tokens > length) {
+    return Invalid(index, "new_tokens",
+                   absl::StrCat("must be in [1, cache length ", length, "], got ",
+                                item.new_tokens));
+  }
+  if (!std::isfinite(item.scale) || item.scale <= 0.0f) {
+    return Invalid(index, "scale", absl::StrCat("must be finite and positive, got ", item.scale));
+  }
+  const int64_t n = item.new_tokens, h = item.num_heads, hd = layout.head_dim;
+  ATTNSERVE_RETURN_IF_ERROR(CheckSize(index, "q", item.q.size(), {n, h, hd},
+                                      "new_tokens * num_heads * head_dim"));
+  ATTNSERVE_RETURN_IF_ERROR(CheckSize(index, "out", item.out.size(), {n, h, hd},
+                                      "new_tokens * num_heads * head_dim"));
+  if (!item.attention_map.empty()) {
+    ATTNSERVE_RETURN_IF_ERROR(CheckSize(index, "attention_map", item.attention_map.size(),
+                                        {h, n, length}, "num_heads * new_tokens * length"));
+  }
+  return absl::OkStatus();
+}
+
+ItemView ViewOf(const PagedAttentionItem& item) {
+  ItemView view;
+  view.item = &item;
+  view.cache = item.cache;
+  const KvLayout& layout = item.cache->layout();
+  view.heads = item.num_heads;
+  view.group = item.num_heads / layout.num_kv_heads;
+  view.head_dim = layout.head_dim;
+  view.n = item.new_tokens;
+  view.length = item.cache->length();
+  view.first = view.length - view.n;
+  view.block_tokens = item.cache->block_tokens();
+  view.bf16 = layout.precision == KvPrecision::kBf16;
+  return view;
+}
+
+// Keys per split: unlimited when the (item, KV head) pairs already give every
+// thread a few units; otherwise the keys of all pairs spread over that many
+// units, and at least kMinSplitKeys.
+int64_t SplitKeys(absl::Span<const ItemView> views, int64_t threads) {
+  constexpr int64_t kNoSplit = std::numeric_limits<int64_t>::max();
+  int64_t pairs = 0, keys = 0;
+  for (const ItemView& view : views) {
+    const int64_t kv_heads = view.heads / view.group;
+    pairs += kv_heads;
+    keys += kv_heads * view.length;
+  }
+  const int64_t target = threads * kUnitsPerThread;
+  if (threads <= 1 || pairs >= target) return kNoSplit;
+  return std::max(kMinSplitKeys, (keys + target - 1) / target);
+}
+
+// Keys per split of an item: split_keys rounded down to whole blocks (at
+// least one), or all of them.
+int64_t SplitChunk(const ItemView& view, int64_t split_keys) {
+  if (split_keys >= view.length) return view.length;
+  return std::max<int64_t>(1, split_keys / view.block_tokens) * view.block_tokens;
+}
+
+// The units of every item (and the merges of split ones); returns the floats
+// of partial state the splits need.
+int64_t PlanUnits(absl::Span<const ItemView> views, int64_t threads, std::vector<Unit>& units,
+                  std::vector<Merge>& merges) {
+  const int64_t split_keys = SplitKeys(views, threads);
+  int64_t partial_floats = 0;
+  for (size_t index = 0; index < views.size(); ++index) {
+    const ItemView& view = views[index];
+    const int64_t item = static_cast<int64_t>(index);
+    const int64_t chunk = SplitChunk(view, split_keys);
+    const int64_t splits = (view.length + chunk - 1) / chunk;
+    for (int64_t g = 0; g < view.heads / view.group; ++g) {
+      if (splits == 1) {
+        units.push_back(Unit{item, g, 0, view.length, -1});
+        continue;
+      }
+      merges.push_back(Merge{item, g, static_cast<int64_t>(units.size()), splits});
+      for (int64_t s = 0; s < splits; ++s) {
+        units.push_back(Unit{item, g, s * chunk, std::min(view.length, (s + 1) * chunk),
+                             partial_floats});
+        partial_floats += view.group * view.n * (view.head_dim + 2);
+      }
+    }
+  }
+  return partial_floats;
+}
+
+// Map row [L] of a query row that sees `visible` keys, holding their raw
+// scores: becomes exp(scale (s_j - m)) / l, and 0 past them.
+void NormalizeMapRow(float* row, int64_t visible, int64_t length, float m, float l, float scale) {
+  const float inv_l = 1.0f / l;
+  for (int64_t j = 0; j < visible; ++j) row[j] = internal::FastExp((row[j] - m) * scale) * inv_l;
+  std::fill(row + visible, row + length, 0.0f);
+}
+
+// One block's keys [j0, j1) (token positions) against the tile's new rows
+// [i0, i1) of KV head g: scores, online softmax, P V; raw scores to the map.
+void ProcessBlock(const ItemView& view, int64_t g, int64_t block, int64_t j0, int64_t j1,
+                  int64_t i0, int64_t i1, TileState& state) {
+  const PagedAttentionItem& item = *view.item;
+  const int64_t row_offset = (j0 - block * view.block_tokens) * view.head_dim;
+  const std::byte* k = view.cache->key_rows(block, static_cast<int>(g));
+  const std::byte* v = view.cache->value_rows(block, static_cast<int>(g));
+  float* s = state.scores.data();
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t visible = std::min(j1, view.first + i + 1) - j0;
+    if (visible <= 0) continue;
+    for (int64_t hl = 0; hl < view.group; ++hl) {
+      const int64_t r = (i - i0) * view.group + hl;
+      const int64_t h = g * view.group + hl;
+      const float* q = item.q.data() + view.q_row(i, h);
+      float* acc = state.acc.data() + r * view.head_dim;
+      if (view.bf16) {
+        internal::DecodeScores(q, reinterpret_cast<const Bf16*>(k) + row_offset, visible,
+                               view.head_dim, s);
+      } else {
+        internal::DecodeScores(q, reinterpret_cast<const float*>(k) + row_offset, visible,
+                               view.head_dim, s);
+      }
+      if (!item.attention_map.empty()) {
+        std::memcpy(item.attention_map.data() + view.map_row(i, h) + j0, s,
+                    static_cast<size_t>(visible) * sizeof(float));
+      }
+      const float alpha = internal::OnlineSoftmaxRow(s, visible, visible, item.scale,
+                                                     state.m[r], state.l[r], nullptr);
+      if (view.bf16) {
+        internal::DecodeValues(s, reinterpret_cast<const Bf16*>(v) + row_offset, visible,
+                               view.head_dim, alpha, acc);
+      } else {
+        internal::DecodeValues(s, reinterpret_cast<const float*>(v) + row_offset, visible,
+                               view.head_dim, alpha, acc);
+      }
+    }
+  }
+}
+
+// The tile's rows done: out (and map rows) for a whole unit, its softmax
+// state for a split.
+void FinishTile(const ItemView& view, const Unit& unit, int64_t i0, int64_t i1,
+                const TileState& state, float* partials) {
+  const PagedAttentionItem& item = *view.item;
+  const int64_t hd = view.head_dim;
+  for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t hl = 0; hl < view.group; ++hl) {
+      const int64_t r = (i - i0) * view.group + hl;
+      const int64_t h = unit.kv_head * view.group + hl;
+      const float* acc = state.acc.data() + r * hd;
+      if (unit.partial >= 0) {
+        float* to = partials + unit.partial + (i * view.group + hl) * (hd + 2);
+        to[0] = state.m[r];
+        to[1] = state.l[r];
+        std::memcpy(to + 2, acc, static_cast<size_t>(hd) * sizeof(float));
+        continue;
+      }
+      internal::ScaleInto(acc, hd, 1.0f / state.l[r], item.out.data() + view.q_row(i, h));
+      if (!item.attention_map.empty()) {
+        NormalizeMapRow(item.attention_map.data() + view.map_row(i, h), view.first + i + 1,
+                        view.length, state.m[r], state.l[r], item.scale);
+      }
+    }
+  }
+}
+
+void RunUnit(const ItemView& view, const Unit& unit, TileState& state, float* partials) {
+  const int64_t tile = std::max<int64_t>(1, kTileRows / view.group);
+  const int64_t bt = view.block_tokens;
+  for (int64_t i0 = 0; i0 < view.n; i0 += tile) {
+    const int64_t i1 = std::min(view.n, i0 + tile);
+    state.Reset((i1 - i0) * view.group, view.head_dim, bt);
+    // The tile's last row sees keys before first + i1.
+    const int64_t key_end = std::min(unit.key_end, view.first + i1);
+    for (int64_t block = unit.key_begin / bt; block * bt < key_end; ++block) {
+      ProcessBlock(view, unit.kv_head, block, std::max(unit.key_begin, block * bt),
+                   std::min(key_end, (block + 1) * bt), i0, i1, state);
+    }
+    FinishTile(view, unit, i0, i1, state, partials);
+  }
+}
+
+// Merges the splits' softmax states of one (item, KV head) into out (and
+// normalizes its map rows, which hold every split's raw scores):
+//   M = max_s m_s, w_s = exp(scale (m_s - M)), l = sum_s w_s l_s,
+//   out = sum_s w_s acc_s / l.
+void MergeSplits(const ItemView& view, const Merge& merge, absl::Span<const Unit> units,
+                 const float* partials, std::vector<float>& acc) {
+  const PagedAttentionItem& item = *view.item;
+  const int64_t hd = view.head_dim;
+  acc.resize(static_cast<size_t>(hd));
+  for (int64_t i = 0; i < view.n; ++i) {
+    for (int64_t hl = 0; hl < view.group; ++hl) {
+      const int64_t offset = (i * view.group + hl) * (hd + 2);
+      auto state_of = [&](int64_t s) {
+        return partials + units[static_cast<size_t>(merge.first_unit + s)].partial + offset;
+      };
+      float m = kMinusInf;
+      for (int64_t s = 0; s < merge.splits; ++s) m = std::max(m, state_of(s)[0]);
+      float l = 0.0f;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t s = 0; s < merge.splits; ++s) {
+        const float* state = state_of(s);
+        if (state[1] == 0.0f) continue;  // no key of the split is visible to the row
+        const float w = internal::FastExp((state[0] - m) * item.scale);
+        l += w * state[1];
+        for (int64_t d = 0; d < hd; ++d) acc[static_cast<size_t>(d)] += w * state[2 + d];
+      }
+      const int64_t h = merge.kv_head * view.group + hl;
+      internal::ScaleInto(acc.data(), hd, 1.0f / l, item.out.data() + view.q_row(i, h));
+      if (!item.attention_map.empty()) {
+        NormalizeMapRow(item.attention_map.data() + view.map_row(i, h), view.first + i + 1,
+                        view.length, m, l, item.scale);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+namespace internal {
+
+std::vector<int64_t> PagedAttentionSplits(absl::Span<const PagedAttentionItem> items,
+                                          int64_t threads) {
+  std::vector<ItemView> views;
+  for (const PagedAttentionItem& item : items) views.push_back(ViewOf(item));
+  const int64_t split_keys = SplitKeys(views, threads);
+  std::vector<int64_t> splits;
+  for (const ItemView& view : views) {
+    const int64_t chunk = SplitChunk(view, split_keys);
+    splits.push_back((view.length + chunk - 1) / chunk);
+  }
+  return splits;
+}
+
+}  // namespace internal
+
+absl::Status PagedAttention(absl::Span<const PagedAttentionItem> items) {
+  std::vector<ItemView> views;
+  views.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    ATTNSERVE_RETURN_IF_ERROR(ValidateItem(items[i], static_cast<int64_t>(i)));
+    views.push_back(ViewOf(items[i]));
+  }
+  std::vector<Unit> units;
+  std::vector<Merge> merges;
+  const int64_t threads = omp_get_max_threads();
+  const int64_t partial_floats = PlanUnits(views, threads, units, merges);
+  std::vector<float> partials(static_cast<size_t>(partial_floats));
+  const int64_t unit_count = static_cast<int64_t>(units.size());
+  const int64_t merge_count = static_cast<int64_t>(merges.size());
+#pragma omp parallel if (unit_count > 1)
+  {
+    TileState state;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < unit_count; ++u) {
+      const Unit& unit = units[static_cast<size_t>(u)];
+      RunUnit(views[static_cast<size_t>(unit.item)], unit, state, partials.data());
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t m = 0; m < merge_count; ++m) {
+      const Merge& merge = merges[static_cast<size_t>(m)];
+      MergeSplits(views[static_cast<size_t>(merge.item)], merge, units, partials.data(),
+                  state.acc);
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve::core

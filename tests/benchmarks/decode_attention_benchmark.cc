@@ -1,0 +1,206 @@
+// Decode attention over the paged KV cache against this machine's read
+// bandwidth, measured in the same process. A program that prints numbers,
+// not a test:
+//   build/tests/benchmarks/decode_attention_benchmark [--benchmark_min_time=0.2]
+//
+// A decode step reads every cached K/V byte once and does little arithmetic
+// per byte: it is bounded by memory bandwidth, not by the matmul ceiling.
+// Each benchmark rotates over enough sequences that their KV is at least 4x
+// the L3 cache (read from sysfs and printed), so each call reads from memory.
+//
+// BM_ReadProbe: a large-array sum on all OpenMP threads (GB/s), the ceiling.
+// BM_PagedDecode/seqs/context/heads/kv_heads/bf16: one decode step (n = 1 new
+// query row per sequence, head_dim 64) of a micro-batch of `seqs` sequences.
+// Counters:
+//   KV_GBps    cached K/V bytes read per second (seqs * context * kv_heads *
+//              head_dim * 2 * element bytes per call)
+//   of_probe   KV_GBps / the probe's GB/s (median of 5 probe runs in this
+//              process before the benchmarks)
+//   KV_MB      K/V bytes one call reads
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "core/decode/kv_block_pool.h"
+#include "core/decode/kv_layout.h"
+#include "core/decode/layer_kv_cache.h"
+#include "core/decode/paged_attention.h"
+
+namespace attnserve::core {
+namespace {
+
+// Bytes of the last-level (L3) cache from sysfs; 32 MiB when unreadable.
+int64_t L3Bytes() {
+  std::ifstream file("/sys/devices/system/cpu/cpu0/cache/index3/size");
+  std::string size;
+  if (!(file >> size) || size.empty()) return int64_t{32} << 20;
+  int64_t value = std::stoll(size);
+  if (size.back() == 'K') value <<= 10;
+  if (size.back() == 'M') value <<= 20;
+  return value;
+}
+
+std::string CpuModel() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);) {
+    if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
+  }
+  return "unknown";
+}
+
+// Sums a large array on all OpenMP threads; the array is 4x L3 and at least
+// 256 MiB. Returns GB/s of one pass.
+class ReadProbe {
+ public:
+  ReadProbe()
+      : data_(static_cast<size_t>(std::max<int64_t>(4 * L3Bytes(), int64_t{256} << 20) / 4)) {
+    const int64_t n = static_cast<int64_t>(data_.size());
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) data_[static_cast<size_t>(i)] = static_cast<float>(i & 7);
+  }
+
+  double Run() {
+    const int64_t n = static_cast<int64_t>(data_.size());
+    const float* data = data_.data();
+    const auto start = std::chrono::steady_clock::now();
+    float sum = 0.0f;
+#pragma omp parallel for simd schedule(static) reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += data[i];
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    benchmark::DoNotOptimize(sum);
+    return static_cast<double>(n) * 4 / seconds * 1e-9;
+  }
+
+ private:
+  std::vector<float> data_;
+};
+
+double Median(std::vector<double> values) {
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
+
+// The probe's median GB/s, measured once.
+double ProbeGbps() {
+  static const double gbps = [] {
+    ReadProbe probe;
+    probe.Run();  // first touch done in the constructor; one warm pass
+    std::vector<double> runs;
+    for (int i = 0; i < 5; ++i) runs.push_back(probe.Run());
+    return Median(runs);
+  }();
+  return gbps;
+}
+
+void BM_ReadProbe(benchmark::State& state) {
+  ReadProbe probe;
+  probe.Run();
+  std::vector<double> runs;
+  for (auto _ : state) runs.push_back(probe.Run());
+  state.counters["GBps"] = Median(runs);
+}
+BENCHMARK(BM_ReadProbe)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// Fills a cache with `context` tokens of cheap pseudo-random K/V (the values
+// do not matter to the bandwidth; they are finite and varied).
+void Fill(LayerKvCache& cache, int64_t context, uint32_t seed) {
+  constexpr int64_t kChunk = 256;
+  const int64_t row = int64_t{cache.layout().num_kv_heads} * cache.layout().head_dim;
+  std::vector<float> k(static_cast<size_t>(kChunk * row)), v(k.size());
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < k.size(); ++i) {
+    x = x * 1664525u + 1013904223u;
+    k[i] = static_cast<float>(x >> 8) * 0x1p-24f - 0.5f;
+    v[i] = static_cast<float>((x >> 4) & 0xffff) * 0x1p-16f - 0.5f;
+  }
+  for (int64_t done = 0; done < context; done += kChunk) {
+    const int64_t n = std::min(kChunk, context - done);
+    const size_t size = static_cast<size_t>(n * row);
+    if (!cache.Append(absl::MakeConstSpan(k.data(), size), absl::MakeConstSpan(v.data(), size), n)
+             .ok()) {
+      std::abort();
+    }
+  }
+}
+
+void BM_PagedDecode(benchmark::State& state) {
+  const int64_t seqs = state.range(0), context = state.range(1);
+  const int heads = static_cast<int>(state.range(2)), kv_heads = static_cast<int>(state.range(3));
+  const KvLayout layout{kv_heads, 64, state.range(4) ? KvPrecision::kBf16 : KvPrecision::kFp32};
+  const int64_t call_bytes = seqs * context * kv_heads * 64 * 2 * layout.element_bytes();
+  // Groups of `seqs` sequences, rotated so that their KV is >= 4x L3.
+  const int64_t groups = std::max<int64_t>(2, (4 * L3Bytes() + call_bytes - 1) / call_bytes);
+  const int block_tokens = 32;
+  const int64_t blocks = groups * seqs * ((context + block_tokens - 1) / block_tokens);
+  std::unique_ptr<KvBlockPool> pool =
+      KvBlockPool::Create({blocks * KvBlockBytes(layout, block_tokens), block_tokens}).value();
+  std::vector<std::unique_ptr<LayerKvCache>> caches;
+  for (int64_t s = 0; s < groups * seqs; ++s) {
+    caches.push_back(LayerKvCache::Create(pool.get(), layout).value());
+    Fill(*caches.back(), context, static_cast<uint32_t>(s));
+  }
+  const size_t row = static_cast<size_t>(heads) * 64;
+  std::vector<float> q(static_cast<size_t>(seqs) * row, 0.01f), out(q.size());
+  std::vector<std::vector<PagedAttentionItem>> items(static_cast<size_t>(groups));
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t s = 0; s < seqs; ++s) {
+      const size_t at = static_cast<size_t>(s) * row;
+      items[static_cast<size_t>(g)].push_back(PagedAttentionItem{
+          caches[static_cast<size_t>(g * seqs + s)].get(), heads, 1, 0.125f,
+          absl::MakeConstSpan(q.data() + at, row), absl::MakeSpan(out.data() + at, row), {}});
+    }
+  }
+  for (const auto& group : items) {
+    if (!PagedAttention(group).ok()) std::abort();  // warm-up, one pass over all
+  }
+  int64_t calls = 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    benchmark::DoNotOptimize(PagedAttention(items[static_cast<size_t>(calls++ % groups)]));
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double gbps = static_cast<double>(calls * call_bytes) / seconds * 1e-9;
+  state.counters["KV_GBps"] = gbps;
+  state.counters["of_probe"] = gbps / ProbeGbps();
+  state.counters["KV_MB"] = static_cast<double>(call_bytes) * 1e-6;
+  state.counters["rotated_MB"] = static_cast<double>(groups * call_bytes) * 1e-6;
+}
+
+void Scenarios(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"seqs", "context", "heads", "kv_heads", "bf16"});
+  for (int bf16 : {0, 1}) {
+    b->Args({1, 4096, 16, 16, bf16});
+    b->Args({1, 4096, 16, 4, bf16});
+    b->Args({32, 2048, 12, 12, bf16});
+  }
+}
+BENCHMARK(BM_PagedDecode)->Apply(Scenarios)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+}  // namespace
+}  // namespace attnserve::core
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  const double probe = attnserve::core::ProbeGbps();
+  benchmark::AddCustomContext("cpu_model", attnserve::core::CpuModel());
+  benchmark::AddCustomContext("l3_bytes", std::to_string(attnserve::core::L3Bytes()));
+  benchmark::AddCustomContext("omp_threads", std::to_string(omp_get_max_threads()));
+  benchmark::AddCustomContext("read_probe_GBps", std::to_string(probe));
+  std::printf("L3 %lld bytes, read probe %.1f GB/s on %d OpenMP threads, %s\n",
+              static_cast<long long>(attnserve::core::L3Bytes()), probe, omp_get_max_threads(),
+              attnserve::core::CpuModel().c_str());
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

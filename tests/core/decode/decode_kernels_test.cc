@@ -1,0 +1,112 @@
+// Each implementation of the decode row loops that runs here (AVX2+FMA
+// intrinsics, portable) against double precision, over head_dims and key
+// counts around the vector widths (tails of dimensions and of keys).
+// Tolerance: |error| <= 1e-5 * the sum of the terms' magnitudes (sum_d
+// |q_d k_jd| for a score, |alpha acc_d| + sum_j |p_j v_jd| for a value), the
+// scale of FP32 summation error (about n 2^-24 of it for n <= 131 terms); a
+// bound relative to the result alone fails on sums that cancel.
+#include "core/decode/decode_kernels.h"
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/bf16.h"
+#include "gtest/gtest.h"
+#include "tests/core/attention_test_util.h"
+#include "tests/core/cpu_features.h"
+#include "tests/core/reference_attention.h"
+
+namespace attnserve::core::internal {
+namespace {
+
+using ::attnserve::testing::FreshSeed;
+using ::attnserve::testing::RandomNormal;
+using ::attnserve::testing::SeedTrace;
+
+constexpr double kTolerance = 1e-5;
+
+std::vector<DecodeKernel> Kernels() {
+  std::vector<DecodeKernel> kernels;
+  for (DecodeKernel kernel : {DecodeKernel::kPortable, DecodeKernel::kAvx2}) {
+    if (DecodeKernelRuns(kernel)) kernels.push_back(kernel);
+  }
+  return kernels;
+}
+
+TEST(DecodeKernels, EachKernelRunsWhereTheCpuHasItsInstructions) {
+  EXPECT_TRUE(DecodeKernelRuns(DecodeKernel::kPortable));
+  const std::set<std::string> flags = ::attnserve::testing::CpuInfoFlags();
+  EXPECT_EQ(DecodeKernelRuns(DecodeKernel::kAvx2), flags.count("avx2") && flags.count("fma"));
+}
+
+// k and v rows [keys, head_dim] in FP32 and as BF16 (the BF16 ones widened
+// back, for the reference).
+struct Rows {
+  std::vector<float> fp32, bf16_widened;
+  std::vector<Bf16> bf16;
+  Rows(size_t n, std::mt19937_64& rng) : fp32(RandomNormal(n, rng)) {
+    for (float x : fp32) {
+      bf16.push_back(FloatToBf16(x));
+      bf16_widened.push_back(Bfloat16ToFloat(bf16.back()));
+    }
+  }
+};
+
+TEST(DecodeKernels, ScoresAndValuesMatchDoublePrecision) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  for (const DecodeKernel kernel : Kernels()) {
+    for (int64_t hd : {1, 7, 8, 40, 64, 72, 130}) {
+      for (int64_t keys : {1, 7, 8, 9, 32}) {
+        SCOPED_TRACE(::testing::Message() << "kernel " << static_cast<int>(kernel) << ", head_dim "
+                                        << hd << ", keys " << keys);
+        const std::vector<float> q = RandomNormal(static_cast<size_t>(hd), rng);
+        const std::vector<float> p = RandomNormal(static_cast<size_t>(keys), rng);
+        const std::vector<float> acc0 = RandomNormal(static_cast<size_t>(hd), rng);
+        const Rows rows(static_cast<size_t>(keys * hd), rng);
+        const float alpha = 0.75f;
+        for (bool bf16 : {false, true}) {
+          const std::vector<float>& kv = bf16 ? rows.bf16_widened : rows.fp32;
+          std::vector<double> scores(static_cast<size_t>(keys)), values(acc0.begin(), acc0.end());
+          std::vector<double> score_terms(scores.size()), value_terms(values.size());
+          for (size_t d = 0; d < values.size(); ++d) {
+            values[d] *= alpha;
+            value_terms[d] = std::abs(values[d]);
+          }
+          for (int64_t j = 0; j < keys; ++j) {
+            for (int64_t d = 0; d < hd; ++d) {
+              scores[j] += double{q[d]} * kv[j * hd + d];
+              score_terms[j] += std::abs(double{q[d]} * kv[j * hd + d]);
+              values[d] += double{p[j]} * kv[j * hd + d];
+              value_terms[d] += std::abs(double{p[j]} * kv[j * hd + d]);
+            }
+          }
+          std::vector<float> s(static_cast<size_t>(keys)), acc = acc0;
+          if (bf16) {
+            DecodeScoresOn(kernel, q.data(), rows.bf16.data(), keys, hd, s.data());
+            DecodeValuesOn(kernel, p.data(), rows.bf16.data(), keys, hd, alpha, acc.data());
+          } else {
+            DecodeScoresOn(kernel, q.data(), rows.fp32.data(), keys, hd, s.data());
+            DecodeValuesOn(kernel, p.data(), rows.fp32.data(), keys, hd, alpha, acc.data());
+          }
+          for (int64_t j = 0; j < keys; ++j) {
+            EXPECT_LE(std::abs(s[j] - scores[j]), kTolerance * score_terms[j])
+                << "bf16 " << bf16 << ", key " << j;
+          }
+          for (int64_t d = 0; d < hd; ++d) {
+            EXPECT_LE(std::abs(acc[d] - values[d]), kTolerance * value_terms[d])
+                << "bf16 " << bf16 << ", dimension " << d;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnserve::core::internal

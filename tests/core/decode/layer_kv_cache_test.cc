@@ -1,0 +1,288 @@
+#include "core/decode/layer_kv_cache.h"
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/bf16.h"
+#include "core/decode/kv_block_pool.h"
+#include "core/decode/kv_layout.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/attention_test_util.h"
+#include "tests/core/decode/decode_reference.h"
+#include "tests/core/reference_attention.h"
+#include "tests/core/status_matchers.h"
+
+namespace attnserve::core {
+namespace {
+
+using ::attnserve::testing::FreshSeed;
+using ::attnserve::testing::IsOk;
+using ::attnserve::testing::RandomNormal;
+using ::attnserve::testing::RoundToBf16;
+using ::attnserve::testing::SeedTrace;
+using ::attnserve::testing::SequenceHistory;
+using ::attnserve::testing::StatusIs;
+
+constexpr int kBlockTokens = 16;
+constexpr KvLayout kFp32{2, 40, KvPrecision::kFp32};
+constexpr KvLayout kBf16{2, 40, KvPrecision::kBf16};
+
+std::unique_ptr<KvBlockPool> PoolOfBlocks(const KvLayout& layout, int64_t blocks) {
+  return KvBlockPool::Create({blocks * KvBlockBytes(layout, kBlockTokens), kBlockTokens}).value();
+}
+
+// Element e of token t's K (or V) row of kv head g, read back from the blocks.
+float CachedAt(const LayerKvCache& cache, bool value, int64_t t, int g, int64_t e) {
+  const int64_t block = t / cache.block_tokens();
+  const std::byte* rows = value ? cache.value_rows(block, g) : cache.key_rows(block, g);
+  const int64_t index = (t % cache.block_tokens()) * cache.layout().head_dim + e;
+  if (cache.layout().precision == KvPrecision::kBf16) {
+    Bf16 bits;
+    std::memcpy(&bits, rows + index * 2, sizeof(bits));
+    return Bfloat16ToFloat(bits);
+  }
+  float x;
+  std::memcpy(&x, rows + index * 4, sizeof(x));
+  return x;
+}
+
+// The cache holds exactly what `history` says (BF16: rounded to nearest even).
+void ExpectHolds(const LayerKvCache& cache, const SequenceHistory& history) {
+  ASSERT_EQ(cache.length(), history.length());
+  ASSERT_EQ(static_cast<int64_t>(cache.blocks().size()),
+            (history.length() + cache.block_tokens() - 1) / cache.block_tokens());
+  const bool bf16 = cache.layout().precision == KvPrecision::kBf16;
+  const int heads = cache.layout().num_kv_heads, hd = cache.layout().head_dim;
+  for (int64_t t = 0; t < history.length(); ++t) {
+    for (int g = 0; g < heads; ++g) {
+      for (int e = 0; e < hd; ++e) {
+        const size_t i = static_cast<size_t>((t * heads + g) * hd + e);
+        const float k = bf16 ? static_cast<float>(RoundToBf16(history.k[i])) : history.k[i];
+        const float v = bf16 ? static_cast<float>(RoundToBf16(history.v[i])) : history.v[i];
+        ASSERT_EQ(CachedAt(cache, false, t, g, e), k) << "token " << t << " head " << g;
+        ASSERT_EQ(CachedAt(cache, true, t, g, e), v) << "token " << t << " head " << g;
+      }
+    }
+  }
+}
+
+// Appends n random tokens to the cache and the history.
+absl::Status AppendRandom(LayerKvCache& cache, SequenceHistory& history, int64_t n,
+                          std::mt19937_64& rng) {
+  const size_t size =
+      static_cast<size_t>(n * cache.layout().num_kv_heads * cache.layout().head_dim);
+  const std::vector<float> k = RandomNormal(size, rng), v = RandomNormal(size, rng);
+  absl::Status status = cache.Append(k, v, n);
+  if (status.ok()) history.Append(k, v);
+  return status;
+}
+
+SequenceHistory HistoryOf(const KvLayout& layout) {
+  SequenceHistory history;
+  history.num_kv_heads = layout.num_kv_heads;
+  history.head_dim = layout.head_dim;
+  return history;
+}
+
+class LayerKvCachePrecisions : public ::testing::TestWithParam<KvLayout> {};
+
+TEST_P(LayerKvCachePrecisions, AppendedRowsLieWhereTheBlockAccessorsPoint) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(GetParam(), 64);
+  std::unique_ptr<LayerKvCache> cache = LayerKvCache::Create(pool.get(), GetParam()).value();
+  SequenceHistory history = HistoryOf(GetParam());
+  for (int64_t n : {1, 15, 1, 16, 33, 0, 7}) {
+    ASSERT_THAT(AppendRandom(*cache, history, n, rng), IsOk());
+    ExpectHolds(*cache, history);
+  }
+  EXPECT_EQ(pool->stats().blocks_in_use, static_cast<int64_t>(cache->blocks().size()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp32AndBf16, LayerKvCachePrecisions, ::testing::Values(kFp32, kBf16),
+                         [](const ::testing::TestParamInfo<KvLayout>& info) {
+                           return info.param.precision == KvPrecision::kBf16 ? "Bf16" : "Fp32";
+                         });
+
+TEST(LayerKvCache, CreateRefusesANullPoolAndAnInvalidLayout) {
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 1);
+  EXPECT_THAT(LayerKvCache::Create(nullptr, kFp32),
+              StatusIs(absl::StatusCode::kInvalidArgument, "pool"));
+  EXPECT_THAT(LayerKvCache::Create(pool.get(), {2, 0, KvPrecision::kFp32}),
+              StatusIs(absl::StatusCode::kInvalidArgument, "kv_layout.head_dim"));
+}
+
+TEST(LayerKvCache, MismatchedRowsAreRefusedAndChangeNothing) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 4);
+  std::unique_ptr<LayerKvCache> cache = LayerKvCache::Create(pool.get(), kFp32).value();
+  SequenceHistory history = HistoryOf(kFp32);
+  ASSERT_THAT(AppendRandom(*cache, history, 3, rng), IsOk());
+  const std::vector<float> row(80), two_rows(160);
+  EXPECT_THAT(cache->Append(two_rows, row, 2), StatusIs(absl::StatusCode::kInvalidArgument, "v"));
+  EXPECT_THAT(cache->Append(row, two_rows, 2), StatusIs(absl::StatusCode::kInvalidArgument, "k"));
+  EXPECT_THAT(cache->Append(row, row, -1), StatusIs(absl::StatusCode::kInvalidArgument, "n"));
+  ExpectHolds(*cache, history);
+}
+
+// The pool refuses: nothing is appended, no block is taken, rows unchanged.
+TEST(LayerKvCache, AppendPastTheBudgetIsResourceExhaustedAndAllOrNothing) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 3);
+  std::unique_ptr<LayerKvCache> cache = LayerKvCache::Create(pool.get(), kFp32).value();
+  SequenceHistory history = HistoryOf(kFp32);
+  ASSERT_THAT(AppendRandom(*cache, history, 20, rng), IsOk());  // 2 blocks, 12 rows free
+  const KvBlockPoolStats before = pool->stats();
+  // 29 more tokens need 2 more blocks; only 1 fits.
+  EXPECT_THAT(AppendRandom(*cache, history, 29, rng),
+              StatusIs(absl::StatusCode::kResourceExhausted, "budget"));
+  ExpectHolds(*cache, history);
+  EXPECT_EQ(pool->stats().blocks_in_use, before.blocks_in_use);
+  EXPECT_EQ(pool->stats().bytes_held, before.bytes_held);
+  ASSERT_THAT(AppendRandom(*cache, history, 28, rng), IsOk());  // exactly fills 3 blocks
+  ExpectHolds(*cache, history);
+}
+
+TEST(LayerKvCache, ForkSharesEveryBlockWithoutCopying) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kBf16, 8);
+  std::unique_ptr<LayerKvCache> parent = LayerKvCache::Create(pool.get(), kBf16).value();
+  SequenceHistory history = HistoryOf(kBf16);
+  ASSERT_THAT(AppendRandom(*parent, history, 50, rng), IsOk());
+  const KvBlockPoolStats before = pool->stats();
+  std::unique_ptr<LayerKvCache> child = parent->Fork();
+  EXPECT_EQ(pool->stats().blocks_in_use, before.blocks_in_use);
+  EXPECT_EQ(pool->stats().bytes_held, before.bytes_held);
+  ASSERT_EQ(child->blocks().size(), parent->blocks().size());
+  for (size_t b = 0; b < parent->blocks().size(); ++b) {
+    EXPECT_EQ(child->blocks()[b].data, parent->blocks()[b].data);
+    EXPECT_EQ(pool->ReferenceCount(parent->blocks()[b]), 2);
+  }
+  ExpectHolds(*child, history);
+  child.reset();
+  EXPECT_EQ(pool->stats().blocks_in_use, before.blocks_in_use);
+  EXPECT_EQ(pool->ReferenceCount(parent->blocks()[0]), 1);
+}
+
+// 50 tokens = 3 full blocks and 2 rows: the child's append copies the last
+// block only; parent and child then diverge without seeing each other's rows.
+TEST(LayerKvCache, ForksDivergeByCopyingOnlyTheLastPartialBlock) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 16);
+  std::unique_ptr<LayerKvCache> parent = LayerKvCache::Create(pool.get(), kFp32).value();
+  SequenceHistory parent_history = HistoryOf(kFp32);
+  ASSERT_THAT(AppendRandom(*parent, parent_history, 50, rng), IsOk());
+  std::unique_ptr<LayerKvCache> child = parent->Fork();
+  SequenceHistory child_history = parent_history;
+  const int64_t blocks_before = pool->stats().blocks_in_use;
+
+  ASSERT_THAT(AppendRandom(*child, child_history, 1, rng), IsOk());
+  EXPECT_EQ(pool->stats().blocks_in_use, blocks_before + 1);
+  for (size_t b = 0; b < 3; ++b) EXPECT_EQ(child->blocks()[b].data, parent->blocks()[b].data);
+  EXPECT_NE(child->blocks()[3].data, parent->blocks()[3].data);
+  EXPECT_EQ(pool->ReferenceCount(parent->blocks()[3]), 1);
+  ExpectHolds(*parent, parent_history);
+  ExpectHolds(*child, child_history);
+
+  // The parent's last block is its own again: written in place, no copy.
+  ASSERT_THAT(AppendRandom(*parent, parent_history, 5, rng), IsOk());
+  EXPECT_EQ(pool->stats().blocks_in_use, blocks_before + 1);
+  ExpectHolds(*parent, parent_history);
+  ExpectHolds(*child, child_history);
+  ASSERT_THAT(AppendRandom(*child, child_history, 40, rng), IsOk());
+  ExpectHolds(*parent, parent_history);
+  ExpectHolds(*child, child_history);
+}
+
+// Forked at a block boundary, a child's append takes a fresh block and
+// copies nothing.
+TEST(LayerKvCache, ForkAtABlockBoundaryAppendsWithoutCopying) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 4);
+  std::unique_ptr<LayerKvCache> parent = LayerKvCache::Create(pool.get(), kFp32).value();
+  SequenceHistory history = HistoryOf(kFp32);
+  ASSERT_THAT(AppendRandom(*parent, history, 32, rng), IsOk());
+  std::unique_ptr<LayerKvCache> child = parent->Fork();
+  SequenceHistory child_history = history;
+  ASSERT_THAT(AppendRandom(*child, child_history, 1, rng), IsOk());
+  EXPECT_EQ(pool->stats().blocks_in_use, 3);
+  EXPECT_EQ(pool->ReferenceCount(child->blocks()[1]), 2);
+  ExpectHolds(*parent, history);
+  ExpectHolds(*child, child_history);
+}
+
+// A full pool refuses the copy a shared partial block needs: nothing changes.
+TEST(LayerKvCache, CopyOnWriteRefusedByThePoolLeavesBothCachesUnchanged) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 2);
+  std::unique_ptr<LayerKvCache> parent = LayerKvCache::Create(pool.get(), kFp32).value();
+  SequenceHistory history = HistoryOf(kFp32);
+  ASSERT_THAT(AppendRandom(*parent, history, 20, rng), IsOk());
+  std::unique_ptr<LayerKvCache> child = parent->Fork();
+  SequenceHistory child_history = history;
+  EXPECT_THAT(AppendRandom(*child, child_history, 1, rng),
+              StatusIs(absl::StatusCode::kResourceExhausted, "budget"));
+  ExpectHolds(*child, history);
+  EXPECT_EQ(pool->ReferenceCount(parent->blocks()[1]), 2);
+  EXPECT_EQ(pool->stats().blocks_in_use, 2);
+}
+
+TEST(LayerKvCache, TruncateReleasesBlocksPastTheLength) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kBf16, 8);
+  std::unique_ptr<LayerKvCache> cache = LayerKvCache::Create(pool.get(), kBf16).value();
+  SequenceHistory history = HistoryOf(kBf16);
+  ASSERT_THAT(AppendRandom(*cache, history, 70, rng), IsOk());
+  EXPECT_EQ(pool->stats().blocks_in_use, 5);
+  EXPECT_THAT(cache->Truncate(71), StatusIs(absl::StatusCode::kInvalidArgument, "length"));
+  EXPECT_THAT(cache->Truncate(-1), StatusIs(absl::StatusCode::kInvalidArgument, "length"));
+  ASSERT_THAT(cache->Truncate(20), IsOk());
+  history.Truncate(20);
+  EXPECT_EQ(pool->stats().blocks_in_use, 2);
+  ExpectHolds(*cache, history);
+  ASSERT_THAT(AppendRandom(*cache, history, 13, rng), IsOk());  // over the truncated rows
+  ExpectHolds(*cache, history);
+  ASSERT_THAT(cache->Truncate(0), IsOk());
+  EXPECT_EQ(pool->stats().blocks_in_use, 0);
+  EXPECT_TRUE(cache->blocks().empty());
+}
+
+// A fork truncated into a shared block copies it before writing there.
+TEST(LayerKvCache, TruncatedForkCopiesTheSharedBlockItWritesInto) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 8);
+  std::unique_ptr<LayerKvCache> parent = LayerKvCache::Create(pool.get(), kFp32).value();
+  SequenceHistory history = HistoryOf(kFp32);
+  ASSERT_THAT(AppendRandom(*parent, history, 40, rng), IsOk());
+  std::unique_ptr<LayerKvCache> child = parent->Fork();
+  SequenceHistory child_history = history;
+  ASSERT_THAT(child->Truncate(21), IsOk());
+  child_history.Truncate(21);
+  ASSERT_THAT(AppendRandom(*child, child_history, 4, rng), IsOk());
+  ExpectHolds(*parent, history);
+  ExpectHolds(*child, child_history);
+  EXPECT_EQ(pool->stats().blocks_in_use, 4);
+}
+
+TEST(LayerKvCache, DestructorReleasesItsBlocks) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 8);
+  {
+    std::unique_ptr<LayerKvCache> cache = LayerKvCache::Create(pool.get(), kFp32).value();
+    SequenceHistory history = HistoryOf(kFp32);
+    ASSERT_THAT(AppendRandom(*cache, history, 100, rng), IsOk());
+    std::unique_ptr<LayerKvCache> child = cache->Fork();
+    EXPECT_EQ(pool->stats().blocks_in_use, 7);
+  }
+  EXPECT_EQ(pool->stats().blocks_in_use, 0);
+  EXPECT_EQ(pool->stats().free_blocks, 7);
+}
+
+}  // namespace
+}  // namespace attnserve::core
