@@ -61,32 +61,25 @@ template <typename T>
 }
 
 #if defined(ATTNSERVE_X86_INTRINSICS)
-// AVX2 and FMA: x86-64-v3, what every x86 server of the last decade has
-// (AVX-512 CPUs included: the decode is memory-bound, and these kernels keep
-// up with memory on AVX2 already). Checked at run time by features, never by
-// CPU model.
-#define ATTNSERVE_TARGET_AVX2 __attribute__((target("avx2,fma")))
+// AVX2 and FMA, on AVX-512 CPUs too: the decode is memory-bound, and these
+// kernels keep up with memory on AVX2 already. Checked at run time by
+// features, never by CPU model.
 
-bool CpuHasAvx2Fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-
-ATTNSERVE_TARGET_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
-ATTNSERVE_TARGET_AVX2 inline __m256 Load8(const Bf16* p) {
+ATTNSERVE_TARGET_AVX2_FMA inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+ATTNSERVE_TARGET_AVX2_FMA inline __m256 Load8(const Bf16* p) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
 // [sum of a[0]'s lanes, ..., sum of a[7]'s lanes].
-ATTNSERVE_TARGET_AVX2 inline __m256 LaneSums(const __m256* a) {
+ATTNSERVE_TARGET_AVX2_FMA inline __m256 LaneSums(const __m256* a) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   // u0 = [a0..a3 over lanes 0-3 | a0..a3 over lanes 4-7], u1 likewise for a4..a7.
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-ATTNSERVE_TARGET_AVX2 inline float LaneSum(__m256 a) {
+ATTNSERVE_TARGET_AVX2_FMA inline float LaneSum(__m256 a) {
   const __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
@@ -103,7 +96,7 @@ inline float TailDot(const float* q, const T* k, int64_t from, int64_t head_dim)
 // Eight keys at a time, one accumulator each (independent FMA chains), their
 // lanes summed together at the end.
 template <typename T>
-ATTNSERVE_TARGET_AVX2 void ScoresAvx2(const float* q, const T* k, int64_t keys, int64_t head_dim,
+ATTNSERVE_TARGET_AVX2_FMA void ScoresAvx2(const float* q, const T* k, int64_t keys, int64_t head_dim,
                                       float* s) {
   const int64_t body = head_dim & ~int64_t{7};
   int64_t j = 0;
@@ -139,7 +132,7 @@ ATTNSERVE_TARGET_AVX2 void ScoresAvx2(const float* q, const T* k, int64_t keys, 
 // acc [d0, d0 + 8 kVectors) = acc * alpha + sum_j p_j v_j, held in registers
 // over the keys.
 template <int kVectors, typename T>
-ATTNSERVE_TARGET_AVX2 void ValuesChunkAvx2(const float* p, const T* v, int64_t keys,
+ATTNSERVE_TARGET_AVX2_FMA void ValuesChunkAvx2(const float* p, const T* v, int64_t keys,
                                            int64_t head_dim, int64_t d0, __m256 alpha,
                                            float* acc) {
   __m256 a[kVectors];
@@ -156,7 +149,7 @@ ATTNSERVE_TARGET_AVX2 void ValuesChunkAvx2(const float* p, const T* v, int64_t k
 }
 
 template <typename T>
-ATTNSERVE_TARGET_AVX2 void ValuesAvx2(const float* p, const T* v, int64_t keys, int64_t head_dim,
+ATTNSERVE_TARGET_AVX2_FMA void ValuesAvx2(const float* p, const T* v, int64_t keys, int64_t head_dim,
                                       float alpha, float* acc) {
   const __m256 alpha_v = _mm256_set1_ps(alpha);
   int64_t d = 0;

@@ -341,14 +341,6 @@ constexpr SoftmaxStripFn kSoftmaxStrips[8] = {
     &Avx512SoftmaxStrip<4>, &Avx512SoftmaxStrip<5>, &Avx512SoftmaxStrip<6>,
     &Avx512SoftmaxStrip<7>, &Avx512SoftmaxStrip<8>};
 
-// AVX2 and FMA (x86-64-v3), checked by features.
-#define ATTNSERVE_TARGET_AVX2_FMA __attribute__((target("avx2,fma")))
-
-bool CpuHasAvx2Fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-
 // Exp on 8 lanes, as the scalar one: y = max(y, kExpFloor) (NaN stays: MAXPS
 // returns its second operand when either is NaN), 2^round * p(frac) with the
 // degree-7 polynomial, 0 where y < kExpFloor.

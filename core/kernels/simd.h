@@ -41,12 +41,20 @@
 #define ATTNSERVE_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
 #define ATTNSERVE_TARGET_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")))
+// AVX2 and FMA (x86-64-v3): every x86 server of the last decade, AVX-512 ones
+// included.
+#define ATTNSERVE_TARGET_AVX2_FMA __attribute__((target("avx2,fma")))
 
 namespace attnserve::core::internal {
 
 inline bool CpuHasAvx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+inline bool CpuHasAvx2Fma() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
 }
 
