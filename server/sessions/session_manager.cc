@@ -1,0 +1,545 @@
+#include "server/sessions/session_manager.h"
+
+#include <sys/random.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "core/validation.h"
+
+namespace attnserve::server {
+
+// One layer of a session. The cache belongs to the step in flight on the
+// layer, if any; the mirrors are what the manager reads under its lock.
+struct SessionLayer {
+  std::shared_ptr<const Model> model;
+  std::unique_ptr<core::LayerKvCache> cache;
+  int64_t block_bytes = 0;  // of one block of the layer's layout
+  // Mirrors of the cache, updated when it changes (outside a step) and when
+  // a step ends.
+  int64_t length = 0;
+  int64_t blocks = 0;
+  bool step_in_flight = false;
+  // The last step, for a retry: its expected length, token count and output
+  // (empty: nothing to replay).
+  int64_t last_expected = -1;
+  int64_t last_tokens = 0;
+  std::string last_output;
+};
+
+// A session. Its fields are guarded by the manager's mutex (but the caches
+// during a step, see SessionLayer).
+struct Session {
+  std::string id;
+  std::string owner;
+  core::KvPrecision kv_precision = core::KvPrecision::kFp32;
+  int64_t max_tokens = 0;
+  absl::Duration idle_ttl;
+  int64_t first_position = 0;
+  std::vector<SessionLayer> layers;
+  absl::Time last_used;
+  int steps_in_flight = 0;
+};
+
+namespace {
+
+// Ids of removed sessions remembered for their NOT_FOUND.
+constexpr size_t kRemembered = 16384;
+// Layers a session may have.
+constexpr size_t kMaxLayers = 1024;
+
+// 128 bits from the kernel's CSPRNG, as 32 hex digits.
+std::string NewSessionId() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+bool LooksLikeSessionId(absl::string_view id) {
+  return id.size() == 32 && std::all_of(id.begin(), id.end(), [](char c) {
+           return absl::ascii_isdigit(c) || (c >= 'a' && c <= 'f');
+         });
+}
+
+// Blocks a layer of `length` tokens takes.
+int64_t BlocksFor(int64_t length, int block_tokens) {
+  return (length + block_tokens - 1) / block_tokens;
+}
+
+}  // namespace
+
+StepLease::StepLease(StepLease&& other) noexcept { *this = std::move(other); }
+
+StepLease& StepLease::operator=(StepLease&& other) noexcept {
+  if (this != &other) {
+    if (session_ != nullptr && !ended_) {
+      manager_->EndStepOf(*this, absl::CancelledError("the step was dropped"), {});
+    }
+    manager_ = other.manager_;
+    session_ = std::move(other.session_);
+    layer_ = other.layer_;
+    expected_length_ = other.expected_length_;
+    new_tokens_ = other.new_tokens_;
+    first_position_ = other.first_position_;
+    reserved_bytes_ = other.reserved_bytes_;
+    replay_ = other.replay_;
+    ended_ = other.ended_;
+    other.session_ = nullptr;
+  }
+  return *this;
+}
+
+StepLease::~StepLease() {
+  if (session_ != nullptr && !ended_) {
+    manager_->EndStepOf(*this, absl::CancelledError("the step was dropped"), {});
+  }
+}
+
+core::LayerKvCache* StepLease::cache() const {
+  return replay_ ? nullptr : session_->layers[static_cast<size_t>(layer_)].cache.get();
+}
+
+const Model& StepLease::model() const {
+  return *session_->layers[static_cast<size_t>(layer_)].model;
+}
+
+const std::string& StepLease::stored_output() const {
+  return session_->layers[static_cast<size_t>(layer_)].last_output;
+}
+
+absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(const SessionLimits& limits,
+                                                                       Clock clock) {
+  const auto positive = [](int64_t value, absl::string_view flag) {
+    return value > 0 ? absl::OkStatus()
+                     : absl::InvalidArgumentError(absl::StrCat(flag, ": must be positive"));
+  };
+  for (const absl::Status& status :
+       {positive(limits.kv_cache_bytes, "--kv_cache_bytes"),
+        positive(limits.max_sessions, "--max_sessions"),
+        positive(limits.max_session_tokens, "--max_session_tokens")}) {
+    if (!status.ok()) return status;
+  }
+  if (limits.max_session_tokens > core::kMaxPositionOffset) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_session_tokens: at most ", core::kMaxPositionOffset));
+  }
+  if (limits.default_idle_ttl <= absl::ZeroDuration() ||
+      limits.max_idle_ttl < limits.default_idle_ttl) {
+    return absl::InvalidArgumentError(
+        "--session_ttl_seconds: must be positive and at most --max_session_ttl_seconds");
+  }
+  if (limits.max_sessions_per_owner < 0 || limits.max_kv_bytes_per_owner < 0) {
+    return absl::InvalidArgumentError(
+        "--max_sessions_per_token, --max_kv_bytes_per_token: must be >= 0 (0: no quota)");
+  }
+  absl::StatusOr<std::unique_ptr<core::KvBlockPool>> pool = core::KvBlockPool::Create(
+      {.budget_bytes = limits.kv_cache_bytes, .block_tokens = limits.block_tokens});
+  if (!pool.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_block_tokens or --kv_cache_bytes: ", pool.status().message()));
+  }
+  return std::unique_ptr<SessionManager>(
+      new SessionManager(limits, std::move(clock), *std::move(pool)));
+}
+
+SessionManager::SessionManager(const SessionLimits& limits, Clock clock,
+                               std::unique_ptr<core::KvBlockPool> pool)
+    : limits_(limits), clock_(std::move(clock)), pool_(std::move(pool)) {}
+
+SessionManager::~SessionManager() {
+  absl::MutexLock lock(&mu_);
+  sessions_.clear();  // the caches go before the pool
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(absl::string_view id,
+                                                                    absl::string_view owner) {
+  if (!LooksLikeSessionId(id)) {
+    return absl::NotFoundError("session_id: not a session id (32 hex digits)");
+  }
+  const auto it = sessions_.find(id);
+  if (it == sessions_.end() || it->second->owner != owner) {
+    const auto gone = gone_index_.find(id);
+    if (it != sessions_.end() || gone == gone_index_.end()) {
+      return absl::NotFoundError(absl::StrCat("session ", id, ": unknown session"));
+    }
+    switch (gone->second) {
+      case Gone::kExpired:
+        return absl::NotFoundError(absl::StrCat("session ", id, ": expired (idle past its TTL)"));
+      case Gone::kEvictedForMemory:
+        return absl::NotFoundError(absl::StrCat(
+            "session ", id, ": evicted while idle, for the KV cache's memory (--kv_cache_bytes)"));
+      case Gone::kEvictedForSessions:
+        return absl::NotFoundError(absl::StrCat(
+            "session ", id, ": evicted while idle, for a new session (--max_sessions)"));
+      case Gone::kClosed:
+        return absl::NotFoundError(absl::StrCat("session ", id, ": closed"));
+    }
+  }
+  std::shared_ptr<Session> session = it->second;
+  if (session->steps_in_flight == 0 && clock_() - session->last_used > session->idle_ttl) {
+    RemoveLocked(session->id, Gone::kExpired);
+    ++expiries_;
+    return absl::NotFoundError(absl::StrCat("session ", id, ": expired (idle past its TTL)"));
+  }
+  return session;
+}
+
+void SessionManager::RemoveLocked(const std::string& id, Gone why) {
+  if (gone_.size() == kRemembered) {
+    gone_index_.erase(gone_.front().first);
+    gone_.pop_front();
+  }
+  gone_.emplace_back(id, why);
+  gone_index_[id] = why;
+  sessions_.erase(id);
+}
+
+bool SessionManager::EvictOneLocked(const Session* keep, Gone why) {
+  const Session* oldest = nullptr;
+  for (const auto& [id, session] : sessions_) {
+    if (session.get() == keep || session->steps_in_flight > 0) continue;
+    if (oldest == nullptr || session->last_used < oldest->last_used) oldest = session.get();
+  }
+  if (oldest == nullptr) return false;
+  RemoveLocked(oldest->id, why);
+  ++(why == Gone::kEvictedForMemory ? evictions_for_memory_ : evictions_for_sessions_);
+  return true;
+}
+
+absl::Status SessionManager::AdmitSessionLocked(absl::string_view owner) {
+  if (limits_.max_sessions_per_owner > 0) {
+    int64_t owned = 0;
+    for (const auto& [id, session] : sessions_) owned += session->owner == owner ? 1 : 0;
+    if (owned >= limits_.max_sessions_per_owner) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("this caller has ", owned, " sessions open, its quota "
+                       "(--max_sessions_per_token); close one first"));
+    }
+  }
+  while (static_cast<int64_t>(sessions_.size()) >= limits_.max_sessions) {
+    if (!EvictOneLocked(nullptr, Gone::kEvictedForSessions)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("every one of the server's ", limits_.max_sessions,
+                       " sessions (--max_sessions) has a step in flight; retry"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<Session> SessionManager::AddLocked(absl::string_view owner) {
+  auto session = std::make_shared<Session>();
+  do {
+    session->id = NewSessionId();
+  } while (sessions_.contains(session->id) || gone_index_.contains(session->id));
+  session->owner = std::string(owner);
+  session->last_used = clock_();
+  sessions_[session->id] = session;
+  return session;
+}
+
+SessionInfo SessionManager::InfoLocked(const Session& session) const {
+  SessionInfo info;
+  info.id = session.id;
+  info.kv_precision = session.kv_precision;
+  info.max_tokens = session.max_tokens;
+  info.idle_ttl = session.idle_ttl;
+  info.first_position = session.first_position;
+  info.last_used = session.last_used;
+  for (const SessionLayer& layer : session.layers) {
+    info.models.push_back(layer.model->name);
+    info.layer_lengths.push_back(layer.length);
+    info.kv_blocks += layer.blocks;
+    info.kv_bytes += layer.blocks * layer.block_bytes;
+  }
+  return info;
+}
+
+int64_t SessionManager::OwnerBytesLocked(absl::string_view owner) const {
+  int64_t bytes = 0;
+  for (const auto& [id, session] : sessions_) {
+    if (session->owner != owner) continue;
+    for (const SessionLayer& layer : session->layers) bytes += layer.blocks * layer.block_bytes;
+  }
+  return bytes;
+}
+
+absl::StatusOr<SessionInfo> SessionManager::Open(const SessionSpec& spec,
+                                                 absl::string_view owner) {
+  if (spec.layers.empty() || spec.layers.size() > kMaxLayers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("models: between 1 and ", kMaxLayers, " models (the layers, in order)"));
+  }
+  for (size_t i = 0; i < spec.layers.size(); ++i) {
+    const core::HeadConfig& config = spec.layers[i]->layer->config();
+    if (config.context_dim != config.d_model) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "models[", i, "]: '", spec.layers[i]->name,
+          "' is a cross-attention layer (context_dim != d_model); sessions cache self-attention"));
+    }
+  }
+  const int64_t max_tokens = spec.max_tokens == 0 ? limits_.max_session_tokens : spec.max_tokens;
+  if (max_tokens < 0 || max_tokens > limits_.max_session_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_tokens: ", spec.max_tokens, " is outside [0, ", limits_.max_session_tokens,
+        "] (--max_session_tokens)"));
+  }
+  const absl::Duration ttl =
+      spec.idle_ttl == absl::ZeroDuration() ? limits_.default_idle_ttl : spec.idle_ttl;
+  if (ttl < absl::ZeroDuration() || ttl > limits_.max_idle_ttl) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "idle_ttl: ", absl::FormatDuration(spec.idle_ttl), " is outside [0, ",
+        absl::FormatDuration(limits_.max_idle_ttl), "] (--max_session_ttl_seconds)"));
+  }
+  if (spec.first_position < 0 || spec.first_position > core::kMaxPositionOffset - max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "first_position: ", spec.first_position, " is outside [0, ",
+        core::kMaxPositionOffset - max_tokens, "] (positions up to 2^30 with max_tokens more)"));
+  }
+  std::vector<SessionLayer> layers(spec.layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const core::HeadConfig& config = spec.layers[i]->layer->config();
+    const core::KvLayout layout{.num_kv_heads = static_cast<int>(config.num_kv_heads),
+                                .head_dim = static_cast<int>(config.head_dim),
+                                .precision = spec.kv_precision};
+    absl::StatusOr<std::unique_ptr<core::LayerKvCache>> cache =
+        core::LayerKvCache::Create(pool_.get(), layout);
+    if (!cache.ok()) return cache.status();
+    layers[i].model = spec.layers[i];
+    layers[i].cache = *std::move(cache);
+    layers[i].block_bytes = core::KvBlockBytes(layout, limits_.block_tokens);
+  }
+  absl::MutexLock lock(&mu_);
+  if (absl::Status admitted = AdmitSessionLocked(owner); !admitted.ok()) return admitted;
+  std::shared_ptr<Session> session = AddLocked(owner);
+  session->kv_precision = spec.kv_precision;
+  session->max_tokens = max_tokens;
+  session->idle_ttl = ttl;
+  session->first_position = spec.first_position;
+  session->layers = std::move(layers);
+  return InfoLocked(*session);
+}
+
+absl::StatusOr<SessionInfo> SessionManager::Get(absl::string_view id, absl::string_view owner) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::shared_ptr<Session>> session = FindLocked(id, owner);
+  if (!session.ok()) return session.status();
+  return InfoLocked(**session);
+}
+
+absl::Status SessionManager::Close(absl::string_view id, absl::string_view owner) {
+  std::shared_ptr<Session> closed;  // freed after the lock is released
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::shared_ptr<Session>> session = FindLocked(id, owner);
+  if (!session.ok()) return session.status();
+  closed = *session;
+  RemoveLocked(closed->id, Gone::kClosed);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SessionInfo> SessionManager::Fork(absl::string_view id, absl::string_view owner) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
+  if (!found.ok()) return found.status();
+  const std::shared_ptr<Session> parent = *found;
+  if (parent->steps_in_flight > 0) {
+    return absl::AbortedError(
+        absl::StrCat("session ", parent->id, ": a step is in flight; fork between steps"));
+  }
+  if (absl::Status admitted = AdmitSessionLocked(owner); !admitted.ok()) return admitted;
+  std::shared_ptr<Session> child = AddLocked(owner);
+  child->kv_precision = parent->kv_precision;
+  child->max_tokens = parent->max_tokens;
+  child->idle_ttl = parent->idle_ttl;
+  child->first_position = parent->first_position;
+  child->layers.resize(parent->layers.size());
+  for (size_t i = 0; i < parent->layers.size(); ++i) {
+    const SessionLayer& from = parent->layers[i];
+    SessionLayer& to = child->layers[i];
+    to.model = from.model;
+    to.cache = from.cache->Fork();
+    to.block_bytes = from.block_bytes;
+    to.length = from.length;
+    to.blocks = from.blocks;
+  }
+  parent->last_used = child->last_used;
+  return InfoLocked(*child);
+}
+
+absl::StatusOr<SessionInfo> SessionManager::Truncate(absl::string_view id,
+                                                     absl::string_view owner, int layer,
+                                                     int64_t length) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
+  if (!found.ok()) return found.status();
+  Session& session = **found;
+  const int layers = static_cast<int>(session.layers.size());
+  if (layer < -1 || layer >= layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: ", layer, " is outside [0, ", layers, ") (or -1: every layer)"));
+  }
+  const int first = layer == -1 ? 0 : layer;
+  const int last = layer == -1 ? layers - 1 : layer;
+  for (int l = first; l <= last; ++l) {
+    const SessionLayer& s = session.layers[static_cast<size_t>(l)];
+    if (s.step_in_flight) {
+      return absl::AbortedError(absl::StrCat("session ", session.id, ": a step on layer ", l,
+                                             " is in flight; truncate between steps"));
+    }
+    if (length < 0 || length > s.length) {
+      return absl::InvalidArgumentError(absl::StrCat("length: ", length, " is outside [0, ",
+                                                     s.length, "], layer ", l, "'s length"));
+    }
+  }
+  for (int l = first; l <= last; ++l) {
+    SessionLayer& s = session.layers[static_cast<size_t>(l)];
+    if (absl::Status truncated = s.cache->Truncate(length); !truncated.ok()) return truncated;
+    s.length = length;
+    s.blocks = static_cast<int64_t>(s.cache->blocks().size());
+    s.last_expected = -1;
+    s.last_output.clear();
+  }
+  session.last_used = clock_();
+  return InfoLocked(session);
+}
+
+absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::string_view owner,
+                                                    int layer, int64_t expected_length,
+                                                    int64_t new_tokens) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
+  if (!found.ok()) return found.status();
+  std::shared_ptr<Session> session = *found;
+  if (layer < 0 || layer >= static_cast<int>(session->layers.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is outside [0, ",
+                                                   session->layers.size(), ")"));
+  }
+  if (new_tokens < 1) {
+    return absl::InvalidArgumentError("hidden_states: at least one new token");
+  }
+  SessionLayer& target = session->layers[static_cast<size_t>(layer)];
+  if (target.step_in_flight) {
+    return absl::AbortedError(absl::StrCat("session ", session->id, ": a step on layer ", layer,
+                                           " is in flight; steps of one layer go one at a time"));
+  }
+  bool replay = false;
+  int64_t reserved = 0;
+  if (expected_length != target.length) {
+    const bool retry = expected_length == target.last_expected &&
+                       new_tokens == target.last_tokens &&
+                       expected_length + new_tokens == target.length && !target.last_output.empty();
+    if (!retry) {
+      return absl::AbortedError(absl::StrCat("session ", session->id, ": layer ", layer, " holds ",
+                                             target.length, " tokens, the step expected ",
+                                             expected_length));
+    }
+    replay = true;
+  } else {
+    if (new_tokens > session->max_tokens - target.length) {
+      return absl::OutOfRangeError(absl::StrCat(
+          "session ", session->id, ": layer ", layer, " holds ", target.length, " tokens; ",
+          new_tokens, " more pass its max_tokens of ", session->max_tokens));
+    }
+    // Blocks for the new tokens, and a copy of a shared last block.
+    const core::LayerKvCache& cache = *target.cache;
+    const int block_tokens = cache.block_tokens();
+    int64_t blocks = BlocksFor(target.length + new_tokens, block_tokens) - target.blocks;
+    if (target.length % block_tokens != 0 &&
+        pool_->ReferenceCount(cache.blocks().back()) > 1) {
+      ++blocks;
+    }
+    const int64_t bytes = blocks * target.block_bytes;
+    if (limits_.max_kv_bytes_per_owner > 0 &&
+        OwnerBytesLocked(owner) + bytes > limits_.max_kv_bytes_per_owner) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "this caller's sessions hold ", OwnerBytesLocked(owner), " bytes of KV cache; ", bytes,
+          " more pass its quota (--max_kv_bytes_per_token); close or truncate sessions"));
+    }
+    while (pool_->stats().bytes_in_use + reserved_bytes_ + bytes > limits_.kv_cache_bytes) {
+      if (!EvictOneLocked(session.get(), Gone::kEvictedForMemory)) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "the KV cache is full (--kv_cache_bytes ", limits_.kv_cache_bytes,
+            ") with sessions that have steps in flight; this step needs ", bytes,
+            " bytes more; retry"));
+      }
+    }
+    reserved_bytes_ += bytes;
+    reserved = bytes;
+  }
+  // The lease is made last: one dropped on an error path above would end a
+  // step that never began.
+  StepLease lease;
+  lease.manager_ = this;
+  lease.session_ = session;
+  lease.layer_ = layer;
+  lease.expected_length_ = expected_length;
+  lease.new_tokens_ = new_tokens;
+  lease.replay_ = replay;
+  lease.reserved_bytes_ = reserved;
+  lease.first_position_ = session->first_position + expected_length;
+  target.step_in_flight = true;
+  ++session->steps_in_flight;
+  session->last_used = clock_();
+  return lease;
+}
+
+void SessionManager::EndStep(StepLease lease, const absl::Status& status, std::string output) {
+  EndStepOf(lease, status, std::move(output));
+}
+
+void SessionManager::EndStepOf(StepLease& lease, const absl::Status& status, std::string output) {
+  if (lease.session_ == nullptr || lease.ended_) return;
+  lease.ended_ = true;
+  absl::MutexLock lock(&mu_);
+  Session& session = *lease.session_;
+  SessionLayer& layer = session.layers[static_cast<size_t>(lease.layer_)];
+  reserved_bytes_ -= lease.reserved_bytes_;
+  layer.step_in_flight = false;
+  --session.steps_in_flight;
+  session.last_used = clock_();
+  if (lease.replay_) return;
+  layer.length = layer.cache->length();
+  layer.blocks = static_cast<int64_t>(layer.cache->blocks().size());
+  if (status.ok()) {
+    layer.last_expected = lease.expected_length_;
+    layer.last_tokens = lease.new_tokens_;
+    layer.last_output = std::move(output);
+  }
+}
+
+int SessionManager::ExpireIdle() {
+  std::vector<std::shared_ptr<Session>> expired;  // freed after the lock is released
+  absl::MutexLock lock(&mu_);
+  const absl::Time now = clock_();
+  for (const auto& [id, session] : sessions_) {
+    if (session->steps_in_flight == 0 && now - session->last_used > session->idle_ttl) {
+      expired.push_back(session);
+    }
+  }
+  for (const std::shared_ptr<Session>& session : expired) {
+    RemoveLocked(session->id, Gone::kExpired);
+  }
+  expiries_ += static_cast<int64_t>(expired.size());
+  return static_cast<int>(expired.size());
+}
+
+SessionStats SessionManager::stats() const {
+  absl::MutexLock lock(&mu_);
+  return {.sessions = static_cast<int64_t>(sessions_.size()),
+          .pool = pool_->stats(),
+          .kv_budget_bytes = limits_.kv_cache_bytes,
+          .reserved_bytes = reserved_bytes_,
+          .evictions_for_memory = evictions_for_memory_,
+          .evictions_for_sessions = evictions_for_sessions_,
+          .expiries = expiries_};
+}
+
+}  // namespace attnserve::server

@@ -1,0 +1,249 @@
+#ifndef ATTNSERVE_SERVER_SESSIONS_SESSION_MANAGER_H_
+#define ATTNSERVE_SERVER_SESSIONS_SESSION_MANAGER_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/decode/kv_block_pool.h"
+#include "core/decode/kv_layout.h"
+#include "core/decode/layer_kv_cache.h"
+#include "server/models/model_registry.h"
+
+namespace attnserve::server {
+
+// The server's limits on decode sessions (flags of the same names).
+struct SessionLimits {
+  // The KV cache's memory: every session's blocks together (--kv_cache_bytes).
+  int64_t kv_cache_bytes = int64_t{1} << 30;
+  // Tokens per KV block (--kv_block_tokens).
+  int block_tokens = 32;
+  // Sessions open at once (--max_sessions); at the limit, opening one evicts
+  // the least recently used idle session.
+  int64_t max_sessions = 1024;
+  // Tokens a layer of a session may hold (--max_session_tokens); a session
+  // may ask for fewer.
+  int64_t max_session_tokens = 32768;
+  // A session's idle time-to-live when it asks for none, and the most it may
+  // ask for (--session_ttl_seconds, --max_session_ttl_seconds).
+  absl::Duration default_idle_ttl = absl::Minutes(5);
+  absl::Duration max_idle_ttl = absl::Hours(1);
+  // Per caller (bearer token) quotas; 0: none (--max_sessions_per_token,
+  // --max_kv_bytes_per_token).
+  int64_t max_sessions_per_owner = 0;
+  int64_t max_kv_bytes_per_owner = 0;
+};
+
+// What OpenSession asks for.
+struct SessionSpec {
+  // The layers, in order (one model: a session of one layer). Each a ready
+  // model whose layer is self-attention (context_dim == d_model).
+  std::vector<std::shared_ptr<const Model>> layers;
+  core::KvPrecision kv_precision = core::KvPrecision::kFp32;
+  // Tokens each layer may hold; 0: SessionLimits::max_session_tokens.
+  int64_t max_tokens = 0;
+  // Idle time-to-live; zero: SessionLimits::default_idle_ttl.
+  absl::Duration idle_ttl = absl::ZeroDuration();
+  // The RoPE position of the session's first token.
+  int64_t first_position = 0;
+};
+
+// A session as GetSession reports it.
+struct SessionInfo {
+  std::string id;
+  std::vector<std::string> models;     // the layers' models, in order
+  std::vector<int64_t> layer_lengths;  // tokens each layer holds
+  core::KvPrecision kv_precision = core::KvPrecision::kFp32;
+  int64_t max_tokens = 0;
+  absl::Duration idle_ttl;
+  int64_t first_position = 0;
+  // The KV blocks its layers hold (a block shared with a fork counts in
+  // each holder) and their bytes.
+  int64_t kv_blocks = 0;
+  int64_t kv_bytes = 0;
+  absl::Time last_used;
+};
+
+// What the KV cache and the sessions hold, read together (for metrics).
+struct SessionStats {
+  int64_t sessions = 0;
+  core::KvBlockPoolStats pool;
+  int64_t kv_budget_bytes = 0;
+  int64_t reserved_bytes = 0;  // promised to steps in flight
+  int64_t evictions_for_memory = 0;
+  int64_t evictions_for_sessions = 0;
+  int64_t expiries = 0;
+};
+
+class SessionManager;
+struct Session;
+
+// A step admitted on one layer of one session (SessionManager::BeginStep):
+// the layer is the step's until SessionManager::EndStep, and the KV bytes the
+// step needs are reserved, so appending them cannot fail for want of memory
+// while it runs. A replay (a retry of the layer's last step) carries that
+// step's stored output and must not touch the cache.
+//
+// Movable, not copyable; pass it back to EndStep (a lease destroyed without
+// it ends its step as failed).
+class StepLease {
+ public:
+  StepLease(StepLease&&) noexcept;
+  StepLease& operator=(StepLease&&) noexcept;
+  ~StepLease();
+
+  // The layer's cache, for the compute executor to extend; null for a replay.
+  core::LayerKvCache* cache() const;
+  const Model& model() const;
+  // The RoPE position of the step's first new token.
+  int64_t first_position() const { return first_position_; }
+  bool replay() const { return replay_; }
+  // A replay: the output the step gave the first time.
+  const std::string& stored_output() const;
+
+ private:
+  friend class SessionManager;
+  StepLease() = default;
+
+  SessionManager* manager_ = nullptr;
+  std::shared_ptr<Session> session_;
+  int layer_ = 0;
+  int64_t expected_length_ = 0;
+  int64_t new_tokens_ = 0;
+  int64_t first_position_ = 0;
+  int64_t reserved_bytes_ = 0;
+  bool replay_ = false;
+  bool ended_ = false;
+};
+
+// The decode sessions: ids, owners, each layer's KV cache over one block pool,
+// time-to-live, eviction and quotas. No gRPC and no compute: the service turns
+// requests into calls here, and the compute executor extends a StepLease's
+// cache between BeginStep and EndStep.
+//
+// Ids are 128 random bits from the kernel's CSPRNG (32 hex digits). A session
+// belongs to the caller that opened it (`owner`: its token's identity, "" with
+// authentication off): any other caller gets NOT_FOUND, as for an unknown id.
+// NOT_FOUND says whether the id is unknown, expired (idle past its TTL),
+// evicted (for the KV cache's memory, or for a new session at
+// --max_sessions) or closed, for ids removed recently.
+//
+// Memory: the KV cache never holds more than kv_cache_bytes. A step that
+// needs blocks beyond it evicts idle sessions, least recently used first
+// (never one with a step in flight); only when none is left does it get
+// RESOURCE_EXHAUSTED.
+//
+// Thread-safe. The models a session holds live as long as it does.
+class SessionManager {
+ public:
+  using Clock = std::function<absl::Time()>;
+
+  // INVALID_ARGUMENT naming the flag when a limit is out of range.
+  static absl::StatusOr<std::unique_ptr<SessionManager>> Create(const SessionLimits& limits,
+                                                                Clock clock = &absl::Now);
+  ~SessionManager();
+  SessionManager(const SessionManager&) = delete;
+  SessionManager& operator=(const SessionManager&) = delete;
+
+  // Opens an empty session. INVALID_ARGUMENT naming the field ("models",
+  // "max_tokens", "idle_ttl", "first_position"); RESOURCE_EXHAUSTED when the
+  // owner is at its session quota, or at --max_sessions with every session
+  // busy (a step in flight).
+  absl::StatusOr<SessionInfo> Open(const SessionSpec& spec, absl::string_view owner);
+  // NOT_FOUND as above.
+  absl::StatusOr<SessionInfo> Get(absl::string_view id, absl::string_view owner);
+  // Removes the session (a step in flight finishes first, then its memory
+  // goes). NOT_FOUND as above.
+  absl::Status Close(absl::string_view id, absl::string_view owner);
+  // A new session of the same owner holding the same tokens, every KV block
+  // shared (copy on write: nothing is copied now). NOT_FOUND; ABORTED while a
+  // step is in flight on the session; RESOURCE_EXHAUSTED as Open.
+  absl::StatusOr<SessionInfo> Fork(absl::string_view id, absl::string_view owner);
+  // Keeps the first `length` tokens of layer `layer` (-1: of every layer).
+  // NOT_FOUND; INVALID_ARGUMENT naming "layer" or "length" (over the
+  // layer's length); ABORTED while a step is in flight on a layer it touches.
+  absl::StatusOr<SessionInfo> Truncate(absl::string_view id, absl::string_view owner, int layer,
+                                       int64_t length);
+
+  // Admits a step of `new_tokens` (>= 1) tokens on layer `layer` that
+  // expects the layer to hold `expected_length` tokens. A retry of the
+  // layer's last step (the same expected length and token count, the layer
+  // now `new_tokens` longer) is a replay of its stored output. NOT_FOUND;
+  // INVALID_ARGUMENT naming "layer" or "hidden_states" (new_tokens < 1);
+  // ABORTED when another step on the layer is in flight, or the length is
+  // not the expected one (the message says the layer's length); OUT_OF_RANGE
+  // when the step would take the layer past the session's max_tokens;
+  // RESOURCE_EXHAUSTED when its blocks do not fit the KV cache even after
+  // evicting every idle session, or its owner's KV quota.
+  absl::StatusOr<StepLease> BeginStep(absl::string_view id, absl::string_view owner, int layer,
+                                      int64_t expected_length, int64_t new_tokens);
+  // Ends a step: `status` OK with the step's `output` (kept, so a retry of
+  // the same step gets it again), or the error it failed with (the cache is
+  // as the compute left it: unchanged). Releases the reservation.
+  void EndStep(StepLease lease, const absl::Status& status, std::string output);
+
+  // Removes the sessions idle past their TTL (not those with a step in
+  // flight); returns how many. Called periodically by the server.
+  int ExpireIdle();
+
+  SessionStats stats() const;
+  const SessionLimits& limits() const { return limits_; }
+
+ private:
+  friend class StepLease;
+  SessionManager(const SessionLimits& limits, Clock clock,
+                 std::unique_ptr<core::KvBlockPool> pool);
+
+  // EndStep's work, once per lease (later calls do nothing).
+  void EndStepOf(StepLease& lease, const absl::Status& status, std::string output);
+
+  // Why a recently removed id is gone, for its NOT_FOUND.
+  enum class Gone { kExpired, kEvictedForMemory, kEvictedForSessions, kClosed };
+
+  // The caller's session, or NOT_FOUND.
+  absl::StatusOr<std::shared_ptr<Session>> FindLocked(absl::string_view id,
+                                                      absl::string_view owner)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes a session from the table (its memory goes with its last lease),
+  // remembering why.
+  void RemoveLocked(const std::string& id, Gone why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts the least recently used idle session other than `keep`; false
+  // when there is none.
+  bool EvictOneLocked(const Session* keep, Gone why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes room for a new session: the owner's quota, then --max_sessions.
+  absl::Status AdmitSessionLocked(absl::string_view owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new session entry with a fresh id.
+  std::shared_ptr<Session> AddLocked(absl::string_view owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SessionInfo InfoLocked(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // KV bytes the owner's sessions hold.
+  int64_t OwnerBytesLocked(absl::string_view owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Constant after construction.
+  const SessionLimits limits_;
+  const Clock clock_;
+  const std::unique_ptr<core::KvBlockPool> pool_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  // Recently removed ids (at most kRemembered), oldest first.
+  std::deque<std::pair<std::string, Gone>> gone_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Gone> gone_index_ ABSL_GUARDED_BY(mu_);
+  int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t evictions_for_memory_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t evictions_for_sessions_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t expiries_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_SESSIONS_SESSION_MANAGER_H_

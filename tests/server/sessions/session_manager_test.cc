@@ -1,0 +1,408 @@
+// SessionManager without gRPC or compute: the tests play the compute
+// executor's part by appending K/V rows to a StepLease's cache themselves.
+// Ids and owners, steps and their retries, races on a layer, token limits,
+// eviction for memory and for --max_sessions, time-to-live on a fake clock,
+// fork and truncate over shared blocks, close during a step, quotas, and
+// threads churning over one pool (label tsan).
+#include "server/sessions/session_manager.h"
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/synchronization/mutex.h"
+#include "core/attention_layer.h"
+#include "core/attention_weights.h"
+#include "gtest/gtest.h"
+
+namespace attnserve::server {
+namespace {
+
+// A layer of d_model 64, 4 query heads and 2 KV heads of 16: a block of 4
+// tokens holds 2 (K, V) x 2 heads x 4 tokens x 16 x 4 bytes = 1 KiB in FP32.
+constexpr int kBlockTokens = 4;
+constexpr int64_t kBlockBytes = 1024;
+
+std::shared_ptr<const Model> TestModel(const std::string& name) {
+  core::HeadConfig requested;
+  requested.d_model = 64;
+  requested.num_heads = 4;
+  requested.num_kv_heads = 2;
+  const core::HeadConfig config = *core::ResolveHeadConfig(requested);
+  auto model = std::make_shared<Model>();
+  model->name = name;
+  model->layer = *core::AttentionLayer::Create(config, core::SeededWeights(config, 1));
+  model->causal = true;
+  return model;
+}
+
+// A fake clock the tests move.
+struct FakeClock {
+  absl::Mutex mu;
+  absl::Time now = absl::FromUnixSeconds(1000);
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu);
+    now += d;
+  }
+  SessionManager::Clock clock() {
+    return [this] {
+      absl::MutexLock lock(&mu);
+      return now;
+    };
+  }
+};
+
+class SessionManagerTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<SessionManager> Make(SessionLimits limits = {}) {
+    limits.block_tokens = kBlockTokens;
+    absl::StatusOr<std::unique_ptr<SessionManager>> manager =
+        SessionManager::Create(limits, clock_.clock());
+    EXPECT_TRUE(manager.ok()) << manager.status();
+    return *std::move(manager);
+  }
+
+  SessionSpec Spec(int layers = 2) {
+    SessionSpec spec;
+    for (int i = 0; i < layers; ++i) spec.layers.push_back(layer_);
+    return spec;
+  }
+
+  // What the compute would do: appends n tokens of K/V to the lease's cache
+  // and ends the step with `output`.
+  static void Step(SessionManager& manager, StepLease lease, int64_t n, std::string output) {
+    ASSERT_NE(lease.cache(), nullptr);
+    const std::vector<float> rows(static_cast<size_t>(n * 2 * 16), 0.5f);
+    ASSERT_TRUE(lease.cache()->Append(rows, rows, n).ok());
+    manager.EndStep(std::move(lease), absl::OkStatus(), std::move(output));
+  }
+
+  // Begins and completes a step of n tokens on `layer`, expecting `length`.
+  static void Extend(SessionManager& manager, const std::string& id, int layer, int64_t length,
+                     int64_t n, const std::string& owner = "") {
+    absl::StatusOr<StepLease> lease = manager.BeginStep(id, owner, layer, length, n);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    Step(manager, *std::move(lease), n, "out");
+  }
+
+  FakeClock clock_;
+  std::shared_ptr<const Model> layer_ = TestModel("decoder");
+};
+
+TEST_F(SessionManagerTest, OpensSessionsWithUnguessableIdsTheirOwnersAloneSee) {
+  auto manager = Make();
+  SessionSpec spec = Spec();
+  spec.first_position = 7;
+  absl::StatusOr<SessionInfo> a = manager->Open(spec, "alice");
+  absl::StatusOr<SessionInfo> b = manager->Open(spec, "alice");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->id.size(), 32u);
+  EXPECT_NE(a->id, b->id);
+  EXPECT_EQ(a->models, (std::vector<std::string>{"decoder", "decoder"}));
+  EXPECT_EQ(a->layer_lengths, (std::vector<int64_t>{0, 0}));
+  EXPECT_EQ(a->first_position, 7);
+  EXPECT_EQ(a->max_tokens, SessionLimits().max_session_tokens);
+  EXPECT_EQ(a->idle_ttl, SessionLimits().default_idle_ttl);
+  EXPECT_TRUE(manager->Get(a->id, "alice").ok());
+  // Another caller: NOT_FOUND, worded as for an id that never existed.
+  absl::Status other = manager->Get(a->id, "mallory").status();
+  absl::Status unknown = manager->Get(std::string(32, 'a'), "mallory").status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(other.message(), "unknown session")) << other;
+  EXPECT_TRUE(absl::StrContains(unknown.message(), "unknown session")) << unknown;
+  EXPECT_EQ(manager->Close(a->id, "mallory").code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(manager->Get("../etc/passwd", "alice").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SessionManagerTest, RefusesSpecsOutsideTheLimitsNamingTheField) {
+  auto manager = Make({.max_session_tokens = 100});
+  const auto refused = [&](SessionSpec spec, absl::string_view field) {
+    absl::Status status = manager->Open(spec, "").status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_TRUE(absl::StartsWith(status.message(), field)) << status;
+  };
+  refused(Spec(0), "models");
+  SessionSpec spec = Spec();
+  spec.max_tokens = 101;
+  refused(spec, "max_tokens");
+  spec = Spec();
+  spec.idle_ttl = absl::Hours(2);
+  refused(spec, "idle_ttl");
+  spec = Spec();
+  spec.first_position = -1;
+  refused(spec, "first_position");
+}
+
+TEST_F(SessionManagerTest, StepsGrowEachLayerOnItsOwnAtTheRightPositions) {
+  auto manager = Make();
+  SessionSpec spec = Spec();
+  spec.first_position = 100;
+  const std::string id = manager->Open(spec, "")->id;
+  absl::StatusOr<StepLease> prefill = manager->BeginStep(id, "", 0, 0, 5);
+  ASSERT_TRUE(prefill.ok()) << prefill.status();
+  EXPECT_EQ(prefill->first_position(), 100);
+  EXPECT_FALSE(prefill->replay());
+  Step(*manager, *std::move(prefill), 5, "prefill");
+  absl::StatusOr<StepLease> decode = manager->BeginStep(id, "", 0, 5, 1);
+  ASSERT_TRUE(decode.ok()) << decode.status();
+  EXPECT_EQ(decode->first_position(), 105);
+  Step(*manager, *std::move(decode), 1, "decode");
+  absl::StatusOr<SessionInfo> info = manager->Get(id, "");
+  EXPECT_EQ(info->layer_lengths, (std::vector<int64_t>{6, 0}));
+  EXPECT_EQ(info->kv_blocks, 2);  // 6 tokens in blocks of 4
+  EXPECT_EQ(info->kv_bytes, 2 * kBlockBytes);
+  EXPECT_EQ(manager->stats().pool.bytes_in_use, 2 * kBlockBytes);
+  EXPECT_EQ(manager->stats().reserved_bytes, 0);
+}
+
+TEST_F(SessionManagerTest, ARetryOfTheLastStepReplaysItAndOtherMismatchesAreAborted) {
+  auto manager = Make();
+  const std::string id = manager->Open(Spec(), "")->id;
+  Extend(*manager, id, 0, 0, 3);
+  absl::StatusOr<StepLease> step = manager->BeginStep(id, "", 0, 3, 1);
+  Step(*manager, *std::move(step), 1, "the fourth token's output");
+  // The same step again: its stored output, nothing appended.
+  absl::StatusOr<StepLease> retry = manager->BeginStep(id, "", 0, 3, 1);
+  ASSERT_TRUE(retry.ok()) << retry.status();
+  EXPECT_TRUE(retry->replay());
+  EXPECT_EQ(retry->cache(), nullptr);
+  EXPECT_EQ(retry->stored_output(), "the fourth token's output");
+  manager->EndStep(*std::move(retry), absl::OkStatus(), "");
+  EXPECT_EQ(manager->Get(id, "")->layer_lengths[0], 4);
+  // Anything else that does not start at the layer's length.
+  for (auto [expected, n] : {std::pair<int64_t, int64_t>{3, 2}, {2, 1}, {5, 1}}) {
+    absl::Status status = manager->BeginStep(id, "", 0, expected, n).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kAborted) << expected << " " << n;
+    EXPECT_TRUE(absl::StrContains(status.message(), "holds 4 tokens")) << status;
+  }
+}
+
+TEST_F(SessionManagerTest, ASecondStepOnALayerInFlightIsAbortedAndOtherLayersProceed) {
+  auto manager = Make();
+  const std::string id = manager->Open(Spec(), "")->id;
+  absl::StatusOr<StepLease> first = manager->BeginStep(id, "", 0, 0, 1);
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(manager->BeginStep(id, "", 0, 0, 1).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(manager->Fork(id, "").status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(manager->Truncate(id, "", 0, 0).status().code(), absl::StatusCode::kAborted);
+  absl::StatusOr<StepLease> other_layer = manager->BeginStep(id, "", 1, 0, 1);
+  ASSERT_TRUE(other_layer.ok()) << other_layer.status();
+  Step(*manager, *std::move(other_layer), 1, "x");
+  Step(*manager, *std::move(first), 1, "y");
+  EXPECT_TRUE(manager->BeginStep(id, "", 0, 1, 1).ok());
+}
+
+TEST_F(SessionManagerTest, ALeaseDroppedWithoutEndStepFreesItsLayer) {
+  auto manager = Make();
+  const std::string id = manager->Open(Spec(), "")->id;
+  { absl::StatusOr<StepLease> dropped = manager->BeginStep(id, "", 0, 0, 2); }
+  EXPECT_EQ(manager->stats().reserved_bytes, 0);
+  EXPECT_TRUE(manager->BeginStep(id, "", 0, 0, 2).ok());
+}
+
+TEST_F(SessionManagerTest, AStepPastMaxTokensIsOutOfRange) {
+  auto manager = Make();
+  SessionSpec spec = Spec();
+  spec.max_tokens = 5;
+  const std::string id = manager->Open(spec, "")->id;
+  Extend(*manager, id, 0, 0, 4);
+  absl::Status status = manager->BeginStep(id, "", 0, 4, 2).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_TRUE(absl::StrContains(status.message(), "max_tokens of 5")) << status;
+  Extend(*manager, id, 0, 4, 1);
+}
+
+TEST_F(SessionManagerTest, AFullCacheEvictsTheLeastRecentlyUsedIdleSession) {
+  // Room for 4 blocks: two sessions of 8 tokens (2 blocks) fill it.
+  auto manager = Make({.kv_cache_bytes = 4 * kBlockBytes});
+  const std::string old_id = manager->Open(Spec(1), "")->id;
+  Extend(*manager, old_id, 0, 0, 8);
+  clock_.Advance(absl::Seconds(1));
+  const std::string recent = manager->Open(Spec(1), "")->id;
+  Extend(*manager, recent, 0, 0, 8);
+  clock_.Advance(absl::Seconds(1));
+  const std::string newcomer = manager->Open(Spec(1), "")->id;
+  Extend(*manager, newcomer, 0, 0, 4);  // needs a block: the oldest goes
+  absl::Status gone = manager->Get(old_id, "").status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(gone.message(), "--kv_cache_bytes")) << gone;
+  EXPECT_TRUE(manager->Get(recent, "").ok());
+  EXPECT_EQ(manager->stats().evictions_for_memory, 1);
+  EXPECT_LE(manager->stats().pool.bytes_held, 4 * kBlockBytes);
+  // With every other session busy, a step that needs memory is refused.
+  absl::StatusOr<StepLease> busy = manager->BeginStep(recent, "", 0, 8, 1);
+  ASSERT_TRUE(busy.ok());
+  absl::Status refused = manager->BeginStep(newcomer, "", 0, 4, 8).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_TRUE(manager->Get(newcomer, "").ok());
+}
+
+TEST_F(SessionManagerTest, OpeningAtMaxSessionsEvictsTheLeastRecentlyUsedIdleOne) {
+  auto manager = Make({.max_sessions = 2});
+  const std::string a = manager->Open(Spec(1), "")->id;
+  clock_.Advance(absl::Seconds(1));
+  const std::string b = manager->Open(Spec(1), "")->id;
+  clock_.Advance(absl::Seconds(1));
+  ASSERT_TRUE(manager->Get(a, "").ok());  // a Get is not a use: a stays older
+  ASSERT_TRUE(manager->Open(Spec(1), "").ok());
+  absl::Status gone = manager->Get(a, "").status();
+  EXPECT_TRUE(absl::StrContains(gone.message(), "--max_sessions")) << gone;
+  EXPECT_TRUE(manager->Get(b, "").ok());
+  EXPECT_EQ(manager->stats().evictions_for_sessions, 1);
+  EXPECT_EQ(manager->stats().sessions, 2);
+}
+
+TEST_F(SessionManagerTest, IdleSessionsExpireAtTheirTtlButNotWithAStepInFlight) {
+  auto manager = Make();
+  SessionSpec spec = Spec(1);
+  spec.idle_ttl = absl::Seconds(10);
+  const std::string idle = manager->Open(spec, "")->id;
+  const std::string busy = manager->Open(spec, "")->id;
+  absl::StatusOr<StepLease> step = manager->BeginStep(busy, "", 0, 0, 1);
+  clock_.Advance(absl::Seconds(11));
+  absl::Status expired = manager->Get(idle, "").status();
+  EXPECT_EQ(expired.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(expired.message(), "expired")) << expired;
+  EXPECT_EQ(manager->ExpireIdle(), 0);  // busy has a step in flight
+  Step(*manager, *std::move(step), 1, "x");
+  clock_.Advance(absl::Seconds(11));
+  EXPECT_EQ(manager->ExpireIdle(), 1);
+  EXPECT_EQ(manager->stats().sessions, 0);
+  EXPECT_EQ(manager->stats().expiries, 2);
+  EXPECT_EQ(manager->stats().pool.bytes_in_use, 0);
+}
+
+TEST_F(SessionManagerTest, AForkSharesEveryBlockAndCopiesOnlyTheLastPartialOneToDiverge) {
+  auto manager = Make();
+  const std::string parent = manager->Open(Spec(1), "")->id;
+  Extend(*manager, parent, 0, 0, 10);  // blocks of 4, 4, 2 tokens
+  const int64_t before = manager->stats().pool.blocks_in_use;
+  absl::StatusOr<SessionInfo> child = manager->Fork(parent, "");
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_EQ(child->layer_lengths[0], 10);
+  EXPECT_EQ(manager->stats().pool.blocks_in_use, before);  // nothing copied
+  Extend(*manager, child->id, 0, 10, 1);  // copies the shared partial block
+  EXPECT_EQ(manager->stats().pool.blocks_in_use, before + 1);
+  Extend(*manager, parent, 0, 10, 1);  // the parent's is its own again
+  EXPECT_EQ(manager->stats().pool.blocks_in_use, before + 1);
+  // The fork belongs to the same owner, and is gone with everything else.
+  ASSERT_TRUE(manager->Close(parent, "").ok());
+  ASSERT_TRUE(manager->Close(child->id, "").ok());
+  EXPECT_EQ(manager->stats().pool.bytes_in_use, 0);
+}
+
+TEST_F(SessionManagerTest, TruncateReleasesBlocksAndForgetsTheLastStep) {
+  auto manager = Make();
+  const std::string id = manager->Open(Spec(), "")->id;
+  Extend(*manager, id, 0, 0, 9);
+  Extend(*manager, id, 1, 0, 9);
+  EXPECT_EQ(manager->Truncate(id, "", 0, 10).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(manager->Truncate(id, "", 2, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<SessionInfo> one = manager->Truncate(id, "", 0, 4);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->layer_lengths, (std::vector<int64_t>{4, 9}));
+  EXPECT_EQ(one->kv_blocks, 1 + 3);
+  absl::StatusOr<SessionInfo> all = manager->Truncate(id, "", -1, 2);
+  EXPECT_EQ(all->layer_lengths, (std::vector<int64_t>{2, 2}));
+  // The step before the truncation cannot be replayed.
+  EXPECT_EQ(manager->BeginStep(id, "", 1, 0, 9).status().code(), absl::StatusCode::kAborted);
+  Extend(*manager, id, 1, 2, 1);
+}
+
+TEST_F(SessionManagerTest, CloseDuringAStepFreesTheMemoryWhenTheStepEnds) {
+  auto manager = Make();
+  const std::string id = manager->Open(Spec(1), "")->id;
+  absl::StatusOr<StepLease> step = manager->BeginStep(id, "", 0, 0, 6);
+  ASSERT_TRUE(manager->Close(id, "").ok());
+  absl::Status closed = manager->Get(id, "").status();
+  EXPECT_TRUE(absl::StrContains(closed.message(), "closed")) << closed;
+  Step(*manager, *std::move(step), 6, "x");
+  EXPECT_EQ(manager->stats().pool.bytes_in_use, 0);
+  EXPECT_EQ(manager->stats().reserved_bytes, 0);
+}
+
+TEST_F(SessionManagerTest, QuotasBoundEachCallersSessionsAndKvBytes) {
+  auto manager = Make({.max_sessions_per_owner = 2, .max_kv_bytes_per_owner = 3 * kBlockBytes});
+  const std::string a = manager->Open(Spec(1), "alice")->id;
+  ASSERT_TRUE(manager->Open(Spec(1), "alice").ok());
+  absl::Status third = manager->Open(Spec(1), "alice").status();
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(third.message(), "--max_sessions_per_token")) << third;
+  EXPECT_TRUE(manager->Open(Spec(1), "bob").ok());
+  Extend(*manager, a, 0, 0, 12, "alice");  // 3 blocks: the quota
+  absl::Status more = manager->BeginStep(a, "alice", 0, 12, 1).status();
+  EXPECT_EQ(more.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(more.message(), "--max_kv_bytes_per_token")) << more;
+}
+
+TEST(SessionManagerThreads, ChurnOverOnePoolLeavesNothingBehind) {
+  SessionLimits limits;
+  limits.kv_cache_bytes = 64 * kBlockBytes;
+  limits.block_tokens = kBlockTokens;
+  limits.max_sessions = 16;
+  auto manager = *SessionManager::Create(limits);
+  const std::shared_ptr<const Model> model = TestModel("decoder");
+  std::atomic<int64_t> steps{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(static_cast<unsigned>(t));
+      std::vector<std::string> mine;
+      for (int i = 0; i < 300; ++i) {
+        SessionSpec spec;
+        spec.layers = {model, model};
+        if (mine.empty() || rng() % 8 == 0) {
+          absl::StatusOr<SessionInfo> opened = manager->Open(spec, "");
+          if (opened.ok()) mine.push_back(opened->id);
+          continue;
+        }
+        const std::string& id = mine[rng() % mine.size()];
+        absl::StatusOr<SessionInfo> info = manager->Get(id, "");
+        if (!info.ok()) continue;  // evicted by another thread's steps
+        const int layer = static_cast<int>(rng() % 2);
+        switch (rng() % 6) {
+          case 0:
+            if (absl::StatusOr<SessionInfo> child = manager->Fork(id, ""); child.ok()) {
+              mine.push_back(child->id);
+            }
+            break;
+          case 1:
+            (void)manager->Truncate(id, "", layer, info->layer_lengths[layer] / 2);
+            break;
+          case 2:
+            (void)manager->Close(id, "");
+            break;
+          default: {
+            const int64_t n = 1 + rng() % 5;
+            absl::StatusOr<StepLease> lease =
+                manager->BeginStep(id, "", layer, info->layer_lengths[layer], n);
+            if (!lease.ok()) break;
+            const std::vector<float> rows(static_cast<size_t>(n * 2 * 16), 1.0f);
+            absl::Status appended = lease->cache()->Append(rows, rows, n);
+            EXPECT_TRUE(appended.ok()) << appended;  // the reservation holds
+            manager->EndStep(*std::move(lease), appended, "out");
+            ++steps;
+          }
+        }
+        if (rng() % 16 == 0) manager->ExpireIdle();
+        (void)manager->stats();
+      }
+      for (const std::string& id : mine) (void)manager->Close(id, "");
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_GT(steps.load(), 100);
+  const SessionStats stats = manager->stats();
+  EXPECT_EQ(stats.sessions, 0);
+  EXPECT_EQ(stats.reserved_bytes, 0);
+  EXPECT_EQ(stats.pool.bytes_in_use, 0);
+  EXPECT_LE(stats.pool.bytes_held, limits.kv_cache_bytes);
+}
+
+}  // namespace
+}  // namespace attnserve::server
