@@ -16,6 +16,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
+#include "core/attention_layer_impl.h"
 #include "core/attention_weights.h"
 #include "core/checked_math.h"
 #include "core/forward_common.h"
@@ -85,111 +86,21 @@ std::vector<float> FuseColumns(
 
 }  // namespace
 
-// The layer's weights. Thread-safe: constant after construction, but for the
-// BF16 copies of the weights and the output projection's Gram matrices, each
-// made once on first use.
-class AttentionLayer::Impl {
- public:
-  Impl(const HeadConfig& config, AttentionWeights weights)
-      : config_(config),
-        fused_(config.context_dim == config.d_model),
-        w_qkv_(fused_ ? FuseColumns({&weights.w_q, &weights.w_k, &weights.w_v}, config.d_model,
-                                    {config.q_width(), config.kv_width(), config.kv_width()})
-                      : std::vector<float>()),
-        w_q_(fused_ ? std::vector<float>() : std::move(weights.w_q)),
-        w_kv_(fused_ ? std::vector<float>()
-                     : FuseColumns({&weights.w_k, &weights.w_v}, config.context_dim,
-                                   {config.kv_width(), config.kv_width()})),
-        b_qkv_(FuseColumns({&weights.b_q, &weights.b_k, &weights.b_v}, 1,
-                           {config.q_width(), config.kv_width(), config.kv_width()})),
-        w_o_(std::move(weights.w_o)),
-        b_o_(std::move(weights.b_o)),
-        inverse_frequencies_(internal::InverseFrequencies(config.rotary)) {}
-
-  const HeadConfig& config() const { return config_; }
-
-  absl::Status Validate(const LayerInputs& inputs, const ForwardOptions& options,
-                        const ForwardOutputs& outputs) const;
-  absl::StatusOr<ForwardInfo> ForwardOn(const LayerInputs& inputs, const ForwardOptions& options,
-                                        ForwardOutputs outputs, WorkspaceState& workspace) const;
-
- private:
-  // Where the projected rows of Q, K or V are in kProjections: row r of head
-  // h starts at element offset + r * stride + h * head_dim.
-  struct Projected {
-    int64_t offset = 0;
-    int64_t stride = 0;
-  };
-  // RoPE's tables in kRotary, [rows, rotary_dim / 2] each: the queries' and
-  // the keys' (the queries' again in self-attention).
-  struct Rotary {
-    const float* q_cos = nullptr;
-    const float* q_sin = nullptr;
-    const float* k_cos = nullptr;
-    const float* k_sin = nullptr;
-  };
-  // One forward's view of its inputs, route and workspace.
-  struct Pass {
-    const LayerInputs& inputs;
-    const SequenceLayout& keys;
-    bool cross;
-    const Route& route;
-    const SdpaCall& call;
-    WorkspaceState& workspace;
-    Projected qkv[3];  // Q, K, V
-    Rotary rotary;
-  };
-
-  // Stage 1: the projections into kProjections (and RoPE's tables).
-  absl::Status Project(Pass& pass) const;
-  // Stage 2: attention, a chunk of sequences at a time (the blocked path: the
-  // whole batch at once), into the token-major rows of kContextTokens.
-  absl::Status Attend(const Pass& pass, const ForwardOptions& options,
-                      absl::Span<float> head_contribution) const;
-  // Stage 3: the output projection; padding rows are 0.
-  absl::Status ProjectOutput(const Pass& pass, absl::Span<float> output) const;
-  // Stages the chunk's Q, K, V (kQStage...) from the projections, applying RoPE.
-  template <typename T>
-  void Stage(const Pass& pass, int64_t first, int64_t n) const;
-  // Concatenates the chunk's heads into token-major rows of kContextTokens.
-  template <typename T>
-  void ConcatHeads(const Pass& pass, int64_t first, int64_t n) const;
-  // ||head_h W^O_h||_F over each of the chunk's sequences' rows.
-  void Contributions(const Pass& pass, int64_t first, int64_t n, absl::Span<float> out) const;
-  void MakeBf16Weights() const;
-
-  // Where the input projections' weights are, FP32 or BF16: W_q is columns
-  // [0, Hq hd) of `q` (row stride q_stride), [W_k | W_v] columns [0, 2 Hkv hd)
-  // of `kv` (row stride kv_stride). Fused: both inside W_qkv.
-  struct InputWeights {
-    const void* q = nullptr;
-    int64_t q_stride = 0;
-    const void* kv = nullptr;
-    int64_t kv_stride = 0;
-  };
-  InputWeights GetInputWeights(bool bf16) const;
-
-  // Constant after construction.
-  const HeadConfig config_;  // resolved
-  // context_dim == d_model: W_q, W_k and W_v fused into w_qkv_ (w_q_ and w_kv_
-  // empty). Otherwise w_q_ and w_kv_ (w_qkv_ empty): their inputs differ in
-  // width.
-  const bool fused_;
-  const std::vector<float> w_qkv_;                 // [d_model, N] = [w_q | w_k | w_v]
-  const std::vector<float> w_q_;                   // [d_model, Hq * hd]
-  const std::vector<float> w_kv_;                  // [context_dim, 2 * Hkv * hd] = [w_k | w_v]
-  const std::vector<float> b_qkv_;                 // [N] = [b_q | b_k | b_v]
-  const std::vector<float> w_o_;                   // [Hq * hd, d_model]
-  const std::vector<float> b_o_;                   // [d_model]
-  const std::vector<double> inverse_frequencies_;  // [rotary_dim / 2]
-
-  // Made once, on first use (those of the FP32 weights that are not empty).
-  mutable absl::once_flag bf16_once_;
-  mutable std::vector<Bf16> w_qkv_bf16_, w_q_bf16_, w_kv_bf16_, w_o_bf16_;
-  // internal::OutputGram (when head_dim <= d_model).
-  mutable absl::once_flag gram_once_;
-  mutable std::vector<double> w_o_gram_;
-};
+AttentionLayer::Impl::Impl(const HeadConfig& config, AttentionWeights weights)
+    : config_(config),
+      fused_(config.context_dim == config.d_model),
+      w_qkv_(fused_ ? FuseColumns({&weights.w_q, &weights.w_k, &weights.w_v}, config.d_model,
+                                  {config.q_width(), config.kv_width(), config.kv_width()})
+                    : std::vector<float>()),
+      w_q_(fused_ ? std::vector<float>() : std::move(weights.w_q)),
+      w_kv_(fused_ ? std::vector<float>()
+                   : FuseColumns({&weights.w_k, &weights.w_v}, config.context_dim,
+                                 {config.kv_width(), config.kv_width()})),
+      b_qkv_(FuseColumns({&weights.b_q, &weights.b_k, &weights.b_v}, 1,
+                         {config.q_width(), config.kv_width(), config.kv_width()})),
+      w_o_(std::move(weights.w_o)),
+      b_o_(std::move(weights.b_o)),
+      inverse_frequencies_(internal::InverseFrequencies(config.rotary)) {}
 
 absl::Status AttentionLayer::Impl::Validate(const LayerInputs& inputs,
                                             const ForwardOptions& options,
@@ -318,8 +229,7 @@ absl::Status AttentionLayer::Impl::Project(Pass& pass) const {
     qkv[2] = {kv + config_.kv_width(), kv_width};
   } else {
     // Fused (Validate checked context_dim == d_model).
-    ATTNSERVE_RETURN_IF_ERROR(internal::Linear(workspace, rows, d, n_width, n_width, bf16, x,
-                                               w_in.q, b_qkv_.data(), projected, projected_bf16));
+    ATTNSERVE_RETURN_IF_ERROR(ProjectQkv(workspace, rows, bf16, x, projected, projected_bf16));
     qkv[0] = {0, n_width};
     qkv[1] = {q_width, n_width};
     qkv[2] = {q_width + config_.kv_width(), n_width};
@@ -425,15 +335,30 @@ absl::Status AttentionLayer::Impl::ProjectOutput(const Pass& pass, absl::Span<fl
     std::memset(context_tokens + begin * q_width * element, 0,
                 static_cast<size_t>((end - begin) * q_width * element));
   }
-  const void* const w_o = bf16 ? static_cast<const void*>(w_o_bf16_.data()) : w_o_.data();
-  ATTNSERVE_RETURN_IF_ERROR(internal::Linear(workspace, layout.rows(), q_width, d, d, bf16,
-                                             context_tokens, w_o, b_o_.data(), output.data(),
-                                             /*y_bf16=*/false));
+  ATTNSERVE_RETURN_IF_ERROR(
+      ProjectContext(workspace, layout.rows(), bf16, context_tokens, output.data()));
   workspace.stream.wait();
   for (const auto& [begin, end] : padding) {
     std::fill(output.begin() + begin * d, output.begin() + end * d, 0.0f);
   }
   return absl::OkStatus();
+}
+
+absl::Status AttentionLayer::Impl::ProjectQkv(WorkspaceState& workspace, int64_t rows, bool bf16,
+                                              const void* x, void* qkv, bool qkv_bf16) const {
+  const int64_t n_width = config_.q_width() + 2 * config_.kv_width();
+  const InputWeights w_in = GetInputWeights(bf16);
+  return internal::Linear(workspace, rows, config_.d_model, n_width, n_width, bf16, x, w_in.q,
+                          b_qkv_.data(), qkv, qkv_bf16);
+}
+
+absl::Status AttentionLayer::Impl::ProjectContext(WorkspaceState& workspace, int64_t rows,
+                                                  bool bf16, const void* context,
+                                                  float* out) const {
+  if (bf16) MakeBf16Weights();
+  const void* const w_o = bf16 ? static_cast<const void*>(w_o_bf16_.data()) : w_o_.data();
+  return internal::Linear(workspace, rows, config_.q_width(), config_.d_model, config_.d_model,
+                          bf16, context, w_o, b_o_.data(), out, /*y_bf16=*/false);
 }
 
 template <typename T>
@@ -576,6 +501,12 @@ absl::StatusOr<ForwardInfo> AttentionLayer::Forward(const LayerInputs& inputs,
       workspace, "running the attention layer", [&](WorkspaceState& state) {
         return impl_->ForwardOn(inputs, options, outputs, state);
       });
+}
+
+absl::StatusOr<ForwardInfo> AttentionLayer::Extend(absl::Span<ExtendItem> items,
+                                                   const ExtendOptions& options,
+                                                   Workspace* workspace) const {
+  return impl_->Extend(items, options, workspace);
 }
 
 }  // namespace attnserve::core

@@ -13,6 +13,7 @@
 #include "core/attention_inputs.h"
 #include "core/attention_weights.h"
 #include "core/attention_core.h"  // for code that includes the layer for both
+#include "core/decode/extend.h"
 #include "core/head_config.h"
 #include "core/route.h"
 #include "core/validation.h"
@@ -49,9 +50,11 @@ struct LayerInputs {
 // One multi-head attention layer on oneDNN (the seeds' definition, see
 // HeadConfig): self- or cross-attention, bidirectional or causal, padded or
 // packed ragged batches, explicit masks, head mask, RoPE, GQA/MQA, maps,
-// per-head statistics, FP32 or BF16. It holds its weights only: a forward
-// runs in a Workspace (primitives and scratch memory), the caller's or one
-// made for the call, on the Route that MakeRoute (core/route.h) gives.
+// per-head statistics, FP32 or BF16 (Forward); and decode steps of
+// self-attention over paged KV caches (Extend). It holds its weights only: a
+// call runs in a Workspace (primitives and scratch memory), the caller's or
+// one made for the call, on the Route that MakeRoute (or MakeExtendRoute,
+// core/route.h) gives.
 //
 // Thread-safe: concurrent forwards need different workspaces (the server runs
 // them on its compute executor, which owns one and the cores).
@@ -79,6 +82,36 @@ class AttentionLayer {
   // freed after it).
   absl::StatusOr<ForwardInfo> Forward(const LayerInputs& inputs, const ForwardOptions& options,
                                       ForwardOutputs outputs, Workspace* workspace = nullptr) const;
+
+  // The decode route: one step of a micro-batch of sequences whose keys and
+  // values are cached (see ExtendItem, ExtendOptions). For the items that
+  // pass validation, with R their new tokens in all:
+  //   QKV [R, N] = X W_qkv + b_qkv           one projection matmul over every item's new tokens
+  //   RoPE on Q and K at first_position + i  (core/head_staging.h, as Forward)
+  //   K, V appended to each item's cache     (LayerKvCache::Append; BF16 caches round them)
+  //   each new row attends to everything cached, causal within the new tokens
+  //   (new token i sees positions <= L0 + i), with head_mask  (core::PagedAttention)
+  //   out [R, d_model] = context W_o + b_o   one output matmul over all new tokens
+  // On the route MakeExtendRoute(config(), R, options.precision) gives
+  // (core/route.h): ForwardInfo says its precision and kernel path
+  // ("fp32/paged", "bf16/paged").
+  //
+  // Errors of one item are its status (see ExtendItem::status) and the call
+  // goes on with the others; an item the pool refuses leaves its cache as it
+  // was. The call itself returns INVALID_ARGUMENT for a layer that is not
+  // self-attention (context_dim != d_model; field "context_dim"), malformed
+  // options ("options.head_mask", "options.precision") or sizes that
+  // overflow ("items"); CANCELLED when options.should_stop says so;
+  // RESOURCE_EXHAUSTED when scratch memory cannot be allocated; INTERNAL when
+  // oneDNN fails. After any such error every cache has its length from
+  // before the call (tokens appended by the call are truncated away), and
+  // every item that passed validation has the call's error as its status.
+  // Items with no valid one: OK, nothing runs.
+  //
+  // Thread-safe as Forward (a workspace per concurrent call), as long as no
+  // two concurrent calls touch the same cache. `workspace`: as Forward's.
+  absl::StatusOr<ForwardInfo> Extend(absl::Span<ExtendItem> items, const ExtendOptions& options,
+                                     Workspace* workspace = nullptr) const;
 
  private:
   class Impl;

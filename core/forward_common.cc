@@ -1,6 +1,7 @@
 #include "core/forward_common.h"
 
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -61,10 +62,14 @@ absl::Status Cancelled() {
   return absl::CancelledError("attention forward stopped: should_stop returned true");
 }
 
-bool ShouldStop(const ForwardOptions& options, WorkspaceState& workspace) {
-  if (!options.should_stop) return false;
+bool ShouldStop(const std::function<bool()>& should_stop, WorkspaceState& workspace) {
+  if (!should_stop) return false;
   workspace.stream.wait();
-  return options.should_stop();
+  return should_stop();
+}
+
+bool ShouldStop(const ForwardOptions& options, WorkspaceState& workspace) {
+  return ShouldStop(options.should_stop, workspace);
 }
 
 }  // namespace attnserve::core::internal

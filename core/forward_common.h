@@ -1,9 +1,11 @@
 #ifndef ATTNSERVE_CORE_FORWARD_COMMON_H_
 #define ATTNSERVE_CORE_FORWARD_COMMON_H_
 
-// Private to core/: what AttentionLayer::Forward and AttentionCore::Run share
-// around their routes.
+// Private to core/: what AttentionLayer::Forward and AttentionCore::Run (and,
+// for the workspace and cancellation, AttentionLayer::Extend) share around
+// their routes.
 
+#include <functional>
 #include <memory>
 #include <new>
 #include <utility>
@@ -42,8 +44,10 @@ ForwardInfo MakeInfo(const Route& route);
 
 absl::Status Cancelled();
 
-// Whether options.should_stop asks to stop (after the work queued on the
-// workspace's stream has finished).
+// Whether should_stop (empty: never) asks to stop, after the work queued on
+// the workspace's stream has finished. The ForwardOptions form polls
+// options.should_stop.
+bool ShouldStop(const std::function<bool()>& should_stop, WorkspaceState& workspace);
 bool ShouldStop(const ForwardOptions& options, WorkspaceState& workspace);
 
 // Runs run(workspace state) on `given`, or on a workspace made for the call

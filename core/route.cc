@@ -10,9 +10,11 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "core/kernels/block_kernels.h"
 #include "core/checked_math.h"
 #include "core/kernels/blocked_sdpa.h"
+#include "core/status_macros.h"
 #include "omp.h"
 
 namespace attnserve::core {
@@ -172,17 +174,46 @@ void SizeLayer(const HeadConfig& config, const RouteRequest& request, Route& rou
     const int64_t tables = request.cross_attention ? rows + kv_rows : rows;
     size.Set(Scratch::kRotary, {2, tables, config.rotary.rotary_dim / 2}, 4);
   }
-  if (!route.blocked) {
+  if (!route.blocked && !route.paged) {
     size.Set(Scratch::kContextHeads,
              {route.chunk, config.num_heads, request.queries.max_length(), config.head_dim}, 4);
   }
   size.Set(Scratch::kContextTokens, {rows, q_width}, operand);
 }
 
+// The decode route's own buffers, beyond the layer's (SizeLayer): the rows of
+// the R new tokens, token-major.
+void SizePaged(const HeadConfig& config, int64_t rows, const Route& route, Sizer& size) {
+  const int64_t hd = config.head_dim;
+  if (!route.bf16()) size.Set(Scratch::kInputs, {rows, config.d_model}, 4);
+  size.Set(Scratch::kQStage, {rows, config.num_heads, hd}, 4);
+  size.Set(Scratch::kKStage, {rows, config.num_kv_heads, hd}, 4);
+  size.Set(Scratch::kVStage, {rows, config.num_kv_heads, hd}, 4);
+  // The attention writes FP32 heads; BF16 context rows are converted from them.
+  if (route.bf16()) size.Set(Scratch::kContextHeads, {rows, config.num_heads, hd}, 4);
+  size.Set(Scratch::kOutputs, {rows, config.d_model}, 4);
+}
+
+// OK when no size overflowed and the buffers' sum fits int64.
+absl::Status CheckSizes(const Route& route, const Sizer& size, absl::string_view field) {
+  std::optional<int64_t> total = 0;
+  for (int64_t b : route.bytes) total = total ? CheckedAdd(*total, b) : std::nullopt;
+  if (size.overflow() || !total) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": the attention's scratch memory for these lengths overflows int64"));
+  }
+  return absl::OkStatus();
+}
+
+Precision RunPrecision(Precision asked) {
+  return asked == Precision::kBf16 && Bf16Supported() ? Precision::kBf16 : Precision::kFp32;
+}
+
 }  // namespace
 
 absl::string_view ScratchName(Scratch buffer) {
   switch (buffer) {
+    case Scratch::kInputs: return "inputs";
     case Scratch::kInputsBf16: return "inputs_bf16";
     case Scratch::kContextBf16: return "context_bf16";
     case Scratch::kProjections: return "projections";
@@ -199,6 +230,7 @@ absl::string_view ScratchName(Scratch buffer) {
     case Scratch::kPackStates: return "pack_states";
     case Scratch::kContextHeads: return "context_heads";
     case Scratch::kContextTokens: return "context_tokens";
+    case Scratch::kOutputs: return "outputs";
     case Scratch::kCount: break;
   }
   return "unknown";
@@ -211,7 +243,8 @@ int64_t Route::scratch_bytes() const {
 }
 
 std::string Route::kernel_path() const {
-  return absl::StrCat(PrecisionName(precision), "/", blocked ? "blocked" : "materialized");
+  return absl::StrCat(PrecisionName(precision), "/",
+                      paged ? "paged" : blocked ? "blocked" : "materialized");
 }
 
 std::vector<std::string> KernelPathNames() {
@@ -224,6 +257,10 @@ std::vector<std::string> KernelPathNames() {
       route.blocked = blocked;
       names.push_back(route.kernel_path());
     }
+    Route paged;
+    paged.precision = precision;
+    paged.paged = true;
+    names.push_back(paged.kernel_path());
   }
   return names;
 }
@@ -231,8 +268,7 @@ std::vector<std::string> KernelPathNames() {
 absl::StatusOr<Route> MakeRoute(const HeadConfig& config, const RouteRequest& request,
                                 const ForwardOptions& options) {
   Route route;
-  route.precision = options.precision == Precision::kBf16 && Bf16Supported() ? Precision::kBf16
-                                                                             : Precision::kFp32;
+  route.precision = RunPrecision(options.precision);
   const int64_t batch = request.queries.batch();
   const int64_t s = request.queries.max_length();
   const int64_t t = request.keys.max_length();
@@ -265,12 +301,26 @@ absl::StatusOr<Route> MakeRoute(const HeadConfig& config, const RouteRequest& re
     SizeAttention(config, request, route, size);
     if (!request.projected_inputs) SizeLayer(config, request, route, size);
   }
-  std::optional<int64_t> total = 0;
-  for (int64_t b : route.bytes) total = total ? CheckedAdd(*total, b) : std::nullopt;
-  if (size.overflow() || !total) {
-    return absl::InvalidArgumentError(
-        "layout: the attention's scratch memory for these lengths overflows int64");
+  ATTNSERVE_RETURN_IF_ERROR(CheckSizes(route, size, "layout"));
+  return route;
+}
+
+absl::StatusOr<Route> MakeExtendRoute(const HeadConfig& config, int64_t new_tokens,
+                                      Precision precision) {
+  Route route;
+  route.precision = RunPrecision(precision);
+  route.paged = true;
+  // The new tokens' rows, as one packed "sequence": the layer's buffers
+  // (SizeLayer) are sized by rows, which is all the decode route asks of them.
+  route.chunk = 1;
+  route.staged = true;
+  Sizer size(route);
+  if (new_tokens > 0) {
+    ATTNSERVE_ASSIGN_OR_RETURN(const SequenceLayout rows, SequenceLayout::Packed({new_tokens}));
+    SizeLayer(config, RouteRequest{.queries = rows, .keys = rows, .causal = true}, route, size);
+    SizePaged(config, new_tokens, route, size);
   }
+  ATTNSERVE_RETURN_IF_ERROR(CheckSizes(route, size, "items"));
   return route;
 }
 

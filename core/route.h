@@ -2,11 +2,13 @@
 #define ATTNSERVE_CORE_ROUTE_H_
 
 // The route of a forward: every decision about how a call runs (precision,
-// materialized or blocked, which block kernels, staging or reading the
+// materialized, blocked or paged, which block kernels, staging or reading the
 // projections in place, chunking) and every scratch buffer's size, made once,
-// in MakeRoute. AttentionLayer::Forward and AttentionCore::Run execute the
-// route; a server sizes its admission with the same route (scratch_bytes), and
-// the kernel-path name a response and a metric carry is the route's.
+// in MakeRoute (AttentionLayer::Forward, AttentionCore::Run) or
+// MakeExtendRoute (AttentionLayer::Extend, the decode route). The calls
+// execute the route; a server sizes its admission with the same route
+// (scratch_bytes), and the kernel-path name a response and a metric carry is
+// the route's.
 
 #include <array>
 #include <cstdint>
@@ -24,13 +26,14 @@ namespace attnserve::core {
 // forward uses them. Each is sized by the route; a buffer a route does not use
 // has 0 bytes.
 enum class Scratch : int {
+  kInputs,          // paged: the items' hidden states gathered, [R, d_model] FP32
   kInputsBf16,      // the hidden states in BF16 [R, d_model]
   kContextBf16,     // cross-attention: the context in BF16 [Rc, context_dim]
   kProjections,     // QKV [R, N], or Q [R, Hq hd] then KV [Rc, 2 Hkv hd] (FP32, or BF16 in place)
   kRotary,          // RoPE cos and sin of the queries' rows (and of the context's)
-  kQStage,          // staged Q [chunk, Hq, S, hd] in the operand type
-  kKStage,          // staged K [chunk, Hkv, T, hd]
-  kVStage,          // staged V [chunk, Hkv, T, hd]
+  kQStage,          // staged Q [chunk, Hq, S, hd] in the operand type; paged: [R, Hq, hd] FP32
+  kKStage,          // staged K [chunk, Hkv, T, hd]; paged: [R, Hkv, hd] FP32
+  kVStage,          // staged V [chunk, Hkv, T, hd]; paged: [R, Hkv, hd] FP32
   kScores,          // materialized: scores / P [chunk, Hq, S, T] FP32
   kProbsBf16,       // materialized BF16: P in BF16
   kMask,            // materialized, when anything is masked: [chunk, G S, T] FP32
@@ -38,8 +41,11 @@ enum class Scratch : int {
   kBlockWorkspace,  // blocked: per thread, one block's scores, P, P V, accumulator, row state
   kBlockPacks,      // blocked on the own kernels: packed key (and BF16 value) blocks
   kPackStates,      // blocked on the own kernels: [chunk, Hkv, key blocks] int32
-  kContextHeads,    // materialized layer: context heads [chunk, Hq, S, hd] FP32
+  kContextHeads,    // materialized layer: context heads [chunk, Hq, S, hd] FP32;
+                    // paged BF16: [R, Hq, hd] FP32 (before conversion)
   kContextTokens,   // layer: the heads concatenated, [R, Hq hd] in the operand type
+  kOutputs,         // paged: the output projection [R, d_model] FP32, before it
+                    // is scattered to the items
   kCount,
 };
 constexpr int kScratchCount = static_cast<int>(Scratch::kCount);
@@ -66,6 +72,9 @@ struct RouteRequest {
 struct Route {
   // What runs: kBf16 only where asked for and Bf16Supported().
   Precision precision = Precision::kFp32;
+  // The decode route (MakeExtendRoute): the new tokens' rows attend to paged
+  // KV caches (core::PagedAttention); precision is the projections'.
+  bool paged = false;
   // The blocked (flash-style) path, or the materialized one (maps, statistics).
   bool blocked = false;
   // Blocked: attnserve's own AVX-512 block kernels, or oneDNN's block matmuls.
@@ -94,7 +103,7 @@ struct Route {
   // reserves beyond the caller's buffers (oneDNN's own scratchpads, a few
   // hundred KiB sized by its primitives, are not counted).
   int64_t scratch_bytes() const;
-  // "<precision>/<path>": "fp32/materialized", "bf16/blocked", ...
+  // "<precision>/<path>": "fp32/materialized", "bf16/blocked", "fp32/paged", ...
   std::string kernel_path() const;
 };
 
@@ -108,6 +117,19 @@ std::vector<std::string> KernelPathNames();
 // int64 (naming "layout"). Thread-safe.
 absl::StatusOr<Route> MakeRoute(const HeadConfig& config, const RouteRequest& request,
                                 const ForwardOptions& options);
+
+// The route of AttentionLayer::Extend (the decode route) for a step of
+// `new_tokens` (>= 0) new tokens in all, over the items that run, with
+// projections in `precision` (kBf16 runs only where Bf16Supported()): paged,
+// and the buffers of the new tokens' rows -- the gathered hidden states
+// (kInputs, or kInputsBf16), their projections, RoPE's tables, Q, K and V
+// staged token-major, the context rows (BF16: and their FP32 heads), the
+// output rows. The attention reads the caches in place and its own per-call
+// bookkeeping (core::PagedAttention) is not counted, nor are the caches
+// (their pool has its own budget). INVALID_ARGUMENT naming "items" when a
+// size overflows int64. Thread-safe.
+absl::StatusOr<Route> MakeExtendRoute(const HeadConfig& config, int64_t new_tokens,
+                                      Precision precision);
 
 }  // namespace attnserve::core
 

@@ -180,6 +180,13 @@ absl::Status ValidateFinite(absl::Span<const Bf16> values, const SequenceLayout&
   return Finite(values, layout, blocks, width, field);
 }
 
+absl::Status ValidatePrecision(Precision precision, absl::string_view field) {
+  if (precision != Precision::kFp32 && precision != Precision::kBf16) {
+    return InvalidField(field, absl::StrCat("unknown value ", static_cast<int>(precision)));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateHeadMask(absl::Span<const float> head_mask, int64_t num_heads,
                               absl::string_view field) {
   if (head_mask.empty()) return absl::OkStatus();
@@ -206,10 +213,15 @@ absl::Status ValidatePositionOffsets(absl::Span<const int64_t> offsets, int64_t 
     return InvalidField(field, absl::StrCat(offsets.size(), " offsets for a batch of ", batch));
   }
   for (size_t b = 0; b < offsets.size(); ++b) {
-    if (offsets[b] < 0 || offsets[b] > kMaxPositionOffset) {
-      return InvalidField(absl::StrCat(field, "[", b, "]"),
-                          absl::StrCat(offsets[b], " is outside [0, ", kMaxPositionOffset, "]"));
-    }
+    ATTNSERVE_RETURN_IF_ERROR(ValidatePosition(offsets[b], field, static_cast<int64_t>(b)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePosition(int64_t position, absl::string_view field, int64_t index) {
+  if (position < 0 || position > kMaxPositionOffset) {
+    return InvalidField(index >= 0 ? absl::StrCat(field, "[", index, "]") : std::string(field),
+                        absl::StrCat(position, " is outside [0, ", kMaxPositionOffset, "]"));
   }
   return absl::OkStatus();
 }
@@ -234,10 +246,7 @@ std::optional<int64_t> AttentionMapElements(const HeadConfig& config, const Sequ
 
 absl::Status ValidateForwardOptions(const HeadConfig& config, const SequenceLayout& queries,
                                     const ForwardOptions& options, absl::string_view field) {
-  if (options.precision != Precision::kFp32 && options.precision != Precision::kBf16) {
-    return InvalidField(Sub(field, "precision"),
-                        absl::StrCat("unknown value ", static_cast<int>(options.precision)));
-  }
+  ATTNSERVE_RETURN_IF_ERROR(ValidatePrecision(options.precision, Sub(field, "precision")));
   switch (options.attention_path) {
     case AttentionPath::kAuto:
     case AttentionPath::kMaterialized:

@@ -73,12 +73,20 @@ absl::Status ValidateFinite(absl::Span<const float> values, const SequenceLayout
 absl::Status ValidateFinite(absl::Span<const Bf16> values, const SequenceLayout& layout,
                             int64_t blocks, int64_t width, absl::string_view field);
 
+// kFp32 or kBf16; errors name `field`.
+absl::Status ValidatePrecision(Precision precision, absl::string_view field = "precision");
+
 // Empty, or [num_heads] values each finite and >= 0.
 absl::Status ValidateHeadMask(absl::Span<const float> head_mask, int64_t num_heads,
                               absl::string_view field = "head_mask");
 
-// Empty, or [batch] RoPE positions each in [0, kMaxPositionOffset]; a layer
-// without rotary embeddings (rotary_dim 0) takes none.
+// A RoPE position in [0, kMaxPositionOffset]; errors name `field` (or
+// `field`[index] when index >= 0).
+absl::Status ValidatePosition(int64_t position, absl::string_view field, int64_t index = -1);
+
+// Empty, or [batch] RoPE positions each in [0, kMaxPositionOffset]
+// (ValidatePosition); a layer without rotary embeddings (rotary_dim 0) takes
+// none.
 absl::Status ValidatePositionOffsets(absl::Span<const int64_t> offsets, int64_t batch,
                                      int64_t rotary_dim,
                                      absl::string_view field = "position_offsets");

@@ -23,6 +23,7 @@
 #include "core/head_config.h"
 #include "core/kernels/online_softmax.h"
 #include "core/status_macros.h"
+#include "core/validation.h"
 
 namespace attnserve::core {
 namespace {
@@ -49,6 +50,8 @@ struct ItemView {
   int64_t first = 0;   // L - n: the position of new row 0
   int64_t block_tokens = 0;
   bool bf16 = false;
+  // Head h's weights are multiplied by this (head_mask[h], or 1).
+  float gate(int64_t h) const { return item->head_mask.empty() ? 1.0f : item->head_mask[h]; }
   // The row of query head h and new row i, of q and out; of the map.
   int64_t q_row(int64_t i, int64_t h) const { return (i * heads + h) * head_dim; }
   int64_t map_row(int64_t i, int64_t h) const { return (h * n + i) * length; }
@@ -130,6 +133,9 @@ absl::Status ValidateItem(const PagedAttentionItem& item, int64_t index) {
     ATTNSERVE_RETURN_IF_ERROR(CheckSize(index, "attention_map", item.attention_map.size(),
                                         {h, n, length}, "num_heads * new_tokens * length"));
   }
+  if (!item.head_mask.empty()) {
+    return ValidateHeadMask(item.head_mask, h, absl::StrCat("items[", index, "].head_mask"));
+  }
   return absl::OkStatus();
 }
 
@@ -200,9 +206,10 @@ int64_t PlanUnits(absl::Span<const ItemView> views, int64_t threads, std::vector
 }
 
 // Map row [L] of a query row that sees `visible` keys, holding their raw
-// scores: becomes exp(scale (s_j - m)) / l, and 0 past them.
-void NormalizeMapRow(float* row, int64_t visible, int64_t length, float m, float l, float scale) {
-  const float inv_l = 1.0f / l;
+// scores: becomes gate exp(scale (s_j - m)) / l, and 0 past them.
+void NormalizeMapRow(float* row, int64_t visible, int64_t length, float m, float l, float scale,
+                     float gate) {
+  const float inv_l = gate / l;
   for (int64_t j = 0; j < visible; ++j) row[j] = internal::FastExp((row[j] - m) * scale) * inv_l;
   std::fill(row + visible, row + length, 0.0f);
 }
@@ -266,10 +273,11 @@ void FinishTile(const ItemView& view, const Unit& unit, int64_t i0, int64_t i1,
         std::memcpy(to + 2, acc, static_cast<size_t>(hd) * sizeof(float));
         continue;
       }
-      internal::ScaleInto(acc, hd, 1.0f / state.l[r], item.out.data() + view.q_row(i, h));
+      internal::ScaleInto(acc, hd, view.gate(h) / state.l[r],
+                          item.out.data() + view.q_row(i, h));
       if (!item.attention_map.empty()) {
         NormalizeMapRow(item.attention_map.data() + view.map_row(i, h), view.first + i + 1,
-                        view.length, state.m[r], state.l[r], item.scale);
+                        view.length, state.m[r], state.l[r], item.scale, view.gate(h));
       }
     }
   }
@@ -294,7 +302,7 @@ void RunUnit(const ItemView& view, const Unit& unit, TileState& state, float* pa
 // Merges the splits' softmax states of one (item, KV head) into out (and
 // normalizes its map rows, which hold every split's raw scores):
 //   M = max_s m_s, w_s = exp(scale (m_s - M)), l = sum_s w_s l_s,
-//   out = sum_s w_s acc_s / l.
+//   out = head_mask[h] sum_s w_s acc_s / l.
 void MergeSplits(const ItemView& view, const Merge& merge, absl::Span<const Unit> units,
                  const float* partials, std::vector<float>& acc) {
   const PagedAttentionItem& item = *view.item;
@@ -318,10 +326,10 @@ void MergeSplits(const ItemView& view, const Merge& merge, absl::Span<const Unit
         for (int64_t d = 0; d < hd; ++d) acc[static_cast<size_t>(d)] += w * state[2 + d];
       }
       const int64_t h = merge.kv_head * view.group + hl;
-      internal::ScaleInto(acc.data(), hd, 1.0f / l, item.out.data() + view.q_row(i, h));
+      internal::ScaleInto(acc.data(), hd, view.gate(h) / l, item.out.data() + view.q_row(i, h));
       if (!item.attention_map.empty()) {
         NormalizeMapRow(item.attention_map.data() + view.map_row(i, h), view.first + i + 1,
-                        view.length, m, l, item.scale);
+                        view.length, m, l, item.scale, view.gate(h));
       }
     }
   }

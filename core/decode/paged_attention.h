@@ -18,9 +18,12 @@ namespace attnserve::core {
 //   q:   [n, num_heads, hd] FP32 row-major (RoPE already applied)
 //   out: [n, num_heads, hd] FP32 row-major
 //   attention_map: empty, or [num_heads, n, L] FP32 row-major
+//   head_mask: empty (all 1), or [num_heads], each finite and >= 0
 // New query i (0-based) sits at position L - n + i and sees keys
 // j <= L - n + i. For query head h and g = h / G:
-//   s_ij = q_ih . K_g[j] * scale (j <= L - n + i),  P_i = softmax(s_i),
+//   s_ij = q_ih . K_g[j] * scale (j <= L - n + i),
+//   P_i = softmax(s_i) * head_mask[h]  (the head's weights gated, as in
+//                                       AttentionLayer::Forward),
 //   out_ih = sum_j P_ij V_g[j],  attention_map[h, i, j] = P_ij (0 for later j).
 struct PagedAttentionItem {
   const LayerKvCache* cache = nullptr;
@@ -30,6 +33,7 @@ struct PagedAttentionItem {
   absl::Span<const float> q;
   absl::Span<float> out;
   absl::Span<float> attention_map;
+  absl::Span<const float> head_mask;
 };
 
 // Runs the items on the calling thread's OpenMP threads: units of (item, KV
@@ -43,7 +47,8 @@ struct PagedAttentionItem {
 // INVALID_ARGUMENT naming the field ("items[i].q", ...) when a cache is null,
 // num_heads is not a positive multiple of the cache's num_kv_heads (at most
 // kMaxHeads), new_tokens is not in [1, L], scale is not finite and positive,
-// or a span's size does not match; nothing is written then.
+// a span's size does not match, or a head_mask value is negative or not
+// finite; nothing is written then.
 // Thread-safe for calls whose outputs differ, while no cache they read
 // changes.
 absl::Status PagedAttention(absl::Span<const PagedAttentionItem> items);

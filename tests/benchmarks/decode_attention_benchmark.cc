@@ -156,7 +156,7 @@ void BM_PagedDecode(benchmark::State& state) {
       const size_t at = static_cast<size_t>(s) * row;
       items[static_cast<size_t>(g)].push_back(PagedAttentionItem{
           caches[static_cast<size_t>(g * seqs + s)].get(), heads, 1, 0.125f,
-          absl::MakeConstSpan(q.data() + at, row), absl::MakeSpan(out.data() + at, row), {}});
+          absl::MakeConstSpan(q.data() + at, row), absl::MakeSpan(out.data() + at, row), {}, {}});
     }
   }
   for (const auto& group : items) {

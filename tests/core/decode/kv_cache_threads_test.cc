@@ -47,7 +47,7 @@ void AttendLast(const LayerKvCache& cache, std::mt19937_64& rng) {
   const int heads = 4;
   const std::vector<float> q = RandomNormal(static_cast<size_t>(heads * kLayout.head_dim), rng);
   std::vector<float> out(q.size());
-  const PagedAttentionItem item{&cache, heads, 1, 0.25f, q, absl::MakeSpan(out), {}};
+  const PagedAttentionItem item{&cache, heads, 1, 0.25f, q, absl::MakeSpan(out), {}, {}};
   ASSERT_THAT(PagedAttention({&item, 1}), IsOk());
   for (float x : out) ASSERT_TRUE(std::isfinite(x));
 }

@@ -91,23 +91,47 @@ struct Sequence {
 
   PagedAttentionItem Item() {
     return PagedAttentionItem{cache.get(), shape.heads, new_tokens, shape.scale(), q,
-                              absl::MakeSpan(out), absl::MakeSpan(map)};
+                              absl::MakeSpan(out), absl::MakeSpan(map), head_mask};
+  }
+
+  // The reference's rows with head h's weights times head_mask[h].
+  DecodeReference Reference(bool bf16_kv) const {
+    DecodeReference r =
+        ReferenceDecodeRows(history, q, new_tokens, shape.heads, shape.scale(), bf16_kv);
+    if (head_mask.empty()) return r;
+    const int64_t hd = shape.head_dim, length = history.length();
+    for (int64_t i = 0; i < new_tokens; ++i) {
+      for (int64_t h = 0; h < shape.heads; ++h) {
+        for (int64_t e = 0; e < hd; ++e) r.out[(i * shape.heads + h) * hd + e] *= head_mask[h];
+        for (int64_t j = 0; j < length; ++j) {
+          r.maps[(h * new_tokens + i) * length + j] *= head_mask[h];
+        }
+      }
+    }
+    return r;
   }
 
   // The step's out (and map) against the reference.
   void ExpectMatchesReference() const {
     SCOPED_TRACE(absl::StrCat(shape.name, ", length ", history.length(), ", new ", new_tokens));
-    const DecodeReference expected =
-        ReferenceDecodeRows(history, q, new_tokens, shape.heads, shape.scale(), shape.bf16());
+    const DecodeReference expected = Reference(shape.bf16());
     EXPECT_LE(MaxAbsErrorRelative(out, expected.out), kTolerance);
     if (shape.bf16()) {
-      const DecodeReference unrounded =
-          ReferenceDecodeRows(history, q, new_tokens, shape.heads, shape.scale(), false);
-      EXPECT_LE(MaxAbsErrorRelative(out, unrounded.out), kBf16UnroundedTolerance);
+      EXPECT_LE(MaxAbsErrorRelative(out, Reference(false).out), kBf16UnroundedTolerance);
     }
-    if (!map.empty()) {
-      EXPECT_LE(MaxAbsErrorRelative(map, expected.maps), kTolerance);
+    if (map.empty()) return;
+    EXPECT_LE(MaxAbsErrorRelative(map, expected.maps), kTolerance);
+    if (head_mask.empty()) {
       EXPECT_LE(MaxRowSumError(map, history.length()), kTolerance);
+      return;
+    }
+    const int64_t length = history.length();
+    for (int64_t h = 0; h < shape.heads; ++h) {
+      for (int64_t i = 0; i < new_tokens; ++i) {
+        double sum = 0.0;
+        for (int64_t j = 0; j < length; ++j) sum += map[(h * new_tokens + i) * length + j];
+        EXPECT_NEAR(sum, head_mask[h], kTolerance) << "head " << h << " row " << i;
+      }
     }
   }
 
@@ -116,6 +140,7 @@ struct Sequence {
   SequenceHistory history;
   int64_t new_tokens = 0;
   std::vector<float> q, out, map;
+  std::vector<float> head_mask;  // empty: all 1
 };
 
 std::vector<Shape> Shapes() {
@@ -225,6 +250,35 @@ TEST(PagedAttention, MicroBatchMixingLengthsMatchesEachSequenceAlone) {
   for (auto& sequence : batch) sequence->ExpectMatchesReference();
 }
 
+// head_mask[h] gates head h's weights: out and map rows times it (0 removes
+// the head), on whole units and on split key ranges alike.
+TEST(PagedAttention, HeadMaskGatesEachHeadsWeights) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  for (KvPrecision precision : {KvPrecision::kFp32, KvPrecision::kBf16}) {
+    const Shape shape{"Gqa8to2Hd64", 8, 2, 64, precision, 16};
+    std::unique_ptr<KvBlockPool> pool = MakePool(shape.block_tokens);
+    Sequence sequence(pool.get(), shape);
+    sequence.head_mask = {0.0f, 0.5f, 1.0f, 2.0f, 0.25f, 0.0f, 3.0f, 1.0f};
+    for (int64_t n : {40, 1, 7}) {
+      sequence.Step(n, /*with_map=*/true, rng);
+      const PagedAttentionItem item = sequence.Item();
+      ASSERT_THAT(PagedAttention({&item, 1}), IsOk());
+      sequence.ExpectMatchesReference();
+    }
+    const Shape long_shape{"Mqa8to1Hd64Long", 8, 1, 64, precision, 32};
+    Sequence long_sequence(pool.get(), long_shape);
+    long_sequence.head_mask = sequence.head_mask;
+    long_sequence.Step(2000, /*with_map=*/false, rng);
+    long_sequence.Step(2, /*with_map=*/true, rng);
+    const PagedAttentionItem item = long_sequence.Item();
+    EXPECT_GT(internal::PagedAttentionSplits({&item, 1}, 2)[0], 1);
+    WithThreads(2, [&] { ASSERT_THAT(PagedAttention({&item, 1}), IsOk()); });
+    long_sequence.ExpectMatchesReference();
+  }
+}
+
 TEST(PagedAttention, NoItemsIsNothingToDo) { EXPECT_THAT(PagedAttention({}), IsOk()); }
 
 // Each malformed field is refused by name, and nothing is written, also to
@@ -241,6 +295,7 @@ TEST(PagedAttention, MalformedItemsAreRefusedNamingTheFieldAndNothingIsWritten) 
     std::function<void(PagedAttentionItem&)> apply;
   };
   std::vector<float> short_span(7);
+  const std::vector<float> negative_gate = {1, 1, -1, 1, 1, 1, 1, 1};
   const std::vector<Defect> defects = {
       {"items[1].cache", [](PagedAttentionItem& i) { i.cache = nullptr; }},
       {"items[1].num_heads", [](PagedAttentionItem& i) { i.num_heads = 7; }},
@@ -253,6 +308,8 @@ TEST(PagedAttention, MalformedItemsAreRefusedNamingTheFieldAndNothingIsWritten) 
       {"items[1].out", [&](PagedAttentionItem& i) { i.out = absl::MakeSpan(short_span); }},
       {"items[1].attention_map",
        [&](PagedAttentionItem& i) { i.attention_map = absl::MakeSpan(short_span); }},
+      {"items[1].head_mask", [&](PagedAttentionItem& i) { i.head_mask = short_span; }},
+      {"items[1].head_mask[2]", [&](PagedAttentionItem& i) { i.head_mask = negative_gate; }},
   };
   for (const Defect& defect : defects) {
     std::vector<PagedAttentionItem> items = {good.Item(), bad.Item()};
