@@ -17,22 +17,44 @@
 //   of_probe   KV_GBps / the probe's GB/s (median of 5 probe runs in this
 //              process before the benchmarks)
 //   KV_MB      K/V bytes one call reads
+//
+// BM_ExtendStep/seqs/context/d_model/heads/kv_heads/bf16_kv: the whole
+// in-process decode step, AttentionLayer::Extend with one new token per
+// sequence (FP32 projections, head_dim 64, full RoPE, a workspace kept across
+// calls): the projections, RoPE, the append, the paged attention over
+// `context` cached tokens and the output projection. Each cache holds
+// context - 1 tokens before the call and is truncated back after it (outside
+// the timed call). Counters:
+//   tokens_per_s  new tokens per second (seqs per call)
+//   step_us       microseconds per call
+//   GBps          (KV bytes of every sequence + weight bytes once per call) / time
+//   of_probe      GBps / the probe's GB/s: the fraction of the bytes/bandwidth bound
+//   KV_MB, weights_MB  what one call reads of each
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "benchmark/benchmark.h"
+#include "core/attention_inputs.h"
+#include "core/attention_layer.h"
+#include "core/attention_weights.h"
+#include "core/decode/extend.h"
 #include "core/decode/kv_block_pool.h"
 #include "core/decode/kv_layout.h"
 #include "core/decode/layer_kv_cache.h"
 #include "core/decode/paged_attention.h"
+#include "core/head_config.h"
+#include "core/workspace.h"
 
 namespace attnserve::core {
 namespace {
@@ -185,6 +207,103 @@ void Scenarios(benchmark::internal::Benchmark* b) {
   }
 }
 BENCHMARK(BM_PagedDecode)->Apply(Scenarios)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// Groups of `seqs` caches of `context` - 1 tokens, rotated so that their KV
+// is >= 4x L3, with each group's items (one new token each) over shared
+// input and output rows.
+struct ExtendGroups {
+  std::unique_ptr<KvBlockPool> pool;
+  std::vector<std::unique_ptr<LayerKvCache>> caches;
+  std::vector<float> hidden, output;
+  std::vector<std::vector<ExtendItem>> items;
+};
+
+ExtendGroups MakeExtendGroups(const HeadConfig& config, int64_t seqs, int64_t context,
+                              const KvLayout& layout, int64_t call_kv_bytes) {
+  ExtendGroups g;
+  const int64_t groups = std::max<int64_t>(2, (4 * L3Bytes() + call_kv_bytes - 1) / call_kv_bytes);
+  const int block_tokens = 32;
+  const int64_t blocks = groups * seqs * ((context + block_tokens - 1) / block_tokens);
+  g.pool = KvBlockPool::Create({blocks * KvBlockBytes(layout, block_tokens), block_tokens}).value();
+  const size_t d = static_cast<size_t>(config.d_model);
+  g.hidden.resize(static_cast<size_t>(seqs) * d);
+  for (size_t i = 0; i < g.hidden.size(); ++i) g.hidden[i] = static_cast<float>(i % 17) * 0.01f;
+  g.output.resize(g.hidden.size());
+  for (int64_t group = 0; group < groups; ++group) {
+    g.items.emplace_back();
+    for (int64_t s = 0; s < seqs; ++s) {
+      g.caches.push_back(LayerKvCache::Create(g.pool.get(), layout).value());
+      Fill(*g.caches.back(), context - 1, static_cast<uint32_t>(group * seqs + s));
+      ExtendItem item;
+      item.cache = g.caches.back().get();
+      item.hidden_states = absl::MakeConstSpan(g.hidden.data() + s * d, d);
+      item.first_position = context - 1;
+      item.output = absl::MakeSpan(g.output.data() + s * d, d);
+      g.items.back().push_back(item);
+    }
+  }
+  return g;
+}
+
+void BM_ExtendStep(benchmark::State& state) {
+  const int64_t seqs = state.range(0), context = state.range(1);
+  HeadConfig requested;
+  requested.d_model = state.range(2);
+  requested.num_heads = state.range(3);
+  requested.num_kv_heads = state.range(4);
+  requested.head_dim = 64;
+  requested.rotary.rotary_dim = 64;
+  const HeadConfig config = ResolveHeadConfig(requested).value();
+  const std::unique_ptr<AttentionLayer> layer =
+      AttentionLayer::Create(config, SeededWeights(config, 7)).value();
+  const KvLayout layout{static_cast<int>(config.num_kv_heads), 64,
+                        state.range(5) ? KvPrecision::kBf16 : KvPrecision::kFp32};
+  const int64_t kv_bytes = seqs * context * config.kv_width() * 2 * layout.element_bytes();
+  const int64_t weight_bytes =
+      4 * (config.d_model * (config.q_width() + 2 * config.kv_width()) +
+           config.q_width() * config.d_model);
+  ExtendGroups g = MakeExtendGroups(config, seqs, context, layout, kv_bytes);
+  const std::unique_ptr<Workspace> workspace = Workspace::Create().value();
+  auto step = [&](std::vector<ExtendItem>& items) {
+    if (!layer->Extend(absl::MakeSpan(items), {}, workspace.get()).ok()) std::abort();
+  };
+  auto truncate = [&](std::vector<ExtendItem>& items) {
+    for (ExtendItem& item : items) {
+      if (!item.status.ok() || !item.cache->Truncate(context - 1).ok()) std::abort();
+    }
+  };
+  for (auto& items : g.items) {  // warm-up, one pass over all
+    step(items);
+    truncate(items);
+  }
+  int64_t calls = 0;
+  double seconds = 0.0;
+  for (auto _ : state) {
+    std::vector<ExtendItem>& items = g.items[static_cast<size_t>(calls++) % g.items.size()];
+    const auto start = std::chrono::steady_clock::now();
+    step(items);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    truncate(items);
+  }
+  const double per_call = seconds / static_cast<double>(calls);
+  const double gbps = static_cast<double>(kv_bytes + weight_bytes) / per_call * 1e-9;
+  state.counters["tokens_per_s"] = static_cast<double>(seqs) / per_call;
+  state.counters["step_us"] = per_call * 1e6;
+  state.counters["GBps"] = gbps;
+  state.counters["of_probe"] = gbps / ProbeGbps();
+  state.counters["KV_MB"] = static_cast<double>(kv_bytes) * 1e-6;
+  state.counters["weights_MB"] = static_cast<double>(weight_bytes) * 1e-6;
+}
+
+void ExtendScenarios(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"seqs", "context", "d_model", "heads", "kv_heads", "bf16_kv"});
+  for (int bf16 : {0, 1}) {
+    b->Args({1, 4096, 1024, 16, 16, bf16});
+    b->Args({1, 4096, 1024, 16, 4, bf16});
+    b->Args({32, 2048, 768, 12, 12, bf16});
+  }
+}
+BENCHMARK(BM_ExtendStep)->Apply(ExtendScenarios)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 }  // namespace
 }  // namespace attnserve::core
