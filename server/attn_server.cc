@@ -206,9 +206,26 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
             .on_unloaded = [self](absl::string_view name) { self->metrics_->RemoveModel(name); },
         });
   }
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      server->sessions_,
+      SessionManager::Create(options.sessions,
+                             {.period = absl::Seconds(1),
+                              .on_look = [metrics = server->metrics_.get(),
+                                          budget = options.sessions.kv_cache_bytes](
+                                             const SessionStats& stats) {
+                                metrics->SetSessionGauges(
+                                    {.sessions = stats.sessions,
+                                     .kv_used_bytes = stats.pool.bytes_in_use,
+                                     .kv_held_bytes = stats.pool.bytes_held,
+                                     .kv_budget_bytes = budget,
+                                     .kv_blocks = stats.pool.blocks_in_use,
+                                     .evictions_for_memory = stats.evictions_for_memory,
+                                     .evictions_for_sessions = stats.evictions_for_sessions,
+                                     .expiries = stats.expiries});
+                              }}));
   server->service_ = std::make_unique<AttentionServiceImpl>(
       options, &server->registry_, server->executor_.get(), server->metrics_.get(),
-      std::move(tokens), server->loader_.get());
+      std::move(tokens), server->loader_.get(), server->sessions_.get());
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

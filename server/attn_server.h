@@ -81,6 +81,9 @@ class AttnServer {
   // With options.model_repository; the loader warms models up on executor_.
   std::unique_ptr<ModelRepository> repository_;
   std::unique_ptr<ModelLoader> loader_;
+  // The decode sessions: before the service, which uses them, and after the
+  // metrics, which their upkeep reports to.
+  std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   // Gives the allocator's freed memory back when idle or over its bound.

@@ -143,6 +143,24 @@ ABSL_FLAG(int64_t, max_allocator_cache_bytes, kDefaults.max_allocator_cache_byte
 ABSL_FLAG(int64_t, max_rss_bytes, kDefaults.max_rss_bytes,
           "Resident memory above which the watchdog counts a failed check; 0: no bound");
 
+ABSL_FLAG(int64_t, kv_cache_bytes, kDefaults.sessions.kv_cache_bytes,
+          "Decode sessions: most bytes the KV cache (every session's keys and values) may hold; "
+          "a step that needs more evicts idle sessions, least recently used first");
+ABSL_FLAG(int, kv_block_tokens, kDefaults.sessions.block_tokens,
+          "Decode sessions: tokens per KV cache block");
+ABSL_FLAG(int64_t, max_sessions, kDefaults.sessions.max_sessions,
+          "Decode sessions open at once; opening one more evicts the least recently used idle one");
+ABSL_FLAG(int64_t, max_session_tokens, kDefaults.sessions.max_session_tokens,
+          "Decode sessions: most tokens a layer of a session may hold (a session may ask for fewer)");
+ABSL_FLAG(double, session_ttl_seconds, absl::ToDoubleSeconds(kDefaults.sessions.default_idle_ttl),
+          "Decode sessions: idle time after which a session ends, unless it asks for another");
+ABSL_FLAG(double, max_session_ttl_seconds, absl::ToDoubleSeconds(kDefaults.sessions.max_idle_ttl),
+          "Decode sessions: the longest idle time-to-live a session may ask for");
+ABSL_FLAG(int64_t, max_sessions_per_token, kDefaults.sessions.max_sessions_per_owner,
+          "Decode sessions one bearer token may hold open (0: no quota)");
+ABSL_FLAG(int64_t, max_kv_bytes_per_token, kDefaults.sessions.max_kv_bytes_per_owner,
+          "KV cache bytes one bearer token's sessions may hold (0: no quota)");
+
 ABSL_FLAG(std::string, model_repository, "",
           "Folder of models (one subfolder each: config.json and safetensors weights; README "
           "'Model repository'): all are loaded at start-up, LoadModel/UnloadModel manage them. "
@@ -212,6 +230,14 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
   options.watchdog_interval_seconds = absl::GetFlag(FLAGS_watchdog_interval_seconds);
   options.watchdog_failures = absl::GetFlag(FLAGS_watchdog_failures);
   options.max_rss_bytes = absl::GetFlag(FLAGS_max_rss_bytes);
+  options.sessions.kv_cache_bytes = absl::GetFlag(FLAGS_kv_cache_bytes);
+  options.sessions.block_tokens = absl::GetFlag(FLAGS_kv_block_tokens);
+  options.sessions.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.sessions.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
+  options.sessions.default_idle_ttl = absl::Seconds(absl::GetFlag(FLAGS_session_ttl_seconds));
+  options.sessions.max_idle_ttl = absl::Seconds(absl::GetFlag(FLAGS_max_session_ttl_seconds));
+  options.sessions.max_sessions_per_owner = absl::GetFlag(FLAGS_max_sessions_per_token);
+  options.sessions.max_kv_bytes_per_owner = absl::GetFlag(FLAGS_max_kv_bytes_per_token);
   options.max_allocator_cache_bytes = absl::GetFlag(FLAGS_max_allocator_cache_bytes);
   return options;
 }

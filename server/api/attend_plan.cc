@@ -394,29 +394,10 @@ absl::Status PlanOptions(const v1::AttendRequest& request, AttendPlan& plan) {
       plan.queries.batch(), c.rotary.rotary_dim, "position_offsets"));
   plan.position_offsets.assign(request.position_offsets().begin(), request.position_offsets().end());
 
-  switch (request.precision()) {
-    case v1::PRECISION_UNSPECIFIED:
-    case v1::PRECISION_FP32:
-      plan.precision = core::Precision::kFp32;
-      break;
-    case v1::PRECISION_BF16:
-      plan.precision = core::Precision::kBf16;
-      break;
-    default:
-      return InvalidField("precision", absl::StrCat("unknown value ", static_cast<int>(request.precision())));
-  }
-  switch (request.output_dtype()) {
-    case v1::DATA_TYPE_UNSPECIFIED:
-    case v1::DATA_TYPE_FP32:
-      plan.output_dtype = v1::DATA_TYPE_FP32;
-      break;
-    case v1::DATA_TYPE_BF16:
-      plan.output_dtype = v1::DATA_TYPE_BF16;
-      plan.float_data_response = false;  // BF16 travels as raw_data only
-      break;
-    default:
-      return InvalidField("output_dtype", absl::StrCat("must be FP32 or BF16, got ",
-                                                       DataTypeName(request.output_dtype())));
+  ATTNSERVE_ASSIGN_OR_RETURN(plan.precision, PrecisionFromWire(request.precision()));
+  ATTNSERVE_ASSIGN_OR_RETURN(plan.output_dtype, OutputDtypeFromWire(request.output_dtype()));
+  if (plan.output_dtype == v1::DATA_TYPE_BF16) {
+    plan.float_data_response = false;  // BF16 travels as raw_data only
   }
   return absl::OkStatus();
 }
@@ -522,6 +503,31 @@ double EstimateScratchBytes(const AttendPlan& plan, core::BlockKernels block_ker
 }
 
 }  // namespace
+
+absl::StatusOr<core::Precision> PrecisionFromWire(v1::Precision precision) {
+  switch (precision) {
+    case v1::PRECISION_UNSPECIFIED:
+    case v1::PRECISION_FP32:
+      return core::Precision::kFp32;
+    case v1::PRECISION_BF16:
+      return core::Precision::kBf16;
+    default:
+      return InvalidField("precision", absl::StrCat("unknown value ", static_cast<int>(precision)));
+  }
+}
+
+absl::StatusOr<v1::DataType> OutputDtypeFromWire(v1::DataType dtype) {
+  switch (dtype) {
+    case v1::DATA_TYPE_UNSPECIFIED:
+    case v1::DATA_TYPE_FP32:
+      return v1::DATA_TYPE_FP32;
+    case v1::DATA_TYPE_BF16:
+      return v1::DATA_TYPE_BF16;
+    default:
+      return InvalidField("output_dtype",
+                          absl::StrCat("must be FP32 or BF16, got ", DataTypeName(dtype)));
+  }
+}
 
 core::ForwardOptions ForwardOptionsFor(const AttendPlan& plan, core::BlockKernels block_kernels) {
   core::ForwardOptions options;

@@ -97,6 +97,11 @@ absl::StatusOr<AttendPlan> PlanAttend(const v1::AttendRequest& request,
                                       core::BlockKernels block_kernels,
                                       MapDelivery map_delivery = MapDelivery::kInResponse);
 
+// A request's precision and output dtype (UNSPECIFIED: FP32), or
+// INVALID_ARGUMENT naming "precision" / "output_dtype". Thread-safe.
+absl::StatusOr<core::Precision> PrecisionFromWire(v1::Precision precision);
+absl::StatusOr<v1::DataType> OutputDtypeFromWire(v1::DataType dtype);
+
 // The core's options for a planned request (what the runner passes and the
 // route that sized the request was made with), without should_stop.
 core::ForwardOptions ForwardOptionsFor(const AttendPlan& plan, core::BlockKernels block_kernels);

@@ -18,6 +18,7 @@
 #include "server/api/map_stream.h"
 #include "server/api/map_stream_reactor.h"
 #include "server/api/observed_reactor.h"
+#include "server/api/proto_time.h"
 #include "server/api/status_util.h"
 #include "server/api/tensor_codec.h"
 #include "server/api/wire_response.h"
@@ -26,18 +27,6 @@
 
 namespace attnserve::server {
 namespace {
-
-absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
-  const auto deadline = context.deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) return absl::InfiniteFuture();
-  return absl::FromChrono(deadline);
-}
-
-void SetDuration(absl::Duration d, google::protobuf::Duration* out) {
-  const int64_t nanos = absl::ToInt64Nanoseconds(d);
-  out->set_seconds(nanos / 1000000000);
-  out->set_nanos(static_cast<int32_t>(nanos % 1000000000));
-}
 
 v1::ModelState ToProto(ModelState state) {
   switch (state) {
@@ -160,8 +149,21 @@ struct AttentionServiceImpl::AttendJob final : ScheduledWork {
   const AttendPlan plan;
 };
 
+absl::StatusOr<core::Workspace*> AttentionServiceImpl::ComputeWorkspace() {
+  if (workspace_ == nullptr) {
+    absl::StatusOr<std::unique_ptr<core::Workspace>> workspace = core::Workspace::Create();
+    if (!workspace.ok()) return workspace.status();
+    workspace_ = *std::move(workspace);
+  }
+  return workspace_.get();
+}
+
 void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> batch,
                                     const BatchInfo& /*info: the timing reports what computed*/) {
+  if (IsExtendJob(*batch.front())) {  // the scheduler never batches it with others
+    RunExtendJob(std::move(batch.front()));
+    return;
+  }
   const absl::Time start = absl::Now();
   std::vector<AttendJob*> jobs;
   for (const auto& work : batch) {
@@ -179,12 +181,7 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
     return true;
   };
   std::vector<absl::Status> statuses(jobs.size());
-  absl::Status workspace_status;
-  if (workspace_ == nullptr) {
-    absl::StatusOr<std::unique_ptr<core::Workspace>> workspace = core::Workspace::Create();
-    workspace_status = workspace.status();
-    if (workspace.ok()) workspace_ = *std::move(workspace);
-  }
+  const absl::Status workspace_status = ComputeWorkspace().status();
   const ComputeContext context{workspace_.get(), options_.block_kernels, should_stop};
   if (!workspace_status.ok()) {
     std::fill(statuses.begin(), statuses.end(), workspace_status);
@@ -249,12 +246,14 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
 AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options,
                                            const ModelRegistry* registry,
                                            ComputeExecutor* executor, Metrics* metrics,
-                                           std::optional<TokenSet> tokens, ModelLoader* loader)
+                                           std::optional<TokenSet> tokens, ModelLoader* loader,
+                                           SessionManager* sessions)
     : options_(options),
       registry_(registry),
       metrics_(metrics),
       tokens_(std::move(tokens)),
-      loader_(loader) {
+      loader_(loader),
+      sessions_(sessions) {
   // The options were validated (ValidateServerOptions): Create cannot fail.
   scheduler_ = Scheduler::Create(
                    {.queue_capacity = options.max_queued_requests,

@@ -15,6 +15,7 @@
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/api/attend_plan.h"
+#include "server/api/observed_reactor.h"
 #include "server/api/wire_response.h"
 #include "server/common/server_options.h"
 #include "server/models/layer_cache.h"
@@ -24,6 +25,7 @@
 #include "server/scheduling/compute_executor.h"
 #include "server/scheduling/scheduler.h"
 #include "server/security/auth.h"
+#include "server/sessions/session_manager.h"
 
 namespace attnserve::server {
 
@@ -62,7 +64,7 @@ class AttentionServiceImpl final
   AttentionServiceImpl(const ServerOptions& options, const ModelRegistry* registry,
                        ComputeExecutor* executor, Metrics* metrics,
                        std::optional<TokenSet> tokens = std::nullopt,
-                       ModelLoader* loader = nullptr);
+                       ModelLoader* loader = nullptr, SessionManager* sessions = nullptr);
 
   // Attend answers UNAVAILABLE unless the state is kServing.
   void set_state(State state);
@@ -110,6 +112,30 @@ class AttentionServiceImpl final
                                         const v1::UnloadModelRequest* request,
                                         v1::UnloadModelResponse* response) override;
 
+  // Decode sessions (server/api/session_handlers.cc): the session belongs to
+  // the caller's token (Principal::id). FAILED_PRECONDITION without a
+  // SessionManager. Extend plans its steps on the gRPC thread (each step's
+  // status in the response) and runs them on the compute executor, alone
+  // (its own micro-batch); the others answer on the gRPC thread.
+  grpc::ServerUnaryReactor* OpenSession(grpc::CallbackServerContext* context,
+                                        const v1::OpenSessionRequest* request,
+                                        v1::Session* response) override;
+  grpc::ServerUnaryReactor* Extend(grpc::CallbackServerContext* context,
+                                   const v1::ExtendRequest* request,
+                                   v1::ExtendResponse* response) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
+                                       const v1::GetSessionRequest* request,
+                                       v1::Session* response) override;
+  grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* context,
+                                        const v1::ForkSessionRequest* request,
+                                        v1::Session* response) override;
+  grpc::ServerUnaryReactor* TruncateSession(grpc::CallbackServerContext* context,
+                                            const v1::TruncateSessionRequest* request,
+                                            v1::Session* response) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
+                                         const v1::CloseSessionRequest* request,
+                                         v1::CloseSessionResponse* response) override;
+
  private:
   // Constant after construction.
   const ServerOptions options_;
@@ -117,6 +143,7 @@ class AttentionServiceImpl final
   Metrics* const metrics_;
   const std::optional<TokenSet> tokens_;
   ModelLoader* const loader_;  // null without --model_repository
+  SessionManager* const sessions_;  // null: no decode sessions
 
   // The one authentication check, first in every handler: OK without
   // tokens_, else as TokenSet::Authenticate.
@@ -133,6 +160,16 @@ class AttentionServiceImpl final
   // Runs one batch the scheduler formed, on the compute executor, and
   // finishes its calls.
   struct AttendJob;
+  // An admitted Extend call (session_handlers.cc): always a batch of its own.
+  struct ExtendJob;
+  static bool IsExtendJob(const ScheduledWork& work);
+  void RunExtendJob(std::unique_ptr<ScheduledWork> work);
+  // The compute executor's workspace (made on the first batch), or why not.
+  absl::StatusOr<core::Workspace*> ComputeWorkspace();
+  // A session RPC's common start: authenticates (the owner: the token's id)
+  // and admits the call (BeginCall); on failure finishes `reactor`.
+  std::optional<std::string> BeginSessionCall(grpc::CallbackServerContext& context,
+                                              ObservedReactor& reactor);
   // Sends an admitted call's result: the response when the status is OK, else
   // the status. Ends the call (EndCall) once it is sent.
   using Deliver = std::function<void(absl::Status status, WireResponse& response)>;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/time/time.h"
 #include "core/attention_inputs.h"
 
 namespace attnserve::server {
@@ -27,6 +28,28 @@ struct RequestLimits {
   // memory_bytes: inputs, scratch, output, maps, response), estimated from
   // validated sizes before anything is allocated for it.
   int64_t max_request_bytes = int64_t{3} << 30;
+};
+
+// The server's limits on decode sessions (flags of the same names).
+struct SessionLimits {
+  // The KV cache's memory: every session's blocks together (--kv_cache_bytes).
+  int64_t kv_cache_bytes = int64_t{1} << 30;
+  // Tokens per KV block (--kv_block_tokens).
+  int block_tokens = 32;
+  // Sessions open at once (--max_sessions); at the limit, opening one evicts
+  // the least recently used idle session.
+  int64_t max_sessions = 1024;
+  // Tokens a layer of a session may hold (--max_session_tokens); a session
+  // may ask for fewer.
+  int64_t max_session_tokens = 32768;
+  // A session's idle time-to-live when it asks for none, and the most it may
+  // ask for (--session_ttl_seconds, --max_session_ttl_seconds).
+  absl::Duration default_idle_ttl = absl::Minutes(5);
+  absl::Duration max_idle_ttl = absl::Hours(1);
+  // Per caller (bearer token) quotas; 0: none (--max_sessions_per_token,
+  // --max_kv_bytes_per_token).
+  int64_t max_sessions_per_owner = 0;
+  int64_t max_kv_bytes_per_owner = 0;
 };
 
 struct ServerOptions {
@@ -72,6 +95,8 @@ struct ServerOptions {
   // needs "authorization: Bearer <token>"; health and reflection stay open.
   std::string auth_tokens_file;
   RequestLimits limits;
+  // Decode sessions (server/sessions/session_manager.h).
+  SessionLimits sessions;
   // A model repository (server/models/model_repository.h): every model folder in it
   // is loaded at start-up, and LoadModel / UnloadModel manage them at run
   // time. Empty: the built-in model serves.

@@ -60,9 +60,11 @@ const Histogram::BucketBoundaries& BatchTokenBuckets() {
   return *buckets;
 }
 
-constexpr RpcMethod kMethods[] = {RpcMethod::kAttend,    RpcMethod::kAttendStream,
-                                  RpcMethod::kListModels, RpcMethod::kGetModel,
-                                  RpcMethod::kLoadModel,  RpcMethod::kUnloadModel};
+constexpr RpcMethod kMethods[] = {
+    RpcMethod::kAttend,      RpcMethod::kAttendStream,    RpcMethod::kListModels,
+    RpcMethod::kGetModel,    RpcMethod::kLoadModel,       RpcMethod::kUnloadModel,
+    RpcMethod::kOpenSession, RpcMethod::kExtend,          RpcMethod::kGetSession,
+    RpcMethod::kForkSession, RpcMethod::kTruncateSession, RpcMethod::kCloseSession};
 
 // The codes each method can answer with today; their request counters exist
 // from the start, so error ratios are defined before the first error.
@@ -99,6 +101,20 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
               StatusCode::kFailedPrecondition,
               StatusCode::kUnauthenticated,
               StatusCode::kPermissionDenied};
+    case RpcMethod::kOpenSession:
+    case RpcMethod::kForkSession:
+      return {StatusCode::kOk,          StatusCode::kInvalidArgument,   StatusCode::kNotFound,
+              StatusCode::kAborted,     StatusCode::kResourceExhausted, StatusCode::kUnavailable,
+              StatusCode::kFailedPrecondition, StatusCode::kUnauthenticated};
+    case RpcMethod::kExtend:
+      return {StatusCode::kOk,          StatusCode::kInvalidArgument,  StatusCode::kResourceExhausted,
+              StatusCode::kUnavailable, StatusCode::kDeadlineExceeded, StatusCode::kCancelled,
+              StatusCode::kInternal,    StatusCode::kUnauthenticated};
+    case RpcMethod::kGetSession:
+    case RpcMethod::kTruncateSession:
+    case RpcMethod::kCloseSession:
+      return {StatusCode::kOk,      StatusCode::kInvalidArgument, StatusCode::kNotFound,
+              StatusCode::kAborted, StatusCode::kUnavailable,     StatusCode::kUnauthenticated};
   }
   return {};
 }
@@ -150,6 +166,18 @@ absl::string_view RpcMethodName(RpcMethod method) {
       return "LoadModel";
     case RpcMethod::kUnloadModel:
       return "UnloadModel";
+    case RpcMethod::kOpenSession:
+      return "OpenSession";
+    case RpcMethod::kExtend:
+      return "Extend";
+    case RpcMethod::kGetSession:
+      return "GetSession";
+    case RpcMethod::kForkSession:
+      return "ForkSession";
+    case RpcMethod::kTruncateSession:
+      return "TruncateSession";
+    case RpcMethod::kCloseSession:
+      return "CloseSession";
   }
   return "unknown";
 }
@@ -260,6 +288,31 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                              .Register(r);
   m->cache_releases_ = {&cache_releases.Add({{"reason", "idle"}}),
                         &cache_releases.Add({{"reason", "bound"}})};
+  const auto gauge = [&r](const char* name, const char* help) {
+    return &prometheus::BuildGauge().Name(name).Help(help).Register(r).Add({});
+  };
+  m->sessions_ = gauge("attnserve_sessions", "Decode sessions open.");
+  m->kv_used_ = gauge("attnserve_kv_cache_used_bytes",
+                      "Bytes of the KV cache's blocks in use by sessions (a block forks share "
+                      "counts once).");
+  m->kv_held_ = gauge("attnserve_kv_cache_held_bytes",
+                      "Bytes the KV cache holds: blocks in use and blocks kept for reuse.");
+  m->kv_budget_ = gauge("attnserve_kv_cache_budget_bytes",
+                        "The most the KV cache may hold (--kv_cache_bytes).");
+  m->kv_blocks_ = gauge("attnserve_kv_cache_blocks", "KV cache blocks in use.");
+  auto& evictions = prometheus::BuildCounter()
+                        .Name("attnserve_session_evictions_total")
+                        .Help("Idle sessions evicted, least recently used first: for the KV "
+                              "cache's memory (memory) or for a new session at --max_sessions "
+                              "(sessions).")
+                        .Register(r);
+  m->session_evictions_ = {&evictions.Add({{"reason", "memory"}}),
+                           &evictions.Add({{"reason", "sessions"}})};
+  m->session_expiries_ = &prometheus::BuildCounter()
+                              .Name("attnserve_session_expiries_total")
+                              .Help("Sessions ended for being idle past their TTL.")
+                              .Register(r)
+                              .Add({});
   prometheus::BuildGauge()
       .Name("attnserve_queue_capacity")
       .Help("Attend requests the compute queue holds; more are refused (RESOURCE_EXHAUSTED).")
@@ -289,9 +342,16 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
       m->requests_->Add({{"method", std::string(RpcMethodName(method))}, {"code", CodeName(code)}});
     }
   }
-  for (absl::StatusCode code : ExpectedCodes(RpcMethod::kListModels)) {
-    m->request_duration_->Add({{"method", "ListModels"}, {"model", ""}, {"code", CodeName(code)}},
-                              DurationBuckets());
+  // Methods whose calls name no model (sessions span models): model "".
+  for (RpcMethod method : {RpcMethod::kListModels, RpcMethod::kOpenSession, RpcMethod::kExtend,
+                           RpcMethod::kGetSession, RpcMethod::kForkSession,
+                           RpcMethod::kTruncateSession, RpcMethod::kCloseSession}) {
+    for (absl::StatusCode code : ExpectedCodes(method)) {
+      m->request_duration_->Add({{"method", std::string(RpcMethodName(method))},
+                                 {"model", ""},
+                                 {"code", CodeName(code)}},
+                                DurationBuckets());
+    }
   }
   m->CreateModelSeries("");
 
@@ -420,6 +480,22 @@ void Metrics::SetServing(bool serving) { serving_->Set(serving ? 1 : 0); }
 
 void Metrics::SetAllocatorCachedBytes(int64_t bytes) {
   allocator_cached_->Set(static_cast<double>(bytes));
+}
+
+void Metrics::SetSessionGauges(const SessionGauges& gauges) {
+  sessions_->Set(static_cast<double>(gauges.sessions));
+  kv_used_->Set(static_cast<double>(gauges.kv_used_bytes));
+  kv_held_->Set(static_cast<double>(gauges.kv_held_bytes));
+  kv_budget_->Set(static_cast<double>(gauges.kv_budget_bytes));
+  kv_blocks_->Set(static_cast<double>(gauges.kv_blocks));
+  absl::MutexLock lock(&mu_);
+  const auto add = [](prometheus::Counter* counter, int64_t now, int64_t before) {
+    if (now > before) counter->Increment(static_cast<double>(now - before));
+  };
+  add(session_evictions_[0], gauges.evictions_for_memory, last_sessions_.evictions_for_memory);
+  add(session_evictions_[1], gauges.evictions_for_sessions, last_sessions_.evictions_for_sessions);
+  add(session_expiries_, gauges.expiries, last_sessions_.expiries);
+  last_sessions_ = gauges;
 }
 
 void Metrics::OnAllocatorCacheReleased(CacheRelease reason) {

@@ -31,7 +31,20 @@ namespace attnserve::server {
 class ProcessCollector;
 
 // The RPCs that metrics and the access log know by name.
-enum class RpcMethod { kAttend, kAttendStream, kListModels, kGetModel, kLoadModel, kUnloadModel };
+enum class RpcMethod {
+  kAttend,
+  kAttendStream,
+  kListModels,
+  kGetModel,
+  kLoadModel,
+  kUnloadModel,
+  kOpenSession,
+  kExtend,
+  kGetSession,
+  kForkSession,
+  kTruncateSession,
+  kCloseSession,
+};
 // "Attend", "ListModels", "GetModel", ...: the proto's method names.
 absl::string_view RpcMethodName(RpcMethod method);
 
@@ -129,6 +142,23 @@ class Metrics {
   // attnserve_allocator_cache_releases_total{reason="idle"|"bound"} + 1.
   void OnAllocatorCacheReleased(CacheRelease reason);
 
+  // The decode sessions and their KV cache as last looked at (totals since
+  // start for the counts; the counters follow them).
+  struct SessionGauges {
+    int64_t sessions = 0;
+    int64_t kv_used_bytes = 0;    // blocks in use
+    int64_t kv_held_bytes = 0;    // in use + kept for reuse
+    int64_t kv_budget_bytes = 0;  // --kv_cache_bytes
+    int64_t kv_blocks = 0;
+    int64_t evictions_for_memory = 0;
+    int64_t evictions_for_sessions = 0;
+    int64_t expiries = 0;
+  };
+  // attnserve_sessions, attnserve_kv_cache_{used,held,budget}_bytes,
+  // attnserve_kv_cache_blocks, attnserve_session_evictions_total{reason},
+  // attnserve_session_expiries_total. Called from one thread.
+  void SetSessionGauges(const SessionGauges& gauges);
+
   // The text exposition of the registry and the process collector, as
   // /metrics serves it (less the endpoint's own exposer_* families).
   std::string TextExposition() const;
@@ -163,8 +193,16 @@ class Metrics {
   prometheus::Gauge* in_flight_ = nullptr;
   prometheus::Gauge* allocator_cached_ = nullptr;
   std::vector<prometheus::Counter*> cache_releases_;  // idle, bound
+  prometheus::Gauge* sessions_ = nullptr;
+  prometheus::Gauge* kv_used_ = nullptr;
+  prometheus::Gauge* kv_held_ = nullptr;
+  prometheus::Gauge* kv_budget_ = nullptr;
+  prometheus::Gauge* kv_blocks_ = nullptr;
+  std::vector<prometheus::Counter*> session_evictions_;  // memory, sessions
+  prometheus::Counter* session_expiries_ = nullptr;
 
   mutable absl::Mutex mu_;
+  SessionGauges last_sessions_ ABSL_GUARDED_BY(mu_);  // what the counters count
   std::set<std::string, std::less<>> models_ ABSL_GUARDED_BY(mu_);
   // Each added model's attnserve_model_info series (removed on RemoveModel).
   std::map<std::string, prometheus::Gauge*, std::less<>> model_info_series_ ABSL_GUARDED_BY(mu_);

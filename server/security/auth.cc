@@ -14,6 +14,7 @@
 #include <grpcpp/support/status.h>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -94,7 +95,10 @@ absl::StatusOr<Principal> TokenSet::Authenticate(
     if (equal && matched < 0) matched = static_cast<int>(i);
   }
   if (matched < 0) return absl::UnauthenticatedError("authorization: invalid bearer token");
-  return Principal{.is_admin = entries_[matched].is_admin};
+  const Digest& digest = entries_[matched].digest;
+  return Principal{.is_admin = entries_[matched].is_admin,
+                   .id = absl::BytesToHexString(absl::string_view(
+                       reinterpret_cast<const char*>(digest.data()), 16))};
 }
 
 absl::StatusOr<Principal> TokenSet::Authenticate(

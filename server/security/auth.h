@@ -21,6 +21,10 @@ namespace attnserve::server {
 // the other AttentionService RPCs need a valid token.
 struct Principal {
   bool is_admin = false;
+  // Which token: the same for every call with one token, different for
+  // different tokens (the hex of a prefix of the token's digest, never the
+  // token); "" with authentication off. Decode sessions belong to it.
+  std::string id;
 };
 
 // The bearer tokens of --auth_tokens_file. Only SHA-256 digests of the tokens

@@ -117,7 +117,7 @@ const std::string& StepLease::stored_output() const {
 }
 
 absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(const SessionLimits& limits,
-                                                                       Clock clock) {
+                                                                       Upkeep upkeep) {
   const auto positive = [](int64_t value, absl::string_view flag) {
     return value > 0 ? absl::OkStatus()
                      : absl::InvalidArgumentError(absl::StrCat(flag, ": must be positive"));
@@ -148,16 +148,29 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(const Ses
         absl::StrCat("--kv_block_tokens or --kv_cache_bytes: ", pool.status().message()));
   }
   return std::unique_ptr<SessionManager>(
-      new SessionManager(limits, std::move(clock), *std::move(pool)));
+      new SessionManager(limits, std::move(upkeep), *std::move(pool)));
 }
 
-SessionManager::SessionManager(const SessionLimits& limits, Clock clock,
+SessionManager::SessionManager(const SessionLimits& limits, Upkeep upkeep,
                                std::unique_ptr<core::KvBlockPool> pool)
-    : limits_(limits), clock_(std::move(clock)), pool_(std::move(pool)) {}
+    : limits_(limits), upkeep_(std::move(upkeep)), pool_(std::move(pool)) {
+  if (upkeep_.period > absl::ZeroDuration()) {
+    upkeep_thread_ = std::thread([this] { UpkeepLoop(); });
+  }
+}
 
 SessionManager::~SessionManager() {
+  stop_upkeep_.Notify();
+  if (upkeep_thread_.joinable()) upkeep_thread_.join();
   absl::MutexLock lock(&mu_);
   sessions_.clear();  // the caches go before the pool
+}
+
+void SessionManager::UpkeepLoop() {
+  do {  // a first look at once, so the metrics exist from start-up
+    ExpireIdle();
+    if (upkeep_.on_look) upkeep_.on_look(stats());
+  } while (!stop_upkeep_.WaitForNotificationWithTimeout(upkeep_.period));
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(absl::string_view id,

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -14,35 +15,15 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "core/decode/kv_block_pool.h"
 #include "core/decode/kv_layout.h"
 #include "core/decode/layer_kv_cache.h"
+#include "server/common/server_options.h"
 #include "server/models/model_registry.h"
 
 namespace attnserve::server {
-
-// The server's limits on decode sessions (flags of the same names).
-struct SessionLimits {
-  // The KV cache's memory: every session's blocks together (--kv_cache_bytes).
-  int64_t kv_cache_bytes = int64_t{1} << 30;
-  // Tokens per KV block (--kv_block_tokens).
-  int block_tokens = 32;
-  // Sessions open at once (--max_sessions); at the limit, opening one evicts
-  // the least recently used idle session.
-  int64_t max_sessions = 1024;
-  // Tokens a layer of a session may hold (--max_session_tokens); a session
-  // may ask for fewer.
-  int64_t max_session_tokens = 32768;
-  // A session's idle time-to-live when it asks for none, and the most it may
-  // ask for (--session_ttl_seconds, --max_session_ttl_seconds).
-  absl::Duration default_idle_ttl = absl::Minutes(5);
-  absl::Duration max_idle_ttl = absl::Hours(1);
-  // Per caller (bearer token) quotas; 0: none (--max_sessions_per_token,
-  // --max_kv_bytes_per_token).
-  int64_t max_sessions_per_owner = 0;
-  int64_t max_kv_bytes_per_owner = 0;
-};
 
 // What OpenSession asks for.
 struct SessionSpec {
@@ -87,6 +68,16 @@ struct SessionStats {
 
 class SessionManager;
 struct Session;
+
+// How a SessionManager looks after itself.
+struct SessionUpkeep {
+  std::function<absl::Time()> clock = &absl::Now;
+  // Every `period` (zero: never) a thread of the manager's removes the
+  // sessions idle past their TTL (SessionManager::ExpireIdle), then calls
+  // `on_look` with the stats (for metrics); the first time at once.
+  absl::Duration period = absl::ZeroDuration();
+  std::function<void(const SessionStats&)> on_look;
+};
 
 // A step admitted on one layer of one session (SessionManager::BeginStep):
 // the layer is the step's until SessionManager::EndStep, and the KV bytes the
@@ -147,10 +138,12 @@ class StepLease {
 class SessionManager {
  public:
   using Clock = std::function<absl::Time()>;
+  using Upkeep = SessionUpkeep;
 
   // INVALID_ARGUMENT naming the flag when a limit is out of range.
   static absl::StatusOr<std::unique_ptr<SessionManager>> Create(const SessionLimits& limits,
-                                                                Clock clock = &absl::Now);
+                                                                Upkeep upkeep = {});
+  // Stops the upkeep thread; the sessions go (their steps must have ended).
   ~SessionManager();
   SessionManager(const SessionManager&) = delete;
   SessionManager& operator=(const SessionManager&) = delete;
@@ -201,8 +194,9 @@ class SessionManager {
 
  private:
   friend class StepLease;
-  SessionManager(const SessionLimits& limits, Clock clock,
+  SessionManager(const SessionLimits& limits, Upkeep upkeep,
                  std::unique_ptr<core::KvBlockPool> pool);
+  void UpkeepLoop();
 
   // EndStep's work, once per lease (later calls do nothing).
   void EndStepOf(StepLease& lease, const absl::Status& status, std::string output);
@@ -230,8 +224,11 @@ class SessionManager {
 
   // Constant after construction.
   const SessionLimits limits_;
-  const Clock clock_;
+  const Upkeep upkeep_;
+  const Clock& clock_ = upkeep_.clock;
   const std::unique_ptr<core::KvBlockPool> pool_;
+  absl::Notification stop_upkeep_;
+  std::thread upkeep_thread_;  // with upkeep_.period > 0
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);

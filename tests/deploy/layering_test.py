@@ -46,13 +46,16 @@ ALLOWED = {
     "server/models": {"server/models", "server/common", "core"},
     "server/observability": {"server/observability", "server/common", "core", "proto", "cli"},
     "server/security": {"server/security", "server/common", "core"},
-    "server/api": {"server/api", *SERVER_PARTS, "server/common", "core", "proto"},
-    "server": {"server", "server/api", *SERVER_PARTS, "server/common", "core", "proto", "cli"},
+    "server/sessions": {"server/sessions", "server/models", "server/common", "core"},
+    # The decode sessions sit on the models (a session holds its layers' models).
+    "server/api": {"server/api", *SERVER_PARTS, "server/sessions", "server/common", "core", "proto"},
+    "server": {"server", "server/api", *SERVER_PARTS, "server/sessions", "server/common", "core",
+               "proto", "cli"},
 }
 # Folders that must build without gRPC, protobuf and Prometheus: their
 # libraries do not link them, and their tests run without them (ThreadSanitizer
 # runs the scheduling and model tests).
-NO_RPC = {"core", "server/scheduling", "server/models", "server/common"}
+NO_RPC = {"core", "server/scheduling", "server/models", "server/common", "server/sessions"}
 RPC_HEADERS = ("grpcpp/", "grpc/", "google/protobuf/", "prometheus/")
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^">]+)[">]')
@@ -223,8 +226,14 @@ class EachRuleCatchesItsMistake(unittest.TestCase):
                          "server/api/ may not depend on tests/")
 
     def test_a_new_server_folder_needs_a_rule(self):
-        self.assertFinds("server/sessions/a.cc", '#include "core/head_config.h"',
-                         "server/sessions/ has no layering rule")
+        self.assertFinds("server/brand_new/a.cc", '#include "core/head_config.h"',
+                         "server/brand_new/ has no layering rule")
+
+    def test_sessions_stay_below_the_service(self):
+        self.assertFinds("server/sessions/a.cc", '#include "server/api/attend_plan.h"',
+                         "server/sessions/ may not depend on server/api/")
+        self.assertFinds("server/sessions/a.h", "#include <grpcpp/support/status.h>",
+                         "server/sessions/ must build without gRPC")
 
 
 def main():

@@ -74,8 +74,9 @@ def seeded_weights(seed, d_model, num_heads, num_kv_heads, head_dim, context_dim
     return weights
 
 
-def reference_attention(x, weights, num_heads, num_kv_heads, head_dim, scale):
-    """x: [batch, seq, d_model]; returns output and per-head maps, float64."""
+def reference_attention(x, weights, num_heads, num_kv_heads, head_dim, scale, causal=False):
+    """x: [batch, seq, d_model]; returns output and per-head maps, float64.
+    causal: query i sees keys j <= i only."""
     w_q, b_q, w_k, b_k, w_v, b_v, w_o, b_o = [w.astype(np.float64) for w in weights]
     x = x.astype(np.float64)
     batch, seq, _ = x.shape
@@ -86,6 +87,8 @@ def reference_attention(x, weights, num_heads, num_kv_heads, head_dim, scale):
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
     scores = q @ k.transpose(0, 1, 3, 2) * scale
+    if causal:
+        scores = np.where(np.tril(np.ones((seq, seq), bool)), scores, -np.inf)
     scores -= scores.max(axis=-1, keepdims=True)
     p = np.exp(scores)
     p /= p.sum(axis=-1, keepdims=True)

@@ -26,6 +26,7 @@
 #include "gtest/gtest.h"
 #include "server/attn_server.h"
 #include "tests/core/reference_attention.h"
+#include "tests/server/api/attend_requests.h"
 #include "tests/server/api/blockable_server.h"
 
 namespace attnserve::server {
@@ -48,31 +49,9 @@ ServerOptions StreamOptions() {
   return options;
 }
 
-std::vector<float> RandomValues(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> values(static_cast<size_t>(n));
-  for (float& v : values) v = normal(rng);
-  return values;
-}
-
-v1::AttendRequest Request(int64_t batch, int64_t seq, const std::vector<float>& values,
-                          v1::AttentionMapMode maps) {
-  v1::AttendRequest request;
-  request.set_model("default");
-  v1::Tensor* t = request.mutable_hidden_states();
-  t->set_dtype(v1::DATA_TYPE_FP32);
-  for (int64_t d : {batch, seq, int64_t{768}}) t->add_shape(d);
-  t->set_raw_data(values.data(), values.size() * sizeof(float));
-  request.mutable_attention_maps()->set_mode(maps);
-  return request;
-}
-
-std::vector<float> Floats(const v1::Tensor& t) {
-  std::vector<float> values(t.raw_data().size() / sizeof(float));
-  std::memcpy(values.data(), t.raw_data().data(), t.raw_data().size());
-  return values;
-}
+using testing::Floats;
+using testing::RandomValues;
+using testing::RawRequest;
 
 class AttendStreamServiceTest : public ::testing::Test {
  protected:
@@ -119,7 +98,7 @@ TEST_F(AttendStreamServiceTest, StreamedMapsEqualTheInProcessLayerAndTheReferenc
     const std::vector<float> input = RandomValues(c.batch * c.seq * 768, seed + c.seq);
     int64_t chunks = 0;
     absl::StatusOr<v1::AttendResponse> response =
-        client_->AttendStream(Request(c.batch, c.seq, input, c.wire), &chunks);
+        client_->AttendStream(RawRequest(c.batch, c.seq, input, c.wire), &chunks);
     ASSERT_TRUE(response.ok()) << response.status();
     EXPECT_GE(chunks, 1);
 
@@ -154,7 +133,7 @@ TEST_F(AttendStreamServiceTest, StreamedMapsEqualTheInProcessLayerAndTheReferenc
 
 TEST_F(AttendStreamServiceTest, Bf16MapsOfSomeHeadsAndRowsComeAsAttendSendsThem) {
   const std::vector<float> input = RandomValues(2 * 40 * 768, std::random_device{}());
-  v1::AttendRequest request = Request(2, 40, input, v1::ATTENTION_MAP_MODE_PER_HEAD);
+  v1::AttendRequest request = RawRequest(2, 40, input, v1::ATTENTION_MAP_MODE_PER_HEAD);
   request.set_output_dtype(v1::DATA_TYPE_BF16);
   for (int h : {7, 2, 11}) request.mutable_attention_maps()->add_heads(h);
   for (int r : {39, 0, 5}) request.mutable_attention_maps()->add_query_rows(r);
@@ -172,7 +151,7 @@ TEST_F(AttendStreamServiceTest, MapsOverTheMessageLimitStreamWhereAttendRefusesT
   // [4, 12, 128, 128] FP32 is 3 MiB: under the map limit, over the message
   // limit (the output, 1.5 MiB, is under it).
   const v1::AttendRequest request =
-      Request(4, 128, RandomValues(4 * 128 * 768, std::random_device{}()),
+      RawRequest(4, 128, RandomValues(4 * 128 * 768, std::random_device{}()),
               v1::ATTENTION_MAP_MODE_PER_HEAD);
   absl::StatusOr<v1::AttendResponse> unary = client_->Attend(request);
   EXPECT_EQ(unary.status().code(), absl::StatusCode::kInvalidArgument);
@@ -200,7 +179,7 @@ TEST_F(AttendStreamServiceTest, MapsOverTheMessageLimitStreamWhereAttendRefusesT
 TEST_F(AttendStreamServiceTest, TheMapLimitBoundsTheStreamsTotal) {
   // [2, 48, 256, 256] FP32 is 24 MiB, over the limit of 16 MiB (a layer of 48
   // heads; its output, 1.5 MiB, is under the message limit).
-  v1::AttendRequest request = Request(2, 256, RandomValues(2 * 256 * 768, 5),
+  v1::AttendRequest request = RawRequest(2, 256, RandomValues(2 * 256 * 768, 5),
                                       v1::ATTENTION_MAP_MODE_PER_HEAD);
   request.clear_model();
   request.mutable_layer()->mutable_head_config()->set_d_model(768);
@@ -213,7 +192,7 @@ TEST_F(AttendStreamServiceTest, TheMapLimitBoundsTheStreamsTotal) {
 }
 
 TEST_F(AttendStreamServiceTest, ErrorsArriveAsTheStreamsStatus) {
-  v1::AttendRequest request = Request(1, 4, RandomValues(4 * 768, 1), v1::ATTENTION_MAP_MODE_MEAN);
+  v1::AttendRequest request = RawRequest(1, 4, RandomValues(4 * 768, 1), v1::ATTENTION_MAP_MODE_MEAN);
   request.set_model("no-such-model");
   EXPECT_EQ(client_->AttendStream(request).status().code(), absl::StatusCode::kNotFound);
   request.set_model("default");
@@ -232,7 +211,7 @@ TEST_F(AttendStreamServiceTest, AClientThatStopsReadingEndsItsCallAndTheServerSe
   args.SetMaxReceiveMessageSize(kMaxMessageBytes);
   auto stub = v1::AttentionService::NewStub(grpc::CreateCustomChannel(
       absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials(), args));
-  const v1::AttendRequest request = Request(2, 256, RandomValues(2 * 256 * 768, 2),
+  const v1::AttendRequest request = RawRequest(2, 256, RandomValues(2 * 256 * 768, 2),
                                             v1::ATTENTION_MAP_MODE_PER_HEAD);
   {
     grpc::ClientContext context;

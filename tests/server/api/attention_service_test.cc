@@ -26,6 +26,7 @@
 #include "server/api/attention_service.h"
 #include "server/attn_server.h"
 #include "server/models/model_registry.h"
+#include "tests/server/api/attend_requests.h"
 #include "tests/server/api/blockable_server.h"
 
 namespace attnserve::server {
@@ -50,32 +51,9 @@ ServerOptions TestOptions() {
   return options;
 }
 
-std::vector<float> RandomValues(int64_t n, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> values(n);
-  for (float& v : values) v = normal(rng);
-  return values;
-}
-
-v1::AttendRequest RawRequest(int64_t batch, int64_t seq, const std::vector<float>& values,
-                             v1::AttentionMapMode maps = v1::ATTENTION_MAP_MODE_NONE) {
-  v1::AttendRequest request;
-  request.set_model("default");
-  v1::Tensor* t = request.mutable_hidden_states();
-  t->set_dtype(v1::DATA_TYPE_FP32);
-  for (int64_t d : {batch, seq, int64_t{768}}) t->add_shape(d);
-  t->set_raw_data(values.data(), values.size() * sizeof(float));
-  request.mutable_attention_maps()->set_mode(maps);
-  return request;
-}
-
-std::vector<float> Floats(const v1::Tensor& t) {
-  if (t.float_data_size() > 0) return {t.float_data().begin(), t.float_data().end()};
-  std::vector<float> values(t.raw_data().size() / sizeof(float));
-  std::memcpy(values.data(), t.raw_data().data(), t.raw_data().size());
-  return values;
-}
+using testing::Floats;
+using testing::RandomValues;
+using testing::RawRequest;
 
 bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;

@@ -180,10 +180,11 @@ constexpr absl::string_view kDuration = "attnserve_request_duration_seconds";
 // this test expects them: FP32, and BF16 where it runs natively, each on the
 // blocked and the materialized path.
 std::vector<std::string> KernelPathsOfThisCpu() {
-  std::vector<std::string> paths = {"fp32/blocked", "fp32/materialized"};
+  std::vector<std::string> paths = {"fp32/blocked", "fp32/materialized", "fp32/paged"};
   if (core::Bf16Supported()) {
     paths.push_back("bf16/blocked");
     paths.push_back("bf16/materialized");
+    paths.push_back("bf16/paged");
   }
   return paths;
 }
@@ -655,7 +656,8 @@ TEST_F(MetricsServerTest, SeriesOfTheBuiltinModelExistBeforeAnyRequest) {
 
 TEST_F(MetricsServerTest, EveryKernelPathARequestRunsOnHadItsComputeSeriesFromStartUp) {
   // The series made at start-up, and the paths real requests report (core
-  // names them): FP32 and BF16, without maps (blocked) and with (materialized).
+  // names them): FP32 and BF16, without maps (blocked) and with
+  // (materialized), and decode steps (paged).
   std::vector<std::string> at_start_up;
   const Exposition start_up = Scrape();
   for (const Sample& s : start_up.samples()) {
@@ -678,6 +680,34 @@ TEST_F(MetricsServerTest, EveryKernelPathARequestRunsOnHadItsComputeSeriesFromSt
                 runs)
           << response.kernel_path();
     }
+  }
+  // The decode route: an Extend step on a session over the model.
+  grpc::ClientContext open_context;
+  v1::OpenSessionRequest open;
+  open.add_models("default");
+  v1::Session session;
+  ASSERT_TRUE(stub_->OpenSession(&open_context, open, &session).ok());
+  int64_t length = 0;
+  for (v1::Precision precision : {v1::PRECISION_FP32, v1::PRECISION_BF16}) {
+    v1::ExtendRequest extend;
+    extend.set_precision(precision);
+    v1::ExtendStep* step = extend.add_steps();
+    step->set_session_id(session.session_id());
+    step->set_expected_length(length++);
+    const std::vector<float> token(768, 0.25f);
+    step->mutable_hidden_states()->set_dtype(v1::DATA_TYPE_FP32);
+    step->mutable_hidden_states()->add_shape(1);
+    step->mutable_hidden_states()->add_shape(768);
+    step->mutable_hidden_states()->set_raw_data(token.data(), token.size() * sizeof(float));
+    grpc::ClientContext context;
+    v1::ExtendResponse response;
+    ASSERT_TRUE(stub_->Extend(&context, extend, &response).ok());
+    ASSERT_EQ(response.results(0).code(), 0) << response.results(0).message();
+    const int runs = ++reported[response.kernel_path()];
+    EXPECT_EQ(Scrape().Count("attnserve_compute_seconds",
+                             {{"model", "default"}, {"kernel_path", response.kernel_path()}}),
+              runs)
+        << response.kernel_path();
   }
   std::vector<std::string> reported_paths;
   for (const auto& [path, runs] : reported) reported_paths.push_back(path);

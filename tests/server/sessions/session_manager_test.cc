@@ -62,7 +62,9 @@ class SessionManagerTest : public ::testing::Test {
   std::unique_ptr<SessionManager> Make(SessionLimits limits = {}) {
     limits.block_tokens = kBlockTokens;
     absl::StatusOr<std::unique_ptr<SessionManager>> manager =
-        SessionManager::Create(limits, clock_.clock());
+        SessionManager::Create(limits, {.clock = clock_.clock(),
+                                        .period = absl::ZeroDuration(),
+                                        .on_look = {}});
     EXPECT_TRUE(manager.ok()) << manager.status();
     return *std::move(manager);
   }
@@ -402,6 +404,28 @@ TEST(SessionManagerThreads, ChurnOverOnePoolLeavesNothingBehind) {
   EXPECT_EQ(stats.reserved_bytes, 0);
   EXPECT_EQ(stats.pool.bytes_in_use, 0);
   EXPECT_LE(stats.pool.bytes_held, limits.kv_cache_bytes);
+}
+
+TEST(SessionManagerUpkeep, ExpiresIdleSessionsOnItsOwnAndReportsTheStats) {
+  SessionLimits limits;
+  limits.block_tokens = kBlockTokens;
+  absl::Mutex mu;
+  std::vector<SessionStats> looks;
+  auto manager = *SessionManager::Create(
+      limits, {.period = absl::Milliseconds(5), .on_look = [&](const SessionStats& stats) {
+                 absl::MutexLock lock(&mu);
+                 looks.push_back(stats);
+               }});
+  SessionSpec spec;
+  spec.layers = {TestModel("decoder")};
+  spec.idle_ttl = absl::Milliseconds(1);
+  ASSERT_TRUE(manager->Open(spec, "").ok());
+  // Wait for what we can observe: a look that saw the session expired.
+  absl::MutexLock lock(&mu);
+  mu.Await(absl::Condition(
+      +[](std::vector<SessionStats>* seen) { return !seen->empty() && seen->back().expiries == 1; },
+      &looks));
+  EXPECT_EQ(looks.back().sessions, 0);
 }
 
 }  // namespace

@@ -1,0 +1,284 @@
+// AttentionServiceImpl's decode-session RPCs: OpenSession, Extend,
+// GetSession, ForkSession, TruncateSession, CloseSession. The sessions
+// themselves are SessionManager's (server/sessions/); Extend's steps are
+// planned and run by server/api/extend_runner.h.
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "server/api/attention_service.h"
+#include "server/api/extend_runner.h"
+#include "server/api/observed_reactor.h"
+#include "server/api/proto_time.h"
+#include "server/api/status_util.h"
+#include "server/api/tensor_codec.h"
+
+namespace attnserve::server {
+namespace {
+
+void ToProto(const SessionInfo& info, v1::Session* session) {
+  session->set_session_id(info.id);
+  for (const std::string& model : info.models) session->add_models(model);
+  for (int64_t length : info.layer_lengths) session->add_layer_lengths(length);
+  session->set_kv_dtype(info.kv_precision == core::KvPrecision::kBf16 ? v1::DATA_TYPE_BF16
+                                                                      : v1::DATA_TYPE_FP32);
+  session->set_max_tokens(info.max_tokens);
+  SetDuration(info.idle_ttl, session->mutable_idle_ttl());
+  session->set_first_position(info.first_position);
+  session->set_kv_blocks(info.kv_blocks);
+  session->set_kv_bytes(info.kv_bytes);
+  const int64_t micros = absl::ToUnixMicros(info.last_used);
+  session->mutable_last_used()->set_seconds(micros / 1000000);
+  session->mutable_last_used()->set_nanos(static_cast<int32_t>(micros % 1000000) * 1000);
+}
+
+// Finishes `reactor` with `info` in `response`, or with its error.
+void FinishWithSession(const absl::StatusOr<SessionInfo>& info, v1::Session* response,
+                       ObservedReactor& reactor) {
+  if (info.ok()) ToProto(*info, response);
+  reactor.FinishCall(ToGrpcStatus(info.status()));
+}
+
+}  // namespace
+
+// An admitted Extend call waiting in the scheduler, then running alone.
+struct AttentionServiceImpl::ExtendJob final : ScheduledWork {
+  ExtendJob(AttentionServiceImpl* service, grpc::CallbackServerContext* context,
+            const v1::ExtendRequest* request, v1::ExtendResponse* response,
+            ObservedReactor* reactor, absl::Time arrival, ExtendPlan plan)
+      : service(service),
+        context(context),
+        request(request),
+        response(response),
+        reactor(reactor),
+        arrival(arrival),
+        plan(std::move(plan)) {
+    tokens = this->plan.tokens;
+    memory_bytes = this->plan.memory_bytes;
+    deadline = DeadlineOf(*context);
+  }
+
+  bool IsCancelled() const override { return context->IsCancelled() || CutShort(); }
+  bool CutShort() const { return service->cut_short_.load(std::memory_order_relaxed); }
+  void Skip(absl::Status status) override {
+    reactor->observer().Dequeued(absl::Now() - enqueued);
+    service->metrics_->OnSkipped(absl::IsDeadlineExceeded(status)
+                                     ? Metrics::SkipReason::kDeadline
+                                     : Metrics::SkipReason::kCancelled);
+    Finish(status);
+  }
+  // Finishes the call with `status` (the response filled when OK); the plan's
+  // leases that are left end as failed, the sessions as they were. A call the
+  // drain stopped answers UNAVAILABLE, as Attend's do: clients retry it.
+  void Finish(absl::Status status) {
+    plan.steps.clear();
+    if (absl::IsCancelled(status) && absl::Now() >= deadline) {
+      status = absl::DeadlineExceededError("the deadline passed before or during compute");
+    } else if (absl::IsCancelled(status) && CutShort() && !context->IsCancelled()) {
+      status = absl::UnavailableError(
+          "the server is shutting down: the call was stopped before it finished; retry");
+    }
+    if (!status.ok()) response->Clear();
+    reactor->FinishCall(ToGrpcStatus(status));
+    service->EndCall();
+  }
+
+  AttentionServiceImpl* const service;
+  grpc::CallbackServerContext* const context;
+  const v1::ExtendRequest* const request;
+  v1::ExtendResponse* const response;
+  ObservedReactor* const reactor;
+  const absl::Time arrival;
+  ExtendPlan plan;
+};
+
+bool AttentionServiceImpl::IsExtendJob(const ScheduledWork& work) {
+  return dynamic_cast<const ExtendJob*>(&work) != nullptr;
+}
+
+void AttentionServiceImpl::RunExtendJob(std::unique_ptr<ScheduledWork> work) {
+  auto& job = static_cast<ExtendJob&>(*work);
+  const absl::Time start = absl::Now();
+  job.reactor->observer().Dequeued(start - job.enqueued);
+  ComputeContext context;
+  context.block_kernels = options_.block_kernels;
+  context.should_stop = [&job] { return absl::Now() >= job.deadline || job.IsCancelled(); };
+  absl::StatusOr<core::Workspace*> workspace = ComputeWorkspace();
+  absl::Status status = workspace.status();
+  std::vector<ExtendComputed> computed;
+  if (status.ok()) {
+    context.workspace = *workspace;
+    status = RunExtend(*job.request, job.plan, *sessions_, context, job.response, &computed);
+  }
+  if (workspace_ != nullptr && workspace_->bytes() > kRetainedWorkspaceBytes) {
+    workspace_->Release();
+  }
+  const absl::Duration compute = absl::Now() - start;
+  if (status.ok()) {
+    v1::Timing* timing = job.response->mutable_timing();
+    SetDuration(start - job.arrival, timing->mutable_queue());
+    SetDuration(compute, timing->mutable_compute());
+    timing->set_batch_size(1);
+    timing->set_batch_tokens(job.tokens);
+    for (const ExtendComputed& part : computed) {
+      metrics_->OnComputed(metrics_->ModelLabel(part.model), part.kernel_path,
+                           {.duration = part.duration,
+                            .tokens = part.tokens,
+                            .attention_map_bytes = 0});
+    }
+    job.reactor->observer().set_compute(compute);
+  }
+  job.Finish(status);
+}
+
+std::optional<std::string> AttentionServiceImpl::BeginSessionCall(
+    grpc::CallbackServerContext& context, ObservedReactor& reactor) {
+  absl::StatusOr<Principal> caller = Authenticate(context);
+  if (!caller.ok()) {
+    reactor.FinishCall(ToGrpcStatus(caller.status()));
+    return std::nullopt;
+  }
+  if (sessions_ == nullptr) {
+    reactor.FinishCall(ToGrpcStatus(
+        absl::FailedPreconditionError("this server has no decode sessions")));
+    return std::nullopt;
+  }
+  if (absl::Status admitted = BeginCall(); !admitted.ok()) {
+    reactor.FinishCall(ToGrpcStatus(admitted));
+    return std::nullopt;
+  }
+  return caller->id;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(
+    grpc::CallbackServerContext* context, const v1::OpenSessionRequest* request,
+    v1::Session* response) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kOpenSession, "", metrics_, options_.access_log);
+  const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
+  if (!owner) return reactor;
+  const absl::StatusOr<SessionInfo> opened = [&]() -> absl::StatusOr<SessionInfo> {
+    SessionSpec spec;
+    for (int i = 0; i < request->models_size(); ++i) {
+      absl::StatusOr<std::shared_ptr<const Model>> model = registry_->Find(request->models(i));
+      if (!model.ok()) {
+        return absl::Status(model.status().code(),
+                            absl::StrCat("models[", i, "]: ", model.status().message()));
+      }
+      spec.layers.push_back(*std::move(model));
+    }
+    switch (request->kv_dtype()) {
+      case v1::DATA_TYPE_UNSPECIFIED:
+      case v1::DATA_TYPE_FP32:
+        spec.kv_precision = core::KvPrecision::kFp32;
+        break;
+      case v1::DATA_TYPE_BF16:
+        spec.kv_precision = core::KvPrecision::kBf16;
+        break;
+      default:
+        return absl::InvalidArgumentError(absl::StrCat(
+            "kv_dtype: must be FP32 or BF16, got ", DataTypeName(request->kv_dtype())));
+    }
+    spec.max_tokens = request->max_tokens();
+    spec.idle_ttl = FromProto(request->idle_ttl());
+    spec.first_position = request->first_position();
+    return sessions_->Open(spec, *owner);
+  }();
+  FinishWithSession(opened, response, *reactor);
+  EndCall();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetSession(grpc::CallbackServerContext* context,
+                                                           const v1::GetSessionRequest* request,
+                                                           v1::Session* response) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kGetSession, "", metrics_, options_.access_log);
+  const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
+  if (!owner) return reactor;
+  FinishWithSession(sessions_->Get(request->session_id(), *owner), response, *reactor);
+  EndCall();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ForkSession(
+    grpc::CallbackServerContext* context, const v1::ForkSessionRequest* request,
+    v1::Session* response) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kForkSession, "", metrics_, options_.access_log);
+  const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
+  if (!owner) return reactor;
+  FinishWithSession(sessions_->Fork(request->session_id(), *owner), response, *reactor);
+  EndCall();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSession(
+    grpc::CallbackServerContext* context, const v1::TruncateSessionRequest* request,
+    v1::Session* response) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kTruncateSession, "", metrics_, options_.access_log);
+  const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
+  if (!owner) return reactor;
+  FinishWithSession(sessions_->Truncate(request->session_id(), *owner,
+                                        request->all_layers() ? -1 : request->layer(),
+                                        request->length()),
+                    response, *reactor);
+  EndCall();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(
+    grpc::CallbackServerContext* context, const v1::CloseSessionRequest* request,
+    v1::CloseSessionResponse* /*response*/) {
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kCloseSession, "", metrics_, options_.access_log);
+  const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
+  if (!owner) return reactor;
+  reactor->FinishCall(ToGrpcStatus(sessions_->Close(request->session_id(), *owner)));
+  EndCall();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Extend(grpc::CallbackServerContext* context,
+                                                       const v1::ExtendRequest* request,
+                                                       v1::ExtendResponse* response) {
+  {
+    absl::MutexLock lock(&mu_);
+    last_arrival_ = absl::Now();
+  }
+  auto* reactor =
+      new ObservedReactor(context, RpcMethod::kExtend, "", metrics_, options_.access_log);
+  const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
+  if (!owner) return reactor;
+  const absl::Time arrival = absl::Now();
+  absl::StatusOr<ExtendPlan> plan = PlanExtend(*request, *sessions_, *owner, options_.limits,
+                                               options_.max_send_message_bytes);
+  if (!plan.ok()) {
+    reactor->FinishCall(ToGrpcStatus(plan.status()));
+    EndCall();
+    return reactor;
+  }
+  if (plan->tokens == 0) {  // nothing to compute: refusals and replays only
+    const absl::Status answered = RunExtend(*request, *plan, *sessions_, {}, response);
+    reactor->FinishCall(ToGrpcStatus(answered));
+    EndCall();
+    return reactor;
+  }
+  metrics_->OnQueued();
+  absl::Status submitted = scheduler_->Submit(std::make_unique<ExtendJob>(
+      this, context, request, response, reactor, arrival, *std::move(plan)));
+  if (!submitted.ok()) {
+    metrics_->OnQueueRefused();
+    reactor->FinishCall(ToGrpcStatus(submitted));
+    EndCall();
+  }
+  return reactor;
+}
+
+}  // namespace attnserve::server
