@@ -54,6 +54,10 @@ absl::Status MapAssembler::Start(v1::AttendResponse& response) {
   }
   values_ = values;
   value_bytes_ = maps->dtype() == v1::DATA_TYPE_BF16 ? 2 : 4;
+  // One protobuf string holds the maps: at most 2 GiB.
+  if (values_ > std::numeric_limits<int32_t>::max() / value_bytes_) {
+    return Malformed("attention_maps.shape is over 2 GiB of values");
+  }
   return absl::OkStatus();
 }
 
@@ -79,6 +83,9 @@ absl::Status MapAssembler::Place(const v1::AttentionMapChunk& chunk) {
   v1::Tensor* whole = response_.mutable_attention_maps();
   if (chunks_ == 0) {  // the first chunk's encoding is the maps'
     raw_ = tensor.float_data_size() == 0;
+    if (!raw_ && maps.dtype() != v1::DATA_TYPE_FP32) {
+      return Malformed("float_data chunks of maps that are not FP32");
+    }
     if (raw_) {
       whole->mutable_raw_data()->resize(static_cast<size_t>(values_ * value_bytes_));
     } else {

@@ -126,18 +126,19 @@ struct AttentionServiceImpl::AttendJob final : ScheduledWork {
     service->metrics_->OnSkipped(absl::IsDeadlineExceeded(status)
                                      ? Metrics::SkipReason::kDeadline
                                      : Metrics::SkipReason::kCancelled);
-    Finish(status);
+    Finish(status, /*ran=*/false);  // the scheduler releases all its memory
   }
-  // Delivers the response (status OK) or `status`. A call the drain stopped
-  // answers UNAVAILABLE, as a call refused during the drain does: the
-  // client's retry policy sends it elsewhere.
-  void Finish(absl::Status status) {
+  // Delivers the response (status OK) or `status`; `ran`: it went through
+  // compute, so what it keeps after (memory_kept_after_run) is its to
+  // release. A call the drain stopped answers UNAVAILABLE, as a call refused
+  // during the drain does: the client's retry policy sends it elsewhere.
+  void Finish(absl::Status status, bool ran) {
     if (absl::IsCancelled(status) && CutShort() && !context->IsCancelled()) {
       status = absl::UnavailableError(
           "the server is shutting down: the call was stopped before it finished; retry on another "
           "replica");
     }
-    deliver(std::move(status), call->response);
+    deliver(std::move(status), call->response, ran ? memory_kept_after_run : 0);
   }
 
   AttentionServiceImpl* const service;
@@ -239,7 +240,7 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
       timing->set_batch_tokens(computed_tokens);
       ObserveCompute(job.tokens, job.call->response, compute, *job.observer, *metrics_);
     }
-    job.Finish(std::move(statuses[i]));
+    job.Finish(std::move(statuses[i]), /*ran=*/true);
   }
 }
 
@@ -392,10 +393,15 @@ Reactor* AttentionServiceImpl::HandleAttend(
     EndCall();
     return reactor;
   }
+  const int64_t kept = map_delivery == MapDelivery::kStreamed
+                           ? std::min(plan->memory_bytes,
+                                      plan->map_elements * DataTypeSize(plan->output_dtype))
+                           : 0;
   metrics_->OnQueued();
-  absl::Status submitted = scheduler_->Submit(
-      std::make_unique<AttendJob>(this, context, std::move(call), &reactor->observer(),
-                                  make_deliver(reactor), arrival, *std::move(plan)));
+  auto job = std::make_unique<AttendJob>(this, context, std::move(call), &reactor->observer(),
+                                         make_deliver(reactor), arrival, *std::move(plan));
+  job->memory_kept_after_run = kept;
+  absl::Status submitted = scheduler_->Submit(std::move(job));
   if (!submitted.ok()) {
     metrics_->OnQueueRefused();
     reactor->FinishCall(ToGrpcStatus(submitted));
@@ -414,7 +420,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
                                    options_.access_log);
       },
       [this, response_bytes](ObservedReactor* reactor) -> Deliver {
-        return [this, reactor, response_bytes](absl::Status status, WireResponse& response) {
+        return [this, reactor, response_bytes](absl::Status status, WireResponse& response,
+                                               int64_t /*kept: none*/) {
           if (status.ok()) status = response.SerializeTo(response_bytes);
           reactor->FinishCall(ToGrpcStatus(status));
           EndCall();
@@ -433,8 +440,12 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
         return new MapStreamReactor(context, model, metrics_, options_.access_log);
       },
       [this, chunk_bytes](MapStreamReactor* reactor) -> Deliver {
-        return [this, reactor, chunk_bytes](absl::Status status, WireResponse& response) {
+        return [this, reactor, chunk_bytes](absl::Status status, WireResponse& response,
+                                            int64_t kept) {
+          // The maps' buffer stays reserved from the in-flight budget until
+          // the last chunk is sent (memory_kept_after_run).
           if (!status.ok()) {
+            scheduler_->ReleaseKept(kept);
             reactor->FinishCall(ToGrpcStatus(status));
             EndCall();
             return;
@@ -442,7 +453,10 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
           // The call stays in flight (a drain waits for it) until its last
           // chunk is sent.
           reactor->Send(std::make_unique<MapStream>(std::move(response), chunk_bytes),
-                        [this] { EndCall(); });
+                        [this, kept] {
+                          scheduler_->ReleaseKept(kept);
+                          EndCall();
+                        });
         };
       });
 }

@@ -171,8 +171,10 @@ class AttentionServiceImpl final
   std::optional<std::string> BeginSessionCall(grpc::CallbackServerContext& context,
                                               ObservedReactor& reactor);
   // Sends an admitted call's result: the response when the status is OK, else
-  // the status. Ends the call (EndCall) once it is sent.
-  using Deliver = std::function<void(absl::Status status, WireResponse& response)>;
+  // the status. Ends the call (EndCall) once it is sent, and then releases
+  // `kept_bytes` of the in-flight budget (what it kept after compute).
+  using Deliver =
+      std::function<void(absl::Status status, WireResponse& response, int64_t kept_bytes)>;
   // Attend's and AttendStream's handler: authenticates, parses, plans and
   // submits the call; `make_reactor` makes its reactor (for the model the
   // request names) and `make_deliver` what sends its result.

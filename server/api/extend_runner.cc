@@ -5,8 +5,10 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -59,6 +61,22 @@ absl::Status CheckStep(const v1::ExtendStep& step, const TensorSpec& spec, const
   return absl::OkStatus();
 }
 
+// What a step's inputs and options hash to: a retry carries the same.
+uint64_t StepFingerprint(const v1::ExtendRequest& request, const v1::ExtendStep& step) {
+  const v1::Tensor& states = step.hidden_states();
+  const absl::string_view values =
+      !states.raw_data().empty()
+          ? absl::string_view(states.raw_data())
+          : absl::string_view(reinterpret_cast<const char*>(states.float_data().data()),
+                              static_cast<size_t>(states.float_data_size()) * sizeof(float));
+  const absl::string_view mask(reinterpret_cast<const char*>(step.head_mask().data()),
+                               static_cast<size_t>(step.head_mask_size()) * sizeof(float));
+  return absl::Hash<std::tuple<absl::string_view, int, absl::string_view, bool, int, int>>{}(
+      std::make_tuple(values, static_cast<int>(states.dtype()), mask, step.attention_maps(),
+                      static_cast<int>(request.precision()),
+                      static_cast<int>(request.output_dtype())));
+}
+
 }  // namespace
 
 absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionManager& sessions,
@@ -93,22 +111,27 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
                        " a step (--max_seq_len); send the prefill in chunks"));
       continue;
     }
-    absl::StatusOr<StepLease> lease =
-        sessions.BeginStep(step.session_id(), owner, step.layer(), step.expected_length(), n);
-    if (!lease.ok()) {
-      planned.status = ForStep(i, lease.status());
+    if (step.expected_length() < 0 || step.expected_length() > core::kMaxPositionOffset) {
+      planned.status = core::InvalidField(
+          absl::StrCat(field, ".expected_length"),
+          absl::StrCat(step.expected_length(), " is outside [0, ", core::kMaxPositionOffset, "]"));
       continue;
     }
-    const Model& model = lease->model();
-    if (absl::Status checked = CheckStep(step, *spec, model, field); !checked.ok()) {
-      planned.status = checked;  // the lease ends here, as failed: nothing changed
+    // Everything that can refuse the step before it is admitted (admission
+    // may evict other sessions for its memory).
+    absl::StatusOr<std::shared_ptr<const Model>> model =
+        sessions.LayerModel(step.session_id(), owner, step.layer());
+    if (!model.ok()) {
+      planned.status = ForStep(i, model.status());
       continue;
     }
-    const core::HeadConfig& config = model.layer->config();
+    if (absl::Status checked = CheckStep(step, *spec, **model, field); !checked.ok()) {
+      planned.status = checked;
+      continue;
+    }
+    const core::HeadConfig& config = (*model)->layer->config();
     const int64_t maps =
-        step.attention_maps() && !lease->replay()
-            ? config.num_heads * n * (step.expected_length() + n)
-            : 0;
+        step.attention_maps() ? config.num_heads * n * (step.expected_length() + n) : 0;
     const int64_t bytes = (n * config.d_model + maps) * value_bytes + kResultFramingBytes;
     if (map_bytes + maps * value_bytes > limits.max_attention_map_bytes ||
         response_bytes + bytes > max_response_bytes) {
@@ -120,21 +143,30 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
                        max_response_bytes, "); send fewer steps or ask for fewer maps"));
       continue;
     }
+    absl::StatusOr<StepLease> lease =
+        sessions.BeginStep(step.session_id(), owner, step.layer(), step.expected_length(), n,
+                           StepFingerprint(request, step));
+    if (!lease.ok()) {
+      planned.status = ForStep(i, lease.status());
+      continue;
+    }
+    const Model& model_ref = lease->model();
     map_bytes += maps * value_bytes;
     response_bytes += bytes;
+    const int64_t map_elements = lease->replay() ? 0 : maps;
     planned.hidden_states = *std::move(spec);
     planned.tokens = n;
-    planned.map_elements = maps;
+    planned.map_elements = map_elements;
     planned.head_mask.assign(step.head_mask().begin(), step.head_mask().end());
     if (!lease->replay()) {
       plan.tokens += n;
-      tokens_per_model[&model] += n;
+      tokens_per_model[&model_ref] += n;
     }
     planned.lease = *std::move(lease);
   }
-  // Memory while it runs: the inputs as FP32, outputs and maps, and each
-  // model's route scratch for its tokens.
-  double memory = static_cast<double>(response_bytes);
+  // Memory while it runs: the inputs as FP32, outputs and maps (BF16 ones
+  // computed in FP32 first), and each model's route scratch for its tokens.
+  double memory = static_cast<double>(response_bytes) * (value_bytes == 2 ? 3.0 : 1.0);
   for (const auto& [model, tokens] : tokens_per_model) {
     absl::StatusOr<core::Route> route =
         core::MakeExtendRoute(model->layer->config(), tokens, plan.precision);

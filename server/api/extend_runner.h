@@ -68,8 +68,10 @@ struct ExtendComputed {
 // result per request step (output, maps, the layer's length, or the step's
 // status), the kernel path and precision. A replayed step gets its stored
 // output without computing. Returns the call's own error (CANCELLED by
-// `compute.should_stop`, INTERNAL), which every admitted step then carries
-// too, with its session's layer as before the call.
+// `compute.should_stop`, INTERNAL): the steps of the Extend that failed keep
+// their layers as before the call; the caller then answers the whole call
+// with that error (steps of models that ran before it stay appended, and a
+// retry of the call replays them).
 absl::Status RunExtend(const v1::ExtendRequest& request, ExtendPlan& plan,
                        SessionManager& sessions, const ComputeContext& compute,
                        v1::ExtendResponse* response,

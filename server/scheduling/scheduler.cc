@@ -196,8 +196,8 @@ void Scheduler::Drain() {
     }
     SkipAll(skipped);
     if (batch.empty()) continue;
-    int64_t bytes = 0;
-    for (const auto& work : batch) bytes += work->memory_bytes;
+    int64_t bytes = 0;  // what the batch releases once run (not what it keeps)
+    for (const auto& work : batch) bytes += work->memory_bytes - work->memory_kept_after_run;
     run_batch_(std::move(batch), info);
     Release(bytes);
   }

@@ -55,6 +55,11 @@ class ScheduledWork {
   // Its estimated memory, reserved from the in-flight budget at admission
   // and released when it has run or been skipped.
   int64_t memory_bytes = 0;
+  // The part of memory_bytes it still holds once it has run (e.g. a response
+  // still being sent): not released then, but by its owner, with
+  // Scheduler::ReleaseKept, when it lets go of it. All of it is released when
+  // it is skipped. In [0, memory_bytes].
+  int64_t memory_kept_after_run = 0;
   // Not started after this: skipped with DEADLINE_EXCEEDED.
   absl::Time deadline = absl::InfiniteFuture();
 
@@ -121,6 +126,9 @@ class Scheduler {
   // skipped) at once. The server calls it when it stops its calls in flight
   // at the end of a drain.
   void StopWaiting();
+
+  // Releases bytes a request kept after it ran (memory_kept_after_run).
+  void ReleaseKept(int64_t bytes) { Release(bytes); }
 
   // Requests admitted and not yet started.
   int64_t queue_depth() const;

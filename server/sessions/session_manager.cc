@@ -3,7 +3,9 @@
 #include <sys/random.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstddef>
+#include <cstring>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -28,6 +30,7 @@ struct SessionLayer {
   // (empty: nothing to replay).
   int64_t last_expected = -1;
   int64_t last_tokens = 0;
+  uint64_t last_fingerprint = 0;
   std::string last_output;
 };
 
@@ -52,16 +55,31 @@ constexpr size_t kRemembered = 16384;
 // Layers a session may have.
 constexpr size_t kMaxLayers = 1024;
 
-// 128 bits from the kernel's CSPRNG, as 32 hex digits.
-std::string NewSessionId() {
+// 128 bits from the kernel's CSPRNG, as 32 hex digits; INTERNAL when the
+// kernel gives none.
+absl::StatusOr<std::string> NewSessionId() {
   unsigned char bytes[16];
   size_t got = 0;
   while (got < sizeof(bytes)) {
     const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
-    if (n > 0) got += static_cast<size_t>(n);
+    if (n > 0) {
+      got += static_cast<size_t>(n);
+    } else if (n < 0 && errno != EINTR) {
+      return absl::InternalError(
+          absl::StrCat("session ids: getrandom failed: ", std::strerror(errno)));
+    }
   }
   return absl::BytesToHexString(
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+// Bytes of the answers a session keeps for retries.
+int64_t StoredBytes(const Session& session) {
+  int64_t bytes = 0;
+  for (const SessionLayer& layer : session.layers) {
+    bytes += static_cast<int64_t>(layer.last_output.size());
+  }
+  return bytes;
 }
 
 bool LooksLikeSessionId(absl::string_view id) {
@@ -89,6 +107,7 @@ StepLease& StepLease::operator=(StepLease&& other) noexcept {
     layer_ = other.layer_;
     expected_length_ = other.expected_length_;
     new_tokens_ = other.new_tokens_;
+    fingerprint_ = other.fingerprint_;
     first_position_ = other.first_position_;
     reserved_bytes_ = other.reserved_bytes_;
     replay_ = other.replay_;
@@ -181,42 +200,46 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(absl::string
   const auto it = sessions_.find(id);
   if (it == sessions_.end() || it->second->owner != owner) {
     const auto gone = gone_index_.find(id);
-    if (it != sessions_.end() || gone == gone_index_.end()) {
+    // Why a session is gone is its owner's to know; others see "unknown".
+    if (it != sessions_.end() || gone == gone_index_.end() || gone->second.owner != owner) {
       return absl::NotFoundError(absl::StrCat("session ", id, ": unknown session"));
     }
-    switch (gone->second) {
-      case Gone::kExpired:
+    switch (gone->second.why) {
+      case Why::kExpired:
         return absl::NotFoundError(absl::StrCat("session ", id, ": expired (idle past its TTL)"));
-      case Gone::kEvictedForMemory:
+      case Why::kEvictedForMemory:
         return absl::NotFoundError(absl::StrCat(
             "session ", id, ": evicted while idle, for the KV cache's memory (--kv_cache_bytes)"));
-      case Gone::kEvictedForSessions:
+      case Why::kEvictedForSessions:
         return absl::NotFoundError(absl::StrCat(
             "session ", id, ": evicted while idle, for a new session (--max_sessions)"));
-      case Gone::kClosed:
+      case Why::kClosed:
         return absl::NotFoundError(absl::StrCat("session ", id, ": closed"));
     }
   }
   std::shared_ptr<Session> session = it->second;
   if (session->steps_in_flight == 0 && clock_() - session->last_used > session->idle_ttl) {
-    RemoveLocked(session->id, Gone::kExpired);
+    RemoveLocked(session->id, Why::kExpired);
     ++expiries_;
     return absl::NotFoundError(absl::StrCat("session ", id, ": expired (idle past its TTL)"));
   }
   return session;
 }
 
-void SessionManager::RemoveLocked(const std::string& id, Gone why) {
+void SessionManager::RemoveLocked(const std::string& id, Why why) {
   if (gone_.size() == kRemembered) {
-    gone_index_.erase(gone_.front().first);
+    gone_index_.erase(gone_.front());
     gone_.pop_front();
   }
-  gone_.emplace_back(id, why);
-  gone_index_[id] = why;
-  sessions_.erase(id);
+  const auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  stored_bytes_ -= StoredBytes(*it->second);
+  gone_.push_back(id);
+  gone_index_[id] = {why, it->second->owner};
+  sessions_.erase(it);
 }
 
-bool SessionManager::EvictOneLocked(const Session* keep, Gone why) {
+bool SessionManager::EvictOneLocked(const Session* keep, Why why) {
   const Session* oldest = nullptr;
   for (const auto& [id, session] : sessions_) {
     if (session.get() == keep || session->steps_in_flight > 0) continue;
@@ -224,11 +247,11 @@ bool SessionManager::EvictOneLocked(const Session* keep, Gone why) {
   }
   if (oldest == nullptr) return false;
   RemoveLocked(oldest->id, why);
-  ++(why == Gone::kEvictedForMemory ? evictions_for_memory_ : evictions_for_sessions_);
+  ++(why == Why::kEvictedForMemory ? evictions_for_memory_ : evictions_for_sessions_);
   return true;
 }
 
-absl::Status SessionManager::AdmitSessionLocked(absl::string_view owner) {
+absl::Status SessionManager::AdmitSessionLocked(absl::string_view owner, const Session* keep) {
   if (limits_.max_sessions_per_owner > 0) {
     int64_t owned = 0;
     for (const auto& [id, session] : sessions_) owned += session->owner == owner ? 1 : 0;
@@ -239,7 +262,7 @@ absl::Status SessionManager::AdmitSessionLocked(absl::string_view owner) {
     }
   }
   while (static_cast<int64_t>(sessions_.size()) >= limits_.max_sessions) {
-    if (!EvictOneLocked(nullptr, Gone::kEvictedForSessions)) {
+    if (!EvictOneLocked(keep, Why::kEvictedForSessions)) {
       return absl::ResourceExhaustedError(
           absl::StrCat("every one of the server's ", limits_.max_sessions,
                        " sessions (--max_sessions) has a step in flight; retry"));
@@ -248,10 +271,12 @@ absl::Status SessionManager::AdmitSessionLocked(absl::string_view owner) {
   return absl::OkStatus();
 }
 
-std::shared_ptr<Session> SessionManager::AddLocked(absl::string_view owner) {
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::AddLocked(absl::string_view owner) {
   auto session = std::make_shared<Session>();
   do {
-    session->id = NewSessionId();
+    absl::StatusOr<std::string> id = NewSessionId();
+    if (!id.ok()) return id.status();
+    session->id = *std::move(id);
   } while (sessions_.contains(session->id) || gone_index_.contains(session->id));
   session->owner = std::string(owner);
   session->last_used = clock_();
@@ -331,8 +356,12 @@ absl::StatusOr<SessionInfo> SessionManager::Open(const SessionSpec& spec,
     layers[i].block_bytes = core::KvBlockBytes(layout, limits_.block_tokens);
   }
   absl::MutexLock lock(&mu_);
-  if (absl::Status admitted = AdmitSessionLocked(owner); !admitted.ok()) return admitted;
-  std::shared_ptr<Session> session = AddLocked(owner);
+  if (absl::Status admitted = AdmitSessionLocked(owner, nullptr); !admitted.ok()) {
+    return admitted;
+  }
+  absl::StatusOr<std::shared_ptr<Session>> added = AddLocked(owner);
+  if (!added.ok()) return added.status();
+  Session* session = added->get();
   session->kv_precision = spec.kv_precision;
   session->max_tokens = max_tokens;
   session->idle_ttl = ttl;
@@ -354,7 +383,7 @@ absl::Status SessionManager::Close(absl::string_view id, absl::string_view owner
   absl::StatusOr<std::shared_ptr<Session>> session = FindLocked(id, owner);
   if (!session.ok()) return session.status();
   closed = *session;
-  RemoveLocked(closed->id, Gone::kClosed);
+  RemoveLocked(closed->id, Why::kClosed);
   return absl::OkStatus();
 }
 
@@ -367,8 +396,12 @@ absl::StatusOr<SessionInfo> SessionManager::Fork(absl::string_view id, absl::str
     return absl::AbortedError(
         absl::StrCat("session ", parent->id, ": a step is in flight; fork between steps"));
   }
-  if (absl::Status admitted = AdmitSessionLocked(owner); !admitted.ok()) return admitted;
-  std::shared_ptr<Session> child = AddLocked(owner);
+  if (absl::Status admitted = AdmitSessionLocked(owner, parent.get()); !admitted.ok()) {
+    return admitted;
+  }
+  absl::StatusOr<std::shared_ptr<Session>> added = AddLocked(owner);
+  if (!added.ok()) return added.status();
+  Session* child = added->get();
   child->kv_precision = parent->kv_precision;
   child->max_tokens = parent->max_tokens;
   child->idle_ttl = parent->idle_ttl;
@@ -418,15 +451,30 @@ absl::StatusOr<SessionInfo> SessionManager::Truncate(absl::string_view id,
     s.length = length;
     s.blocks = static_cast<int64_t>(s.cache->blocks().size());
     s.last_expected = -1;
+    stored_bytes_ -= static_cast<int64_t>(s.last_output.size());
     s.last_output.clear();
   }
   session.last_used = clock_();
   return InfoLocked(session);
 }
 
+absl::StatusOr<std::shared_ptr<const Model>> SessionManager::LayerModel(absl::string_view id,
+                                                                        absl::string_view owner,
+                                                                        int layer) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
+  if (!found.ok()) return found.status();
+  const Session& session = **found;
+  if (layer < 0 || layer >= static_cast<int>(session.layers.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is outside [0, ",
+                                                   session.layers.size(), ")"));
+  }
+  return session.layers[static_cast<size_t>(layer)].model;
+}
+
 absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::string_view owner,
                                                     int layer, int64_t expected_length,
-                                                    int64_t new_tokens) {
+                                                    int64_t new_tokens, uint64_t fingerprint) {
   absl::MutexLock lock(&mu_);
   absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
   if (!found.ok()) return found.status();
@@ -447,7 +495,7 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
   int64_t reserved = 0;
   if (expected_length != target.length) {
     const bool retry = expected_length == target.last_expected &&
-                       new_tokens == target.last_tokens &&
+                       new_tokens == target.last_tokens && fingerprint == target.last_fingerprint &&
                        expected_length + new_tokens == target.length && !target.last_output.empty();
     if (!retry) {
       return absl::AbortedError(absl::StrCat("session ", session->id, ": layer ", layer, " holds ",
@@ -469,15 +517,19 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
         pool_->ReferenceCount(cache.blocks().back()) > 1) {
       ++blocks;
     }
-    const int64_t bytes = blocks * target.block_bytes;
+    const int64_t kv_bytes = blocks * target.block_bytes;
+    // And room for the answer kept for a retry.
+    const int64_t answer = new_tokens * target.model->layer->config().d_model * 4;
+    const int64_t bytes = kv_bytes + (answer <= kMaxStoredOutputBytes ? answer : 0);
     if (limits_.max_kv_bytes_per_owner > 0 &&
-        OwnerBytesLocked(owner) + bytes > limits_.max_kv_bytes_per_owner) {
+        OwnerBytesLocked(owner) + kv_bytes > limits_.max_kv_bytes_per_owner) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "this caller's sessions hold ", OwnerBytesLocked(owner), " bytes of KV cache; ", bytes,
+          "this caller's sessions hold ", OwnerBytesLocked(owner), " bytes of KV cache; ", kv_bytes,
           " more pass its quota (--max_kv_bytes_per_token); close or truncate sessions"));
     }
-    while (pool_->stats().bytes_in_use + reserved_bytes_ + bytes > limits_.kv_cache_bytes) {
-      if (!EvictOneLocked(session.get(), Gone::kEvictedForMemory)) {
+    while (pool_->stats().bytes_in_use + reserved_bytes_ + stored_bytes_ + bytes >
+           limits_.kv_cache_bytes) {
+      if (!EvictOneLocked(session.get(), Why::kEvictedForMemory)) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "the KV cache is full (--kv_cache_bytes ", limits_.kv_cache_bytes,
             ") with sessions that have steps in flight; this step needs ", bytes,
@@ -495,6 +547,7 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
   lease.layer_ = layer;
   lease.expected_length_ = expected_length;
   lease.new_tokens_ = new_tokens;
+  lease.fingerprint_ = fingerprint;
   lease.replay_ = replay;
   lease.reserved_bytes_ = reserved;
   lease.first_position_ = session->first_position + expected_length;
@@ -519,12 +572,20 @@ void SessionManager::EndStepOf(StepLease& lease, const absl::Status& status, std
   --session.steps_in_flight;
   session.last_used = clock_();
   if (lease.replay_) return;
+  const auto live = sessions_.find(session.id);
+  const bool removed = live == sessions_.end() || live->second.get() != &session;
   layer.length = layer.cache->length();
   layer.blocks = static_cast<int64_t>(layer.cache->blocks().size());
-  if (status.ok()) {
+  if (status.ok() && !removed) {  // a closed session keeps no answer
+    stored_bytes_ -= static_cast<int64_t>(layer.last_output.size());
     layer.last_expected = lease.expected_length_;
     layer.last_tokens = lease.new_tokens_;
-    layer.last_output = std::move(output);
+    layer.last_fingerprint = lease.fingerprint_;
+    layer.last_output.clear();
+    if (static_cast<int64_t>(output.size()) <= kMaxStoredOutputBytes) {
+      layer.last_output = std::move(output);
+      stored_bytes_ += static_cast<int64_t>(layer.last_output.size());
+    }
   }
 }
 
@@ -538,7 +599,7 @@ int SessionManager::ExpireIdle() {
     }
   }
   for (const std::shared_ptr<Session>& session : expired) {
-    RemoveLocked(session->id, Gone::kExpired);
+    RemoveLocked(session->id, Why::kExpired);
   }
   expiries_ += static_cast<int64_t>(expired.size());
   return static_cast<int>(expired.size());
@@ -550,6 +611,7 @@ SessionStats SessionManager::stats() const {
           .pool = pool_->stats(),
           .kv_budget_bytes = limits_.kv_cache_bytes,
           .reserved_bytes = reserved_bytes_,
+          .stored_bytes = stored_bytes_,
           .evictions_for_memory = evictions_for_memory_,
           .evictions_for_sessions = evictions_for_sessions_,
           .expiries = expiries_};

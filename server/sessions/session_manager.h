@@ -61,6 +61,7 @@ struct SessionStats {
   core::KvBlockPoolStats pool;
   int64_t kv_budget_bytes = 0;
   int64_t reserved_bytes = 0;  // promised to steps in flight
+  int64_t stored_bytes = 0;    // answers kept for retries
   int64_t evictions_for_memory = 0;
   int64_t evictions_for_sessions = 0;
   int64_t expiries = 0;
@@ -111,6 +112,7 @@ class StepLease {
   int layer_ = 0;
   int64_t expected_length_ = 0;
   int64_t new_tokens_ = 0;
+  uint64_t fingerprint_ = 0;
   int64_t first_position_ = 0;
   int64_t reserved_bytes_ = 0;
   bool replay_ = false;
@@ -137,6 +139,11 @@ class StepLease {
 // Thread-safe. The models a session holds live as long as it does.
 class SessionManager {
  public:
+  // The largest answer kept for a retry, per layer of a session (decode
+  // steps and short chunks; a repeated longer prefill is ABORTED: truncate
+  // and send it again).
+  static constexpr int64_t kMaxStoredOutputBytes = int64_t{256} << 10;
+
   using Clock = std::function<absl::Time()>;
   using Upkeep = SessionUpkeep;
 
@@ -168,10 +175,17 @@ class SessionManager {
   absl::StatusOr<SessionInfo> Truncate(absl::string_view id, absl::string_view owner, int layer,
                                        int64_t length);
 
+  // The model of a session's layer, to validate a step against before it is
+  // admitted. NOT_FOUND; INVALID_ARGUMENT naming "layer".
+  absl::StatusOr<std::shared_ptr<const Model>> LayerModel(absl::string_view id,
+                                                          absl::string_view owner, int layer);
+
   // Admits a step of `new_tokens` (>= 1) tokens on layer `layer` that
-  // expects the layer to hold `expected_length` tokens. A retry of the
-  // layer's last step (the same expected length and token count, the layer
-  // now `new_tokens` longer) is a replay of its stored output. NOT_FOUND;
+  // expects the layer to hold `expected_length` tokens; `fingerprint` is
+  // what the step's inputs and options hash to. A retry of the layer's last
+  // step (the same expected length, token count and fingerprint, the layer
+  // now `new_tokens` longer) is a replay of its stored output, when that was
+  // kept (answers of at most kMaxStoredOutputBytes). NOT_FOUND;
   // INVALID_ARGUMENT naming "layer" or "hidden_states" (new_tokens < 1);
   // ABORTED when another step on the layer is in flight, or the length is
   // not the expected one (the message says the layer's length); OUT_OF_RANGE
@@ -179,10 +193,12 @@ class SessionManager {
   // RESOURCE_EXHAUSTED when its blocks do not fit the KV cache even after
   // evicting every idle session, or its owner's KV quota.
   absl::StatusOr<StepLease> BeginStep(absl::string_view id, absl::string_view owner, int layer,
-                                      int64_t expected_length, int64_t new_tokens);
-  // Ends a step: `status` OK with the step's `output` (kept, so a retry of
-  // the same step gets it again), or the error it failed with (the cache is
-  // as the compute left it: unchanged). Releases the reservation.
+                                      int64_t expected_length, int64_t new_tokens,
+                                      uint64_t fingerprint);
+  // Ends a step: `status` OK with the step's `output` (kept when it is at
+  // most kMaxStoredOutputBytes, so a retry of the same step gets it again;
+  // counted in the KV cache's budget), or the error it failed with (the
+  // cache is as the compute left it: unchanged). Releases the reservation.
   void EndStep(StepLease lease, const absl::Status& status, std::string output);
 
   // Removes the sessions idle past their TTL (not those with a step in
@@ -201,8 +217,12 @@ class SessionManager {
   // EndStep's work, once per lease (later calls do nothing).
   void EndStepOf(StepLease& lease, const absl::Status& status, std::string output);
 
-  // Why a recently removed id is gone, for its NOT_FOUND.
-  enum class Gone { kExpired, kEvictedForMemory, kEvictedForSessions, kClosed };
+  // Why a recently removed id is gone, for its owner's NOT_FOUND.
+  enum class Why { kExpired, kEvictedForMemory, kEvictedForSessions, kClosed };
+  struct Gone {
+    Why why;
+    std::string owner;
+  };
 
   // The caller's session, or NOT_FOUND.
   absl::StatusOr<std::shared_ptr<Session>> FindLocked(absl::string_view id,
@@ -210,14 +230,17 @@ class SessionManager {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes a session from the table (its memory goes with its last lease),
   // remembering why.
-  void RemoveLocked(const std::string& id, Gone why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveLocked(const std::string& id, Why why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts the least recently used idle session other than `keep`; false
   // when there is none.
-  bool EvictOneLocked(const Session* keep, Gone why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Makes room for a new session: the owner's quota, then --max_sessions.
-  absl::Status AdmitSessionLocked(absl::string_view owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A new session entry with a fresh id.
-  std::shared_ptr<Session> AddLocked(absl::string_view owner) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool EvictOneLocked(const Session* keep, Why why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes room for a new session: the owner's quota, then --max_sessions
+  // (never evicting `keep`).
+  absl::Status AdmitSessionLocked(absl::string_view owner, const Session* keep)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A new session entry with a fresh id; INTERNAL when no id can be drawn.
+  absl::StatusOr<std::shared_ptr<Session>> AddLocked(absl::string_view owner)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionInfo InfoLocked(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // KV bytes the owner's sessions hold.
   int64_t OwnerBytesLocked(absl::string_view owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -233,9 +256,11 @@ class SessionManager {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   // Recently removed ids (at most kRemembered), oldest first.
-  std::deque<std::pair<std::string, Gone>> gone_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> gone_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Gone> gone_index_ ABSL_GUARDED_BY(mu_);
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // The answers kept for retries, every session's (within the KV budget).
+  int64_t stored_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t evictions_for_memory_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t evictions_for_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t expiries_ ABSL_GUARDED_BY(mu_) = 0;

@@ -204,6 +204,27 @@ TEST(Scheduler, InflightMemoryBudgetIsReservedAtAdmissionAndReleasedAfterwards) 
   }
 }
 
+TEST(Scheduler, MemoryKeptAfterRunStaysReservedUntilItsOwnerReleasesIt) {
+  Fixture f({.max_inflight_bytes = 1000});
+  // Run: 300 of its 700 bytes stay reserved (a response still being sent).
+  auto kept = std::make_unique<TestWork>(1, 0, 10, &f.record);
+  kept->memory_bytes = 700;
+  kept->memory_kept_after_run = 300;
+  ASSERT_TRUE(f.scheduler->Submit(std::move(kept)).ok());
+  // Skipped: it never ran, so nothing of it stays reserved.
+  auto release = f.Block();
+  const std::atomic<bool> cancelled{true};
+  auto skipped = std::make_unique<TestWork>(2, 0, 10, &f.record, &cancelled);
+  skipped->memory_bytes = 200;
+  skipped->memory_kept_after_run = 200;
+  ASSERT_TRUE(f.scheduler->Submit(std::move(skipped)).ok());
+  release->Notify();
+  f.executor->Shutdown();
+  EXPECT_EQ(f.scheduler->reserved_bytes(), 300);
+  f.scheduler->ReleaseKept(300);
+  EXPECT_EQ(f.scheduler->reserved_bytes(), 0);
+}
+
 TEST(Scheduler, QueueDelayHoldsABatchOpenUntilTheBudgetIsReached) {
   // A delay far longer than the test: the batch starts only because the
   // second request fills the budget.

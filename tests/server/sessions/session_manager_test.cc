@@ -87,7 +87,7 @@ class SessionManagerTest : public ::testing::Test {
   // Begins and completes a step of n tokens on `layer`, expecting `length`.
   static void Extend(SessionManager& manager, const std::string& id, int layer, int64_t length,
                      int64_t n, const std::string& owner = "") {
-    absl::StatusOr<StepLease> lease = manager.BeginStep(id, owner, layer, length, n);
+    absl::StatusOr<StepLease> lease = manager.BeginStep(id, owner, layer, length, n, 7);
     ASSERT_TRUE(lease.ok()) << lease.status();
     Step(manager, *std::move(lease), n, "out");
   }
@@ -145,12 +145,12 @@ TEST_F(SessionManagerTest, StepsGrowEachLayerOnItsOwnAtTheRightPositions) {
   SessionSpec spec = Spec();
   spec.first_position = 100;
   const std::string id = manager->Open(spec, "")->id;
-  absl::StatusOr<StepLease> prefill = manager->BeginStep(id, "", 0, 0, 5);
+  absl::StatusOr<StepLease> prefill = manager->BeginStep(id, "", 0, 0, 5, 7);
   ASSERT_TRUE(prefill.ok()) << prefill.status();
   EXPECT_EQ(prefill->first_position(), 100);
   EXPECT_FALSE(prefill->replay());
   Step(*manager, *std::move(prefill), 5, "prefill");
-  absl::StatusOr<StepLease> decode = manager->BeginStep(id, "", 0, 5, 1);
+  absl::StatusOr<StepLease> decode = manager->BeginStep(id, "", 0, 5, 1, 7);
   ASSERT_TRUE(decode.ok()) << decode.status();
   EXPECT_EQ(decode->first_position(), 105);
   Step(*manager, *std::move(decode), 1, "decode");
@@ -166,19 +166,21 @@ TEST_F(SessionManagerTest, ARetryOfTheLastStepReplaysItAndOtherMismatchesAreAbor
   auto manager = Make();
   const std::string id = manager->Open(Spec(), "")->id;
   Extend(*manager, id, 0, 0, 3);
-  absl::StatusOr<StepLease> step = manager->BeginStep(id, "", 0, 3, 1);
+  absl::StatusOr<StepLease> step = manager->BeginStep(id, "", 0, 3, 1, 7);
   Step(*manager, *std::move(step), 1, "the fourth token's output");
   // The same step again: its stored output, nothing appended.
-  absl::StatusOr<StepLease> retry = manager->BeginStep(id, "", 0, 3, 1);
+  absl::StatusOr<StepLease> retry = manager->BeginStep(id, "", 0, 3, 1, 7);
   ASSERT_TRUE(retry.ok()) << retry.status();
   EXPECT_TRUE(retry->replay());
   EXPECT_EQ(retry->cache(), nullptr);
   EXPECT_EQ(retry->stored_output(), "the fourth token's output");
   manager->EndStep(*std::move(retry), absl::OkStatus(), "");
   EXPECT_EQ(manager->Get(id, "")->layer_lengths[0], 4);
+  // The same length and count with other inputs is another step.
+  EXPECT_EQ(manager->BeginStep(id, "", 0, 3, 1, 8).status().code(), absl::StatusCode::kAborted);
   // Anything else that does not start at the layer's length.
   for (auto [expected, n] : {std::pair<int64_t, int64_t>{3, 2}, {2, 1}, {5, 1}}) {
-    absl::Status status = manager->BeginStep(id, "", 0, expected, n).status();
+    absl::Status status = manager->BeginStep(id, "", 0, expected, n, 7).status();
     EXPECT_EQ(status.code(), absl::StatusCode::kAborted) << expected << " " << n;
     EXPECT_TRUE(absl::StrContains(status.message(), "holds 4 tokens")) << status;
   }
@@ -187,24 +189,24 @@ TEST_F(SessionManagerTest, ARetryOfTheLastStepReplaysItAndOtherMismatchesAreAbor
 TEST_F(SessionManagerTest, ASecondStepOnALayerInFlightIsAbortedAndOtherLayersProceed) {
   auto manager = Make();
   const std::string id = manager->Open(Spec(), "")->id;
-  absl::StatusOr<StepLease> first = manager->BeginStep(id, "", 0, 0, 1);
+  absl::StatusOr<StepLease> first = manager->BeginStep(id, "", 0, 0, 1, 7);
   ASSERT_TRUE(first.ok());
-  EXPECT_EQ(manager->BeginStep(id, "", 0, 0, 1).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(manager->BeginStep(id, "", 0, 0, 1, 7).status().code(), absl::StatusCode::kAborted);
   EXPECT_EQ(manager->Fork(id, "").status().code(), absl::StatusCode::kAborted);
   EXPECT_EQ(manager->Truncate(id, "", 0, 0).status().code(), absl::StatusCode::kAborted);
-  absl::StatusOr<StepLease> other_layer = manager->BeginStep(id, "", 1, 0, 1);
+  absl::StatusOr<StepLease> other_layer = manager->BeginStep(id, "", 1, 0, 1, 7);
   ASSERT_TRUE(other_layer.ok()) << other_layer.status();
   Step(*manager, *std::move(other_layer), 1, "x");
   Step(*manager, *std::move(first), 1, "y");
-  EXPECT_TRUE(manager->BeginStep(id, "", 0, 1, 1).ok());
+  EXPECT_TRUE(manager->BeginStep(id, "", 0, 1, 1, 7).ok());
 }
 
 TEST_F(SessionManagerTest, ALeaseDroppedWithoutEndStepFreesItsLayer) {
   auto manager = Make();
   const std::string id = manager->Open(Spec(), "")->id;
-  { absl::StatusOr<StepLease> dropped = manager->BeginStep(id, "", 0, 0, 2); }
+  { absl::StatusOr<StepLease> dropped = manager->BeginStep(id, "", 0, 0, 2, 7); }
   EXPECT_EQ(manager->stats().reserved_bytes, 0);
-  EXPECT_TRUE(manager->BeginStep(id, "", 0, 0, 2).ok());
+  EXPECT_TRUE(manager->BeginStep(id, "", 0, 0, 2, 7).ok());
 }
 
 TEST_F(SessionManagerTest, AStepPastMaxTokensIsOutOfRange) {
@@ -213,35 +215,42 @@ TEST_F(SessionManagerTest, AStepPastMaxTokensIsOutOfRange) {
   spec.max_tokens = 5;
   const std::string id = manager->Open(spec, "")->id;
   Extend(*manager, id, 0, 0, 4);
-  absl::Status status = manager->BeginStep(id, "", 0, 4, 2).status();
+  absl::Status status = manager->BeginStep(id, "", 0, 4, 2, 7).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
   EXPECT_TRUE(absl::StrContains(status.message(), "max_tokens of 5")) << status;
   Extend(*manager, id, 0, 4, 1);
 }
 
 TEST_F(SessionManagerTest, AFullCacheEvictsTheLeastRecentlyUsedIdleSession) {
-  // Room for 4 blocks: two sessions of 8 tokens (2 blocks) fill it.
-  auto manager = Make({.kv_cache_bytes = 4 * kBlockBytes});
+  // A step reserves its KV blocks and room for the answer kept for a retry
+  // (n x 64 x 4 bytes here). Room for 7 KiB: two sessions of 8 tokens (2 KiB
+  // of blocks each, and 2 KiB reserved while a step runs) fit; a third step
+  // of 8 tokens does not.
+  auto manager = Make({.kv_cache_bytes = 7 * kBlockBytes});
   const std::string old_id = manager->Open(Spec(1), "")->id;
   Extend(*manager, old_id, 0, 0, 8);
   clock_.Advance(absl::Seconds(1));
   const std::string recent = manager->Open(Spec(1), "")->id;
   Extend(*manager, recent, 0, 0, 8);
+  EXPECT_EQ(manager->stats().evictions_for_memory, 0);
   clock_.Advance(absl::Seconds(1));
   const std::string newcomer = manager->Open(Spec(1), "")->id;
-  Extend(*manager, newcomer, 0, 0, 4);  // needs a block: the oldest goes
+  Extend(*manager, newcomer, 0, 0, 8);  // needs room: the oldest goes
   absl::Status gone = manager->Get(old_id, "").status();
   EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(absl::StrContains(gone.message(), "--kv_cache_bytes")) << gone;
   EXPECT_TRUE(manager->Get(recent, "").ok());
   EXPECT_EQ(manager->stats().evictions_for_memory, 1);
-  EXPECT_LE(manager->stats().pool.bytes_held, 4 * kBlockBytes);
+  EXPECT_LE(manager->stats().pool.bytes_held, 7 * kBlockBytes);
   // With every other session busy, a step that needs memory is refused.
-  absl::StatusOr<StepLease> busy = manager->BeginStep(recent, "", 0, 8, 1);
+  absl::StatusOr<StepLease> busy = manager->BeginStep(recent, "", 0, 8, 1, 7);
   ASSERT_TRUE(busy.ok());
-  absl::Status refused = manager->BeginStep(newcomer, "", 0, 4, 8).status();
+  absl::Status refused = manager->BeginStep(newcomer, "", 0, 8, 8, 7).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
   EXPECT_TRUE(manager->Get(newcomer, "").ok());
+  // Nobody else learns why an id is gone.
+  EXPECT_TRUE(absl::StrContains(manager->Get(old_id, "mallory").status().message(),
+                                "unknown session"));
 }
 
 TEST_F(SessionManagerTest, OpeningAtMaxSessionsEvictsTheLeastRecentlyUsedIdleOne) {
@@ -259,13 +268,24 @@ TEST_F(SessionManagerTest, OpeningAtMaxSessionsEvictsTheLeastRecentlyUsedIdleOne
   EXPECT_EQ(manager->stats().sessions, 2);
 }
 
+TEST_F(SessionManagerTest, ForkingAtMaxSessionsNeverEvictsTheParent) {
+  auto manager = Make({.max_sessions = 2});
+  const std::string parent = manager->Open(Spec(1), "")->id;  // the least recently used
+  clock_.Advance(absl::Seconds(1));
+  const std::string other = manager->Open(Spec(1), "")->id;
+  absl::StatusOr<SessionInfo> child = manager->Fork(parent, "");
+  ASSERT_TRUE(child.ok()) << child.status();
+  EXPECT_TRUE(manager->Get(parent, "").ok());
+  EXPECT_EQ(manager->Get(other, "").status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(SessionManagerTest, IdleSessionsExpireAtTheirTtlButNotWithAStepInFlight) {
   auto manager = Make();
   SessionSpec spec = Spec(1);
   spec.idle_ttl = absl::Seconds(10);
   const std::string idle = manager->Open(spec, "")->id;
   const std::string busy = manager->Open(spec, "")->id;
-  absl::StatusOr<StepLease> step = manager->BeginStep(busy, "", 0, 0, 1);
+  absl::StatusOr<StepLease> step = manager->BeginStep(busy, "", 0, 0, 1, 7);
   clock_.Advance(absl::Seconds(11));
   absl::Status expired = manager->Get(idle, "").status();
   EXPECT_EQ(expired.code(), absl::StatusCode::kNotFound);
@@ -312,14 +332,14 @@ TEST_F(SessionManagerTest, TruncateReleasesBlocksAndForgetsTheLastStep) {
   absl::StatusOr<SessionInfo> all = manager->Truncate(id, "", -1, 2);
   EXPECT_EQ(all->layer_lengths, (std::vector<int64_t>{2, 2}));
   // The step before the truncation cannot be replayed.
-  EXPECT_EQ(manager->BeginStep(id, "", 1, 0, 9).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(manager->BeginStep(id, "", 1, 0, 9, 7).status().code(), absl::StatusCode::kAborted);
   Extend(*manager, id, 1, 2, 1);
 }
 
 TEST_F(SessionManagerTest, CloseDuringAStepFreesTheMemoryWhenTheStepEnds) {
   auto manager = Make();
   const std::string id = manager->Open(Spec(1), "")->id;
-  absl::StatusOr<StepLease> step = manager->BeginStep(id, "", 0, 0, 6);
+  absl::StatusOr<StepLease> step = manager->BeginStep(id, "", 0, 0, 6, 7);
   ASSERT_TRUE(manager->Close(id, "").ok());
   absl::Status closed = manager->Get(id, "").status();
   EXPECT_TRUE(absl::StrContains(closed.message(), "closed")) << closed;
@@ -337,7 +357,7 @@ TEST_F(SessionManagerTest, QuotasBoundEachCallersSessionsAndKvBytes) {
   EXPECT_TRUE(absl::StrContains(third.message(), "--max_sessions_per_token")) << third;
   EXPECT_TRUE(manager->Open(Spec(1), "bob").ok());
   Extend(*manager, a, 0, 0, 12, "alice");  // 3 blocks: the quota
-  absl::Status more = manager->BeginStep(a, "alice", 0, 12, 1).status();
+  absl::Status more = manager->BeginStep(a, "alice", 0, 12, 1, 7).status();
   EXPECT_EQ(more.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(more.message(), "--max_kv_bytes_per_token")) << more;
 }
@@ -382,7 +402,7 @@ TEST(SessionManagerThreads, ChurnOverOnePoolLeavesNothingBehind) {
           default: {
             const int64_t n = 1 + rng() % 5;
             absl::StatusOr<StepLease> lease =
-                manager->BeginStep(id, "", layer, info->layer_lengths[layer], n);
+                manager->BeginStep(id, "", layer, info->layer_lengths[layer], n, 7);
             if (!lease.ok()) break;
             const std::vector<float> rows(static_cast<size_t>(n * 2 * 16), 1.0f);
             absl::Status appended = lease->cache()->Append(rows, rows, n);
