@@ -312,6 +312,38 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendReque
   return Call(*stub_, &v1::AttentionService::Stub::Attend, request, options_);
 }
 
+absl::StatusOr<v1::Session> AttentionClient::OpenSession(
+    const v1::OpenSessionRequest& request) const {
+  return Call(*stub_, &v1::AttentionService::Stub::OpenSession, request, options_);
+}
+
+absl::StatusOr<v1::ExtendResponse> AttentionClient::Extend(const v1::ExtendRequest& request) const {
+  return Call(*stub_, &v1::AttentionService::Stub::Extend, request, options_);
+}
+
+absl::StatusOr<v1::Session> AttentionClient::GetSession(absl::string_view session_id) const {
+  v1::GetSessionRequest request;
+  request.set_session_id(std::string(session_id));
+  return Call(*stub_, &v1::AttentionService::Stub::GetSession, request, options_);
+}
+
+absl::StatusOr<v1::Session> AttentionClient::ForkSession(absl::string_view session_id) const {
+  v1::ForkSessionRequest request;
+  request.set_session_id(std::string(session_id));
+  return Call(*stub_, &v1::AttentionService::Stub::ForkSession, request, options_);
+}
+
+absl::StatusOr<v1::Session> AttentionClient::TruncateSession(
+    const v1::TruncateSessionRequest& request) const {
+  return Call(*stub_, &v1::AttentionService::Stub::TruncateSession, request, options_);
+}
+
+absl::Status AttentionClient::CloseSession(absl::string_view session_id) const {
+  v1::CloseSessionRequest request;
+  request.set_session_id(std::string(session_id));
+  return Call(*stub_, &v1::AttentionService::Stub::CloseSession, request, options_).status();
+}
+
 absl::StatusOr<v1::AttendResponse> AttentionClient::AttendStream(
     const v1::AttendRequest& request, int64_t* chunks) const {
   grpc::ClientContext context;

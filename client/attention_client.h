@@ -118,6 +118,14 @@ class AttentionClient {
   // number of map chunks received.
   absl::StatusOr<v1::AttendResponse> AttendStream(const v1::AttendRequest& request,
                                                   int64_t* chunks = nullptr) const;
+  // Decode sessions (see the proto): each returns the server's answer.
+  absl::StatusOr<v1::Session> OpenSession(const v1::OpenSessionRequest& request) const;
+  absl::StatusOr<v1::ExtendResponse> Extend(const v1::ExtendRequest& request) const;
+  absl::StatusOr<v1::Session> GetSession(absl::string_view session_id) const;
+  absl::StatusOr<v1::Session> ForkSession(absl::string_view session_id) const;
+  absl::StatusOr<v1::Session> TruncateSession(const v1::TruncateSessionRequest& request) const;
+  absl::Status CloseSession(absl::string_view session_id) const;
+
   // Starts an Attend call and returns at once; `done` runs on a gRPC thread
   // with the call's status when it ends. `context` (fresh), `request` and
   // `response` must live until then. The context gets the deadline

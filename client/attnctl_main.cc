@@ -26,6 +26,7 @@
 #include "client/attend_report.h"
 #include "client/attention_client.h"
 #include "client/bench.h"
+#include "client/decode_bench.h"
 #include "client/file_io.h"
 #include "client/npy.h"
 #include "client/request_builder.h"
@@ -139,6 +140,15 @@ ABSL_FLAG(int64_t, png_sequence, 0, "attend --maps_png: the batch entry to draw"
 ABSL_FLAG(int64_t, concurrency, 0,
           "bench: closed loop, this many calls outstanding at all times");
 ABSL_FLAG(double, rate, 0, "bench: open loop, start this many calls per second");
+ABSL_FLAG(bool, decode, false,
+          "bench: drive decode sessions instead of Attend: open --sessions over --model, prefill "
+          "each with --context tokens, then --steps rounds of one token per session (one Extend "
+          "a round); prints tokens/s and step latency");
+ABSL_FLAG(int64_t, sessions, 8, "bench --decode: sessions decoding together");
+ABSL_FLAG(int64_t, context, 512, "bench --decode: tokens each session is prefilled with");
+ABSL_FLAG(int64_t, steps, 32, "bench --decode: decode rounds (one new token per session each)");
+ABSL_FLAG(int64_t, prefill_chunk, 512, "bench --decode: most tokens a session sends per prefill step");
+ABSL_FLAG(std::string, kv_dtype, "fp32", "bench --decode: the sessions' KV cache: fp32 or bf16");
 ABSL_FLAG(double, duration, 10, "bench: seconds to run (unless --requests)");
 ABSL_FLAG(int64_t, requests, 0, "bench: calls to send (0: run for --duration)");
 ABSL_FLAG(bool, json, false,
@@ -173,6 +183,10 @@ Commands:
                           prints throughput, p50/p90/p99/max latency, errors by status
                           code and the server's queue/compute/batch means (--json: one
                           JSON object); progress on stderr
+  bench --decode [flags]  decode sessions: --sessions=N over --model, each prefilled with
+                          --context=C tokens, then --steps=K rounds of one token per
+                          session, one Extend (micro-batch) a round; prints tokens/s,
+                          step p50/p90/p99/max and the server's compute per step
 
 attend flags (attnctl --help describes each one):
   what runs    --model=M | --layer_seed=N --d_model=D --num_heads=H [--num_kv_heads=K]
@@ -191,6 +205,7 @@ Examples:
       --position_offsets=0 --seq=12 --maps=mean
   attnctl bench --concurrency=32 --batch=1 --seq=128 --duration=20
   attnctl bench --rate=500 --batch=1 --seq=16 --requests=5000 --json
+  attnctl bench --decode --sessions=32 --context=2048 --steps=64
   attnctl attend --target=127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003 \
       --lb_policy=round_robin --repeat=300      # spread over three replicas
 
@@ -402,7 +417,44 @@ int RunAttend(const AttentionClient& client) {
   return 0;
 }
 
+int RunDecodeBenchCommand(const AttentionClient& client) {
+  DecodeBenchOptions options;
+  options.model = absl::GetFlag(FLAGS_model);
+  options.sessions = absl::GetFlag(FLAGS_sessions);
+  options.context = absl::GetFlag(FLAGS_context);
+  options.steps = absl::GetFlag(FLAGS_steps);
+  options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  options.seed = absl::GetFlag(FLAGS_seed);
+  const std::string kv = absl::GetFlag(FLAGS_kv_dtype);
+  if (kv != "fp32" && kv != "bf16") {
+    return UsageFail(absl::InvalidArgumentError("--kv_dtype: fp32 or bf16"));
+  }
+  options.kv_dtype = kv == "bf16" ? v1::DATA_TYPE_BF16 : v1::DATA_TYPE_FP32;
+  if (absl::Status status = ValidateDecodeBenchOptions(options); !status.ok()) {
+    return UsageFail(status);
+  }
+  const bool tty = isatty(STDERR_FILENO);
+  absl::StatusOr<DecodeBenchResult> result =
+      RunDecodeBench(client, options, [tty](int64_t done, int64_t total) {
+        const double fraction = static_cast<double>(done) / static_cast<double>(total);
+        if (tty) {
+          std::fprintf(stderr, "\r%s %3.0f%% %lld of %lld calls", ProgressBar(fraction).c_str(),
+                       100 * fraction, static_cast<long long>(done),
+                       static_cast<long long>(total));
+        } else if (done == total || done % 16 == 0) {
+          std::fprintf(stderr, "bench --decode: %lld of %lld calls\n",
+                       static_cast<long long>(done), static_cast<long long>(total));
+        }
+      });
+  if (tty) std::fprintf(stderr, "\n");
+  if (!result.ok()) return Fail(result.status());
+  std::printf("%s\n", absl::GetFlag(FLAGS_json) ? FormatDecodeBenchJson(*result).c_str()
+                                                : FormatDecodeBenchText(*result).c_str());
+  return 0;
+}
+
 int RunBenchCommand(const AttentionClient& client) {
+  if (absl::GetFlag(FLAGS_decode)) return RunDecodeBenchCommand(client);
   const AttendOptions options = AttendOptionsFromFlags();
   if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return UsageFail(status);
   BenchOptions bench;

@@ -324,6 +324,22 @@ class WithServer(unittest.TestCase):
         np.testing.assert_array_equal(np.load(streamed), np.load(whole))
         self.assertEqual(np.load(streamed).shape, (1, 12, 512, 512))
 
+    def test_bench_decode_drives_sessions_and_closes_them(self):
+        code, out, err = self.attnctl("bench", "--decode", "--sessions=3", "--context=40",
+                                      "--steps=5", "--prefill_chunk=16", "--json")
+        self.assertEqual(code, 0, out + err)
+        got = json.loads(out)
+        self.assertEqual((got["mode"], got["sessions"], got["context"], got["steps"]),
+                         ("decode", 3, 40, 5))
+        self.assertGreater(got["tokens_per_second"], 0)
+        self.assertLessEqual(got["step_ms"]["p50"], got["step_ms"]["max"])
+        self.assertTrue(got["kernel_path"].endswith("/paged"), got["kernel_path"])
+        self.assertIn("bench --decode: 8 of 8 calls", err)  # 3 prefill chunks + 5 steps
+        # Flag mistakes are the command line's (exit 2), before any call.
+        code, _, err = self.attnctl("bench", "--decode", "--sessions=0")
+        self.assertEqual(code, 2, err)
+        self.assertIn("--sessions", err)
+
     def test_a_response_over_the_clients_limit_names_its_flag(self):
         # 16 tokens x 768 floats: about 49 KB of output, over a 10000-byte limit.
         code, out, err = self.attnctl("attend", "--batch=1", "--seq=16",

@@ -1,0 +1,163 @@
+#include "client/decode_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+#include "client/attend_report.h"
+
+namespace attnserve::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Percentile(std::vector<double> sorted, double p) {
+  if (sorted.empty()) return 0;
+  std::sort(sorted.begin(), sorted.end());
+  const size_t i = std::min(sorted.size() - 1,
+                            static_cast<size_t>(p / 100.0 * static_cast<double>(sorted.size())));
+  return sorted[i];
+}
+
+// `n` tokens of standard-normal hidden states as an FP32 tensor [n, d_model].
+v1::Tensor RandomStates(int64_t n, int64_t d_model, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> values(static_cast<size_t>(n * d_model));
+  for (float& v : values) v = normal(rng);
+  v1::Tensor tensor;
+  tensor.set_dtype(v1::DATA_TYPE_FP32);
+  tensor.add_shape(n);
+  tensor.add_shape(d_model);
+  tensor.set_raw_data(values.data(), values.size() * sizeof(float));
+  return tensor;
+}
+
+// One Extend of `tokens` new tokens for every session at `length`; the first
+// failed step's status as the server said it.
+absl::StatusOr<v1::ExtendResponse> ExtendAll(const AttentionClient& client,
+                                             const std::vector<std::string>& sessions,
+                                             int64_t length, int64_t tokens, int64_t d_model,
+                                             std::mt19937_64& rng) {
+  v1::ExtendRequest request;
+  for (const std::string& id : sessions) {
+    v1::ExtendStep* step = request.add_steps();
+    step->set_session_id(id);
+    step->set_expected_length(length);
+    *step->mutable_hidden_states() = RandomStates(tokens, d_model, rng);
+  }
+  absl::StatusOr<v1::ExtendResponse> response = client.Extend(request);
+  if (!response.ok()) return response.status();
+  for (const v1::ExtendResult& result : response->results()) {
+    if (result.code() != 0) {
+      return absl::Status(static_cast<absl::StatusCode>(result.code()), result.message());
+    }
+  }
+  return response;
+}
+
+}  // namespace
+
+absl::Status ValidateDecodeBenchOptions(const DecodeBenchOptions& options) {
+  const auto positive = [](int64_t value, absl::string_view flag) {
+    return value > 0 ? absl::OkStatus()
+                     : absl::InvalidArgumentError(absl::StrCat(flag, ": must be positive"));
+  };
+  for (const absl::Status& status :
+       {positive(options.sessions, "--sessions"), positive(options.context, "--context"),
+        positive(options.steps, "--steps"), positive(options.prefill_chunk, "--prefill_chunk")}) {
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DecodeBenchResult> RunDecodeBench(
+    const AttentionClient& client, const DecodeBenchOptions& options,
+    const std::function<void(int64_t done, int64_t total)>& progress) {
+  if (absl::Status valid = ValidateDecodeBenchOptions(options); !valid.ok()) return valid;
+  absl::StatusOr<v1::ModelInfo> model = client.GetModel(options.model);
+  if (!model.ok()) return model.status();
+  DecodeBenchResult result;
+  result.options = options;
+  result.d_model = model->head_config().d_model();
+  std::mt19937_64 rng(options.seed);
+  std::vector<std::string> sessions;
+  v1::OpenSessionRequest open;
+  open.add_models(options.model);
+  open.set_kv_dtype(options.kv_dtype);
+  open.set_max_tokens(options.context + options.steps);
+  absl::Status status;
+  for (int64_t i = 0; i < options.sessions && status.ok(); ++i) {
+    absl::StatusOr<v1::Session> session = client.OpenSession(open);
+    status = session.status();
+    if (session.ok()) sessions.push_back(session->session_id());
+  }
+  const int64_t chunks = (options.context + options.prefill_chunk - 1) / options.prefill_chunk;
+  const int64_t total = chunks + options.steps;
+  int64_t done = 0, length = 0;
+  const auto prefill_start = Clock::now();
+  while (status.ok() && length < options.context) {
+    const int64_t n = std::min(options.prefill_chunk, options.context - length);
+    status = ExtendAll(client, sessions, length, n, result.d_model, rng).status();
+    length += n;
+    if (progress) progress(++done, total);
+  }
+  result.prefill_seconds = std::chrono::duration<double>(Clock::now() - prefill_start).count();
+  std::vector<double> step_ms;
+  double compute_ms = 0;
+  const auto decode_start = Clock::now();
+  for (int64_t s = 0; s < options.steps && status.ok(); ++s) {
+    const auto start = Clock::now();
+    absl::StatusOr<v1::ExtendResponse> response =
+        ExtendAll(client, sessions, length, 1, result.d_model, rng);
+    status = response.status();
+    if (!response.ok()) break;
+    step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+    compute_ms += DurationMillis(response->timing().compute());
+    result.kernel_path = response->kernel_path();
+    ++length;
+    if (progress) progress(++done, total);
+  }
+  result.decode_seconds = std::chrono::duration<double>(Clock::now() - decode_start).count();
+  for (const std::string& id : sessions) (void)client.CloseSession(id);
+  if (!status.ok()) return status;
+  result.tokens_per_second =
+      static_cast<double>(options.sessions * options.steps) / result.decode_seconds;
+  result.p50_ms = Percentile(step_ms, 50);
+  result.p90_ms = Percentile(step_ms, 90);
+  result.p99_ms = Percentile(step_ms, 99);
+  result.max_ms = Percentile(step_ms, 100);
+  result.server_compute_ms = compute_ms / static_cast<double>(options.steps);
+  return result;
+}
+
+std::string FormatDecodeBenchText(const DecodeBenchResult& r) {
+  return absl::StrFormat(
+      "decode: %d sessions of model %s, context %d, %d steps (one token per session per step, "
+      "one Extend per step)\n"
+      "prefill: %.2f s\n"
+      "decode: %.1f tokens/s; step p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, max %.3f ms\n"
+      "server: compute %.3f ms a step (%s)\n",
+      r.options.sessions, r.options.model, r.options.context, r.options.steps, r.prefill_seconds,
+      r.tokens_per_second, r.p50_ms, r.p90_ms, r.p99_ms, r.max_ms, r.server_compute_ms,
+      r.kernel_path);
+}
+
+std::string FormatDecodeBenchJson(const DecodeBenchResult& r) {
+  return absl::StrFormat(
+      "{\"mode\": \"decode\", \"model\": \"%s\", \"sessions\": %d, \"context\": %d, \"steps\": %d, "
+      "\"prefill_seconds\": %.6f, \"tokens_per_second\": %.3f, \"step_ms\": {\"p50\": %.3f, "
+      "\"p90\": %.3f, \"p99\": %.3f, \"max\": %.3f}, \"server_compute_ms\": %.3f, "
+      "\"kernel_path\": \"%s\"}",
+      absl::StrReplaceAll(r.options.model, {{"\\", "\\\\"}, {"\"", "\\\""}}),
+      r.options.sessions, r.options.context, r.options.steps, r.prefill_seconds,
+      r.tokens_per_second, r.p50_ms, r.p90_ms, r.p99_ms, r.max_ms, r.server_compute_ms,
+      r.kernel_path);
+}
+
+}  // namespace attnserve::client

@@ -1,0 +1,60 @@
+#ifndef ATTNSERVE_CLIENT_DECODE_BENCH_H_
+#define ATTNSERVE_CLIENT_DECODE_BENCH_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attnserve/v1/attention.pb.h"
+#include "client/attention_client.h"
+
+namespace attnserve::client {
+
+// How `attnctl bench --decode` drives a server as a decoder would: open
+// `sessions` sessions over `model`, prefill each with `context` tokens (all
+// sessions in one Extend per chunk of at most `prefill_chunk` tokens), then
+// `steps` decode rounds, each one Extend carrying one new token for every
+// session (a micro-batch), then close them.
+struct DecodeBenchOptions {
+  std::string model = "default";
+  int64_t sessions = 8;
+  int64_t context = 512;
+  int64_t steps = 32;
+  int64_t prefill_chunk = 512;
+  v1::DataType kv_dtype = v1::DATA_TYPE_FP32;
+  uint64_t seed = 1;
+};
+
+// What a run measured. Step latencies in milliseconds (one Extend round).
+struct DecodeBenchResult {
+  DecodeBenchOptions options;
+  int64_t d_model = 0;
+  double prefill_seconds = 0;
+  double decode_seconds = 0;
+  double tokens_per_second = 0;  // decode: sessions x steps / decode_seconds
+  double p50_ms = 0, p90_ms = 0, p99_ms = 0, max_ms = 0;
+  double server_compute_ms = 0;  // mean of the decode rounds' compute
+  std::string kernel_path;
+};
+
+// OK when `options` make a run; else INVALID_ARGUMENT naming the flag
+// (`--sessions`, `--context`, `--steps`, `--prefill_chunk`). Needs no server.
+absl::Status ValidateDecodeBenchOptions(const DecodeBenchOptions& options);
+
+// Runs the decode load; `progress(done, total)` after each Extend. The first
+// error of a call or of a step, as the server said it (the sessions opened are
+// closed first).
+absl::StatusOr<DecodeBenchResult> RunDecodeBench(
+    const AttentionClient& client, const DecodeBenchOptions& options,
+    const std::function<void(int64_t done, int64_t total)>& progress);
+
+// The result as text (a few lines) and as one JSON object.
+std::string FormatDecodeBenchText(const DecodeBenchResult& result);
+std::string FormatDecodeBenchJson(const DecodeBenchResult& result);
+
+}  // namespace attnserve::client
+
+#endif  // ATTNSERVE_CLIENT_DECODE_BENCH_H_
