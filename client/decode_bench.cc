@@ -11,19 +11,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
 #include "client/attend_report.h"
+#include "client/bench.h"
 
 namespace attnserve::client {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-double Percentile(std::vector<double> sorted, double p) {
-  if (sorted.empty()) return 0;
-  std::sort(sorted.begin(), sorted.end());
-  const size_t i = std::min(sorted.size() - 1,
-                            static_cast<size_t>(p / 100.0 * static_cast<double>(sorted.size())));
-  return sorted[i];
-}
 
 // `n` tokens of standard-normal hidden states as an FP32 tensor [n, d_model].
 v1::Tensor RandomStates(int64_t n, int64_t d_model, std::mt19937_64& rng) {
@@ -128,6 +121,7 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
   if (!status.ok()) return status;
   result.tokens_per_second =
       static_cast<double>(options.sessions * options.steps) / result.decode_seconds;
+  std::sort(step_ms.begin(), step_ms.end());
   result.p50_ms = Percentile(step_ms, 50);
   result.p90_ms = Percentile(step_ms, 90);
   result.p99_ms = Percentile(step_ms, 99);
