@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <optional>
 #include <utility>
 
 // jemalloc's control interface, when the process runs on jemalloc; null
@@ -46,7 +47,6 @@ void ReleaseAllocatorCache() {
 
 AllocatorCacheKeeper::AllocatorCacheKeeper(AllocatorCacheOptions options)
     : options_(std::move(options)) {
-  if (AllocatorCachedBytes() < 0) return;  // not on jemalloc: nothing to keep
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -57,14 +57,21 @@ AllocatorCacheKeeper::~AllocatorCacheKeeper() {
 
 void AllocatorCacheKeeper::Run() {
   using Release = AllocatorCacheOptions::Release;
+  // The activity whose idle on_idle was called for (none yet).
+  std::optional<absl::Time> idle_told;
   while (!stop_.WaitForNotificationWithTimeout(options_.interval)) {
-    int64_t cached = AllocatorCachedBytes();
     const absl::Time last_activity =
         options_.last_activity ? options_.last_activity() : absl::InfinitePast();
+    const bool idle = absl::Now() - last_activity >= options_.idle;
+    if (idle && idle_told != last_activity) {
+      idle_told = last_activity;
+      if (options_.on_idle) options_.on_idle();
+    }
+    int64_t cached = AllocatorCachedBytes();
     Release release = Release::kNone;
     if (cached > options_.max_bytes) {
       release = Release::kBound;
-    } else if (cached >= kIdleReleaseFloor && absl::Now() - last_activity >= options_.idle) {
+    } else if (cached >= kIdleReleaseFloor && idle) {
       release = Release::kIdle;
     }
     if (release != Release::kNone) {

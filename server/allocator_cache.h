@@ -40,6 +40,11 @@ struct AllocatorCacheOptions {
   // When calls were last active (AttentionServiceImpl::last_activity: now
   // while one is in flight).
   std::function<absl::Time()> last_activity;
+  // Called on the keeper's thread once each time calls turn idle (inactive
+  // for `idle`), before the cache is released: the owner frees what it keeps
+  // for the next call (AttentionServiceImpl::ReleaseComputeMemory), which the
+  // following looks then give back with the cache.
+  std::function<void()> on_idle;
   // Called on the keeper's thread after each look, with the cached bytes then
   // and whether (and why) it released them: for the metrics.
   enum class Release { kNone, kIdle, kBound };
@@ -47,8 +52,8 @@ struct AllocatorCacheOptions {
 };
 
 // A thread that keeps the allocator's cache within its options (see above).
-// Does nothing when the process does not run on jemalloc. The destructor stops
-// the thread.
+// Without jemalloc it releases nothing but still calls on_idle. The destructor
+// stops the thread.
 class AllocatorCacheKeeper {
  public:
   explicit AllocatorCacheKeeper(AllocatorCacheOptions options);

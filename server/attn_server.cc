@@ -248,6 +248,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   server->allocator_cache_ = std::make_unique<AllocatorCacheKeeper>(AllocatorCacheOptions{
       .max_bytes = options.max_allocator_cache_bytes,
       .last_activity = [self] { return self->service_->last_activity(); },
+      .on_idle = [self] { self->service_->ReleaseComputeMemory(); },
       .on_look =
           [self](int64_t cached_bytes, AllocatorCacheOptions::Release release) {
             self->metrics_->SetAllocatorCachedBytes(cached_bytes);

@@ -251,6 +251,7 @@ AttentionServiceImpl::AttentionServiceImpl(const ServerOptions& options,
                                            SessionManager* sessions)
     : options_(options),
       registry_(registry),
+      executor_(executor),
       metrics_(metrics),
       tokens_(std::move(tokens)),
       loader_(loader),
@@ -331,6 +332,13 @@ void AttentionServiceImpl::CutShortCallsInFlight() {
 absl::Time AttentionServiceImpl::last_activity() const {
   absl::MutexLock lock(&mu_);
   return in_flight_ > 0 ? absl::Now() : std::max(last_arrival_, last_end_);
+}
+
+void AttentionServiceImpl::ReleaseComputeMemory() {
+  // Refused only when full or shutting down: then there is no idle to use.
+  executor_->Submit([this] {
+    if (workspace_ != nullptr) workspace_->Release();
+  }).IgnoreError();
 }
 
 bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {

@@ -82,6 +82,12 @@ class AttentionServiceImpl final
   // the last one finished or reached the handler (InfinitePast before the
   // first).
   absl::Time last_activity() const;
+  // Gives back the compute memory kept for the next batch (the workspace's
+  // scratch buffers; the primitives stay), on the compute executor after what
+  // it has queued. For an idle server (AllocatorCacheOptions::on_idle): the
+  // next call allocates afresh. Does nothing when the executor is full or
+  // shutting down (then it is not idle).
+  void ReleaseComputeMemory();
 
   // The end of a drain: admitted calls still queued or computing stop (before
   // their next compute stage) and answer UNAVAILABLE, which clients retry on
@@ -140,6 +146,7 @@ class AttentionServiceImpl final
   // Constant after construction.
   const ServerOptions options_;
   const ModelRegistry* const registry_;
+  ComputeExecutor* const executor_;
   Metrics* const metrics_;
   const std::optional<TokenSet> tokens_;
   ModelLoader* const loader_;  // null without --model_repository
@@ -198,7 +205,8 @@ class AttentionServiceImpl final
   // Where every model's forwards compute (made on the first batch). Its
   // buffers are released after a batch that left more than
   // kRetainedWorkspaceBytes, so between batches compute memory beyond the
-  // in-flight budget stays below that.
+  // in-flight budget stays below that, and when the server is idle
+  // (ReleaseComputeMemory).
   std::unique_ptr<core::Workspace> workspace_;
   // Admission, deadlines, memory budget and dynamic batching in front of
   // the compute executor; created in the constructor.
