@@ -435,22 +435,6 @@ absl::Status PlanMaps(const v1::AttendRequest& request, const RequestLimits& lim
   return absl::OkStatus();
 }
 
-// `check(values)` on a validated FP32 or BF16 tensor's values as sent, with
-// no conversion: FP32 as a span of floats (a view of the message's bytes; a
-// copy only when raw_data is unaligned), BF16 as a span of its bits.
-template <typename Check>
-absl::Status OnWireValues(const v1::Tensor& tensor, const TensorSpec& spec, Check check) {
-  if (spec.dtype != v1::DATA_TYPE_BF16) return check(FloatValues(tensor, spec).values());
-  const size_t n = static_cast<size_t>(spec.elements);
-  const char* bytes = tensor.raw_data().data();
-  if (reinterpret_cast<uintptr_t>(bytes) % alignof(core::Bf16) == 0) {
-    return check(absl::MakeConstSpan(reinterpret_cast<const core::Bf16*>(bytes), n));
-  }
-  std::vector<core::Bf16> copy(n);
-  std::memcpy(copy.data(), bytes, n * sizeof(core::Bf16));
-  return check(absl::MakeConstSpan(copy));
-}
-
 // Core's value rules under the wire's field names, once every size is within
 // the limits: one read of each value a forward reads, on the gRPC thread, so
 // a bad request never reaches the queue or a batch.

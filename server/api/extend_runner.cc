@@ -1,7 +1,6 @@
 #include "server/api/extend_runner.h"
 
 #include <algorithm>
-#include <cmath>
 #include <map>
 #include <memory>
 #include <string>
@@ -12,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "core/attention_inputs.h"
 #include "core/attention_layer.h"
 #include "core/route.h"
 #include "core/status_macros.h"
@@ -37,8 +37,8 @@ absl::Status ForStep(int i, const absl::Status& status) {
 
 // Checks what needs the session's layer: the width of the hidden states, the
 // head mask, the values.
-absl::Status CheckStep(const v1::ExtendStep& step, const TensorSpec& spec, const Model& model,
-                       absl::string_view field) {
+absl::Status CheckStepForLayer(const v1::ExtendStep& step, const TensorSpec& spec,
+                               const Model& model, absl::string_view field) {
   const core::HeadConfig& config = model.layer->config();
   if (spec.shape[1] != config.d_model) {
     return core::InvalidField(absl::StrCat(field, ".hidden_states"),
@@ -51,14 +51,47 @@ absl::Status CheckStep(const v1::ExtendStep& step, const TensorSpec& spec, const
       !mask.ok()) {
     return mask;
   }
-  const FloatValues values(step.hidden_states(), spec);
-  for (float v : values.values()) {
-    if (!std::isfinite(v)) {
-      return core::InvalidField(absl::StrCat(field, ".hidden_states"),
-                                "holds a NaN or an infinity");
-    }
+  // Read as sent (BF16 without converting): RunExtend converts once.
+  ATTNSERVE_ASSIGN_OR_RETURN(const core::SequenceLayout layout,
+                             core::SequenceLayout::Packed({spec.shape[0]}));
+  return OnWireValues(step.hidden_states(), spec, [&](auto values) {
+    return core::ValidateFinite(values, layout, 1, config.d_model,
+                                absl::StrCat(field, ".hidden_states"));
+  });
+}
+
+// A step that passed CheckStep.
+struct CheckedStep {
+  TensorSpec hidden_states;
+  std::shared_ptr<const Model> model;  // its session's layer
+};
+
+// Everything that can refuse step `i` before it is admitted (admission may
+// evict other sessions for its memory): its hidden states' shape and values,
+// its expected length, its session and layer.
+absl::StatusOr<CheckedStep> CheckStep(const v1::ExtendStep& step, int i, SessionManager& sessions,
+                                      absl::string_view owner, const RequestLimits& limits) {
+  const std::string field = absl::StrCat("steps[", i, "]");
+  ATTNSERVE_ASSIGN_OR_RETURN(
+      TensorSpec spec,
+      ValidateTensor(step.hidden_states(), absl::StrCat(field, ".hidden_states"), kStatesDims));
+  const int64_t n = spec.shape[0];
+  if (n > limits.max_seq_len) {
+    return core::InvalidField(
+        absl::StrCat(field, ".hidden_states"),
+        absl::StrCat(n, " tokens is over this server's limit of ", limits.max_seq_len,
+                     " a step (--max_seq_len); send the prefill in chunks"));
   }
-  return absl::OkStatus();
+  if (step.expected_length() < 0 || step.expected_length() > core::kMaxPositionOffset) {
+    return core::InvalidField(
+        absl::StrCat(field, ".expected_length"),
+        absl::StrCat(step.expected_length(), " is outside [0, ", core::kMaxPositionOffset, "]"));
+  }
+  absl::StatusOr<std::shared_ptr<const Model>> model =
+      sessions.LayerModel(step.session_id(), owner, step.layer());
+  if (!model.ok()) return ForStep(i, model.status());
+  ATTNSERVE_RETURN_IF_ERROR(CheckStepForLayer(step, spec, **model, field));
+  return CheckedStep{std::move(spec), *std::move(model)};
 }
 
 // What a step's inputs and options hash to: a retry carries the same.
@@ -97,39 +130,13 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
     const v1::ExtendStep& step = request.steps(i);
     ExtendStepPlan& planned = plan.steps[static_cast<size_t>(i)];
     const std::string field = absl::StrCat("steps[", i, "]");
-    absl::StatusOr<TensorSpec> spec =
-        ValidateTensor(step.hidden_states(), absl::StrCat(field, ".hidden_states"), kStatesDims);
-    if (!spec.ok()) {
-      planned.status = spec.status();
+    absl::StatusOr<CheckedStep> checked = CheckStep(step, i, sessions, owner, limits);
+    if (!checked.ok()) {
+      planned.status = checked.status();
       continue;
     }
-    const int64_t n = spec->shape[0];
-    if (n > limits.max_seq_len) {
-      planned.status = core::InvalidField(
-          absl::StrCat(field, ".hidden_states"),
-          absl::StrCat(n, " tokens is over this server's limit of ", limits.max_seq_len,
-                       " a step (--max_seq_len); send the prefill in chunks"));
-      continue;
-    }
-    if (step.expected_length() < 0 || step.expected_length() > core::kMaxPositionOffset) {
-      planned.status = core::InvalidField(
-          absl::StrCat(field, ".expected_length"),
-          absl::StrCat(step.expected_length(), " is outside [0, ", core::kMaxPositionOffset, "]"));
-      continue;
-    }
-    // Everything that can refuse the step before it is admitted (admission
-    // may evict other sessions for its memory).
-    absl::StatusOr<std::shared_ptr<const Model>> model =
-        sessions.LayerModel(step.session_id(), owner, step.layer());
-    if (!model.ok()) {
-      planned.status = ForStep(i, model.status());
-      continue;
-    }
-    if (absl::Status checked = CheckStep(step, *spec, **model, field); !checked.ok()) {
-      planned.status = checked;
-      continue;
-    }
-    const core::HeadConfig& config = (*model)->layer->config();
+    const int64_t n = checked->hidden_states.shape[0];
+    const core::HeadConfig& config = checked->model->layer->config();
     const int64_t maps =
         step.attention_maps() ? config.num_heads * n * (step.expected_length() + n) : 0;
     const int64_t bytes = (n * config.d_model + maps) * value_bytes + kResultFramingBytes;
@@ -154,7 +161,7 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
     map_bytes += maps * value_bytes;
     response_bytes += bytes;
     const int64_t map_elements = lease->replay() ? 0 : maps;
-    planned.hidden_states = *std::move(spec);
+    planned.hidden_states = std::move(checked->hidden_states);
     planned.tokens = n;
     planned.map_elements = map_elements;
     planned.head_mask.assign(step.head_mask().begin(), step.head_mask().end());

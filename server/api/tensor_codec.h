@@ -3,15 +3,18 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.pb.h"
+#include "core/bf16.h"
 
 namespace attnserve::server {
 
@@ -44,6 +47,23 @@ class FloatValues {
   std::vector<float> storage_;
   absl::Span<const float> values_;
 };
+
+// `check(values)` on a validated FP32 or BF16 tensor's values as sent, with
+// no conversion: FP32 as a span of floats (a view of the message's bytes; a
+// copy only when raw_data is unaligned), BF16 as a span of its bits. Returns
+// what `check` returns.
+template <typename Check>
+absl::Status OnWireValues(const v1::Tensor& tensor, const TensorSpec& spec, Check check) {
+  if (spec.dtype != v1::DATA_TYPE_BF16) return check(FloatValues(tensor, spec).values());
+  const size_t n = static_cast<size_t>(spec.elements);
+  const char* bytes = tensor.raw_data().data();
+  if (reinterpret_cast<uintptr_t>(bytes) % alignof(core::Bf16) == 0) {
+    return check(absl::MakeConstSpan(reinterpret_cast<const core::Bf16*>(bytes), n));
+  }
+  std::vector<core::Bf16> copy(n);
+  std::memcpy(copy.data(), bytes, n * sizeof(core::Bf16));
+  return check(absl::MakeConstSpan(copy));
+}
 
 // The raw_data bytes of a response tensor, kept outside the message until
 // they are sent (see WireResponse): allocated without being zeroed, since the

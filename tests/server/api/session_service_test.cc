@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -202,6 +203,31 @@ TEST_F(SessionServiceTest, AMicroBatchAnswersEachStepOnItsOwn) {
   EXPECT_EQ(answered.results(1).code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(absl::StartsWith(answered.results(1).message(), "steps[1].hidden_states"))
       << answered.results(1).message();
+
+  // Values a forward would only turn into NaN are refused by position, FP32
+  // and BF16 (read as sent), and append nothing: the session goes on at its
+  // length.
+  v1::ExtendRequest non_finite;
+  std::vector<float> with_nan = RandomRows(2, rng);
+  with_nan[kDModel + 5] = std::numeric_limits<float>::quiet_NaN();
+  *non_finite.add_steps() = Step(b, 3, with_nan);
+  v1::ExtendStep bf16 = Step(b, 3, RandomRows(1, rng));
+  std::string bits(static_cast<size_t>(kDModel) * 2, '\0');  // BF16 zeros
+  bits[2 * 7] = '\x80';                                         // 0x7F80: +infinity at [0, 7]
+  bits[2 * 7 + 1] = '\x7f';
+  bf16.mutable_hidden_states()->set_dtype(v1::DATA_TYPE_BF16);
+  bf16.mutable_hidden_states()->set_raw_data(bits);
+  *non_finite.add_steps() = bf16;
+  const v1::ExtendResponse refused = Extend(non_finite);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(refused.results(i).code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StartsWith(refused.results(i).message(),
+                                 absl::StrCat("steps[", i, "].hidden_states")))
+        << refused.results(i).message();
+  }
+  v1::ExtendRequest next;
+  *next.add_steps() = Step(b, 3, RandomRows(1, rng));
+  EXPECT_EQ(Extend(next).results(0).code(), 0);
 }
 
 TEST_F(SessionServiceTest, ARepeatedStepReplaysItsAnswerAndForksDivergeFromTheirParent) {
