@@ -160,6 +160,8 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
       CheckRange("max_rss_bytes", options.max_rss_bytes, 0, int64_t{1} << 46));
   ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_allocator_cache_bytes",
                                        options.max_allocator_cache_bytes, 0, int64_t{1} << 46));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("allocator_cache_idle_ms", options.allocator_cache_idle_ms,
+                                       0, int64_t{24} * 3600 * 1000));
   if (options.listen_address.empty()) {
     return absl::InvalidArgumentError("--listen_address: required (host:port)");
   }
@@ -247,6 +249,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   AttnServer* self = server.get();
   server->allocator_cache_ = std::make_unique<AllocatorCacheKeeper>(AllocatorCacheOptions{
       .max_bytes = options.max_allocator_cache_bytes,
+      .idle = absl::Milliseconds(options.allocator_cache_idle_ms),
       .last_activity = [self] { return self->service_->last_activity(); },
       .on_idle = [self] { self->service_->ReleaseComputeMemory(); },
       .on_look =

@@ -139,7 +139,12 @@ ABSL_FLAG(int, watchdog_failures, kDefaults.watchdog_failures,
 ABSL_FLAG(int64_t, max_allocator_cache_bytes, kDefaults.max_allocator_cache_bytes,
           "Freed memory the allocator may keep for reuse by the next calls (no page faults for "
           "their buffers); over it, all of it is given back to the system (checked 4 times a "
-          "second), and likewise after 2 s without calls. 0: give it back at every check");
+          "second), and likewise after --allocator_cache_idle_ms without calls. 0: give it back "
+          "at every check");
+ABSL_FLAG(int64_t, allocator_cache_idle_ms, kDefaults.allocator_cache_idle_ms,
+          "Milliseconds without calls after which the allocator's cache and the compute "
+          "scratch are given back to the system (the next call then pays page faults for its "
+          "buffers)");
 ABSL_FLAG(int64_t, max_rss_bytes, kDefaults.max_rss_bytes,
           "Resident memory above which the watchdog counts a failed check; 0: no bound");
 
@@ -239,6 +244,7 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
   options.sessions.max_sessions_per_owner = absl::GetFlag(FLAGS_max_sessions_per_token);
   options.sessions.max_kv_bytes_per_owner = absl::GetFlag(FLAGS_max_kv_bytes_per_token);
   options.max_allocator_cache_bytes = absl::GetFlag(FLAGS_max_allocator_cache_bytes);
+  options.allocator_cache_idle_ms = absl::GetFlag(FLAGS_allocator_cache_idle_ms);
   return options;
 }
 

@@ -140,8 +140,10 @@ struct ServerOptions {
   int64_t max_rss_bytes = 0;
   // Freed memory the allocator may keep for the next calls (jemalloc builds;
   // server/allocator_cache.h): over it, all of it is given back (checked every
-  // 250 ms), and likewise after 2 s without calls.
+  // 250 ms), and likewise (with the compute workspace's scratch) after
+  // allocator_cache_idle_ms without calls.
   int64_t max_allocator_cache_bytes = int64_t{512} << 20;
+  int64_t allocator_cache_idle_ms = 2000;
 };
 
 // The attnserve binary's default --metrics_address. Not Prometheus' own 9090:
