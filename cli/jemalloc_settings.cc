@@ -9,8 +9,8 @@
 // jemalloc's own timed release (dirty_decay_ms) is off: it returned pages
 // still being reused call after call (a 50 MB map response faulted 12000
 // pages a call with a 5 s decay, 2-40 with none; docs/measurements.md, "What
-// the wire costs"). The keeper releases them after 2 s without calls and
-// whenever they pass --max_allocator_cache_bytes, so RSS still falls back
+// the wire costs"). The keeper releases them after --allocator_cache_idle_ms
+// without calls and whenever they pass --max_allocator_cache_bytes, so RSS still falls back
 // after a burst ("Memory after load"). attnctl has no keeper: it holds at
 // most what its largest calls needed, until it exits.
 //

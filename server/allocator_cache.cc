@@ -60,9 +60,12 @@ void AllocatorCacheKeeper::Run() {
   // The activity whose idle on_idle was called for (none yet).
   std::optional<absl::Time> idle_told;
   while (!stop_.WaitForNotificationWithTimeout(options_.interval)) {
+    // Now before the activity: while a call is in flight the activity is the
+    // later "now", so the server never looks idle then, whatever the idle time.
+    const absl::Time now = absl::Now();
     const absl::Time last_activity =
         options_.last_activity ? options_.last_activity() : absl::InfinitePast();
-    const bool idle = absl::Now() - last_activity >= options_.idle;
+    const bool idle = now - last_activity >= options_.idle;
     if (idle && idle_told != last_activity) {
       idle_told = last_activity;
       if (options_.on_idle) options_.on_idle();

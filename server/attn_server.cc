@@ -161,7 +161,7 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   ATTNSERVE_RETURN_IF_ERROR(CheckRange("max_allocator_cache_bytes",
                                        options.max_allocator_cache_bytes, 0, int64_t{1} << 46));
   ATTNSERVE_RETURN_IF_ERROR(CheckRange("allocator_cache_idle_ms", options.allocator_cache_idle_ms,
-                                       0, int64_t{24} * 3600 * 1000));
+                                       1, int64_t{24} * 3600 * 1000));
   if (options.listen_address.empty()) {
     return absl::InvalidArgumentError("--listen_address: required (host:port)");
   }

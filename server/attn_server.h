@@ -87,6 +87,8 @@ class AttnServer {
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   // Gives the allocator's freed memory back when idle or over its bound.
+  // Declared after what its thread calls (service_, metrics_, the
+  // executor), so it is destroyed, and its thread joined, before them.
   std::unique_ptr<AllocatorCacheKeeper> allocator_cache_;
   int port_ = 0;
 

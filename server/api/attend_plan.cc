@@ -1,7 +1,6 @@
 #include "server/api/attend_plan.h"
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <string>

@@ -204,6 +204,7 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
   if (workspace_ != nullptr && workspace_->bytes() > kRetainedWorkspaceBytes) {
     workspace_->Release();
   }
+  compute_memory_held_.store(true, std::memory_order_release);  // see ReleaseComputeMemory
   const absl::Time now = absl::Now();
   for (size_t i = 0; i < jobs.size(); ++i) {
     // Past its deadline the client has given up: count it as it saw it.
@@ -335,7 +336,10 @@ absl::Time AttentionServiceImpl::last_activity() const {
 }
 
 void AttentionServiceImpl::ReleaseComputeMemory() {
-  // Refused only when full or shutting down: then there is no idle to use.
+  // Only when there is scratch to give back: a task takes a place in the
+  // executor's queue (refused when full or shutting down: then there is no
+  // idle to use).
+  if (!compute_memory_held_.exchange(false, std::memory_order_acq_rel)) return;
   executor_->Submit([this] {
     if (workspace_ != nullptr) workspace_->Release();
   }).IgnoreError();

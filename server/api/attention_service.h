@@ -194,6 +194,9 @@ class AttentionServiceImpl final
 
   // CutShortCallsInFlight() was called.
   std::atomic<bool> cut_short_{false};
+  // The workspace may hold scratch: set after each batch on the executor,
+  // cleared by ReleaseComputeMemory.
+  std::atomic<bool> compute_memory_held_{false};
 
   mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;

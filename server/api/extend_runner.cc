@@ -1,6 +1,7 @@
 #include "server/api/extend_runner.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <memory>
 #include <string>
@@ -13,6 +14,7 @@
 #include "absl/time/clock.h"
 #include "core/attention_inputs.h"
 #include "core/attention_layer.h"
+#include "core/bf16.h"
 #include "core/route.h"
 #include "core/status_macros.h"
 #include "core/validation.h"
@@ -35,6 +37,9 @@ absl::Status ForStep(int i, const absl::Status& status) {
                                                   message));
 }
 
+float AsFloat(float value) { return value; }
+float AsFloat(core::Bf16 value) { return core::Bfloat16ToFloat(value); }
+
 // Checks what needs the session's layer: the width of the hidden states, the
 // head mask, the values.
 absl::Status CheckStepForLayer(const v1::ExtendStep& step, const TensorSpec& spec,
@@ -54,9 +59,20 @@ absl::Status CheckStepForLayer(const v1::ExtendStep& step, const TensorSpec& spe
   // Read as sent (BF16 without converting): RunExtend converts once.
   ATTNSERVE_ASSIGN_OR_RETURN(const core::SequenceLayout layout,
                              core::SequenceLayout::Packed({spec.shape[0]}));
+  const std::string states_field = absl::StrCat(field, ".hidden_states");
   return OnWireValues(step.hidden_states(), spec, [&](auto values) {
-    return core::ValidateFinite(values, layout, 1, config.d_model,
-                                absl::StrCat(field, ".hidden_states"));
+    absl::Status finite = core::ValidateFinite(values, layout, 1, config.d_model, states_field);
+    if (finite.ok()) return finite;
+    // Where, in the session's terms (looked for on a hit only).
+    for (size_t i = 0; i < values.size(); ++i) {
+      const float value = AsFloat(values[i]);
+      if (std::isfinite(value)) continue;
+      const int64_t row = static_cast<int64_t>(i) / config.d_model;
+      return core::InvalidField(
+          states_field, absl::StrCat("row ", row, " (the session's token ", step.expected_length() + row,
+                                     ") holds ", value, "; states must be finite"));
+    }
+    return finite;
   });
 }
 

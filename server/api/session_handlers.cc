@@ -118,6 +118,7 @@ void AttentionServiceImpl::RunExtendJob(std::unique_ptr<ScheduledWork> work) {
   if (workspace_ != nullptr && workspace_->bytes() > kRetainedWorkspaceBytes) {
     workspace_->Release();
   }
+  compute_memory_held_.store(true, std::memory_order_release);  // see ReleaseComputeMemory
   const absl::Duration compute = absl::Now() - start;
   if (status.ok()) {
     v1::Timing* timing = job.response->mutable_timing();

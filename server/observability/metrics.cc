@@ -283,7 +283,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
   auto& cache_releases = prometheus::BuildCounter()
                              .Name("attnserve_allocator_cache_releases_total")
                              .Help("Times the allocator's cache was given back to the system: "
-                                   "after 2 s without calls (idle) or over "
+                                   "after --allocator_cache_idle_ms without calls (idle) or over "
                                    "--max_allocator_cache_bytes (bound).")
                              .Register(r);
   m->cache_releases_ = {&cache_releases.Add({{"reason", "idle"}}),

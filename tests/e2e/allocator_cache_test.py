@@ -58,6 +58,10 @@ class AllocatorCacheTest(unittest.TestCase):
         server, stub, request = self.start("--allocator_cache_idle_ms=5000")
         for _ in range(8):
             stub.Attend(request, timeout=300)
+
+        def idle_releases(samples):
+            return metric(samples, "attnserve_allocator_cache_releases_total", reason="idle")
+        released_before = idle_releases(parse_exposition(server.scrape_text()))
         calls, before = 10, minor_faults(server.proc.pid)
         for _ in range(calls):
             response = stub.Attend(request, timeout=300)
@@ -67,9 +71,6 @@ class AllocatorCacheTest(unittest.TestCase):
 
         # The gauge is the keeper's last look (every 250 ms): it shows the
         # cache the calls left, until the idle release gives it back.
-        def idle_releases(samples):
-            return metric(samples, "attnserve_allocator_cache_releases_total", reason="idle")
-        released_before = idle_releases(parse_exposition(server.scrape_text()))
         seen = {"cached": 0.0}
 
         def cache_seen_or_released():

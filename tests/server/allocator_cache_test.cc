@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -14,13 +15,20 @@ namespace {
 // active (set by the test), how often it looked and called on_idle.
 class Probe {
  public:
-  void SetLastActivity(absl::Time t) {
+  // As AttentionServiceImpl::last_activity: now while a call is in flight,
+  // else when the last one ended.
+  void BeginCall() {
     absl::MutexLock lock(&mu_);
-    last_activity_ = t;
+    in_flight_ = true;
+  }
+  void EndCall() {
+    absl::MutexLock lock(&mu_);
+    in_flight_ = false;
+    last_activity_ = absl::Now();
   }
   absl::Time last_activity() {
     absl::MutexLock lock(&mu_);
-    return last_activity_;
+    return in_flight_ ? absl::Now() : last_activity_;
   }
   void OnIdle() {
     absl::MutexLock lock(&mu_);
@@ -55,6 +63,7 @@ class Probe {
 
  private:
   absl::Mutex mu_;
+  bool in_flight_ ABSL_GUARDED_BY(mu_) = false;
   absl::Time last_activity_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   int64_t idle_calls_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t looks_ ABSL_GUARDED_BY(mu_) = 0;
@@ -75,20 +84,21 @@ TEST(AllocatorCacheKeeper, TellsItsOwnerOnceEachTimeCallsTurnIdle) {
   const int64_t looks = probe.AwaitIdleCalls(1);
   EXPECT_EQ(probe.AwaitLooks(looks, 20), 1);
 
-  // Active (as while a call is in flight: now, at every look) for a while,
-  // then quiet again: told a second time, and again only once.
-  const absl::Time active_until = absl::Now() + absl::Milliseconds(50);
-  probe.SetLastActivity(active_until);
-  EXPECT_EQ(probe.AwaitLooks(probe.looks(), 3), 1) << "told while the calls were active";
+  // A call in flight for a while (however long the looks take), then quiet
+  // again: told a second time, and again only once.
+  probe.BeginCall();
+  EXPECT_EQ(probe.AwaitLooks(probe.looks(), 5), 1) << "told while a call was in flight";
+  const absl::Time before_end = absl::Now();
+  probe.EndCall();
   const int64_t looks_again = probe.AwaitIdleCalls(2);
-  EXPECT_GE(absl::Now(), active_until + absl::Milliseconds(20))
+  EXPECT_GE(absl::Now() - before_end, absl::Milliseconds(20))
       << "told before the calls had been idle for the idle time";
   EXPECT_EQ(probe.AwaitLooks(looks_again, 20), 2);
 }
 
 TEST(AllocatorCacheKeeper, DoesNotTellWhileCallsAreActive) {
   Probe probe;
-  probe.SetLastActivity(absl::InfiniteFuture());  // always in flight
+  probe.BeginCall();  // and it never ends
   AllocatorCacheKeeper keeper(OptionsFor(probe));
   EXPECT_EQ(probe.AwaitLooks(0, 30), 0);
 }

@@ -225,6 +225,10 @@ TEST_F(SessionServiceTest, AMicroBatchAnswersEachStepOnItsOwn) {
                                  absl::StrCat("steps[", i, "].hidden_states")))
         << refused.results(i).message();
   }
+  EXPECT_TRUE(absl::StrContains(refused.results(0).message(), "row 1 (the session's token 4)"))
+      << refused.results(0).message();
+  EXPECT_TRUE(absl::StrContains(refused.results(1).message(), "row 0 (the session's token 3) holds inf"))
+      << refused.results(1).message();
   v1::ExtendRequest next;
   *next.add_steps() = Step(b, 3, RandomRows(1, rng));
   EXPECT_EQ(Extend(next).results(0).code(), 0);
