@@ -201,10 +201,7 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
     RunAttendBatch(absl::MakeSpan(members), layer_cache_, context);
     for (size_t i = 0; i < jobs.size(); ++i) statuses[i] = std::move(members[i].status);
   }
-  if (workspace_ != nullptr && workspace_->bytes() > kRetainedWorkspaceBytes) {
-    workspace_->Release();
-  }
-  compute_memory_held_.store(true, std::memory_order_release);  // see ReleaseComputeMemory
+  KeepComputeMemory();
   const absl::Time now = absl::Now();
   for (size_t i = 0; i < jobs.size(); ++i) {
     // Past its deadline the client has given up: count it as it saw it.
@@ -333,6 +330,13 @@ void AttentionServiceImpl::CutShortCallsInFlight() {
 absl::Time AttentionServiceImpl::last_activity() const {
   absl::MutexLock lock(&mu_);
   return in_flight_ > 0 ? absl::Now() : std::max(last_arrival_, last_end_);
+}
+
+void AttentionServiceImpl::KeepComputeMemory() {
+  if (workspace_ != nullptr && workspace_->bytes() > kRetainedWorkspaceBytes) {
+    workspace_->Release();
+  }
+  compute_memory_held_.store(true, std::memory_order_release);  // see ReleaseComputeMemory
 }
 
 void AttentionServiceImpl::ReleaseComputeMemory() {

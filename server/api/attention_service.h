@@ -85,8 +85,9 @@ class AttentionServiceImpl final
   // Gives back the compute memory kept for the next batch (the workspace's
   // scratch buffers; the primitives stay), on the compute executor after what
   // it has queued. For an idle server (AllocatorCacheOptions::on_idle): the
-  // next call allocates afresh. Does nothing when the executor is full or
-  // shutting down (then it is not idle).
+  // next call allocates afresh. Does nothing when no batch ran since the last
+  // release, or when the executor is full or shutting down (then it is not
+  // idle).
   void ReleaseComputeMemory();
 
   // The end of a drain: admitted calls still queued or computing stop (before
@@ -171,6 +172,10 @@ class AttentionServiceImpl final
   struct ExtendJob;
   static bool IsExtendJob(const ScheduledWork& work);
   void RunExtendJob(std::unique_ptr<ScheduledWork> work);
+  // After a batch, on the executor: keeps the workspace's scratch for the
+  // next batch up to kRetainedWorkspaceBytes, and marks it for
+  // ReleaseComputeMemory.
+  void KeepComputeMemory();
   // The compute executor's workspace (made on the first batch), or why not.
   absl::StatusOr<core::Workspace*> ComputeWorkspace();
   // A session RPC's common start: authenticates (the owner: the token's id)

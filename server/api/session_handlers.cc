@@ -115,10 +115,7 @@ void AttentionServiceImpl::RunExtendJob(std::unique_ptr<ScheduledWork> work) {
     context.workspace = *workspace;
     status = RunExtend(*job.request, job.plan, *sessions_, context, job.response, &computed);
   }
-  if (workspace_ != nullptr && workspace_->bytes() > kRetainedWorkspaceBytes) {
-    workspace_->Release();
-  }
-  compute_memory_held_.store(true, std::memory_order_release);  // see ReleaseComputeMemory
+  KeepComputeMemory();
   const absl::Duration compute = absl::Now() - start;
   if (status.ok()) {
     v1::Timing* timing = job.response->mutable_timing();
