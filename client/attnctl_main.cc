@@ -108,6 +108,9 @@ ABSL_FLAG(attnserve::client::Int64List, position_offsets, {},
           "attend: RoPE position of each sequence's first token, one per sequence");
 ABSL_FLAG(std::string, precision, "fp32", "attend: compute precision: fp32 or bf16");
 ABSL_FLAG(std::string, output_dtype, "fp32", "attend: dtype of output and maps: fp32 or bf16");
+ABSL_FLAG(std::string, input_dtype, "fp32",
+          "attend: dtype of the hidden and context states sent: fp32 or bf16 (rounded to nearest "
+          "even; half the bytes)");
 
 // attend: an ad-hoc layer instead of --model.
 ABSL_FLAG(std::optional<uint64_t>, layer_seed, std::nullopt,
@@ -195,7 +198,8 @@ attend flags (attnctl --help describes each one):
                --lengths=3,5,8 (ragged) [--packed]; --context_seq=N [--context_lengths=..]
                (cross-attention); --projected (random q/k/v, the attention core alone)
   attention    --causal, --mask=M.npy [--mask_kind=allowed|additive], --head_mask=1,0,..,
-               --position_offsets=.., --precision=fp32|bf16, --output_dtype=fp32|bf16
+               --position_offsets=.., --precision=fp32|bf16, --output_dtype=fp32|bf16,
+               --input_dtype=fp32|bf16
   results      --maps=none|per-head|mean [--heads=0,3] [--rows=5], --stats (per-head table),
                --save_output=O.npy, --save_maps=M.npy, --maps_png=M.png [--png_sequence=b]
 Examples:
@@ -338,6 +342,7 @@ AttendOptions AttendOptionsFromFlags() {
   o.position_offsets = absl::GetFlag(FLAGS_position_offsets).values;
   o.precision = absl::GetFlag(FLAGS_precision);
   o.output_dtype = absl::GetFlag(FLAGS_output_dtype);
+  o.input_dtype = absl::GetFlag(FLAGS_input_dtype);
   o.projected = absl::GetFlag(FLAGS_projected);
   o.maps = absl::GetFlag(FLAGS_maps);
   o.heads = absl::GetFlag(FLAGS_heads).values;

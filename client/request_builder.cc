@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -119,6 +121,30 @@ void SetFloatTensor(v1::Tensor* tensor, std::vector<int64_t> shape,
   tensor->set_raw_data(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(float));
 }
 
+// The BF16 word nearest to `value` (ties to even); NaN stays a quiet NaN.
+uint16_t Bf16Bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// Rewrites an FP32 raw tensor as BF16 (same shape, half the bytes).
+void ConvertToBf16(v1::Tensor* tensor) {
+  const std::string& raw = tensor->raw_data();
+  const size_t count = raw.size() / sizeof(float);
+  std::string words(count * sizeof(uint16_t), '\0');
+  for (size_t i = 0; i < count; ++i) {
+    float value;
+    std::memcpy(&value, raw.data() + i * sizeof(float), sizeof(float));
+    const uint16_t word = Bf16Bits(value);
+    std::memcpy(words.data() + i * sizeof(uint16_t), &word, sizeof(word));
+  }
+  tensor->set_dtype(v1::DATA_TYPE_BF16);
+  tensor->set_raw_data(std::move(words));
+}
+
 std::string ShapeText(const std::vector<int64_t>& shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }
@@ -220,6 +246,12 @@ absl::Status ValidateAttendOptions(const AttendOptions& o) {
   }
   if (o.output_dtype != "fp32" && o.output_dtype != "bf16") {
     return Invalid("output_dtype", absl::StrCat("'", o.output_dtype, "' is not one of fp32, bf16"));
+  }
+  if (o.input_dtype != "fp32" && o.input_dtype != "bf16") {
+    return Invalid("input_dtype", absl::StrCat("'", o.input_dtype, "' is not one of fp32, bf16"));
+  }
+  if (o.input_dtype == "bf16" && o.projected) {
+    return Invalid("input_dtype", "bf16 applies to hidden and context states, not --projected");
   }
   if (!o.mask_kind.empty() && o.mask_kind != "allowed" && o.mask_kind != "additive") {
     return Invalid("mask_kind",
@@ -485,6 +517,11 @@ absl::StatusOr<AttendCall> BuildAttendRequest(const AttendOptions& o,
                        RandomStates(rng, call.key_lengths, context_seq, d_model));
       }
     }
+  }
+
+  if (o.input_dtype == "bf16") {
+    ConvertToBf16(request.mutable_hidden_states());
+    if (request.has_context()) ConvertToBf16(request.mutable_context());
   }
 
   request.set_causal(o.causal);

@@ -66,6 +66,9 @@ struct AttendOptions {
   std::vector<int64_t> position_offsets;
   std::string precision = "fp32";     // fp32 or bf16
   std::string output_dtype = "fp32";  // fp32 or bf16
+  // fp32 or bf16: the hidden and context states as sent (bf16: rounded to
+  // nearest even, half the bytes; --input's values too).
+  std::string input_dtype = "fp32";
 
   // Random already-projected q/k/v for the attention core alone.
   bool projected = false;

@@ -15,9 +15,17 @@ for BF16, need_weights=False unless maps are asked for), then prints medians:
   matmuls runs faster) and the best ratio (PyTorch ms / floor ms) any such
   layer could show, peak RSS of our process and of torch's.
 
+With --over_the_wire, the same shapes (without maps) also go through the real
+server (the build's attnserve, default flags, on a loopback port) from attnctl
+in each round: the round trip's median, its ratio to the server's own compute
+time, and PyTorch ms / round trip -- the layer over gRPC against PyTorch's
+in-process. The server gets the built-in model for D=768 H=12 and an ad-hoc
+seeded layer otherwise; BF16 rows send, compute and return BF16.
+
 Usage:
   /usr/bin/python3 tests/benchmarks/compare_with_pytorch.py [--build build]
       [--rounds 3] [--threads 2] [--shapes 8x128x768x12,...] [--quick]
+      [--over_the_wire [--wire_calls 30]]
 Installs python3-torch (with OpenBLAS) through deploy/install_deps.sh when torch
 cannot be imported.
 """
@@ -27,8 +35,11 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
+from harness import Server, cpu_model  # noqa: E402
 
 # (B, S, D, H, Hkv, mode, precision); mode: "none" (no maps), "causal", "maps".
 DEFAULT_CASES = [
@@ -120,6 +131,34 @@ def run_torch(case, threads, reps):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def attnctl_attend(attnctl, target, case, calls):
+    """One attnctl process sending `calls` Attend calls of the case's shape:
+    (round trip p50 ms, transport p50 ms = round trip less the server's compute)."""
+    b, s, d, h, hkv, mode, precision = case
+    layer = [] if (d, h, hkv) == (768, 12, 12) else [
+        "--layer_seed=7", f"--d_model={d}", f"--num_heads={h}", f"--num_kv_heads={hkv}"]
+    args = [attnctl, "attend", f"--target={target}", f"--batch={b}", f"--seq={s}", *layer,
+            f"--precision={precision}", f"--output_dtype={precision}", f"--input_dtype={precision}",
+            f"--repeat={calls}", "--json", "--max_receive_message_bytes=1073741824"]
+    if mode == "causal":
+        args.append("--causal")
+    report = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
+    return report["latency_ms"]["p50"], report["transport_ms"]["p50"]
+
+
+def start_server(build):
+    server = Server(os.path.join(build, "server", "attnserve"))
+    attnctl = os.path.join(build, "client", "attnctl")
+    deadline = time.monotonic() + 120
+    while subprocess.run([attnctl, "health", f"--target={server.target}"],
+                         capture_output=True).returncode != 0:
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError("attnserve did not become SERVING")
+        time.sleep(0.1)
+    return server, attnctl
+
+
 def parse_shapes(text):
     cases = []
     for item in text.split(","):
@@ -139,19 +178,32 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--shapes", help="BxSxDxH[xmode[xprecision]],... (mode none|causal|maps)")
     parser.add_argument("--quick", action="store_true", help="one tiny shape (a smoke run)")
+    parser.add_argument("--over_the_wire", action="store_true",
+                        help="also time the shapes without maps through the real server")
+    parser.add_argument("--wire_calls", type=int, default=30, help="calls per round over the wire")
     args = parser.parse_args()
     ensure_torch()
+    server = None
+    if args.over_the_wire:
+        server, attnctl = start_server(args.build)
     binary = os.path.join(args.build, "tests", "benchmarks", "attention_layer_benchmark")
     cases = QUICK_CASES if args.quick else (
         parse_shapes(args.shapes) if args.shapes else DEFAULT_CASES)
     header = ("shape", "mode", "precision", "ours ms", "PyTorch ms", "ratio", "of ceiling",
               "floor ms", "best ratio", "RSS ours MiB", "RSS torch MiB", "our path")
+    if server:
+        header += ("over gRPC ms", "round trip / compute", "PyTorch / over gRPC")
     rows = []
     for case in cases:
-        ours, theirs = [], []
+        ours, theirs, wire = [], [], []
+        over_the_wire = server is not None and case[5] != "maps"
+        if over_the_wire:
+            attnctl_attend(attnctl, server.target, case, 3)  # the layer and its primitives, built
         for _ in range(args.rounds):
             ours.append(run_ours(binary, case, args.threads, args.reps))
             theirs.append(run_torch(case, args.threads, args.reps))
+            if over_the_wire:
+                wire.append(attnctl_attend(attnctl, server.target, case, args.wire_calls))
         our_ms = statistics.median(o["ms"] for o in ours)
         torch_ms = statistics.median(t["ms"] for t in theirs)
         b, s, d, h, _, mode, precision = case
@@ -162,6 +214,16 @@ def main():
                      f"{floor_ms:.2f}", f"{torch_ms / floor_ms:.2f}x",
                      f"{max(o['rss_mb'] for o in ours):.0f}",
                      f"{max(t['rss_mb'] for t in theirs):.0f}", ours[0]["path"]))
+        if server:
+            if wire:
+                trip = statistics.median(w[0] for w in wire)
+                compute = statistics.median(w[0] - w[1] for w in wire)
+                rows[-1] += (f"{trip:.2f}", f"{trip / compute:.2f}", f"{torch_ms / trip:.2f}x")
+            else:
+                rows[-1] += ("", "", "")
+    if server:
+        server.stop()
+    print(f"CPU: {cpu_model()}; {args.threads} threads; medians of {args.rounds} alternating rounds")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:

@@ -3,9 +3,11 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/flags/marshalling.h"
@@ -279,6 +281,77 @@ TEST(BuildAttendRequest, InputFileReplacesRandomStates) {
   EXPECT_THAT(call->request.sequence_lengths(), ElementsAre(4, 2));
 }
 
+// The BF16 value nearest to x, found independently of the builder's rounding:
+// the two BF16 neighbours of x (truncated, and one step away from zero),
+// compared in double; on a tie the one with an even last bit.
+float NearestBf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t low_bits = bits & 0xffff0000u;
+  const uint32_t high_bits = low_bits + 0x10000u;
+  float low, high;
+  std::memcpy(&low, &low_bits, sizeof(low));
+  std::memcpy(&high, &high_bits, sizeof(high));
+  const double to_low = std::abs(static_cast<double>(x) - low);
+  const double to_high = std::abs(static_cast<double>(high) - x);
+  if (to_low != to_high) return to_low < to_high ? low : high;
+  return (low_bits & 0x10000u) == 0 ? low : high;
+}
+
+std::vector<float> WidenedBf16(const v1::Tensor& tensor) {
+  std::vector<float> values(tensor.raw_data().size() / sizeof(uint16_t));
+  for (size_t i = 0; i < values.size(); ++i) {
+    uint16_t word;
+    std::memcpy(&word, tensor.raw_data().data() + i * sizeof(word), sizeof(word));
+    const uint32_t bits = static_cast<uint32_t>(word) << 16;
+    std::memcpy(&values[i], &bits, sizeof(bits));
+  }
+  return values;
+}
+
+TEST(BuildAttendRequest, InputDtypeBf16SendsTheStatesRoundedToNearestEven) {
+  AttendOptions options;
+  options.batch = 2;
+  options.seq = 5;
+  options.context_seq = 3;
+  options.seed = 11;
+  absl::StatusOr<AttendCall> fp32 = Build(options);
+  options.input_dtype = "bf16";
+  absl::StatusOr<AttendCall> bf16 = Build(options);
+  ASSERT_THAT(fp32, IsOk());
+  ASSERT_THAT(bf16, IsOk());
+  for (auto [sent, exact] : {std::pair{&bf16->request.hidden_states(), &fp32->request.hidden_states()},
+                             std::pair{&bf16->request.context(), &fp32->request.context()}}) {
+    EXPECT_EQ(sent->dtype(), v1::DATA_TYPE_BF16);
+    EXPECT_EQ(Shape(*sent), Shape(*exact));
+    const std::vector<float> values = Floats(*exact);
+    ASSERT_EQ(sent->raw_data().size(), values.size() * sizeof(uint16_t));
+    const std::vector<float> widened = WidenedBf16(*sent);
+    int inexact = 0;
+    for (size_t i = 0; i < values.size(); ++i) {
+      EXPECT_EQ(widened[i], NearestBf16(values[i])) << "value " << i << ": " << values[i];
+      inexact += widened[i] != values[i];
+    }
+    EXPECT_GT(inexact, 0) << "random states should need rounding";
+  }
+
+  // Ties go to the even neighbour; --input's values are converted too.
+  const std::string ties = TempPath("input_ties.npy");
+  const float one_ulp = std::ldexp(1.0f, -7);  // BF16's step at 1
+  const std::vector<float> tie_values = {1.0f + one_ulp / 2, 1.0f + 3 * one_ulp / 2,
+                                         -(1.0f + one_ulp / 2), 1.0f + one_ulp / 4, 0.0f,
+                                         -2.0f, 1.0f + 3 * one_ulp / 4, 65504.0f};
+  ASSERT_THAT(WriteNpyFile(ties, {1, 1, 8}, tie_values), IsOk());
+  AttendOptions from_file;
+  from_file.input = ties;
+  from_file.input_dtype = "bf16";
+  absl::StatusOr<AttendCall> call = Build(from_file);
+  ASSERT_THAT(call, IsOk());
+  EXPECT_THAT(WidenedBf16(call->request.hidden_states()),
+              ElementsAre(1.0f, 1.0f + 2 * one_ulp, -1.0f, 1.0f, 0.0f, -2.0f, 1.0f + one_ulp,
+                          65536.0f));
+}
+
 TEST(BuildAttendRequest, LayerSeedSendsAnAdHocLayerInsteadOfTheModel) {
   AttendOptions options;
   options.layer_seed = 7;
@@ -366,6 +439,16 @@ TEST(BuildAttendRequest, BadOptionsAreRejectedNamingTheFlag) {
       "unknown precision", [](AttendOptions& o) { o.precision = "fp16"; }, "--precision: 'fp16'");
   add(
       "unknown output dtype", [](AttendOptions& o) { o.output_dtype = "int8"; }, "--output_dtype");
+  add(
+      "unknown input dtype", [](AttendOptions& o) { o.input_dtype = "fp16"; },
+      "--input_dtype: 'fp16' is not one of fp32, bf16");
+  add(
+      "bf16 input with projected heads",
+      [](AttendOptions& o) {
+        o.projected = true;
+        o.input_dtype = "bf16";
+      },
+      "--input_dtype: bf16 applies to hidden and context states");
   add(
       "unknown mask kind",
       [&](AttendOptions& o) {
