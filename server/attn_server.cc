@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/status_macros.h"
+#include "server/api/replica_header.h"
 #include "server/observability/log.h"
 #include "server/security/auth.h"
 #include "server/security/tls_credentials.h"
@@ -236,6 +238,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_receive_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_send_message_bytes));
   ApplyConnectionLimits(options, builder);
+  if (!options.replica_name.empty()) {
+    std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> factories;
+    factories.push_back(MakeReplicaHeaderInterceptorFactory(options.replica_name));
+    builder.experimental().SetInterceptorCreators(std::move(factories));
+  }
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {

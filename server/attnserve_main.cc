@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -53,6 +54,9 @@ std::vector<attnserve::cli::Component> LibraryVersions() {
 
 ABSL_FLAG(std::string, listen_address, kDefaults.listen_address,
           "host:port to serve gRPC on (port 0 picks a free port, printed at start-up)");
+ABSL_FLAG(std::string, replica_name, "",
+          "Name sent in every response's attnserve-replica header, so clients behind a proxy "
+          "see which replica served a call (decode sessions live on one); empty: the host name");
 ABSL_FLAG(int64_t, max_receive_message_bytes, kDefaults.max_receive_message_bytes,
           "Largest request message accepted, in bytes");
 ABSL_FLAG(int64_t, max_send_message_bytes, kDefaults.max_send_message_bytes,
@@ -201,6 +205,18 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
     options.block_kernels = *parsed;
   }
   options.listen_address = absl::GetFlag(FLAGS_listen_address);
+  options.replica_name = absl::GetFlag(FLAGS_replica_name);
+  if (options.replica_name.empty()) {
+    char host[256] = {};
+    if (gethostname(host, sizeof(host) - 1) == 0) options.replica_name = host;
+  }
+  if (options.replica_name.size() > 253 ||
+      !std::all_of(options.replica_name.begin(), options.replica_name.end(),
+                   [](char c) { return c >= 0x21 && c <= 0x7e; })) {
+    return absl::InvalidArgumentError(
+        "--replica_name: at most 253 printable ASCII characters without spaces (it travels as a "
+        "response header)");
+  }
   options.max_receive_message_bytes = absl::GetFlag(FLAGS_max_receive_message_bytes);
   options.max_send_message_bytes = absl::GetFlag(FLAGS_max_send_message_bytes);
   options.compute_threads = absl::GetFlag(FLAGS_compute_threads);
@@ -404,7 +420,8 @@ int main(int argc, char** argv) {
     return cli::kExitFailure;
   }
   LogLine(absl::StrCat("listening on port ", (*server)->port(), " (", options.listen_address,
-                       "); health NOT_SERVING until the models are loaded; open-file limit ",
+                       ") as replica '", options.replica_name,
+                       "'; health NOT_SERVING until the models are loaded; open-file limit ",
                        *open_files));
   LogConfiguration(options, **server);
   if (absl::Status loaded = (*server)->LoadModelsAndServe(); !loaded.ok()) {

@@ -55,6 +55,9 @@ struct SessionLimits {
 struct ServerOptions {
   // host:port to serve gRPC on; port 0 picks a free port (see AttnServer::port).
   std::string listen_address = "0.0.0.0:50051";
+  // Named in every response's `attnserve-replica` header (the attnserve
+  // binary: --replica_name, default the host name). Empty: no header.
+  std::string replica_name;
   int64_t max_receive_message_bytes = int64_t{64} << 20;
   int64_t max_send_message_bytes = int64_t{128} << 20;
   // OpenMP threads for the compute executor; 0: one per core.

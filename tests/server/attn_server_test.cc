@@ -91,6 +91,49 @@ TEST(AttnServerPort, ASecondInstanceOnABusyPortFailsToStartWithAClearMessage) {
       << second.status();
 }
 
+// The replica's name travels in every answer (what a client behind the proxy
+// reads to see where its session lives): in the initial metadata of a
+// successful call, in the trailers of a refused one (whose answer must stay
+// trailers-only for clients to retry it elsewhere); without a name, nowhere.
+TEST(AttnServerReplica, EveryAnswerNamesTheReplicaThatServedIt) {
+  const std::string name = absl::StrCat("replica-", std::random_device{}() % 1000);
+  for (const std::string& replica_name : {name, std::string()}) {
+    ServerOptions options = TestOptions();
+    options.replica_name = replica_name;
+    auto server = AttnServer::Create(options);
+    ASSERT_TRUE(server.ok()) << server.status();
+    ASSERT_TRUE((*server)->LoadModelsAndServe().ok());
+    auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", (*server)->port()), grpc::InsecureChannelCredentials()));
+    v1::AttendRequest unknown_model = SmallRequest(1);
+    unknown_model.set_model("no-such-model");
+    for (const v1::AttendRequest& request : {SmallRequest(2), unknown_model}) {
+      grpc::ClientContext context;
+      context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      v1::AttendResponse response;
+      const grpc::Status status = stub->Attend(&context, request, &response);
+      EXPECT_EQ(status.error_code(), request.model() == "default" ? grpc::StatusCode::OK
+                                                                  : grpc::StatusCode::NOT_FOUND)
+          << status.error_message();
+      const auto& initial = context.GetServerInitialMetadata();
+      const auto& trailing = context.GetServerTrailingMetadata();
+      const auto& named = status.ok() ? initial : trailing;
+      const auto found = named.find("attnserve-replica");
+      if (replica_name.empty()) {
+        EXPECT_EQ(found, named.end());
+      } else {
+        ASSERT_NE(found, named.end()) << "model " << request.model();
+        EXPECT_EQ(std::string(found->second.data(), found->second.size()), replica_name);
+        EXPECT_EQ(named.count("attnserve-replica"), 1u);
+      }
+      if (!status.ok()) {
+        EXPECT_EQ(initial.count("attnserve-replica"), 0u) << "a refusal sent headers of ours";
+      }
+    }
+    (*server)->Shutdown();
+  }
+}
+
 TEST(AttnServerDrain, ACallStillInFlightWhenTheDrainTimeoutEndsAnswersUnavailable) {
   ServerOptions options = TestOptions();
   options.drain_timeout_seconds = 0;
