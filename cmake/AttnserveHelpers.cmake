@@ -24,8 +24,10 @@ endfunction()
 
 # attnserve_test(NAME <name> SOURCES <files...> LIBS <targets...> [LABELS <labels...>])
 # One GoogleTest binary per test file, registered with CTest test by test.
-# Tests labelled `tsan` exercise our threads without gRPC: deploy/sanitize.sh
-# tsan builds them (target tsan_tests) and runs them under ThreadSanitizer.
+# The sanitizer labels say which tests deploy/sanitize.sh builds and runs:
+# `asan` (untrusted input, buffer arithmetic, lifetimes: target asan_tests,
+# under ASan + UBSan) and `tsan` (our threads without gRPC: target
+# tsan_tests, under ThreadSanitizer).
 function(attnserve_test)
   cmake_parse_arguments(T "" "NAME" "SOURCES;LIBS;LABELS" ${ARGN})
   add_executable(${T_NAME} ${T_SOURCES})
@@ -34,9 +36,11 @@ function(attnserve_test)
   if(NOT T_LABELS)
     set(T_LABELS unit)
   endif()
-  if("tsan" IN_LIST T_LABELS)
-    attnserve_tsan_binary(${T_NAME})
-  endif()
+  foreach(sanitizer asan tsan)
+    if(sanitizer IN_LIST T_LABELS)
+      attnserve_sanitizer_binary(${sanitizer} ${T_NAME})
+    endif()
+  endforeach()
   gtest_discover_tests(${T_NAME}
     DISCOVERY_TIMEOUT 60)
   # gtest_discover_tests passes a list-valued property on as separate words,
@@ -50,21 +54,24 @@ function(attnserve_test)
   set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES ${label_file})
 endfunction()
 
-# Adds a test binary to the target tsan_tests and to the list
-# <build>/tsan_tests.txt that deploy/sanitize.sh reads (written by
-# attnserve_write_tsan_list once every test is defined).
-function(attnserve_tsan_binary target)
-  if(NOT TARGET tsan_tests)
-    add_custom_target(tsan_tests)
+# attnserve_sanitizer_binary(<asan|tsan> <target>): adds a test binary to the
+# target <sanitizer>_tests and to the list <build>/<sanitizer>_tests.txt that
+# deploy/sanitize.sh reads (written by attnserve_write_sanitizer_lists once
+# every test is defined).
+function(attnserve_sanitizer_binary sanitizer target)
+  if(NOT TARGET ${sanitizer}_tests)
+    add_custom_target(${sanitizer}_tests)
   endif()
-  add_dependencies(tsan_tests ${target})
-  set_property(GLOBAL APPEND PROPERTY ATTNSERVE_TSAN_BINARIES "$<TARGET_FILE:${target}>")
+  add_dependencies(${sanitizer}_tests ${target})
+  set_property(GLOBAL APPEND PROPERTY ATTNSERVE_${sanitizer}_BINARIES "$<TARGET_FILE:${target}>")
 endfunction()
 
-function(attnserve_write_tsan_list)
-  if(NOT TARGET tsan_tests)
-    add_custom_target(tsan_tests)
-  endif()
-  get_property(binaries GLOBAL PROPERTY ATTNSERVE_TSAN_BINARIES)
-  file(GENERATE OUTPUT ${CMAKE_BINARY_DIR}/tsan_tests.txt CONTENT "${binaries}")
+function(attnserve_write_sanitizer_lists)
+  foreach(sanitizer asan tsan)
+    if(NOT TARGET ${sanitizer}_tests)
+      add_custom_target(${sanitizer}_tests)
+    endif()
+    get_property(binaries GLOBAL PROPERTY ATTNSERVE_${sanitizer}_BINARIES)
+    file(GENERATE OUTPUT ${CMAKE_BINARY_DIR}/${sanitizer}_tests.txt CONTENT "${binaries}")
+  endforeach()
 endfunction()

@@ -16,8 +16,9 @@ BUILD_PKGS=(
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev prometheus-cpp-dev
   zlib1g-dev libssl-dev nlohmann-json3-dev libjemalloc-dev
 )
-# Libraries only the tests and benchmarks link (ATTNSERVE_BUILD_TESTS=ON).
-TEST_BUILD_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev)
+# Libraries only the tests and benchmarks link (ATTNSERVE_BUILD_TESTS=ON), and
+# ccache, through which deploy/test.sh's builds share objects.
+TEST_BUILD_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev ccache)
 # Real peers the tests talk to: Python's gRPC client, NumPy and PyTorch as
 # references (torch with OpenBLAS: without it torch falls back to the
 # reference BLAS, 20x slower).
