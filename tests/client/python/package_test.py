@@ -19,6 +19,7 @@ by hand, with the package from the checkout:
 import argparse
 import asyncio
 import os
+import subprocess
 import sys
 import tempfile
 import unittest
@@ -375,6 +376,39 @@ class WithTokens(unittest.TestCase):
                     self.assertEqual(client.attend(np.ones((1, 2, D_MODEL))).output.shape, (1, 2, D_MODEL))
                     with self.assertRaises(attnserve.PermissionDeniedError):  # not an admin token
                         client.load("m")
+            finally:
+                server.stop()
+
+
+class WithTls(unittest.TestCase):
+    def test_tls_with_the_servers_ca_and_a_client_certificate(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            def openssl(*argv):
+                subprocess.run(["openssl", *argv], cwd=tmp, check=True, capture_output=True)
+            ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+            openssl("req", "-x509", *ec, "-days", "2", "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=test-ca")
+            with open(os.path.join(tmp, "server.ext"), "w") as f:
+                f.write("subjectAltName=DNS:attnserve.test\n")
+            for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
+                openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+                openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                        "-CAcreateserial", "-days", "2", *ext, "-out", f"{name}.pem")
+            path = lambda name: os.path.join(tmp, name)  # noqa: E731
+            server = Server(ARGS.server, f"--tls_cert={path('server.pem')}", f"--tls_key={path('server.key')}",
+                            f"--tls_client_ca={path('ca.pem')}")
+            try:
+                # The certificate names attnserve.test, not the address: server_name says which to expect.
+                tls = attnserve.Tls(ca=path("ca.pem"), cert=path("client.pem"), key=path("client.key"),
+                                    server_name="attnserve.test")
+                with attnserve.Client(server.target, tls=tls, timeout=120) as client:
+                    client.wait_until_serving(timeout=120)
+                    self.assertEqual(client.attend(np.ones((1, 2, D_MODEL))).output.shape, (1, 2, D_MODEL))
+                with open(path("ca.pem"), "rb") as f:  # PEM bytes work as well as paths
+                    no_client_cert = attnserve.Tls(ca=f.read(), server_name="attnserve.test")
+                for tls in (no_client_cert, None):
+                    with attnserve.Client(server.target, tls=tls, timeout=120) as client:
+                        with self.assertRaises(attnserve.UnavailableError):
+                            client.models()
             finally:
                 server.stop()
 
