@@ -18,6 +18,7 @@ by hand, with the package from the checkout:
 """
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "e2e"))
 from harness import (Server, machine_runs_bf16, reference_attention, rel_error,  # noqa: E402
-                     seeded_weights)
+                     seeded_weights, write_safetensors)
 
 import attnserve  # noqa: E402
 import attnserve.aio  # noqa: E402
@@ -376,6 +377,47 @@ class WithTokens(unittest.TestCase):
                     self.assertEqual(client.attend(np.ones((1, 2, D_MODEL))).output.shape, (1, 2, D_MODEL))
                     with self.assertRaises(attnserve.PermissionDeniedError):  # not an admin token
                         client.load("m")
+            finally:
+                server.stop()
+
+
+class WithModelRepository(unittest.TestCase):
+    def test_load_attend_and_unload_a_repository_model(self):
+        d, heads = 32, 4
+        rng = np.random.default_rng()
+        w = {"in_proj_weight": rng.standard_normal((3 * d, d)) * 0.2, "in_proj_bias": rng.standard_normal(3 * d) * 0.1,
+             "out_proj.weight": rng.standard_normal((d, d)) * 0.2, "out_proj.bias": rng.standard_normal(d) * 0.1}
+        w = {k: v.astype(np.float32) for k, v in w.items()}
+        with tempfile.TemporaryDirectory() as repo:
+            os.makedirs(os.path.join(repo, "small"))
+            with open(os.path.join(repo, "small", "config.json"), "w") as f:
+                json.dump({"layout": "torch_mha", "d_model": d, "num_heads": heads}, f)
+            write_safetensors(os.path.join(repo, "small", "model.safetensors"),
+                              {name: (value, "F32") for name, value in w.items()})
+            server = Server(ARGS.server, f"--model_repository={repo}")
+            try:
+                with attnserve.Client(server.target, timeout=120) as client:
+                    client.wait_until_serving(timeout=120)
+                    self.assertEqual(client.model("small").state, "READY")
+                    client.unload("small")
+                    with self.assertRaises(attnserve.NotFoundError) as caught:
+                        client.model("small")
+                    self.assertEqual(caught.exception.field, "name")
+                    with self.assertRaises(attnserve.NotFoundError):
+                        client.attend(np.ones((1, 2, d)), model="small")
+                    info = client.load("small")
+                    self.assertEqual((info.name, info.state, info.d_model, info.num_heads), ("small", "READY", d, heads))
+                    with self.assertRaises(attnserve.AlreadyExistsError):
+                        client.load("small")
+                    x = rng.standard_normal((2, 5, d)).astype(np.float32)
+                    r = client.attend(x, model="small", maps="per-head")
+                    q, k, v = np.split(w["in_proj_weight"], 3)
+                    bq, bk, bv = np.split(w["in_proj_bias"], 3)
+                    weights = [q.T, bq, k.T, bk, v.T, bv, w["out_proj.weight"].T, w["out_proj.bias"]]
+                    ref_out, ref_maps = reference_attention(x, weights, heads, heads, d // heads, (d // heads) ** -0.5)
+                    self.assertLessEqual(rel_error(r.output, ref_out), 1e-5)
+                    self.assertLessEqual(rel_error(r.maps, ref_maps), 1e-5)
+                    self.assertEqual(r.model, "small")
             finally:
                 server.stop()
 
