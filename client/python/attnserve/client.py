@@ -132,7 +132,8 @@ class Client:
         mask: [batch or 1, seq_q or 1, seq_kv or 1]; a bool array says which
           keys each query may attend to (True = may; the opposite of torch's
           boolean attn_mask), a float one is added to the scaled scores
-          (-inf forbids); mask_kind "allowed"/"additive" overrides.
+          (-inf forbids); mask_kind "allowed"/"additive" overrides, and an
+          integer mask needs it (ValueError otherwise).
         head_mask: one gate per head (0 removes a head). position_offsets:
           RoPE position of each sequence's first token.
         maps: None, "per-head" (or True) or "mean"; heads, rows: only these
@@ -249,7 +250,8 @@ class Client:
 class Session(SessionState):
     """A decode session of a Client: the server holds its keys and values, and
     each step sends only new tokens. `lengths[layer]` is each layer's length
-    as this client last saw it. A context manager (closes on exit)."""
+    as this client last saw it. A context manager (closes on exit). Not
+    thread-safe: one thread drives a session (its steps follow each other)."""
 
     def __init__(self, client, info):
         super().__init__(info)

@@ -131,7 +131,12 @@ def build_attend_request(x=None, *, model="default", lengths=None, packed=None, 
     request.context_lengths.extend(_list(context_lengths, "context_lengths", int))
     if mask is not None:
         mask = np.asarray(mask)
-        kind = mask_kind or ("allowed" if mask.dtype == np.bool_ else "additive")
+        kind = mask_kind
+        if kind is None:
+            if mask.dtype.kind not in "bf":
+                raise ValueError(f"mask_kind: say 'allowed' or 'additive' for a mask of dtype {mask.dtype} "
+                                 "(a bool mask is 'allowed', a float one 'additive')")
+            kind = "allowed" if mask.dtype == np.bool_ else "additive"
         kinds = {"allowed": pb.AttentionMask.KIND_ALLOWED, "additive": pb.AttentionMask.KIND_ADDITIVE}
         if kind not in kinds:
             raise ValueError(f"mask_kind: {mask_kind!r} is not 'allowed' or 'additive'")
@@ -142,7 +147,7 @@ def build_attend_request(x=None, *, model="default", lengths=None, packed=None, 
     key = maps.lower() if isinstance(maps, str) else maps
     if key not in _MAP_MODES:
         raise ValueError(f"maps: {maps!r} is not None, 'per-head' or 'mean'")
-    if key not in (None, False, "none") or heads or rows or stats:
+    if key not in (None, False, "none") or heads is not None or rows is not None or stats:
         request.attention_maps.mode = _MAP_MODES[key]
         request.attention_maps.heads.extend(_list(heads, "heads", int))
         request.attention_maps.query_rows.extend(_list(rows, "rows", int))

@@ -243,6 +243,17 @@ class AgainstServer(unittest.TestCase):
         with self.assertRaises(ValueError):
             self.client.attend(padded_x, lengths=lengths, packed=True)
 
+    def test_bool_and_float_masks_say_what_causal_says(self):
+        x = self.rng.standard_normal((2, 9, D_MODEL))
+        ref_out, _ = self.reference(x.astype(np.float32), causal=True)
+        lower = np.tril(np.ones((9, 9), bool))[None]  # [1, seq_q, seq_kv]: True = may attend
+        additive = np.where(lower, 0.0, -np.inf)      # float64: added to the scores
+        for label, kwargs in [("bool", dict(mask=lower)), ("float", dict(mask=additive)),
+                              ("uint8 allowed", dict(mask=lower.astype(np.uint8), mask_kind="allowed"))]:
+            self.assertLessEqual(rel_error(self.client.attend(x, **kwargs).output, ref_out), 1e-5, label)
+        with self.assertRaises(ValueError):  # an integer mask could mean either: the kind must be said
+            self.client.attend(x, mask=lower.astype(np.uint8))
+
     def test_map_subsets_mean_maps_and_head_statistics(self):
         x = self.rng.standard_normal((2, 10, D_MODEL)).astype(np.float32)
         _, ref_maps = self.reference(x)
