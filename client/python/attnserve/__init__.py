@@ -21,9 +21,10 @@ from .errors import (AbortedError, AlreadyExistsError, AttnserveError, Cancelled
                      UnauthenticatedError, UnavailableError, UnimplementedError, UnknownError)
 from .messages import AttendResult, HeadStatistics, ModelInfo, SessionInfo, StepResult, Timing
 from .tensors import bf16_round, from_bf16_words, to_bf16_words
+from . import aio  # noqa: E402 -- attnserve.aio.Client after `import attnserve`
 
 __all__ = [
-    "__version__", "Client", "Session", "Step", "Tls",
+    "__version__", "aio", "Client", "Session", "Step", "Tls",
     "AttendResult", "HeadStatistics", "ModelInfo", "SessionInfo", "StepResult", "Timing",
     "bf16_round", "from_bf16_words", "to_bf16_words",
     "AttnserveError", "AbortedError", "AlreadyExistsError", "CancelledError", "DataLossError",
