@@ -254,6 +254,33 @@ class AgainstServer(unittest.TestCase):
         with self.assertRaises(ValueError):  # an integer mask could mean either: the kind must be said
             self.client.attend(x, mask=lower.astype(np.uint8))
 
+    def test_projected_heads_run_the_attention_core_alone(self):
+        q = self.rng.standard_normal((2, HEADS, 5, HEAD_DIM))
+        k, v = (self.rng.standard_normal((2, HEADS, 7, HEAD_DIM)) for _ in range(2))
+        r = self.client.attend(projected=(q, k, v), maps="per-head")
+        scores = (q.astype(np.float32).astype(np.float64) @ k.astype(np.float32).astype(np.float64)
+                  .transpose(0, 1, 3, 2)) * HEAD_DIM ** -0.5
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        self.assertEqual(r.output.shape, (2, HEADS, 5, HEAD_DIM))
+        self.assertLessEqual(rel_error(r.output, p @ v.astype(np.float32).astype(np.float64)), 1e-5)
+        self.assertLessEqual(rel_error(r.maps, p), 1e-5)
+
+    def test_cross_attention_to_context_states(self):
+        x = self.rng.standard_normal((2, 4, D_MODEL)).astype(np.float32)
+        context = self.rng.standard_normal((2, 6, D_MODEL)).astype(np.float32)
+        r = self.client.attend(x, context=context, context_lengths=[6, 3], maps="per-head")
+        w_q, b_q, w_k, b_k, w_v, b_v, w_o, b_o = [w.astype(np.float64) for w in self.weights]
+        for b, n in enumerate([6, 3]):  # keys and values from the context's first n states
+            heads = lambda a: a.reshape(len(a), HEADS, HEAD_DIM).transpose(1, 0, 2)  # noqa: E731
+            q, k, v = heads(x[b] @ w_q + b_q), heads(context[b, :n] @ w_k + b_k), heads(context[b, :n] @ w_v + b_v)
+            s = q @ k.transpose(0, 2, 1) * HEAD_DIM ** -0.5
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out = (p @ v).transpose(1, 0, 2).reshape(4, HEADS * HEAD_DIM) @ w_o + b_o
+            self.assertLessEqual(rel_error(r.output[b], out), 1e-5, b)
+            self.assertLessEqual(rel_error(r.maps[b, :, :, :n], p), 1e-5, b)
+
     def test_map_subsets_mean_maps_and_head_statistics(self):
         x = self.rng.standard_normal((2, 10, D_MODEL)).astype(np.float32)
         _, ref_maps = self.reference(x)
