@@ -29,6 +29,12 @@ def _seconds(duration):
     return duration.seconds + duration.nanos * 1e-9
 
 
+def _output_dtype(name):
+    """The DataType of output_dtype; unset (the server's FP32) when None, so a
+    request that does not ask says nothing."""
+    return pb.DATA_TYPE_UNSPECIFIED if name is None else tensors.wire_dtype(name, "output_dtype")
+
+
 def precision_enum(name):
     """The Precision enum of "fp32"/"bf16" (None: the server's default, FP32)."""
     key = None if name is None else str(name).lower()
@@ -109,7 +115,7 @@ def build_attend_request(x=None, *, model="default", lengths=None, packed=None, 
                          output_dtype=None, layer=None, projected=None):
     """An AttendRequest from Client.attend's arguments (see there)."""
     request = pb.AttendRequest(causal=bool(causal), precision=precision_enum(precision),
-                               output_dtype=tensors.wire_dtype(output_dtype, "output_dtype"))
+                               output_dtype=_output_dtype(output_dtype))
     if layer is not None:
         request.layer.CopyFrom(layer)
     elif model is not None:
@@ -311,7 +317,7 @@ def build_extend_request(steps, precision=None, input_dtype=None, output_dtype=N
     """An ExtendRequest from (session_id, layer, expected_length, x, maps,
     head_mask) tuples."""
     request = pb.ExtendRequest(precision=precision_enum(precision),
-                               output_dtype=tensors.wire_dtype(output_dtype, "output_dtype"))
+                               output_dtype=_output_dtype(output_dtype))
     for i, (session_id, layer, expected_length, x, maps, head_mask) in enumerate(steps):
         request.steps.add(session_id=session_id, layer=int(layer), expected_length=int(expected_length),
                           hidden_states=tensors.encode(x, input_dtype, f"steps[{i}].x"),
