@@ -29,8 +29,12 @@ TEST_BUILD_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev ccache)
 # ships) balances gRPC over local replicas, kubectl renders the Kubernetes
 # manifests offline. stress-ng keeps every core busy while deploy/test.sh runs
 # the server tests once more. python3-h2 and nghttp2-client (h2load) are the
-# hostile-client suite's tools.
-TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-torch libopenblas0
+# hostile-client suite's tools. python3-venv and python3-wheel install the Python
+# package (client/python) offline into a virtual environment, as the README
+# says (the venv's own pip and setuptools come with python3-venv; wheel, which
+# Debian's setuptools 66 builds wheels with, from python3-wheel).
+TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-venv python3-wheel
+  python3-torch libopenblas0
   prometheus python3-yaml yamllint docker-compose openssl stress-ng
   haproxy python3-h2 nghttp2-client)
 # Debian's kubectl, unless a kubectl is installed already: another package's

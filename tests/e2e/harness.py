@@ -1,4 +1,5 @@
-"""Shared by the Python end-to-end tests: stubs generated at test time, the
+"""Shared by the Python end-to-end tests: the attnserve Python package
+(client/python) and stubs of the standard protos generated at test time, the
 real attnserve binary on a free loopback port, tensor helpers."""
 import os
 import re
@@ -13,38 +14,48 @@ import urllib.request
 import numpy as np
 
 GRPC_PROTO_DIR = "/usr/share/grpc-proto"
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE_DIR = os.path.join(REPO, "client", "python")
 
 
-def generate_stubs(out_dir, proto_dir):
-    """Compiles attnserve's proto and the standard health and reflection protos
-    into out_dir with protoc and grpc_python_plugin, and puts out_dir on sys.path."""
-    def protoc(include, proto):
-        subprocess.run(
-            ["/usr/bin/protoc", f"-I{include}", f"--python_out={out_dir}", f"--grpc_out={out_dir}",
-             "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin", os.path.join(include, proto)],
-            check=True)
-
-    protoc(proto_dir, "attnserve/v1/attention.proto")
-    open(os.path.join(out_dir, "attnserve", "__init__.py"), "a").close()
-    open(os.path.join(out_dir, "attnserve", "v1", "__init__.py"), "a").close()
-    # The standard protos are compiled as top-level modules (health_pb2,
-    # reflection_pb2): a "grpc/" package here would hide grpcio's own.
+def generate_stubs(out_dir, proto_dir, package_from_checkout=True):
+    """Makes attnserve's generated code importable (`from attnserve.v1 import
+    attention_pb2`): the attnserve package's, checked against proto_dir (the
+    repository's proto/) first -- AssertionError when client/python/generate.sh
+    has not been run since the proto changed. package_from_checkout: import the
+    package from this checkout's client/python (False: the one installed in
+    this interpreter, e.g. a virtual environment's). Compiles the standard
+    health and reflection protos into out_dir with protoc and
+    grpc_python_plugin, as top-level modules (health_pb2, reflection_pb2), and
+    puts out_dir on sys.path."""
+    assert os.path.samefile(proto_dir, os.path.join(REPO, "proto")), \
+        f"{proto_dir}: the attnserve package is generated from {REPO}/proto"
+    check = subprocess.run([os.path.join(PACKAGE_DIR, "generate.sh"), "--check"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    if package_from_checkout:
+        sys.path.insert(0, PACKAGE_DIR)
+    # The standard protos are compiled as top-level modules: a "grpc/" package
+    # here would hide grpcio's own. (The package's own health calls keep their
+    # messages out of the default descriptor pool, so these do not clash.)
+    flat = os.path.join(out_dir, "flat")
+    os.makedirs(flat, exist_ok=True)
     for proto in ["grpc/health/v1/health.proto", "grpc/reflection/v1alpha/reflection.proto"]:
-        flat = os.path.join(out_dir, "flat")
-        os.makedirs(flat, exist_ok=True)
         with open(os.path.join(GRPC_PROTO_DIR, proto)) as src, \
                 open(os.path.join(flat, os.path.basename(proto)), "w") as dst:
             dst.write(src.read())
-        protoc(flat, os.path.basename(proto))
+        subprocess.run(
+            ["/usr/bin/protoc", f"-I{flat}", f"--python_out={out_dir}", f"--grpc_out={out_dir}",
+             "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin", os.path.join(flat, os.path.basename(proto))],
+            check=True)
     sys.path.insert(0, out_dir)
 
 
-def run_tests_with_stubs(proto_dir, unittest_args, exit=True):
+def run_tests_with_stubs(proto_dir, unittest_args, exit=True, package_from_checkout=True):
     """Generates the stubs into a temporary folder (removed afterwards) and runs
     the calling script's tests with the remaining command-line arguments;
     returns the unittest program when exit is False."""
     with tempfile.TemporaryDirectory() as stubs:
-        generate_stubs(stubs, proto_dir)
+        generate_stubs(stubs, proto_dir, package_from_checkout)
         return unittest.main(module="__main__", argv=[sys.argv[0], "-v", *unittest_args], exit=exit)
 
 
@@ -246,53 +257,40 @@ def wait_serving(health_stub, health_pb, timeout=60):
 
 
 def to_tensor(pb, array, dtype=None):
-    """A numpy array as an attnserve Tensor (raw little-endian bytes)."""
-    array = np.asarray(array)
-    if array.dtype == np.bool_:
-        return pb.Tensor(dtype=pb.DATA_TYPE_BOOL, shape=list(array.shape),
-                         raw_data=array.astype(np.uint8).tobytes())
-    return pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=list(array.shape),
-                     raw_data=np.ascontiguousarray(array, dtype="<f4").tobytes())
+    """A numpy array as an attnserve Tensor (raw little-endian bytes; bool
+    arrays as BOOL, anything else FP32, or BF16 with dtype="bf16"): the
+    package's encoding (`pb` is the generated module, kept for the callers)."""
+    from attnserve import tensors
+    return tensors.encode(array, dtype)
 
 
 def from_tensor(pb, tensor):
-    """An attnserve Tensor (FP32 or BF16, raw or float_data) as a float32 array."""
-    shape = tuple(tensor.shape)
-    if tensor.float_data:
-        return np.asarray(tensor.float_data, np.float32).reshape(shape)
-    if tensor.dtype == pb.DATA_TYPE_BF16:
-        halves = np.frombuffer(tensor.raw_data, dtype="<u2").astype(np.uint32) << 16
-        return halves.view(np.float32).reshape(shape)
-    return np.frombuffer(tensor.raw_data, dtype="<f4").reshape(shape)
+    """An attnserve Tensor (FP32 or BF16, raw or float_data) as a float32 array
+    (FP32 raw data: a read-only view): the package's decoding."""
+    from attnserve import tensors
+    return tensors.decode(tensor)
 
 
 def attend_stream(stub, pb, request, timeout=60):
-    """Calls AttendStream and puts the maps back in place as they arrive, one
-    chunk at a time: (response, maps as a float32 array or None, chunks). The
-    response is the first message's (its attention_maps carry no values)."""
-    response, maps, chunks = None, None, 0
+    """Calls AttendStream and puts the maps back in place as they arrive (the
+    package's MapAssembler): (response, maps as a float32 array or None,
+    chunks). The response is the first message's (its attention_maps carry no
+    values)."""
+    from attnserve.messages import MapAssembler
+    assembler, chunks = MapAssembler(), 0
     for message in stub.AttendStream(request, timeout=timeout):
-        if message.HasField("response"):
-            response = message.response
-            if response.HasField("attention_maps"):
-                maps = np.empty(tuple(response.attention_maps.shape), np.float32)
-            continue
-        chunk = message.map_chunk
-        part = from_tensor(pb, chunk.maps)[0]  # [heads, rows, keys], or [rows, keys]
-        if maps.ndim == 4:
-            maps[chunk.sequence, chunk.first_head:chunk.first_head + part.shape[0],
-                 chunk.first_row:chunk.first_row + part.shape[1]] = part
-        else:
-            maps[chunk.sequence, chunk.first_row:chunk.first_row + part.shape[0]] = part
-        chunks += 1
-    return response, maps, chunks
+        assembler.add(message)
+        chunks += message.HasField("map_chunk")
+    result = assembler.result()
+    return result.message, result.maps, chunks
 
 
 def bf16_round(array):
-    """float32 values rounded to the nearest bfloat16 (ties to even), as float32."""
-    bits = np.ascontiguousarray(array, dtype="<f4").view("<u4").astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
-    return (rounded.astype(np.uint32) << 16).view(np.float32).reshape(np.shape(array))
+    """float32 values rounded to the nearest bfloat16 (ties to even), as
+    float32: the package's rounding (its own test holds it to an independent
+    one)."""
+    from attnserve import tensors
+    return tensors.bf16_round(array)
 
 
 # oneDNN ISAs (ONEDNN_MAX_CPU_ISA values) below avx512_core_bf16.

@@ -7,8 +7,9 @@ missing, builds and starts the server -- adding only loopback gRPC and metrics
 addresses on free ports (read back from its log). Then waits for health
 SERVING, makes one Attend call on the built-in model (checked against a NumPy
 float64 reference of its documented seeded weights), runs the README's Python
-client steps as written (stubs, program; only the address changed), scrapes
-/metrics once,
+client steps as written (a virtual environment where it says, the attnserve
+package pip-installed into it offline, the program run by its interpreter;
+only the address changed), scrapes /metrics once,
 sends SIGTERM and requires exit status 0. `--help` on the same command must
 answer at once, before and after the build, without installing or building.
 Prints the time to SERVING, with the script's own split into package check
@@ -55,7 +56,8 @@ def readme_serve_command(readme_path):
 
 
 def readme_python_client(readme_path):
-    """The README's Python steps: (shell lines that make the stubs, packages they install, the client program)."""
+    """The README's Python steps: (shell lines that set the package up, packages they install, the line that runs
+    client.py, the client program)."""
     with open(readme_path) as f:
         text = f.read()
     section = text[text.index("From Python:"):]
@@ -65,8 +67,9 @@ def readme_python_client(readme_path):
     lines = [line.strip() for line in shell.splitlines() if line.strip()]
     installs = [line for line in lines if line.startswith("apt-get install")]
     packages = [word for line in installs for word in line.split()[2:] if not word.startswith("-")]
-    steps = [line for line in lines if line not in installs and "client.py" not in line]
-    return steps, packages, program
+    runs = [line for line in lines if "client.py" in line]
+    steps = [line for line in lines if line not in installs and line not in runs]
+    return steps, packages, runs, program
 
 
 class ServeCommand(unittest.TestCase):
@@ -84,24 +87,23 @@ class ServeCommand(unittest.TestCase):
 
     def run_readme_python_client(self, port):
         """Runs the README's Python steps as written: its packages must be installed already (deploy/test.sh
-        installs them), the stubs go where it says (HOME is a fresh folder), and its client program runs against
-        the server -- only its address changed to the test's port."""
-        steps, packages, program = readme_python_client(os.path.join(ARGS.repo, "README.md"))
-        self.assertTrue(packages and steps and program, "the README's Python section lost a step")
+        installs them), its set-up lines run in the repository's root with HOME a fresh folder (the virtual
+        environment goes where they say), and its client program, saved as client.py in that folder, runs there by
+        the README's own command -- only its address changed to the test's port."""
+        steps, packages, runs, program = readme_python_client(os.path.join(ARGS.repo, "README.md"))
+        self.assertTrue(packages and steps and len(runs) == 1 and program, "the README's Python section lost a step")
         for package in packages:
             installed = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package], capture_output=True, text=True)
             self.assertIn("install ok installed", installed.stdout, f"the README's Python step needs {package}")
         home = tempfile.mkdtemp(prefix="attnserve-readme-home-")
-        env = dict(os.environ, HOME=home)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["HOME"] = home
         for step in steps:
             subprocess.run(["bash", "-c", step], cwd=ARGS.repo, env=env, check=True)
         self.assertIn("localhost:50051", program)
-        client = os.path.join(home, "client.py")
-        with open(client, "w") as f:
+        with open(os.path.join(home, "client.py"), "w") as f:
             f.write(program.replace("localhost:50051", f"127.0.0.1:{port}"))
-        env["PYTHONPATH"] = os.path.join(home, "attnserve-stubs")
-        ran = subprocess.run(["/usr/bin/python3", client], cwd=home, env=env, capture_output=True, text=True,
-                             timeout=300)
+        ran = subprocess.run(["bash", "-c", runs[0]], cwd=home, env=env, capture_output=True, text=True, timeout=300)
         self.assertEqual(ran.returncode, 0, ran.stderr)
         self.assertEqual(ran.stdout.strip(), "(2, 16, 768) (2, 12, 16, 16)")
 

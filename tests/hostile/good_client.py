@@ -55,11 +55,13 @@ class Recorder:
 
 def grpc_caller(a, recorder):
     """A function that starts one Attend call and records it when it ends."""
-    sys.path.insert(0, a.stubs)
+    from harness import PACKAGE_DIR, from_tensor, reference_attention, rel_error, seeded_weights, to_tensor
+    # The attnserve package (its generated code) from the checkout, as the
+    # parent process has it (harness.generate_stubs); --stubs for the rest.
+    sys.path[:0] = [a.stubs, PACKAGE_DIR]
     import grpc
     import numpy as np
     from attnserve.v1 import attention_pb2, attention_pb2_grpc
-    from harness import from_tensor, reference_attention, rel_error, seeded_weights, to_tensor
 
     rng = np.random.default_rng()
     weights = seeded_weights(a.seed, D_MODEL, NUM_HEADS, NUM_HEADS, HEAD_DIM)

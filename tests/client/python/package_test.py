@@ -1,0 +1,507 @@
+#!/usr/bin/python3
+"""The attnserve Python package (client/python) against the real attnserve
+binary: every check calls the server through the package, on fresh random
+inputs, and compares with a NumPy float64 reference of the built-in model's
+documented seeded weights (tests/e2e/harness.py, which is independent of the
+package: it is the oracle).
+
+Tolerances as the e2e suite states them: FP32 relative Frobenius error <= 1e-5;
+BF16 on the wire (inputs rounded, outputs rounded) <= 5e-3 against the
+reference fed the same rounded inputs; BF16 compute <= 2e-2.
+
+Run by install_test.py inside a fresh virtual environment where the package was
+pip-installed (--installed then requires that the package comes from there);
+by hand, with the package from the checkout:
+
+  PYTHONPATH=client/python /usr/bin/python3 tests/client/python/package_test.py \\
+      --server build/server/attnserve
+"""
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "e2e"))
+from harness import (Server, machine_runs_bf16, reference_attention, rel_error,  # noqa: E402
+                     seeded_weights, write_safetensors)
+
+import attnserve  # noqa: E402
+import attnserve.aio  # noqa: E402
+import grpc  # noqa: E402
+
+ARGS = None
+D_MODEL, HEADS, HEAD_DIM = 768, 12, 64
+
+
+def independent_bf16_words(values):
+    """The bfloat16 nearest each float32 value, ties to even, chosen among the
+    two neighbours by float64 distance (no bit tricks): the oracle of the
+    package's rounding."""
+    out = []
+    for v in np.asarray(values, np.float32).ravel():
+        if np.isnan(v):
+            out.append(None)
+            continue
+        if np.isinf(v):
+            out.append(int(np.float32(v).view(np.uint32)) >> 16)
+            continue
+        bits = int(np.float32(v).view(np.uint32))
+        low = bits & 0xFFFF0000  # truncated towards zero
+        high = low + 0x10000     # the next bfloat16 away from zero (may be infinity)
+        low_value = float(np.uint32(low).view(np.float32))
+        high_value = float(np.uint32(high & 0xFFFFFFFF).view(np.float32))
+        d_low, d_high = abs(float(v) - low_value), abs(high_value - float(v))
+        if np.isinf(high_value) and not np.isinf(v):
+            # Past the largest bfloat16, IEEE rounds to infinity from the halfway point on.
+            largest = float(np.uint32(0x7F7F0000).view(np.float32))
+            halfway = largest + (2.0 ** 127) * 2.0 ** -8
+            pick_high = abs(float(v)) >= halfway
+        elif d_low != d_high:
+            pick_high = d_high < d_low
+        else:
+            pick_high = (low >> 16) & 1 == 1  # a tie: the even one
+        out.append((high if pick_high else low) >> 16)
+    return out
+
+
+class WithoutServer(unittest.TestCase):
+    def test_the_package_comes_from_where_it_should(self):
+        where = os.path.realpath(attnserve.__file__)
+        checkout = os.path.realpath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "client", "python"))
+        if ARGS.installed:
+            self.assertFalse(where.startswith(checkout + os.sep), f"{where}: not the installed package")
+            self.assertTrue(where.startswith(os.path.realpath(sys.prefix)), f"{where} is outside {sys.prefix}")
+        self.assertRegex(attnserve.__version__, r"^\d+\.\d+\.\d+$")
+        # The generated .pyi ships with the package.
+        self.assertTrue(os.path.exists(os.path.join(os.path.dirname(attnserve.v1.attention_pb2.__file__),
+                                                    "attention_pb2.pyi")))
+
+    def test_bf16_rounding_matches_an_independent_rounding(self):
+        rng = np.random.default_rng()
+        values = np.concatenate([
+            rng.standard_normal(4000).astype(np.float32) * np.float32(10.0) ** rng.integers(-30, 30, 4000),
+            # Exact ties (the dropped half is 0x8000), both parities.
+            (np.arange(1000, dtype=np.uint32) * np.uint32(0x10000) + np.uint32(0x3F808000)).view(np.float32),
+            # Just below and above ties.
+            (np.arange(500, dtype=np.uint32) * np.uint32(0x10000) + np.uint32(0x40007FFF)).view(np.float32),
+            (np.arange(500, dtype=np.uint32) * np.uint32(0x10000) + np.uint32(0x40008001)).view(np.float32),
+            np.array([0.0, -0.0, 1e-40, -1e-40, 3.39e38, 3.4e38, -3.4e38, np.finfo(np.float32).max, np.inf,
+                      -np.inf, 1.0, -1.0], np.float32)])
+        words = attnserve.to_bf16_words(values)
+        self.assertEqual(words.dtype, np.dtype("<u2"))
+        self.assertEqual(words.tolist(), independent_bf16_words(values))
+        widened = attnserve.from_bf16_words(words)
+        np.testing.assert_array_equal(widened, attnserve.bf16_round(values))
+        np.testing.assert_array_equal(attnserve.to_bf16_words(widened), words)  # BF16 -> FP32 -> BF16 is exact
+        # NaNs whose payload is in the dropped half stay NaN (rounding must not carry them into infinity).
+        nans = np.array([0x7F800001, 0xFF800001, 0x7FC00000], np.uint32).view(np.float32)
+        self.assertTrue(np.isnan(attnserve.bf16_round(nans)).all())
+
+    def test_any_real_dtype_travels_as_float32(self):
+        from attnserve import tensors
+        for dtype in (np.float16, np.float32, np.float64, np.int32):
+            x = (np.arange(24).reshape(2, 3, 4) - 7).astype(dtype)
+            tensor = tensors.encode(x)
+            self.assertEqual(tensor.dtype, attnserve.v1.attention_pb2.DATA_TYPE_FP32)
+            np.testing.assert_array_equal(tensors.decode(tensor), x.astype(np.float32))
+        with self.assertRaises(TypeError):
+            tensors.encode(np.zeros(3, np.complex64))
+
+    def test_fields_and_flags_are_read_from_server_messages(self):
+        cases = [("hidden_states.shape[2] (d_model): expected 768, got 512", "hidden_states.shape[2]", None),
+                 ("steps[1].hidden_states: sequence 0 holds nan at position 3", "steps[1].hidden_states", None),
+                 ("request: needs about 3 GiB of scratch, over --max_scratch_bytes", "request", "--max_scratch_bytes"),
+                 ("model: no model named 'x' is loaded", "model", None),
+                 ("session 0123abcd: closed", None, None),
+                 ("the model repository has no folder 'x'", None, None)]
+        for message, field, flag in cases:
+            error = attnserve.errors.error_for_status(3, message)
+            self.assertIsInstance(error, attnserve.InvalidArgumentError)
+            self.assertEqual((error.field, error.flag), (field, flag), message)
+        self.assertIsInstance(attnserve.errors.error_for_status(5, "x"), attnserve.NotFoundError)
+        self.assertEqual(attnserve.errors.error_for_status(5, "x").code, grpc.StatusCode.NOT_FOUND)
+
+
+class AgainstServer(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        # --access_log: the server then returns each call's x-request-id.
+        cls.server = Server(ARGS.server, "--max_seq_len=512", "--access_log")
+        cls.client = attnserve.Client(cls.server.target, timeout=120)
+        cls.client.wait_until_serving(timeout=120)
+        cls.weights = seeded_weights(cls.server.seed, D_MODEL, HEADS, HEADS, HEAD_DIM)
+        cls.rng = np.random.default_rng()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+
+    def reference(self, x, causal=False):
+        return reference_attention(x, self.weights, HEADS, HEADS, HEAD_DIM, HEAD_DIM ** -0.5, causal=causal)
+
+    def test_attend_on_a_float64_array_matches_the_reference(self):
+        x = self.rng.standard_normal((2, 16, D_MODEL))  # float64: sent as float32
+        r = self.client.attend(x, maps="per-head")
+        self.assertEqual((r.output.shape, r.maps.shape), ((2, 16, D_MODEL), (2, HEADS, 16, 16)))
+        self.assertEqual((r.output.dtype, r.maps.dtype), (np.float32, np.float32))
+        ref_out, ref_maps = self.reference(x.astype(np.float32))
+        self.assertLessEqual(rel_error(r.output, ref_out), 1e-5)
+        self.assertLessEqual(rel_error(r.maps, ref_maps), 1e-5)
+        np.testing.assert_allclose(r.maps.sum(axis=-1), 1.0, atol=1e-5)
+        self.assertEqual((r.kernel_path, r.precision, r.model), ("fp32/materialized", "fp32", "default"))
+        self.assertGreater(r.timing.compute_seconds, 0)
+        self.assertGreaterEqual(r.timing.batch_size, 1)
+        self.assertIsNone(r.stats)
+        plain = self.client.attend(x)  # no maps: the blocked path
+        self.assertIsNone(plain.maps)
+        self.assertEqual(plain.kernel_path, "fp32/blocked")
+        self.assertLessEqual(rel_error(plain.output, ref_out), 1e-5)
+
+    def test_models_health_and_model(self):
+        self.assertEqual(self.client.health(), "SERVING")
+        self.assertEqual(self.client.health("attnserve.v1.AttentionService"), "SERVING")
+        models = self.client.models()
+        self.assertEqual([m.name for m in models], ["default"])
+        m = self.client.model("default")
+        self.assertEqual((m.state, m.d_model, m.num_heads, m.num_kv_heads, m.head_dim),
+                         ("READY", D_MODEL, HEADS, HEADS, HEAD_DIM))
+        self.assertEqual(m.max_seq_len, 512)
+        self.assertIn("fp32", m.input_dtypes)
+
+    def test_errors_keep_the_status_code_and_the_field(self):
+        with self.assertRaises(attnserve.InvalidArgumentError) as caught:
+            self.client.attend(np.zeros((1, 4, 512), np.float32))
+        e = caught.exception
+        self.assertEqual(e.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertEqual(e.field, "hidden_states.shape[2]")
+        self.assertIn("d_model", e.message)
+        self.assertRegex(e.request_id or "", r"^[A-Za-z0-9._:-]+$")  # the access log's id
+        self.assertIsInstance(e.__cause__, grpc.RpcError)
+        with self.assertRaises(attnserve.InvalidArgumentError) as caught:
+            self.client.attend(np.zeros((1, 513, D_MODEL), np.float32))
+        self.assertEqual((caught.exception.field, caught.exception.flag), ("hidden_states.shape[1]", "--max_seq_len"))
+        with self.assertRaises(attnserve.NotFoundError) as caught:
+            self.client.attend(np.zeros((1, 4, D_MODEL), np.float32), model="no-such-model")
+        self.assertEqual(caught.exception.field, "model")
+        with self.assertRaises(attnserve.NotFoundError):
+            self.client.model("no-such-model")
+        with self.assertRaises(attnserve.InvalidArgumentError) as caught:
+            self.client.attend(np.zeros((1, 4, D_MODEL), np.float32), maps="per-head", heads=[HEADS])
+        self.assertTrue(caught.exception.field.startswith("attention_maps.heads"), caught.exception.field)
+        with self.assertRaises(ValueError):  # refused before any call
+            self.client.attend(np.zeros((1, 4, D_MODEL)), maps="everything")
+        # The client's own deadline.
+        with self.assertRaises(attnserve.DeadlineExceededError):
+            self.client.attend(np.zeros((8, 512, D_MODEL), np.float32), timeout=1e-4)
+
+    def test_bf16_in_and_out(self):
+        x = self.rng.standard_normal((2, 24, D_MODEL)).astype(np.float32)
+        rounded = np.array([np.uint32(w) << np.uint32(16) for w in independent_bf16_words(x)],
+                           np.uint32).view(np.float32).reshape(x.shape)
+        ref_out, ref_maps = self.reference(rounded)
+        r = self.client.attend(x, input_dtype="bf16", output_dtype="bf16", maps="per-head", bf16_words=True)
+        self.assertEqual((r.output.dtype, r.output_words.dtype), (np.float32, np.dtype("<u2")))
+        self.assertEqual(r.output_words.shape, r.output.shape)
+        np.testing.assert_array_equal(attnserve.from_bf16_words(r.output_words), r.output)
+        np.testing.assert_array_equal(attnserve.from_bf16_words(r.maps_words), r.maps)
+        self.assertLessEqual(rel_error(r.output, ref_out), 5e-3)
+        self.assertLessEqual(rel_error(r.maps, ref_maps), 5e-3)
+        self.assertEqual(r.precision, "fp32")
+        # Without bf16_words the words are not kept; FP32 output has none.
+        self.assertIsNone(self.client.attend(x, output_dtype="bf16").output_words)
+        self.assertIsNone(self.client.attend(x, bf16_words=True).output_words)
+        # BF16 compute where the machine has it (the result says which ran).
+        r = self.client.attend(x, precision="bf16")
+        self.assertEqual(r.precision, "bf16" if machine_runs_bf16() else "fp32")
+        self.assertLessEqual(rel_error(r.output, self.reference(x)[0]), 2e-2)
+
+    def test_packed_and_padded_ragged_batches_with_causal_attention(self):
+        lengths = [3, 5, 8]
+        sequences = [self.rng.standard_normal((n, D_MODEL)).astype(np.float32) for n in lengths]
+        packed = self.client.attend(np.concatenate(sequences), lengths=lengths, packed=True, causal=True)
+        padded_x = np.zeros((3, 8, D_MODEL), np.float32)
+        for i, s in enumerate(sequences):
+            padded_x[i, :len(s)] = s
+        padded = self.client.attend(padded_x, lengths=lengths, causal=True, maps="per-head")
+        self.assertEqual(packed.output.shape, (16, D_MODEL))
+        offset = 0
+        for i, s in enumerate(sequences):
+            ref_out, ref_maps = self.reference(s[None], causal=True)
+            n = len(s)
+            self.assertLessEqual(rel_error(packed.output[offset:offset + n], ref_out[0]), 1e-5, i)
+            self.assertLessEqual(rel_error(padded.output[i, :n], ref_out[0]), 1e-5, i)
+            self.assertLessEqual(rel_error(padded.maps[i, :, :n, :n], ref_maps[0]), 1e-5, i)
+            self.assertFalse(padded.output[i, n:].any(), "padding is 0 in the output")
+            offset += n
+        with self.assertRaises(ValueError):
+            self.client.attend(padded_x, lengths=lengths, packed=True)
+
+    def test_bool_and_float_masks_say_what_causal_says(self):
+        x = self.rng.standard_normal((2, 9, D_MODEL))
+        ref_out, _ = self.reference(x.astype(np.float32), causal=True)
+        lower = np.tril(np.ones((9, 9), bool))[None]  # [1, seq_q, seq_kv]: True = may attend
+        additive = np.where(lower, 0.0, -np.inf)      # float64: added to the scores
+        for label, kwargs in [("bool", dict(mask=lower)), ("float", dict(mask=additive)),
+                              ("uint8 allowed", dict(mask=lower.astype(np.uint8), mask_kind="allowed"))]:
+            self.assertLessEqual(rel_error(self.client.attend(x, **kwargs).output, ref_out), 1e-5, label)
+        with self.assertRaises(ValueError):  # an integer mask could mean either: the kind must be said
+            self.client.attend(x, mask=lower.astype(np.uint8))
+
+    def test_projected_heads_run_the_attention_core_alone(self):
+        q = self.rng.standard_normal((2, HEADS, 5, HEAD_DIM))
+        k, v = (self.rng.standard_normal((2, HEADS, 7, HEAD_DIM)) for _ in range(2))
+        r = self.client.attend(projected=(q, k, v), maps="per-head")
+        scores = (q.astype(np.float32).astype(np.float64) @ k.astype(np.float32).astype(np.float64)
+                  .transpose(0, 1, 3, 2)) * HEAD_DIM ** -0.5
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        self.assertEqual(r.output.shape, (2, HEADS, 5, HEAD_DIM))
+        self.assertLessEqual(rel_error(r.output, p @ v.astype(np.float32).astype(np.float64)), 1e-5)
+        self.assertLessEqual(rel_error(r.maps, p), 1e-5)
+
+    def test_cross_attention_to_context_states(self):
+        x = self.rng.standard_normal((2, 4, D_MODEL)).astype(np.float32)
+        context = self.rng.standard_normal((2, 6, D_MODEL)).astype(np.float32)
+        r = self.client.attend(x, context=context, context_lengths=[6, 3], maps="per-head")
+        w_q, b_q, w_k, b_k, w_v, b_v, w_o, b_o = [w.astype(np.float64) for w in self.weights]
+        for b, n in enumerate([6, 3]):  # keys and values from the context's first n states
+            heads = lambda a: a.reshape(len(a), HEADS, HEAD_DIM).transpose(1, 0, 2)  # noqa: E731
+            q, k, v = heads(x[b] @ w_q + b_q), heads(context[b, :n] @ w_k + b_k), heads(context[b, :n] @ w_v + b_v)
+            s = q @ k.transpose(0, 2, 1) * HEAD_DIM ** -0.5
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            out = (p @ v).transpose(1, 0, 2).reshape(4, HEADS * HEAD_DIM) @ w_o + b_o
+            self.assertLessEqual(rel_error(r.output[b], out), 1e-5, b)
+            self.assertLessEqual(rel_error(r.maps[b, :, :, :n], p), 1e-5, b)
+
+    def test_map_subsets_mean_maps_and_head_statistics(self):
+        x = self.rng.standard_normal((2, 10, D_MODEL)).astype(np.float32)
+        _, ref_maps = self.reference(x)
+        subset = self.client.attend(x, maps="per-head", heads=[3, 0], rows=[1, 4])
+        np.testing.assert_allclose(subset.maps, ref_maps[:, [3, 0]][:, :, [1, 4]], rtol=1e-4, atol=1e-6)
+        mean = self.client.attend(x, maps="mean")
+        self.assertEqual(mean.maps.shape, (2, 10, 10))
+        self.assertLessEqual(rel_error(mean.maps, ref_maps.mean(axis=1)), 1e-5)
+        stats = self.client.attend(x, stats=True).stats
+        entropy = -(ref_maps * np.log(np.where(ref_maps > 0, ref_maps, 1.0))).sum(-1).mean(-1)
+        self.assertEqual(stats.entropy.shape, (2, HEADS))
+        self.assertLessEqual(rel_error(stats.entropy, entropy), 1e-4)
+        self.assertLessEqual(rel_error(stats.max_weight, ref_maps.max(-1).mean(-1)), 1e-4)
+        self.assertEqual(stats.contribution.shape, (2, HEADS))
+        self.assertTrue((stats.contribution > 0).all())
+        # A head mask that removes head 5: its contribution is 0.
+        gated = self.client.attend(x, stats=True, head_mask=[0.0 if h == 5 else 1.0 for h in range(HEADS)])
+        self.assertTrue((gated.stats.contribution[:, 5] == 0).all())
+
+    def test_streamed_maps_arrive_past_a_4_mib_receive_limit(self):
+        x = self.rng.standard_normal((4, 256, D_MODEL)).astype(np.float32)  # maps: 12.6 MB
+        ref_out, ref_maps = self.reference(x)
+        with attnserve.Client(self.server.target, timeout=120, max_receive_message_bytes=4 << 20) as small:
+            with self.assertRaises(attnserve.ResourceExhaustedError):
+                small.attend(x, maps="per-head")
+            r = small.attend(x, maps="per-head", stream_maps=True)
+            words = small.attend(x, maps="mean", output_dtype="bf16", bf16_words=True, stream_maps=True)
+        self.assertLessEqual(rel_error(r.output, ref_out), 1e-5)
+        self.assertLessEqual(rel_error(r.maps, ref_maps), 1e-5)
+        np.testing.assert_array_equal(attnserve.from_bf16_words(words.maps_words), words.maps)
+        self.assertLessEqual(rel_error(words.maps, ref_maps.mean(axis=1)), 5e-3)
+
+    def reference_rows(self, sequence, first, n):
+        return self.reference(sequence[None], causal=True)[0][0, first:first + n]
+
+    def test_a_session_prefills_decodes_forks_and_closes(self):
+        prompt = self.rng.standard_normal((12, D_MODEL)).astype(np.float32)
+        with self.client.open_session() as session:
+            self.assertRegex(session.id, r"^[0-9a-f]{32}$")
+            step = session.extend(prompt, maps=True)
+            self.assertLessEqual(rel_error(step.output, self.reference_rows(prompt, 0, 12)), 1e-5)
+            self.assertEqual(step.maps.shape, (HEADS, 12, 12))
+            self.assertEqual((step.length, session.lengths, step.kernel_path), (12, [12], "fp32/paged"))
+            sequence = prompt
+            for _ in range(4):
+                token = self.rng.standard_normal((1, D_MODEL)).astype(np.float32)
+                before = len(sequence)
+                sequence = np.concatenate([sequence, token])
+                step = session.extend(token)
+                self.assertLessEqual(rel_error(step.output, self.reference_rows(sequence, before, 1)), 1e-5)
+            self.assertEqual(session.info().layer_lengths, (16,))
+            # A fork shares the prefix and diverges.
+            fork = session.fork()
+            self.assertEqual(fork.lengths, [16])
+            a, b = (self.rng.standard_normal((2, D_MODEL)).astype(np.float32) for _ in range(2))
+            out_a, out_b = session.extend(a).output, fork.extend(b).output
+            self.assertLessEqual(rel_error(out_a, self.reference_rows(np.concatenate([sequence, a]), 16, 2)), 1e-5)
+            self.assertLessEqual(rel_error(out_b, self.reference_rows(np.concatenate([sequence, b]), 16, 2)), 1e-5)
+            # A lost answer: the same step again is replayed, not appended twice.
+            session.lengths[0] = 16
+            again = session.extend(a)
+            self.assertTrue(again.replayed)
+            np.testing.assert_array_equal(again.output, out_a)
+            self.assertEqual(session.truncate(10).layer_lengths, (10,))
+            self.assertEqual(session.lengths, [10])
+            fork.close()
+            with self.assertRaises(attnserve.NotFoundError):
+                fork.extend(b)
+        with self.assertRaises(attnserve.NotFoundError):  # closed by the with block
+            session.info()
+
+    def test_a_micro_batch_reports_each_steps_own_error(self):
+        sessions = [self.client.open_session(kv_dtype="bf16") for _ in range(3)]
+        xs = [self.rng.standard_normal((n, D_MODEL)).astype(np.float32) for n in (2, 3, 4)]
+        steps = [sessions[0].step(xs[0]), sessions[1].step(np.zeros((3, 100), np.float32)), sessions[2].step(xs[2])]
+        results = self.client.extend(steps)
+        self.assertEqual([r.ok for r in results], [True, False, True])
+        self.assertIsInstance(results[1].error, attnserve.InvalidArgumentError)
+        self.assertTrue(results[1].error.field.startswith("steps[1].hidden_states"), results[1].error.field)
+        self.assertEqual([s.lengths for s in sessions], [[2], [0], [4]])
+        for i in (0, 2):  # BF16 keys and values
+            self.assertLessEqual(rel_error(results[i].output, self.reference_rows(xs[i], 0, len(xs[i]))), 2e-2)
+        with self.assertRaises(attnserve.InvalidArgumentError) as caught:
+            sessions[1].extend(np.zeros((1, 100), np.float32))
+        self.assertTrue(caught.exception.field.startswith("steps[0].hidden_states"))
+        for s in sessions:
+            s.close()
+
+    def test_the_asyncio_client(self):
+        x = self.rng.standard_normal((3, 20, D_MODEL)).astype(np.float32)
+        prompt = self.rng.standard_normal((5, D_MODEL)).astype(np.float32)
+
+        async def main():
+            async with attnserve.aio.Client(self.server.target, timeout=120) as client:
+                await client.wait_until_serving()
+                self.assertEqual(await client.health(), "SERVING")
+                self.assertEqual((await client.model()).d_model, D_MODEL)
+                results = await asyncio.gather(*[client.attend(x[i:i + 1], maps="mean") for i in range(3)])
+                streamed = await client.attend(x, maps="per-head", stream_maps=True)
+                with self.assertRaises(attnserve.NotFoundError) as caught:
+                    await client.attend(x, model="no-such-model")
+                async with await client.open_session() as session:
+                    step = await session.extend(prompt)
+                    info = await session.info()
+                return results, streamed, caught.exception, step, info
+
+        results, streamed, error, step, info = asyncio.run(main())
+        ref_out, ref_maps = self.reference(x)
+        for i, r in enumerate(results):
+            self.assertLessEqual(rel_error(r.output[0], ref_out[i]), 1e-5)
+            self.assertLessEqual(rel_error(r.maps[0], ref_maps[i].mean(axis=0)), 1e-5)
+        self.assertLessEqual(rel_error(streamed.maps, ref_maps), 1e-5)
+        self.assertEqual(error.field, "model")
+        self.assertLessEqual(rel_error(step.output, self.reference_rows(prompt, 0, 5)), 1e-5)
+        self.assertEqual(info.layer_lengths, (5,))
+
+
+class WithTokens(unittest.TestCase):
+    def test_the_token_goes_with_every_call(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            tokens = os.path.join(tmp, "tokens.txt")
+            with open(tokens, "w") as f:
+                f.write("user-token-0123456789abcdef\n")
+            server = Server(ARGS.server, f"--auth_tokens_file={tokens}")
+            try:
+                with attnserve.Client(server.target, timeout=120) as anonymous:
+                    anonymous.wait_until_serving(timeout=120)  # health stays open
+                    with self.assertRaises(attnserve.UnauthenticatedError):
+                        anonymous.models()
+                with attnserve.Client(server.target, token="user-token-0123456789abcdef", timeout=120) as client:
+                    self.assertEqual([m.name for m in client.models()], ["default"])
+                    self.assertEqual(client.attend(np.ones((1, 2, D_MODEL))).output.shape, (1, 2, D_MODEL))
+                    with self.assertRaises(attnserve.PermissionDeniedError):  # not an admin token
+                        client.load("m")
+            finally:
+                server.stop()
+
+
+class WithModelRepository(unittest.TestCase):
+    def test_load_attend_and_unload_a_repository_model(self):
+        d, heads = 32, 4
+        rng = np.random.default_rng()
+        w = {"in_proj_weight": rng.standard_normal((3 * d, d)) * 0.2, "in_proj_bias": rng.standard_normal(3 * d) * 0.1,
+             "out_proj.weight": rng.standard_normal((d, d)) * 0.2, "out_proj.bias": rng.standard_normal(d) * 0.1}
+        w = {k: v.astype(np.float32) for k, v in w.items()}
+        with tempfile.TemporaryDirectory() as repo:
+            os.makedirs(os.path.join(repo, "small"))
+            with open(os.path.join(repo, "small", "config.json"), "w") as f:
+                json.dump({"layout": "torch_mha", "d_model": d, "num_heads": heads}, f)
+            write_safetensors(os.path.join(repo, "small", "model.safetensors"),
+                              {name: (value, "F32") for name, value in w.items()})
+            server = Server(ARGS.server, f"--model_repository={repo}")
+            try:
+                with attnserve.Client(server.target, timeout=120) as client:
+                    client.wait_until_serving(timeout=120)
+                    self.assertEqual(client.model("small").state, "READY")
+                    client.unload("small")
+                    with self.assertRaises(attnserve.NotFoundError) as caught:
+                        client.model("small")
+                    self.assertEqual(caught.exception.field, "name")
+                    with self.assertRaises(attnserve.NotFoundError):
+                        client.attend(np.ones((1, 2, d)), model="small")
+                    info = client.load("small")
+                    self.assertEqual((info.name, info.state, info.d_model, info.num_heads), ("small", "READY", d, heads))
+                    with self.assertRaises(attnserve.AlreadyExistsError):
+                        client.load("small")
+                    x = rng.standard_normal((2, 5, d)).astype(np.float32)
+                    r = client.attend(x, model="small", maps="per-head")
+                    q, k, v = np.split(w["in_proj_weight"], 3)
+                    bq, bk, bv = np.split(w["in_proj_bias"], 3)
+                    weights = [q.T, bq, k.T, bk, v.T, bv, w["out_proj.weight"].T, w["out_proj.bias"]]
+                    ref_out, ref_maps = reference_attention(x, weights, heads, heads, d // heads, (d // heads) ** -0.5)
+                    self.assertLessEqual(rel_error(r.output, ref_out), 1e-5)
+                    self.assertLessEqual(rel_error(r.maps, ref_maps), 1e-5)
+                    self.assertEqual(r.model, "small")
+            finally:
+                server.stop()
+
+
+class WithTls(unittest.TestCase):
+    def test_tls_with_the_servers_ca_and_a_client_certificate(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            def openssl(*argv):
+                subprocess.run(["openssl", *argv], cwd=tmp, check=True, capture_output=True)
+            ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+            openssl("req", "-x509", *ec, "-days", "2", "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=test-ca")
+            with open(os.path.join(tmp, "server.ext"), "w") as f:
+                f.write("subjectAltName=DNS:attnserve.test\n")
+            for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
+                openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+                openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                        "-CAcreateserial", "-days", "2", *ext, "-out", f"{name}.pem")
+            path = lambda name: os.path.join(tmp, name)  # noqa: E731
+            server = Server(ARGS.server, f"--tls_cert={path('server.pem')}", f"--tls_key={path('server.key')}",
+                            f"--tls_client_ca={path('ca.pem')}")
+            try:
+                # The certificate names attnserve.test, not the address: server_name says which to expect.
+                tls = attnserve.Tls(ca=path("ca.pem"), cert=path("client.pem"), key=path("client.key"),
+                                    server_name="attnserve.test")
+                with attnserve.Client(server.target, tls=tls, timeout=120) as client:
+                    client.wait_until_serving(timeout=120)
+                    self.assertEqual(client.attend(np.ones((1, 2, D_MODEL))).output.shape, (1, 2, D_MODEL))
+                with open(path("ca.pem"), "rb") as f:  # PEM bytes work as well as paths
+                    no_client_cert = attnserve.Tls(ca=f.read(), server_name="attnserve.test")
+                for tls in (no_client_cert, None):
+                    with attnserve.Client(server.target, tls=tls, timeout=120) as client:
+                        with self.assertRaises(attnserve.UnavailableError):
+                            client.models()
+            finally:
+                server.stop()
+
+
+def main():
+    global ARGS
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", required=True)
+    parser.add_argument("--installed", action="store_true",
+                        help="require the package to be the one installed in this interpreter's environment")
+    ARGS, rest = parser.parse_known_args()
+    unittest.main(argv=[sys.argv[0], "-v", *rest])
+
+
+if __name__ == "__main__":
+    main()
