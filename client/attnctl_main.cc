@@ -149,6 +149,9 @@ ABSL_FLAG(int64_t, context, 512, "bench --decode: tokens each session is prefill
 ABSL_FLAG(int64_t, steps, 32, "bench --decode: decode rounds (one new token per session each)");
 ABSL_FLAG(int64_t, prefill_chunk, 512, "bench --decode: most tokens a session sends per prefill step");
 ABSL_FLAG(std::string, kv_dtype, "fp32", "bench --decode: the sessions' KV cache: fp32 or bf16");
+ABSL_FLAG(bool, stream, false,
+          "bench --decode: send the prefill and the rounds as messages of one ExtendStream call "
+          "instead of one Extend call each (compare the two forms' step latency)");
 ABSL_FLAG(double, duration, 10, "bench: seconds to run (unless --requests)");
 ABSL_FLAG(int64_t, requests, 0, "bench: calls to send (0: run for --duration)");
 ABSL_FLAG(bool, json, false,
@@ -185,8 +188,9 @@ Commands:
                           JSON object); progress on stderr
   bench --decode [flags]  decode sessions: --sessions=N over --model, each prefilled with
                           --context=C tokens, then --steps=K rounds of one token per
-                          session, one Extend (micro-batch) a round; prints tokens/s,
-                          step p50/p90/p99/max and the server's compute per step
+                          session, one Extend (micro-batch) a round (--stream: messages
+                          of one ExtendStream call); prints tokens/s, step
+                          p50/p90/p99/max and the server's compute per step
 
 attend flags (attnctl --help describes each one):
   what runs    --model=M | --layer_seed=N --d_model=D --num_heads=H [--num_kv_heads=K]
@@ -206,6 +210,7 @@ Examples:
   attnctl bench --concurrency=32 --batch=1 --seq=128 --duration=20
   attnctl bench --rate=500 --batch=1 --seq=16 --requests=5000 --json
   attnctl bench --decode --sessions=32 --context=2048 --steps=64
+  attnctl bench --decode --sessions=1 --context=2048 --steps=256 --stream
   attnctl attend --target=127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003 \
       --lb_policy=round_robin --repeat=300      # spread over three replicas
 
@@ -425,6 +430,8 @@ int RunDecodeBenchCommand(const AttentionClient& client) {
   options.steps = absl::GetFlag(FLAGS_steps);
   options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   options.seed = absl::GetFlag(FLAGS_seed);
+  options.stream = absl::GetFlag(FLAGS_stream);
+  options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);
   const std::string kv = absl::GetFlag(FLAGS_kv_dtype);
   if (kv != "fp32" && kv != "bf16") {
     return UsageFail(absl::InvalidArgumentError("--kv_dtype: fp32 or bf16"));

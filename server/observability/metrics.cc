@@ -61,10 +61,11 @@ const Histogram::BucketBoundaries& BatchTokenBuckets() {
 }
 
 constexpr RpcMethod kMethods[] = {
-    RpcMethod::kAttend,      RpcMethod::kAttendStream,    RpcMethod::kListModels,
-    RpcMethod::kGetModel,    RpcMethod::kLoadModel,       RpcMethod::kUnloadModel,
-    RpcMethod::kOpenSession, RpcMethod::kExtend,          RpcMethod::kGetSession,
-    RpcMethod::kForkSession, RpcMethod::kTruncateSession, RpcMethod::kCloseSession};
+    RpcMethod::kAttend,       RpcMethod::kAttendStream,    RpcMethod::kListModels,
+    RpcMethod::kGetModel,     RpcMethod::kLoadModel,       RpcMethod::kUnloadModel,
+    RpcMethod::kOpenSession,  RpcMethod::kExtend,          RpcMethod::kExtendStream,
+    RpcMethod::kGetSession,   RpcMethod::kForkSession,     RpcMethod::kTruncateSession,
+    RpcMethod::kCloseSession};
 
 // The codes each method can answer with today; their request counters exist
 // from the start, so error ratios are defined before the first error.
@@ -107,6 +108,7 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
               StatusCode::kAborted,     StatusCode::kResourceExhausted, StatusCode::kUnavailable,
               StatusCode::kFailedPrecondition, StatusCode::kUnauthenticated};
     case RpcMethod::kExtend:
+    case RpcMethod::kExtendStream:
       return {StatusCode::kOk,          StatusCode::kInvalidArgument,  StatusCode::kResourceExhausted,
               StatusCode::kUnavailable, StatusCode::kDeadlineExceeded, StatusCode::kCancelled,
               StatusCode::kInternal,    StatusCode::kUnauthenticated};
@@ -170,6 +172,8 @@ absl::string_view RpcMethodName(RpcMethod method) {
       return "OpenSession";
     case RpcMethod::kExtend:
       return "Extend";
+    case RpcMethod::kExtendStream:
+      return "ExtendStream";
     case RpcMethod::kGetSession:
       return "GetSession";
     case RpcMethod::kForkSession:
@@ -343,9 +347,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
     }
   }
   // Methods whose calls name no model (sessions span models): model "".
-  for (RpcMethod method : {RpcMethod::kListModels, RpcMethod::kOpenSession, RpcMethod::kExtend,
-                           RpcMethod::kGetSession, RpcMethod::kForkSession,
-                           RpcMethod::kTruncateSession, RpcMethod::kCloseSession}) {
+  for (RpcMethod method :
+       {RpcMethod::kListModels, RpcMethod::kOpenSession, RpcMethod::kExtend,
+        RpcMethod::kExtendStream, RpcMethod::kGetSession, RpcMethod::kForkSession,
+        RpcMethod::kTruncateSession, RpcMethod::kCloseSession}) {
     for (absl::StatusCode code : ExpectedCodes(method)) {
       m->request_duration_->Add({{"method", std::string(RpcMethodName(method))},
                                  {"model", ""},

@@ -40,6 +40,7 @@ enum class RpcMethod {
   kUnloadModel,
   kOpenSession,
   kExtend,
+  kExtendStream,
   kGetSession,
   kForkSession,
   kTruncateSession,

@@ -24,7 +24,7 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Server, run_tests_with_stubs, wait_serving  # noqa: E402
+from harness import Server, metric, run_tests_with_stubs, wait_serving  # noqa: E402
 
 ARGS = None
 
@@ -339,6 +339,17 @@ class WithServer(unittest.TestCase):
         code, _, err = self.attnctl("bench", "--decode", "--sessions=0")
         self.assertEqual(code, 2, err)
         self.assertIn("--sessions", err)
+
+    def test_bench_decode_stream_sends_the_steps_on_one_stream(self):
+        code, out, err = self.attnctl("bench", "--decode", "--sessions=2", "--context=20",
+                                      "--steps=4", "--prefill_chunk=16", "--stream", "--json")
+        self.assertEqual(code, 0, out + err)
+        got = json.loads(out)
+        self.assertEqual((got["form"], got["sessions"], got["steps"]), ("stream", 2, 4))
+        self.assertGreaterEqual(got["overhead_ms"]["p50"], 0)
+        text = self.server.scrape()
+        self.assertGreaterEqual(metric(text, "attnserve_requests_total", code="OK",
+                                       method="ExtendStream"), 1)
 
     def test_a_response_over_the_clients_limit_names_its_flag(self):
         # 16 tokens x 768 floats: about 49 KB of output, over a 10000-byte limit.
