@@ -200,12 +200,14 @@ class AttentionServiceImpl final
   // Extend's one way for an admitted call or stream message: plans `request`
   // (PlanExtend) on the gRPC thread, then answers at once when nothing
   // computes (refusals and replays), else queues it for the compute executor
-  // (alone: its own micro-batch). Calls `done` exactly once, on either
+  // (alone: its own micro-batch). Calls `answer` exactly once, on either
   // thread, with OK (`response` filled) or the status that fails the call
   // as a whole; `request`, `response` and `observer` must live until then.
-  void SubmitExtend(grpc::CallbackServerContext* context, const std::string& owner,
-                    const v1::ExtendRequest* request, v1::ExtendResponse* response,
-                    CallObserver* observer, std::function<void(absl::Status)> done);
+  // `method` (kExtend, kExtendStream) labels the step's latency.
+  void SubmitExtend(RpcMethod method, grpc::CallbackServerContext* context,
+                    const std::string& owner, const v1::ExtendRequest* request,
+                    v1::ExtendResponse* response, CallObserver* observer,
+                    std::function<void(absl::Status)> answer);
   // Records a call's (or stream message's) arrival, for WaitForQuiet.
   void NoteArrival();
   // OK while serving, else UNAVAILABLE saying why.

@@ -127,10 +127,12 @@ void AttentionServiceImpl::RunExtendJob(std::unique_ptr<ScheduledWork> work) {
     timing->set_batch_size(1);
     timing->set_batch_tokens(job.tokens);
     for (const ExtendComputed& part : computed) {
-      metrics_->OnComputed(metrics_->ModelLabel(part.model), part.kernel_path,
+      const std::string model = metrics_->ModelLabel(part.model);
+      metrics_->OnComputed(model, part.kernel_path,
                            {.duration = part.duration,
                             .tokens = part.tokens,
                             .attention_map_bytes = 0});
+      metrics_->OnDecodeBatch(model, part.tokens, part.kv_read_bytes);
     }
     job.observer->set_compute(compute);
   }
@@ -251,12 +253,17 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(
   return reactor;
 }
 
-void AttentionServiceImpl::SubmitExtend(grpc::CallbackServerContext* context,
+void AttentionServiceImpl::SubmitExtend(RpcMethod method, grpc::CallbackServerContext* context,
                                         const std::string& owner,
                                         const v1::ExtendRequest* request,
                                         v1::ExtendResponse* response, CallObserver* observer,
-                                        std::function<void(absl::Status)> done) {
+                                        std::function<void(absl::Status)> answer) {
   const absl::Time arrival = absl::Now();
+  // The decode step's latency, of those answered OK.
+  auto done = [this, method, arrival, answer = std::move(answer)](absl::Status status) {
+    if (status.ok()) metrics_->OnDecodeStep(method, absl::Now() - arrival);
+    answer(std::move(status));
+  };
   absl::StatusOr<ExtendPlan> plan = PlanExtend(*request, *sessions_, owner, options_.limits,
                                                options_.max_send_message_bytes);
   if (!plan.ok()) {
@@ -270,7 +277,8 @@ void AttentionServiceImpl::SubmitExtend(grpc::CallbackServerContext* context,
   metrics_->OnQueued();
   // The job takes a copy of `done`: a refused job is destroyed in Submit.
   absl::Status submitted = scheduler_->Submit(std::make_unique<ExtendJob>(
-      this, context, request, response, observer, done, arrival, *std::move(plan)));
+      this, context, request, response, observer, std::function<void(absl::Status)>(done),
+      arrival, *std::move(plan)));
   if (!submitted.ok()) {
     metrics_->OnQueueRefused();
     done(std::move(submitted));
@@ -285,7 +293,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Extend(grpc::CallbackServerConte
       new ObservedReactor(context, RpcMethod::kExtend, "", metrics_, options_.access_log);
   const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
   if (!owner) return reactor;
-  SubmitExtend(context, *owner, request, response, &reactor->observer(),
+  SubmitExtend(RpcMethod::kExtend, context, *owner, request, response, &reactor->observer(),
                [this, reactor](absl::Status status) {
                  reactor->FinishCall(ToGrpcStatus(status));
                  EndCall();
@@ -322,7 +330,7 @@ AttentionServiceImpl::ExtendStream(grpc::CallbackServerContext* context) {
           done(std::move(admitted));
           return;
         }
-        SubmitExtend(context, owner, &request, response, &observer,
+        SubmitExtend(RpcMethod::kExtendStream, context, owner, &request, response, &observer,
                      [this, done = std::move(done)](absl::Status status) {
                        done(std::move(status));
                        EndCall();

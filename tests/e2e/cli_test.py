@@ -350,6 +350,9 @@ class WithServer(unittest.TestCase):
         text = self.server.scrape()
         self.assertGreaterEqual(metric(text, "attnserve_requests_total", code="OK",
                                        method="ExtendStream"), 1)
+        # 2 prefill chunks and 4 steps, each a message answered on the stream.
+        self.assertGreaterEqual(metric(text, "attnserve_decode_step_seconds_count",
+                                       method="ExtendStream"), 6)
 
     def test_a_response_over_the_clients_limit_names_its_flag(self):
         # 16 tokens x 768 floats: about 49 KB of output, over a 10000-byte limit.

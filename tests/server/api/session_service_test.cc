@@ -358,6 +358,70 @@ TEST_F(SessionServiceTest, TheMetricsShowTheSessionsAndTheirKvCache) {
             1);
 }
 
+TEST_F(SessionServiceTest, TheStepMetricsFollowTheStepsTheirTokensAndTheKvTheyRead) {
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string a = Open(), b = Open();
+  // K and V of one token of the built-in model: 12 heads x 64 x 4 bytes each.
+  constexpr double kTokenKvBytes = 2 * 12 * 64 * 4;
+  const auto scrape = [this] { return server_->MetricsText(); };
+  double read = 0, tokens = 0, batches = 0;
+  int64_t a_length = 0, b_length = 0;
+  for (const auto& [a_new, b_new] : std::vector<std::pair<int64_t, int64_t>>{{40, 9}, {1, 1}, {3, 1}}) {
+    v1::ExtendRequest request;
+    *request.add_steps() = Step(a, a_length, RandomRows(a_new, rng));
+    *request.add_steps() = Step(b, b_length, RandomRows(b_new, rng));
+    const v1::ExtendResponse response = Extend(request);
+    ASSERT_EQ(response.results(0).code(), 0) << response.results(0).message();
+    ASSERT_EQ(response.results(1).code(), 0) << response.results(1).message();
+    a_length += a_new;
+    b_length += b_new;
+    // A step's attention reads every token its layer holds after it, once.
+    read += static_cast<double>(a_length + b_length) * kTokenKvBytes;
+    tokens += static_cast<double>(a_new + b_new);
+    ++batches;
+  }
+  // A repeated step replays: nothing computed, nothing read.
+  v1::ExtendRequest again;
+  *again.add_steps() = Step(a, a_length, RandomRows(1, rng));
+  ASSERT_EQ(Extend(again).results(0).code(), 0);
+  read += static_cast<double>(a_length + 1) * kTokenKvBytes;
+  tokens += 1;
+  ++batches;
+  ASSERT_TRUE(Extend(again).results(0).replayed());
+  a_length += 1;
+  const std::string text = scrape();
+  const std::string model = "{model=\"default\"}";
+  EXPECT_EQ(testing::SampleValue(text, "attnserve_kv_cache_read_bytes_total" + model), read);
+  EXPECT_EQ(testing::SampleValue(text, "attnserve_decode_batch_tokens_count" + model), batches);
+  EXPECT_EQ(testing::SampleValue(text, "attnserve_decode_batch_tokens_sum" + model), tokens);
+  // Every call answered OK is a step, the replay too.
+  EXPECT_EQ(testing::SampleValue(
+                text, "attnserve_decode_step_seconds_count{method=\"Extend\"}"),
+            batches + 1);
+  // The lengths the reads were counted from are the sessions'.
+  for (const auto& [id, length] : {std::pair{a, a_length}, std::pair{b, b_length}}) {
+    v1::GetSessionRequest get;
+    get.set_session_id(id);
+    v1::Session session;
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::GetSession, get, &session).ok());
+    EXPECT_EQ(session.layer_lengths(0), length);
+  }
+
+  // A fork shares every block of its parent until one of them writes: a's
+  // 45 tokens are two blocks (of 32).
+  ASSERT_TRUE(testing::WaitForSample(scrape, "attnserve_kv_cache_shared_blocks", 0));
+  v1::ForkSessionRequest fork;
+  fork.set_session_id(a);
+  v1::Session child;
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::ForkSession, fork, &child).ok());
+  ASSERT_TRUE(testing::WaitForSample(scrape, "attnserve_kv_cache_shared_blocks", 2));
+  v1::ExtendRequest diverge;
+  *diverge.add_steps() = Step(child.session_id(), a_length, RandomRows(1, rng));
+  ASSERT_EQ(Extend(diverge).results(0).code(), 0);
+  // The child's last block was copied before its write; the first stays shared.
+  EXPECT_TRUE(testing::WaitForSample(scrape, "attnserve_kv_cache_shared_blocks", 1));
+}
+
 // ExtendStream: one stream, many messages, each answered in order.
 using StreamPtr = std::unique_ptr<grpc::ClientReaderWriter<v1::ExtendRequest, v1::ExtendResponse>>;
 
@@ -439,6 +503,9 @@ TEST_F(SessionServiceTest, ExtendStreamAnswersEachMessageInOrderAsExtendDoes) {
   EXPECT_EQ(testing::SampleValue(
                 metrics, "attnserve_requests_total{code=\"OK\",method=\"ExtendStream\"}"),
             1);
+  EXPECT_EQ(testing::SampleValue(
+                metrics, "attnserve_decode_step_seconds_count{method=\"ExtendStream\"}"),
+            static_cast<double>(messages) + 2);
   // Each message waited for the compute executor as an Extend call does.
   EXPECT_EQ(testing::SampleValue(metrics, "attnserve_queue_wait_seconds_count{model=\"\"}"),
             2.0 * static_cast<double>(messages) + 1);
