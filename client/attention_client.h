@@ -125,7 +125,8 @@ class AttentionClient {
   // Opens an ExtendStream call: Extend messages answered one at a time over
   // one stream (see ExtendStream). `timeout_seconds` is the deadline of the
   // whole stream (0: none; a long-lived decoder ends it with Close). Errors
-  // come from the stream's first Extend, not from here.
+  // come from the stream's first Extend, not from here. This client must
+  // outlive the stream.
   std::unique_ptr<ExtendStream> OpenExtendStream(double timeout_seconds) const;
   absl::StatusOr<v1::Session> GetSession(absl::string_view session_id) const;
   absl::StatusOr<v1::Session> ForkSession(absl::string_view session_id) const;
