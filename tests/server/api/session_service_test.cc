@@ -692,6 +692,9 @@ TEST_F(SessionServiceTest, ShutdownEndsAnIdleStreamUnavailable) {
   server_->Shutdown();
   const grpc::Status status = Ended(stream);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  // The drain's own answer, not gRPC ending what is left when the server stops.
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "open the stream again"))
+      << status.error_message();
 }
 
 }  // namespace
