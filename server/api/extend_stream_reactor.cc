@@ -23,6 +23,13 @@ void ExtendStreamReactor::Refuse(const grpc::Status& status) {
 void ExtendStreamReactor::Start(RunMessage run_message, std::function<void()> on_done) {
   run_message_ = std::move(run_message);
   on_done_ = std::move(on_done);
+  {
+    // A drain may have ended the stream already (after the service listed
+    // it, before this): gRPC binds the reactor once the handler returns, so
+    // it is still here, and nothing is left to read.
+    absl::MutexLock lock(&mu_);
+    if (ending_) return;
+  }
   StartRead(&request_);
 }
 

@@ -49,7 +49,8 @@ class ExtendStreamReactor final
 
   // Starts reading: each message goes through `run_message`. `on_done` runs
   // when gRPC is done with the call, just before the reactor is deleted.
-  // Once, instead of Refuse.
+  // Once, instead of Refuse, from the handler (the stream may be drained
+  // from the moment the service lists it: it then reads nothing).
   void Start(RunMessage run_message, std::function<void()> on_done);
 
   // The server drains: the stream is to end UNAVAILABLE at its next message
