@@ -19,6 +19,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/file_io.h"
 #include "client/map_assembler.h"
 
@@ -319,6 +321,13 @@ absl::StatusOr<v1::Session> AttentionClient::OpenSession(
 
 absl::StatusOr<v1::ExtendResponse> AttentionClient::Extend(const v1::ExtendRequest& request) const {
   return Call(*stub_, &v1::AttentionService::Stub::Extend, request, options_);
+}
+
+std::unique_ptr<ExtendStream> AttentionClient::OpenExtendStream(double timeout_seconds) const {
+  const absl::Time deadline = timeout_seconds > 0 ? absl::Now() + absl::Seconds(timeout_seconds)
+                                                  : absl::InfiniteFuture();
+  return std::unique_ptr<ExtendStream>(new ExtendStream(
+      *stub_, options_.bearer_token, deadline, options_.max_receive_message_bytes));
 }
 
 absl::StatusOr<v1::Session> AttentionClient::GetSession(absl::string_view session_id) const {

@@ -12,6 +12,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "client/extend_stream.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace attnserve::client {
@@ -121,6 +122,12 @@ class AttentionClient {
   // Decode sessions (see the proto): each returns the server's answer.
   absl::StatusOr<v1::Session> OpenSession(const v1::OpenSessionRequest& request) const;
   absl::StatusOr<v1::ExtendResponse> Extend(const v1::ExtendRequest& request) const;
+  // Opens an ExtendStream call: Extend messages answered one at a time over
+  // one stream (see ExtendStream). `timeout_seconds` is the deadline of the
+  // whole stream (0: none; a long-lived decoder ends it with Close). Errors
+  // come from the stream's first Extend, not from here. This client must
+  // outlive the stream.
+  std::unique_ptr<ExtendStream> OpenExtendStream(double timeout_seconds) const;
   absl::StatusOr<v1::Session> GetSession(absl::string_view session_id) const;
   absl::StatusOr<v1::Session> ForkSession(absl::string_view session_id) const;
   absl::StatusOr<v1::Session> TruncateSession(const v1::TruncateSessionRequest& request) const;

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cli/build_info.h"
@@ -30,6 +31,7 @@
 #include "client/file_io.h"
 #include "client/npy.h"
 #include "client/request_builder.h"
+#include "client/session_command.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051",
           "attnserve gRPC address: host:port; replicas as a comma-separated list of IP "
@@ -152,12 +154,33 @@ ABSL_FLAG(int64_t, context, 512, "bench --decode: tokens each session is prefill
 ABSL_FLAG(int64_t, steps, 32, "bench --decode: decode rounds (one new token per session each)");
 ABSL_FLAG(int64_t, prefill_chunk, 512, "bench --decode: most tokens a session sends per prefill step");
 ABSL_FLAG(std::string, kv_dtype, "fp32", "bench --decode: the sessions' KV cache: fp32 or bf16");
+ABSL_FLAG(bool, stream, false,
+          "bench --decode: send the prefill and the rounds as messages of one ExtendStream call "
+          "instead of one Extend call each (compare the two forms' step latency)");
+
+// session: decode sessions, one verb a command.
+ABSL_FLAG(std::string, session_id, "", "session extend/get/fork/truncate/close: the session");
+ABSL_FLAG(int64_t, tokens, 0,
+          "session extend: append this many random new tokens (normal, seeded by --seed); or "
+          "--input");
+ABSL_FLAG(int, layer, -1,
+          "session extend: the session's layer (default 0); session truncate: the layer to "
+          "truncate (default: every layer)");
+ABSL_FLAG(int64_t, expected_length, -1,
+          "session extend: the layer's length the step expects (default: as the server says "
+          "now); a repeated step with the same inputs is replayed, not appended twice");
+ABSL_FLAG(int64_t, length, -1, "session truncate: tokens to keep");
+ABSL_FLAG(int64_t, max_tokens, 0,
+          "session open: tokens each layer may hold (0: the server's --max_session_tokens)");
+ABSL_FLAG(double, ttl_seconds, 0,
+          "session open: idle time-to-live (0: the server's --session_ttl_seconds)");
+ABSL_FLAG(int64_t, first_position, 0, "session open: the RoPE position of the first token");
 ABSL_FLAG(double, duration, 10, "bench: seconds to run (unless --requests)");
 ABSL_FLAG(int64_t, requests, 0, "bench: calls to send (0: run for --duration)");
 ABSL_FLAG(bool, json, false,
-          "attend, bench, models, model: print the result as one JSON object on one line "
-          "(models and model: the server's ListModelsResponse / ModelInfo in protobuf's JSON "
-          "mapping, int64 as strings)");
+          "attend, bench, models, model, session: print the result as one JSON object on one "
+          "line (models, model and session: the server's answer -- ListModelsResponse, "
+          "ModelInfo, Session, ExtendResponse -- in protobuf's JSON mapping, int64 as strings)");
 ABSL_FLAG(int64_t, repeat, 1,
           "attend: send the request this many times and report latency percentiles");
 
@@ -179,6 +202,18 @@ Commands:
                           ran), the inputs, the output's first values, per-head map
                           row sums, and latency percentiles with --repeat
   health [--service=S]    print the server's health (exit 0 only when SERVING)
+  session open [--model=M[,M2,...]] [--kv_dtype=fp32|bf16] [--max_tokens=N]
+          [--ttl_seconds=S] [--first_position=P]
+                          open a decode session over a model (or a network's layers);
+                          prints its id on the first line
+  session extend --session_id=ID (--tokens=N | --input=X.npy) [--layer=L]
+          [--expected_length=E] [--head_mask=..] [--precision=..] [--save_output=O.npy]
+                          append N random tokens (or X's rows [n, d_model]) to a layer
+                          and print the new length and the output's first values
+  session get|fork|close --session_id=ID
+                          describe the session; fork it (prints the new one); end it
+  session truncate --session_id=ID --length=N [--layer=L]
+                          keep the first N tokens of every layer (or of layer L)
   help                    print this text (as --help does)
   bench [flags]           load generator: send the request that attend's flags describe,
                           closed loop (--concurrency=N calls outstanding) or open loop
@@ -188,8 +223,9 @@ Commands:
                           JSON object); progress on stderr
   bench --decode [flags]  decode sessions: --sessions=N over --model, each prefilled with
                           --context=C tokens, then --steps=K rounds of one token per
-                          session, one Extend (micro-batch) a round; prints tokens/s,
-                          step p50/p90/p99/max and the server's compute per step
+                          session, one Extend (micro-batch) a round (--stream: messages
+                          of one ExtendStream call); prints tokens/s, step
+                          p50/p90/p99/max and the server's compute per step
 
 attend flags (attnctl --help describes each one):
   what runs    --model=M | --layer_seed=N --d_model=D --num_heads=H [--num_kv_heads=K]
@@ -210,10 +246,12 @@ Examples:
   attnctl bench --concurrency=32 --batch=1 --seq=128 --duration=20
   attnctl bench --rate=500 --batch=1 --seq=16 --requests=5000 --json
   attnctl bench --decode --sessions=32 --context=2048 --steps=64
+  attnctl bench --decode --sessions=1 --context=2048 --steps=256 --stream
+  ID=$(attnctl session open | head -1); attnctl session extend --session_id=$ID --tokens=4
   attnctl attend --target=127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003 \
       --lb_policy=round_robin --repeat=300      # spread over three replicas
 
---json prints the result of attend, bench, models and model as one JSON object.
+--json prints the result of attend, bench, models, model and session as one JSON object.
 Exit status: 0 done (health: SERVING); 1 a call failed (health: not SERVING) or a
 file could not be read or written; 2 the command line is wrong (unknown command
 or flag, a value that does not parse, flags that do not fit together).
@@ -430,6 +468,8 @@ int RunDecodeBenchCommand(const AttentionClient& client) {
   options.steps = absl::GetFlag(FLAGS_steps);
   options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   options.seed = absl::GetFlag(FLAGS_seed);
+  options.stream = absl::GetFlag(FLAGS_stream);
+  options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);
   const std::string kv = absl::GetFlag(FLAGS_kv_dtype);
   if (kv != "fp32" && kv != "bf16") {
     return UsageFail(absl::InvalidArgumentError("--kv_dtype: fp32 or bf16"));
@@ -456,6 +496,36 @@ int RunDecodeBenchCommand(const AttentionClient& client) {
   std::printf("%s\n", absl::GetFlag(FLAGS_json) ? FormatDecodeBenchJson(*result).c_str()
                                                 : FormatDecodeBenchText(*result).c_str());
   return 0;
+}
+
+int RunSessionCommandLine(const AttentionClient& client, const std::string& verb) {
+  SessionCommand command;
+  command.verb = verb;
+  command.models = absl::StrSplit(absl::GetFlag(FLAGS_model), ',');
+  command.kv_dtype = absl::GetFlag(FLAGS_kv_dtype);
+  command.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  command.ttl_seconds = absl::GetFlag(FLAGS_ttl_seconds);
+  command.first_position = absl::GetFlag(FLAGS_first_position);
+  command.session_id = absl::GetFlag(FLAGS_session_id);
+  command.layer = absl::GetFlag(FLAGS_layer);
+  command.tokens = absl::GetFlag(FLAGS_tokens);
+  command.input = absl::GetFlag(FLAGS_input);
+  command.seed = absl::GetFlag(FLAGS_seed);
+  command.expected_length = absl::GetFlag(FLAGS_expected_length);
+  command.head_mask = absl::GetFlag(FLAGS_head_mask).values;
+  command.precision = absl::GetFlag(FLAGS_precision);
+  command.save_output = absl::GetFlag(FLAGS_save_output);
+  command.length = absl::GetFlag(FLAGS_length);
+  command.json = absl::GetFlag(FLAGS_json);
+  // Flag mistakes first, before any call.
+  if (absl::Status status = ValidateSessionCommand(command); !status.ok()) {
+    return UsageFail(status);
+  }
+  NoteNpyConversion(command.input);
+  absl::StatusOr<std::string> text = RunSessionCommand(client, command);
+  if (!text.ok()) return Fail(text.status());
+  std::fputs(text->c_str(), stdout);
+  return cli::kExitOk;
 }
 
 int RunBenchCommand(const AttentionClient& client) {
@@ -521,14 +591,22 @@ int main(int argc, char** argv) {
   }
   if (command_line->positional.empty()) {
     return cli::UsageError("attnctl", "no command (models, model, load, unload, attend, health, "
-                                      "bench)");
-  }
-  if (command_line->positional.size() > 1) {
-    return cli::UsageError("attnctl", absl::StrCat("unexpected argument '",
-                                                   command_line->positional[1],
-                                                   "' (one command, then flags)"));
+                                      "bench, session)");
   }
   const std::string& command = command_line->positional[0];
+  // session takes a verb: session open|extend|get|fork|truncate|close.
+  const size_t words = command == "session" ? 2 : 1;
+  if (command == "session" && command_line->positional.size() < 2) {
+    return cli::UsageError("attnctl", absl::StrCat("session: which? (",
+                                                   absl::StrJoin(attnserve::client::kSessionVerbs,
+                                                                 ", "),
+                                                   ")"));
+  }
+  if (command_line->positional.size() > words) {
+    return cli::UsageError("attnctl", absl::StrCat("unexpected argument '",
+                                                   command_line->positional[words],
+                                                   "' (one command, then flags)"));
+  }
   using Runner = int (*)(const attnserve::client::AttentionClient&);
   const std::pair<const char*, Runner> commands[] = {
       {"models", attnserve::client::RunModels}, {"model", attnserve::client::RunModel},
@@ -539,10 +617,10 @@ int main(int argc, char** argv) {
   for (const auto& [name, runner] : commands) {
     if (command == name) run = runner;
   }
-  if (run == nullptr) {
+  if (run == nullptr && command != "session") {
     return cli::UsageError("attnctl", absl::StrCat("unknown command '", command,
                                                    "' (models, model, load, unload, attend, "
-                                                   "health, bench)"));
+                                                   "health, bench, session)"));
   }
 
   attnserve::client::ClientOptions options;
@@ -571,5 +649,8 @@ int main(int argc, char** argv) {
   // files): a command line that cannot work.
   auto client = attnserve::client::AttentionClient::Create(options);
   if (!client.ok()) return attnserve::client::UsageFail(client.status());
+  if (command == "session") {
+    return attnserve::client::RunSessionCommandLine(**client, command_line->positional[1]);
+  }
   return run(**client);
 }

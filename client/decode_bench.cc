@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "absl/strings/str_replace.h"
 #include "client/attend_report.h"
 #include "client/bench.h"
+#include "client/extend_stream.h"
 
 namespace attnserve::client {
 namespace {
@@ -31,9 +33,10 @@ v1::Tensor RandomStates(int64_t n, int64_t d_model, std::mt19937_64& rng) {
   return tensor;
 }
 
-// One Extend of `tokens` new tokens for every session at `length`; the first
-// failed step's status as the server said it.
-absl::StatusOr<v1::ExtendResponse> ExtendAll(const AttentionClient& client,
+// One Extend message of `tokens` new tokens for every session at `length`,
+// as an Extend call or on `stream`; the first failed step's status as the
+// server said it.
+absl::StatusOr<v1::ExtendResponse> ExtendAll(const AttentionClient& client, ExtendStream* stream,
                                              const std::vector<std::string>& sessions,
                                              int64_t length, int64_t tokens, int64_t d_model,
                                              std::mt19937_64& rng) {
@@ -44,7 +47,8 @@ absl::StatusOr<v1::ExtendResponse> ExtendAll(const AttentionClient& client,
     step->set_expected_length(length);
     *step->mutable_hidden_states() = RandomStates(tokens, d_model, rng);
   }
-  absl::StatusOr<v1::ExtendResponse> response = client.Extend(request);
+  absl::StatusOr<v1::ExtendResponse> response =
+      stream != nullptr ? stream->Extend(request) : client.Extend(request);
   if (!response.ok()) return response.status();
   for (const v1::ExtendResult& result : response->results()) {
     if (result.code() != 0) {
@@ -92,31 +96,39 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
   }
   const int64_t chunks = (options.context + options.prefill_chunk - 1) / options.prefill_chunk;
   const int64_t total = chunks + options.steps;
+  std::unique_ptr<ExtendStream> stream =
+      options.stream ? client.OpenExtendStream(options.timeout_seconds * static_cast<double>(total))
+                     : nullptr;
   int64_t done = 0, length = 0;
   const auto prefill_start = Clock::now();
   while (status.ok() && length < options.context) {
     const int64_t n = std::min(options.prefill_chunk, options.context - length);
-    status = ExtendAll(client, sessions, length, n, result.d_model, rng).status();
+    status = ExtendAll(client, stream.get(), sessions, length, n, result.d_model, rng).status();
     length += n;
     if (progress) progress(++done, total);
   }
   result.prefill_seconds = std::chrono::duration<double>(Clock::now() - prefill_start).count();
-  std::vector<double> step_ms;
+  std::vector<double> step_ms, overhead_ms;
   double compute_ms = 0;
   const auto decode_start = Clock::now();
   for (int64_t s = 0; s < options.steps && status.ok(); ++s) {
     const auto start = Clock::now();
     absl::StatusOr<v1::ExtendResponse> response =
-        ExtendAll(client, sessions, length, 1, result.d_model, rng);
+        ExtendAll(client, stream.get(), sessions, length, 1, result.d_model, rng);
     status = response.status();
     if (!response.ok()) break;
     step_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
     compute_ms += DurationMillis(response->timing().compute());
+    overhead_ms.push_back(step_ms.back() - DurationMillis(response->timing().compute()));
     result.kernel_path = response->kernel_path();
     ++length;
     if (progress) progress(++done, total);
   }
   result.decode_seconds = std::chrono::duration<double>(Clock::now() - decode_start).count();
+  if (stream != nullptr) {
+    const absl::Status closed = stream->Close();
+    if (status.ok()) status = closed;
+  }
   for (const std::string& id : sessions) (void)client.CloseSession(id);
   if (!status.ok()) return status;
   result.tokens_per_second =
@@ -127,31 +139,39 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
   result.p99_ms = Percentile(step_ms, 99);
   result.max_ms = Percentile(step_ms, 100);
   result.server_compute_ms = compute_ms / static_cast<double>(options.steps);
+  std::sort(overhead_ms.begin(), overhead_ms.end());
+  result.overhead_p50_ms = Percentile(overhead_ms, 50);
+  double overhead_sum = 0;
+  for (double ms : overhead_ms) overhead_sum += ms;
+  result.overhead_mean_ms = overhead_sum / static_cast<double>(overhead_ms.size());
   return result;
 }
 
 std::string FormatDecodeBenchText(const DecodeBenchResult& r) {
   return absl::StrFormat(
       "decode: %d sessions of model %s, context %d, %d steps (one token per session per step, "
-      "one Extend per step)\n"
+      "%s)\n"
       "prefill: %.2f s\n"
       "decode: %.1f tokens/s; step p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, max %.3f ms\n"
-      "server: compute %.3f ms a step (%s)\n",
-      r.options.sessions, r.options.model, r.options.context, r.options.steps, r.prefill_seconds,
-      r.tokens_per_second, r.p50_ms, r.p90_ms, r.p99_ms, r.max_ms, r.server_compute_ms,
-      r.kernel_path);
+      "server: compute %.3f ms a step (%s); a step less its compute: p50 %.3f ms, mean %.3f ms\n",
+      r.options.sessions, r.options.model, r.options.context, r.options.steps,
+      r.options.stream ? "one message per step on one ExtendStream" : "one Extend call per step",
+      r.prefill_seconds, r.tokens_per_second, r.p50_ms, r.p90_ms, r.p99_ms, r.max_ms,
+      r.server_compute_ms, r.kernel_path, r.overhead_p50_ms, r.overhead_mean_ms);
 }
 
 std::string FormatDecodeBenchJson(const DecodeBenchResult& r) {
   return absl::StrFormat(
-      "{\"mode\": \"decode\", \"model\": \"%s\", \"sessions\": %d, \"context\": %d, \"steps\": %d, "
+      "{\"mode\": \"decode\", \"form\": \"%s\", \"model\": \"%s\", \"sessions\": %d, "
+      "\"context\": %d, \"steps\": %d, "
       "\"prefill_seconds\": %.6f, \"tokens_per_second\": %.3f, \"step_ms\": {\"p50\": %.3f, "
       "\"p90\": %.3f, \"p99\": %.3f, \"max\": %.3f}, \"server_compute_ms\": %.3f, "
-      "\"kernel_path\": \"%s\"}",
+      "\"overhead_ms\": {\"p50\": %.3f, \"mean\": %.3f}, \"kernel_path\": \"%s\"}",
+      r.options.stream ? "stream" : "unary",
       absl::StrReplaceAll(r.options.model, {{"\\", "\\\\"}, {"\"", "\\\""}}),
       r.options.sessions, r.options.context, r.options.steps, r.prefill_seconds,
       r.tokens_per_second, r.p50_ms, r.p90_ms, r.p99_ms, r.max_ms, r.server_compute_ms,
-      r.kernel_path);
+      r.overhead_p50_ms, r.overhead_mean_ms, r.kernel_path);
 }
 
 }  // namespace attnserve::client

@@ -17,7 +17,8 @@ namespace attnserve::client {
 // `sessions` sessions over `model`, prefill each with `context` tokens (all
 // sessions in one Extend per chunk of at most `prefill_chunk` tokens), then
 // `steps` decode rounds, each one Extend carrying one new token for every
-// session (a micro-batch), then close them.
+// session (a micro-batch), then close them. With `stream`, the prefill and
+// the rounds are messages of one ExtendStream call instead of Extend calls.
 struct DecodeBenchOptions {
   std::string model = "default";
   int64_t sessions = 8;
@@ -26,6 +27,10 @@ struct DecodeBenchOptions {
   int64_t prefill_chunk = 512;
   v1::DataType kv_dtype = v1::DATA_TYPE_FP32;
   uint64_t seed = 1;
+  bool stream = false;
+  // Deadline of each Extend call; with `stream`, of each message (the
+  // stream's deadline is this times the messages it carries).
+  double timeout_seconds = 30;
 };
 
 // What a run measured. Step latencies in milliseconds (one Extend round).
@@ -37,6 +42,9 @@ struct DecodeBenchResult {
   double tokens_per_second = 0;  // decode: sessions x steps / decode_seconds
   double p50_ms = 0, p90_ms = 0, p99_ms = 0, max_ms = 0;
   double server_compute_ms = 0;  // mean of the decode rounds' compute
+  // Each round's latency less the compute its response reports (what the
+  // call, the wire and the queue add): median and mean.
+  double overhead_p50_ms = 0, overhead_mean_ms = 0;
   std::string kernel_path;
 };
 

@@ -148,7 +148,7 @@ void KvBlockPool::Share(absl::Span<const KvBlockHandle> blocks) {
         records_[block.id].references < 1) {
       DieOnBadHandle("Share", block.id);
     }
-    ++records_[block.id].references;
+    if (++records_[block.id].references == 2) ++shared_blocks_;
   }
 }
 
@@ -160,7 +160,8 @@ void KvBlockPool::Release(absl::Span<const KvBlockHandle> blocks) {
       DieOnBadHandle("Release", block.id);
     }
     Record& record = records_[block.id];
-    if (--record.references > 0) continue;
+    if (--record.references == 1) --shared_blocks_;
+    if (record.references > 0) continue;
     LayoutFreeList& list = free_lists_[record.layout_index];
     list.free_ids.push_back(block.id);
     bytes_in_use_ -= list.block_bytes;
@@ -195,7 +196,8 @@ int64_t KvBlockPool::Trim() {
 
 KvBlockPoolStats KvBlockPool::stats() const {
   absl::MutexLock lock(&mu_);
-  return KvBlockPoolStats{bytes_in_use_, bytes_held_, blocks_in_use_, free_blocks_};
+  return KvBlockPoolStats{bytes_in_use_, bytes_held_, blocks_in_use_, free_blocks_,
+                          shared_blocks_};
 }
 
 int KvBlockPool::LayoutIndexLocked(const KvLayout& layout) {

@@ -41,6 +41,7 @@ struct KvBlockPoolStats {
   int64_t bytes_held = 0;    // in use + free-listed: what the budget bounds
   int64_t blocks_in_use = 0;
   int64_t free_blocks = 0;   // free-listed, any layout
+  int64_t shared_blocks = 0;  // in use with a reference count > 1 (forks share them)
 };
 
 // A pool of KV blocks, each of one KvLayout, with a reference count (forks
@@ -139,6 +140,7 @@ class KvBlockPool {
   int64_t bytes_held_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t blocks_in_use_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t free_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t shared_blocks_ ABSL_GUARDED_BY(mu_) = 0;  // references > 1
 };
 
 }  // namespace attnserve::core

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -284,12 +285,21 @@ absl::StatusOr<Principal> AttentionServiceImpl::Authenticate(
 }
 
 void AttentionServiceImpl::set_state(State state) {
-  absl::MutexLock lock(&mu_);
-  state_ = state;
+  std::vector<ExtendStreamReactor*> idle_streams;
+  {
+    absl::MutexLock lock(&mu_);
+    state_ = state;
+    if (state == State::kDraining) {
+      for (ExtendStreamReactor* stream : streams_) {
+        if (stream->MarkDrained()) idle_streams.push_back(stream);
+      }
+    }
+  }
+  // Outside mu_: finishing may remove the stream from streams_ at once.
+  for (ExtendStreamReactor* stream : idle_streams) stream->FinishDrained();
 }
 
-absl::Status AttentionServiceImpl::BeginCall() {
-  absl::MutexLock lock(&mu_);
+absl::Status AttentionServiceImpl::ServingLocked() const {
   switch (state_) {
     case State::kStarting:
       return absl::UnavailableError("the server is starting: models are loading; retry");
@@ -298,8 +308,19 @@ absl::Status AttentionServiceImpl::BeginCall() {
     case State::kServing:
       break;
   }
+  return absl::OkStatus();
+}
+
+absl::Status AttentionServiceImpl::BeginCall() {
+  absl::MutexLock lock(&mu_);
+  if (absl::Status serving = ServingLocked(); !serving.ok()) return serving;
   ++in_flight_;
   return absl::OkStatus();
+}
+
+void AttentionServiceImpl::NoteArrival() {
+  absl::MutexLock lock(&mu_);
+  last_arrival_ = absl::Now();
 }
 
 void AttentionServiceImpl::EndCall() {
@@ -360,10 +381,7 @@ Reactor* AttentionServiceImpl::HandleAttend(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer* request_bytes,
     MapDelivery map_delivery, const std::function<Reactor*(absl::string_view model)>& make_reactor,
     const std::function<Deliver(Reactor*)>& make_deliver) {
-  {
-    absl::MutexLock lock(&mu_);
-    last_arrival_ = absl::Now();  // for WaitForQuiet and last_activity()
-  }
+  NoteArrival();  // for WaitForQuiet and last_activity()
   if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
     Reactor* reactor = make_reactor("");
     reactor->FinishCall(ToGrpcStatus(caller.status()));

@@ -9,12 +9,15 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/api/attend_plan.h"
+#include "server/api/call_observer.h"
+#include "server/api/extend_stream_reactor.h"
 #include "server/api/observed_reactor.h"
 #include "server/api/wire_response.h"
 #include "server/common/server_options.h"
@@ -66,7 +69,9 @@ class AttentionServiceImpl final
                        std::optional<TokenSet> tokens = std::nullopt,
                        ModelLoader* loader = nullptr, SessionManager* sessions = nullptr);
 
-  // Attend answers UNAVAILABLE unless the state is kServing.
+  // Attend answers UNAVAILABLE unless the state is kServing. Entering
+  // kDraining drains the open ExtendStream calls: an idle one ends
+  // UNAVAILABLE at once, one running a message once it is answered.
   void set_state(State state);
 
   // Waits until no admitted Attend call is unfinished, or until `deadline`.
@@ -130,6 +135,13 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* Extend(grpc::CallbackServerContext* context,
                                    const v1::ExtendRequest* request,
                                    v1::ExtendResponse* response) override;
+  // Extend's messages on one stream (ExtendStreamReactor), each planned, run
+  // and answered as an Extend call is (SubmitExtend), one at a time and in
+  // order. The caller is authenticated once, when the stream opens; each
+  // message is admitted (and counted in flight) as an Extend call is, so a
+  // drain waits for the message running, not for an idle stream.
+  grpc::ServerBidiReactor<v1::ExtendRequest, v1::ExtendResponse>* ExtendStream(
+      grpc::CallbackServerContext* context) override;
   grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
                                        const v1::GetSessionRequest* request,
                                        v1::Session* response) override;
@@ -178,10 +190,28 @@ class AttentionServiceImpl final
   void KeepComputeMemory();
   // The compute executor's workspace (made on the first batch), or why not.
   absl::StatusOr<core::Workspace*> ComputeWorkspace();
-  // A session RPC's common start: authenticates (the owner: the token's id)
-  // and admits the call (BeginCall); on failure finishes `reactor`.
+  // The owner of the caller's sessions (its token's id): UNAUTHENTICATED as
+  // Authenticate; FAILED_PRECONDITION without a SessionManager.
+  absl::StatusOr<std::string> SessionOwner(const grpc::CallbackServerContext& context) const;
+  // A session RPC's common start: SessionOwner, then admits the call
+  // (BeginCall); on failure finishes `reactor`.
   std::optional<std::string> BeginSessionCall(grpc::CallbackServerContext& context,
                                               ObservedReactor& reactor);
+  // Extend's one way for an admitted call or stream message: plans `request`
+  // (PlanExtend) on the gRPC thread, then answers at once when nothing
+  // computes (refusals and replays), else queues it for the compute executor
+  // (alone: its own micro-batch). Calls `answer` exactly once, on either
+  // thread, with OK (`response` filled) or the status that fails the call
+  // as a whole; `request`, `response` and `observer` must live until then.
+  // `method` (kExtend, kExtendStream) labels the step's latency.
+  void SubmitExtend(RpcMethod method, grpc::CallbackServerContext* context,
+                    const std::string& owner, const v1::ExtendRequest* request,
+                    v1::ExtendResponse* response, CallObserver* observer,
+                    std::function<void(absl::Status)> answer);
+  // Records a call's (or stream message's) arrival, for WaitForQuiet.
+  void NoteArrival();
+  // OK while serving, else UNAVAILABLE saying why.
+  absl::Status ServingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sends an admitted call's result: the response when the status is OK, else
   // the status. Ends the call (EndCall) once it is sent, and then releases
   // `kept_bytes` of the in-flight budget (what it kept after compute).
@@ -206,6 +236,9 @@ class AttentionServiceImpl final
   mutable absl::Mutex mu_;
   State state_ ABSL_GUARDED_BY(mu_) = State::kStarting;
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  // The open ExtendStream calls (each removes itself when gRPC is done with
+  // it), to drain them at shutdown.
+  absl::flat_hash_set<ExtendStreamReactor*> streams_ ABSL_GUARDED_BY(mu_);
   absl::Time last_end_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time last_arrival_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   // Used only on the compute executor, which runs one batch at a time.

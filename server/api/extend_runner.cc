@@ -276,12 +276,17 @@ absl::Status RunGroup(const v1::ExtendRequest& request, const StepGroup& group, 
       group.model->layer->Extend(absl::MakeSpan(items), options, compute.workspace);
   if (ran.ok()) {
     info = *ran;
-    int64_t tokens = 0;
+    int64_t tokens = 0, kv_read_bytes = 0;
     for (const core::ExtendItem& item : items) {
-      if (item.status.ok()) tokens += static_cast<int64_t>(item.output.size()) / config.d_model;
+      if (!item.status.ok()) continue;
+      tokens += static_cast<int64_t>(item.output.size()) / config.d_model;
+      const core::KvLayout& layout = item.cache->layout();
+      kv_read_bytes += item.cache->length() * 2 * layout.num_kv_heads * layout.head_dim *
+                       layout.element_bytes();
     }
     if (computed != nullptr) {
-      computed->push_back({group.model->name, ran->kernel_path, tokens, absl::Now() - start});
+      computed->push_back({group.model->name, ran->kernel_path, tokens, kv_read_bytes,
+                           absl::Now() - start});
     }
   }
   for (auto& tensor : outputs) tensor->Commit();

@@ -58,7 +58,10 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
 struct ExtendComputed {
   std::string model;
   std::string kernel_path;
-  int64_t tokens = 0;
+  int64_t tokens = 0;  // new tokens of its steps that succeeded
+  // KV cache bytes its attention read: for each step that succeeded, the keys
+  // and values of every token the layer holds after the step, once.
+  int64_t kv_read_bytes = 0;
   absl::Duration duration;
 };
 

@@ -46,16 +46,19 @@ void FinishWithSession(const absl::StatusOr<SessionInfo>& info, v1::Session* res
 
 }  // namespace
 
-// An admitted Extend call waiting in the scheduler, then running alone.
+// An admitted Extend call (or ExtendStream message) waiting in the scheduler,
+// then running alone.
 struct AttentionServiceImpl::ExtendJob final : ScheduledWork {
   ExtendJob(AttentionServiceImpl* service, grpc::CallbackServerContext* context,
             const v1::ExtendRequest* request, v1::ExtendResponse* response,
-            ObservedReactor* reactor, absl::Time arrival, ExtendPlan plan)
+            CallObserver* observer, std::function<void(absl::Status)> done, absl::Time arrival,
+            ExtendPlan plan)
       : service(service),
         context(context),
         request(request),
         response(response),
-        reactor(reactor),
+        observer(observer),
+        done(std::move(done)),
         arrival(arrival),
         plan(std::move(plan)) {
     tokens = this->plan.tokens;
@@ -66,15 +69,15 @@ struct AttentionServiceImpl::ExtendJob final : ScheduledWork {
   bool IsCancelled() const override { return context->IsCancelled() || CutShort(); }
   bool CutShort() const { return service->cut_short_.load(std::memory_order_relaxed); }
   void Skip(absl::Status status) override {
-    reactor->observer().Dequeued(absl::Now() - enqueued);
+    observer->Dequeued(absl::Now() - enqueued);
     service->metrics_->OnSkipped(absl::IsDeadlineExceeded(status)
                                      ? Metrics::SkipReason::kDeadline
                                      : Metrics::SkipReason::kCancelled);
     Finish(status);
   }
-  // Finishes the call with `status` (the response filled when OK); the plan's
-  // leases that are left end as failed, the sessions as they were. A call the
-  // drain stopped answers UNAVAILABLE, as Attend's do: clients retry it.
+  // Answers with `status` (the response filled when OK); the plan's leases
+  // that are left end as failed, the sessions as they were. A call the drain
+  // stopped answers UNAVAILABLE, as Attend's do: clients retry it.
   void Finish(absl::Status status) {
     plan.steps.clear();
     if (absl::IsCancelled(status) && absl::Now() >= deadline) {
@@ -84,15 +87,15 @@ struct AttentionServiceImpl::ExtendJob final : ScheduledWork {
           "the server is shutting down: the call was stopped before it finished; retry");
     }
     if (!status.ok()) response->Clear();
-    reactor->FinishCall(ToGrpcStatus(status));
-    service->EndCall();
+    done(std::move(status));
   }
 
   AttentionServiceImpl* const service;
   grpc::CallbackServerContext* const context;
   const v1::ExtendRequest* const request;
   v1::ExtendResponse* const response;
-  ObservedReactor* const reactor;
+  CallObserver* const observer;  // the call's
+  const std::function<void(absl::Status)> done;
   const absl::Time arrival;
   ExtendPlan plan;
 };
@@ -104,7 +107,7 @@ bool AttentionServiceImpl::IsExtendJob(const ScheduledWork& work) {
 void AttentionServiceImpl::RunExtendJob(std::unique_ptr<ScheduledWork> work) {
   auto& job = static_cast<ExtendJob&>(*work);
   const absl::Time start = absl::Now();
-  job.reactor->observer().Dequeued(start - job.enqueued);
+  job.observer->Dequeued(start - job.enqueued);
   ComputeContext context;
   context.block_kernels = options_.block_kernels;
   context.should_stop = [&job] { return absl::Now() >= job.deadline || job.IsCancelled(); };
@@ -124,33 +127,40 @@ void AttentionServiceImpl::RunExtendJob(std::unique_ptr<ScheduledWork> work) {
     timing->set_batch_size(1);
     timing->set_batch_tokens(job.tokens);
     for (const ExtendComputed& part : computed) {
-      metrics_->OnComputed(metrics_->ModelLabel(part.model), part.kernel_path,
+      const std::string model = metrics_->ModelLabel(part.model);
+      metrics_->OnComputed(model, part.kernel_path,
                            {.duration = part.duration,
                             .tokens = part.tokens,
                             .attention_map_bytes = 0});
+      metrics_->OnDecodeBatch(model, part.tokens, part.kv_read_bytes);
     }
-    job.reactor->observer().set_compute(compute);
+    job.observer->set_compute(compute);
   }
   job.Finish(status);
 }
 
+absl::StatusOr<std::string> AttentionServiceImpl::SessionOwner(
+    const grpc::CallbackServerContext& context) const {
+  absl::StatusOr<Principal> caller = Authenticate(context);
+  if (!caller.ok()) return caller.status();
+  if (sessions_ == nullptr) {
+    return absl::FailedPreconditionError("this server has no decode sessions");
+  }
+  return caller->id;
+}
+
 std::optional<std::string> AttentionServiceImpl::BeginSessionCall(
     grpc::CallbackServerContext& context, ObservedReactor& reactor) {
-  absl::StatusOr<Principal> caller = Authenticate(context);
-  if (!caller.ok()) {
-    reactor.FinishCall(ToGrpcStatus(caller.status()));
-    return std::nullopt;
-  }
-  if (sessions_ == nullptr) {
-    reactor.FinishCall(ToGrpcStatus(
-        absl::FailedPreconditionError("this server has no decode sessions")));
+  absl::StatusOr<std::string> owner = SessionOwner(context);
+  if (!owner.ok()) {
+    reactor.FinishCall(ToGrpcStatus(owner.status()));
     return std::nullopt;
   }
   if (absl::Status admitted = BeginCall(); !admitted.ok()) {
     reactor.FinishCall(ToGrpcStatus(admitted));
     return std::nullopt;
   }
-  return caller->id;
+  return *std::move(owner);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(
@@ -243,39 +253,93 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(
   return reactor;
 }
 
+void AttentionServiceImpl::SubmitExtend(RpcMethod method, grpc::CallbackServerContext* context,
+                                        const std::string& owner,
+                                        const v1::ExtendRequest* request,
+                                        v1::ExtendResponse* response, CallObserver* observer,
+                                        std::function<void(absl::Status)> answer) {
+  const absl::Time arrival = absl::Now();
+  // The decode step's latency, of those answered OK.
+  auto done = [this, method, arrival, answer = std::move(answer)](absl::Status status) {
+    if (status.ok()) metrics_->OnDecodeStep(method, absl::Now() - arrival);
+    answer(std::move(status));
+  };
+  absl::StatusOr<ExtendPlan> plan = PlanExtend(*request, *sessions_, owner, options_.limits,
+                                               options_.max_send_message_bytes);
+  if (!plan.ok()) {
+    done(plan.status());
+    return;
+  }
+  if (plan->tokens == 0) {  // nothing to compute: refusals and replays only
+    done(RunExtend(*request, *plan, *sessions_, {}, response));
+    return;
+  }
+  metrics_->OnQueued();
+  // The job takes a copy of `done`: a refused job is destroyed in Submit.
+  absl::Status submitted = scheduler_->Submit(std::make_unique<ExtendJob>(
+      this, context, request, response, observer, std::function<void(absl::Status)>(done),
+      arrival, *std::move(plan)));
+  if (!submitted.ok()) {
+    metrics_->OnQueueRefused();
+    done(std::move(submitted));
+  }
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::Extend(grpc::CallbackServerContext* context,
                                                        const v1::ExtendRequest* request,
                                                        v1::ExtendResponse* response) {
-  {
-    absl::MutexLock lock(&mu_);
-    last_arrival_ = absl::Now();
-  }
+  NoteArrival();
   auto* reactor =
       new ObservedReactor(context, RpcMethod::kExtend, "", metrics_, options_.access_log);
   const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
   if (!owner) return reactor;
-  const absl::Time arrival = absl::Now();
-  absl::StatusOr<ExtendPlan> plan = PlanExtend(*request, *sessions_, *owner, options_.limits,
-                                               options_.max_send_message_bytes);
-  if (!plan.ok()) {
-    reactor->FinishCall(ToGrpcStatus(plan.status()));
-    EndCall();
+  SubmitExtend(RpcMethod::kExtend, context, *owner, request, response, &reactor->observer(),
+               [this, reactor](absl::Status status) {
+                 reactor->FinishCall(ToGrpcStatus(status));
+                 EndCall();
+               });
+  return reactor;
+}
+
+grpc::ServerBidiReactor<v1::ExtendRequest, v1::ExtendResponse>*
+AttentionServiceImpl::ExtendStream(grpc::CallbackServerContext* context) {
+  NoteArrival();
+  auto* reactor = new ExtendStreamReactor(context, metrics_, options_.access_log);
+  absl::StatusOr<std::string> owner = SessionOwner(*context);
+  if (!owner.ok()) {
+    reactor->Refuse(ToGrpcStatus(owner.status()));
     return reactor;
   }
-  if (plan->tokens == 0) {  // nothing to compute: refusals and replays only
-    const absl::Status answered = RunExtend(*request, *plan, *sessions_, {}, response);
-    reactor->FinishCall(ToGrpcStatus(answered));
-    EndCall();
+  absl::Status serving;
+  {
+    absl::MutexLock lock(&mu_);
+    serving = ServingLocked();
+    if (serving.ok()) streams_.insert(reactor);  // before a drain can look for it
+  }
+  if (!serving.ok()) {
+    reactor->Refuse(ToGrpcStatus(serving));
     return reactor;
   }
-  metrics_->OnQueued();
-  absl::Status submitted = scheduler_->Submit(std::make_unique<ExtendJob>(
-      this, context, request, response, reactor, arrival, *std::move(plan)));
-  if (!submitted.ok()) {
-    metrics_->OnQueueRefused();
-    reactor->FinishCall(ToGrpcStatus(submitted));
-    EndCall();
-  }
+  reactor->Start(
+      [this, context, owner = *std::move(owner)](const v1::ExtendRequest& request,
+                                                 v1::ExtendResponse* response,
+                                                 CallObserver& observer,
+                                                 std::function<void(absl::Status)> done) {
+        NoteArrival();
+        if (absl::Status admitted = BeginCall(); !admitted.ok()) {
+          done(std::move(admitted));
+          return;
+        }
+        SubmitExtend(RpcMethod::kExtendStream, context, owner, &request, response, &observer,
+                     [this, done = std::move(done)](absl::Status status) {
+                       done(std::move(status));
+                       EndCall();
+                     });
+      },
+      [this, reactor] {
+        absl::MutexLock lock(&mu_);
+        streams_.erase(reactor);
+      });
   return reactor;
 }
 

@@ -61,10 +61,11 @@ const Histogram::BucketBoundaries& BatchTokenBuckets() {
 }
 
 constexpr RpcMethod kMethods[] = {
-    RpcMethod::kAttend,      RpcMethod::kAttendStream,    RpcMethod::kListModels,
-    RpcMethod::kGetModel,    RpcMethod::kLoadModel,       RpcMethod::kUnloadModel,
-    RpcMethod::kOpenSession, RpcMethod::kExtend,          RpcMethod::kGetSession,
-    RpcMethod::kForkSession, RpcMethod::kTruncateSession, RpcMethod::kCloseSession};
+    RpcMethod::kAttend,       RpcMethod::kAttendStream,    RpcMethod::kListModels,
+    RpcMethod::kGetModel,     RpcMethod::kLoadModel,       RpcMethod::kUnloadModel,
+    RpcMethod::kOpenSession,  RpcMethod::kExtend,          RpcMethod::kExtendStream,
+    RpcMethod::kGetSession,   RpcMethod::kForkSession,     RpcMethod::kTruncateSession,
+    RpcMethod::kCloseSession};
 
 // The codes each method can answer with today; their request counters exist
 // from the start, so error ratios are defined before the first error.
@@ -107,6 +108,7 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
               StatusCode::kAborted,     StatusCode::kResourceExhausted, StatusCode::kUnavailable,
               StatusCode::kFailedPrecondition, StatusCode::kUnauthenticated};
     case RpcMethod::kExtend:
+    case RpcMethod::kExtendStream:
       return {StatusCode::kOk,          StatusCode::kInvalidArgument,  StatusCode::kResourceExhausted,
               StatusCode::kUnavailable, StatusCode::kDeadlineExceeded, StatusCode::kCancelled,
               StatusCode::kInternal,    StatusCode::kUnauthenticated};
@@ -170,6 +172,8 @@ absl::string_view RpcMethodName(RpcMethod method) {
       return "OpenSession";
     case RpcMethod::kExtend:
       return "Extend";
+    case RpcMethod::kExtendStream:
+      return "ExtendStream";
     case RpcMethod::kGetSession:
       return "GetSession";
     case RpcMethod::kForkSession:
@@ -258,6 +262,27 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
                        .Name("attnserve_attention_map_bytes_total")
                        .Help("Attention-map bytes returned in Attend responses.")
                        .Register(r);
+  m->decode_step_ =
+      &prometheus::BuildHistogram()
+           .Name("attnserve_decode_step_seconds")
+           .Help("Time from an Extend call's (or ExtendStream message's) arrival to its answer, "
+                 "for those answered OK: the decode step as the server sees it.")
+           .Register(r);
+  for (RpcMethod method : {RpcMethod::kExtend, RpcMethod::kExtendStream}) {
+    m->decode_step_->Add({{"method", std::string(RpcMethodName(method))}}, DurationBuckets());
+  }
+  m->decode_batch_tokens_ =
+      &prometheus::BuildHistogram()
+           .Name("attnserve_decode_batch_tokens")
+           .Help("New tokens per decode micro-batch (one model's steps of an Extend call or "
+                 "ExtendStream message, computed together).")
+           .Register(r);
+  m->kv_read_bytes_ =
+      &prometheus::BuildCounter()
+           .Name("attnserve_kv_cache_read_bytes_total")
+           .Help("KV cache bytes the decode attention read: for each computed step, the keys and "
+                 "values of every token its layer holds after the step, once.")
+           .Register(r);
   m->model_info_ = &prometheus::BuildGauge()
                         .Name("attnserve_model_info")
                         .Help("1 for each loaded model; its head configuration as labels.")
@@ -300,6 +325,9 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
   m->kv_budget_ = gauge("attnserve_kv_cache_budget_bytes",
                         "The most the KV cache may hold (--kv_cache_bytes).");
   m->kv_blocks_ = gauge("attnserve_kv_cache_blocks", "KV cache blocks in use.");
+  m->kv_shared_blocks_ = gauge("attnserve_kv_cache_shared_blocks",
+                               "KV cache blocks in use by more than one session (forks share "
+                               "their parent's blocks until one of them writes).");
   auto& evictions = prometheus::BuildCounter()
                         .Name("attnserve_session_evictions_total")
                         .Help("Idle sessions evicted, least recently used first: for the KV "
@@ -343,9 +371,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
     }
   }
   // Methods whose calls name no model (sessions span models): model "".
-  for (RpcMethod method : {RpcMethod::kListModels, RpcMethod::kOpenSession, RpcMethod::kExtend,
-                           RpcMethod::kGetSession, RpcMethod::kForkSession,
-                           RpcMethod::kTruncateSession, RpcMethod::kCloseSession}) {
+  for (RpcMethod method :
+       {RpcMethod::kListModels, RpcMethod::kOpenSession, RpcMethod::kExtend,
+        RpcMethod::kExtendStream, RpcMethod::kGetSession, RpcMethod::kForkSession,
+        RpcMethod::kTruncateSession, RpcMethod::kCloseSession}) {
     for (absl::StatusCode code : ExpectedCodes(method)) {
       m->request_duration_->Add({{"method", std::string(RpcMethodName(method))},
                                  {"model", ""},
@@ -405,6 +434,8 @@ void Metrics::CreateModelSeries(const std::string& model) {
   batch_requests_->Add({{"model", model}}, BatchSizeBuckets());
   tokens_->Add({{"model", model}});
   map_bytes_->Add({{"model", model}});
+  decode_batch_tokens_->Add({{"model", model}}, BatchTokenBuckets());
+  kv_read_bytes_->Add({{"model", model}});
 }
 
 void Metrics::AddModel(absl::string_view name, const core::HeadConfig& config) {
@@ -488,6 +519,7 @@ void Metrics::SetSessionGauges(const SessionGauges& gauges) {
   kv_held_->Set(static_cast<double>(gauges.kv_held_bytes));
   kv_budget_->Set(static_cast<double>(gauges.kv_budget_bytes));
   kv_blocks_->Set(static_cast<double>(gauges.kv_blocks));
+  kv_shared_blocks_->Set(static_cast<double>(gauges.kv_shared_blocks));
   absl::MutexLock lock(&mu_);
   const auto add = [](prometheus::Counter* counter, int64_t now, int64_t before) {
     if (now > before) counter->Increment(static_cast<double>(now - before));
@@ -522,6 +554,18 @@ void Metrics::OnBatch(absl::string_view model, int64_t requests, int64_t sequenc
       .Observe(static_cast<double>(tokens));
   batch_requests_->Add({{"model", model_label}}, BatchSizeBuckets())
       .Observe(static_cast<double>(requests));
+}
+
+void Metrics::OnDecodeStep(RpcMethod method, absl::Duration duration) {
+  decode_step_->Add({{"method", std::string(RpcMethodName(method))}}, DurationBuckets())
+      .Observe(absl::ToDoubleSeconds(duration));
+}
+
+void Metrics::OnDecodeBatch(absl::string_view model, int64_t tokens, int64_t kv_read_bytes) {
+  const std::string model_label(model);
+  decode_batch_tokens_->Add({{"model", model_label}}, BatchTokenBuckets())
+      .Observe(static_cast<double>(tokens));
+  kv_read_bytes_->Add({{"model", model_label}}).Increment(static_cast<double>(kv_read_bytes));
 }
 
 void Metrics::OnSkipped(SkipReason reason) {

@@ -40,6 +40,7 @@ enum class RpcMethod {
   kUnloadModel,
   kOpenSession,
   kExtend,
+  kExtendStream,
   kGetSession,
   kForkSession,
   kTruncateSession,
@@ -129,6 +130,15 @@ class Metrics {
   // `tokens` query tokens in all (a request computed alone is a batch of 1).
   void OnBatch(absl::string_view model, int64_t requests, int64_t sequences, int64_t tokens);
 
+  // One Extend call or ExtendStream message was answered (OK), `duration`
+  // after it reached the handler: attnserve_decode_step_seconds{method}.
+  void OnDecodeStep(RpcMethod method, absl::Duration duration);
+  // One decode micro-batch (an AttentionLayer::Extend of one model) computed
+  // `tokens` new tokens and its attention read `kv_read_bytes` of the KV
+  // cache: attnserve_decode_batch_tokens{model} and
+  // attnserve_kv_cache_read_bytes_total{model}.
+  void OnDecodeBatch(absl::string_view model, int64_t tokens, int64_t kv_read_bytes);
+
   enum class SkipReason { kDeadline, kCancelled };
   // An admitted request was not computed: its deadline passed or its client
   // cancelled while it was queued.
@@ -150,12 +160,14 @@ class Metrics {
     int64_t kv_held_bytes = 0;    // in use + kept for reuse
     int64_t kv_budget_bytes = 0;  // --kv_cache_bytes
     int64_t kv_blocks = 0;
+    int64_t kv_shared_blocks = 0;  // in use by more than one session (forks)
     int64_t evictions_for_memory = 0;
     int64_t evictions_for_sessions = 0;
     int64_t expiries = 0;
   };
   // attnserve_sessions, attnserve_kv_cache_{used,held,budget}_bytes,
-  // attnserve_kv_cache_blocks, attnserve_session_evictions_total{reason},
+  // attnserve_kv_cache_blocks, attnserve_kv_cache_shared_blocks,
+  // attnserve_session_evictions_total{reason},
   // attnserve_session_expiries_total. Called from one thread.
   void SetSessionGauges(const SessionGauges& gauges);
 
@@ -188,6 +200,9 @@ class Metrics {
   std::vector<prometheus::Counter*> skipped_reasons_;  // deadline, cancelled
   prometheus::Family<prometheus::Counter>* tokens_ = nullptr;
   prometheus::Family<prometheus::Counter>* map_bytes_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* decode_step_ = nullptr;
+  prometheus::Family<prometheus::Histogram>* decode_batch_tokens_ = nullptr;
+  prometheus::Family<prometheus::Counter>* kv_read_bytes_ = nullptr;
   prometheus::Family<prometheus::Gauge>* model_info_ = nullptr;
   prometheus::Gauge* queue_depth_ = nullptr;
   prometheus::Gauge* in_flight_ = nullptr;
@@ -198,6 +213,7 @@ class Metrics {
   prometheus::Gauge* kv_held_ = nullptr;
   prometheus::Gauge* kv_budget_ = nullptr;
   prometheus::Gauge* kv_blocks_ = nullptr;
+  prometheus::Gauge* kv_shared_blocks_ = nullptr;
   std::vector<prometheus::Counter*> session_evictions_;  // memory, sessions
   prometheus::Counter* session_expiries_ = nullptr;
 

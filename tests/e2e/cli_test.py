@@ -24,7 +24,7 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Server, run_tests_with_stubs, wait_serving  # noqa: E402
+from harness import Server, metric, run_tests_with_stubs, wait_serving  # noqa: E402
 
 ARGS = None
 
@@ -146,6 +146,21 @@ class UsageErrors(unittest.TestCase):
         self.check_usage_error(ARGS.attnctl, [], "no command")
         self.check_usage_error(ARGS.attnctl, ["frobnicate"], "unknown command 'frobnicate'")
         self.check_usage_error(ARGS.attnctl, ["models", "extra"], "unexpected argument 'extra'")
+        self.check_usage_error(ARGS.attnctl, ["session"], "session: which?", "extend")
+        self.check_usage_error(ARGS.attnctl, ["session", "reopen"], "unknown verb 'reopen'")
+        self.check_usage_error(ARGS.attnctl, ["session", "get", "now"],
+                               "unexpected argument 'now'")
+        # Flags that do not fit the verb, found before any call (nothing listens).
+        target = f"--target=127.0.0.1:{free_port()}"
+        for args, flag in [(["session", "get"], "--session_id"),
+                           (["session", "extend", "--session_id=ab"], "--tokens"),
+                           (["session", "extend", "--session_id=ab", "--tokens=2",
+                             "--input=x.npy"], "--tokens"),
+                           (["session", "truncate", "--session_id=ab"], "--length"),
+                           (["session", "get", "--session_id=ab", "--tokens=2"], "--tokens"),
+                           (["session", "open", "--model="], "--model"),
+                           (["session", "open", "--kv_dtype=fp8"], "--kv_dtype")]:
+            self.check_usage_error(ARGS.attnctl, [*args, target], flag)
 
 
 class FailedWork(unittest.TestCase):
@@ -339,6 +354,75 @@ class WithServer(unittest.TestCase):
         code, _, err = self.attnctl("bench", "--decode", "--sessions=0")
         self.assertEqual(code, 2, err)
         self.assertIn("--sessions", err)
+
+    def test_bench_decode_stream_sends_the_steps_on_one_stream(self):
+        code, out, err = self.attnctl("bench", "--decode", "--sessions=2", "--context=20",
+                                      "--steps=4", "--prefill_chunk=16", "--stream", "--json")
+        self.assertEqual(code, 0, out + err)
+        got = json.loads(out)
+        self.assertEqual((got["form"], got["sessions"], got["steps"]), ("stream", 2, 4))
+        self.assertGreaterEqual(got["overhead_ms"]["p50"], 0)
+        text = self.server.scrape()
+        self.assertGreaterEqual(metric(text, "attnserve_requests_total", code="OK",
+                                       method="ExtendStream"), 1)
+        # 2 prefill chunks and 4 steps, each a message answered on the stream.
+        self.assertGreaterEqual(metric(text, "attnserve_decode_step_seconds_count",
+                                       method="ExtendStream"), 6)
+
+    def test_session_commands_open_extend_fork_truncate_and_close_a_session(self):
+        from attnserve.v1 import attention_pb2 as pb
+        code, out, err = self.attnctl("session", "open", "--model=default")
+        self.assertEqual(code, 0, err)
+        session = out.splitlines()[0]
+        self.assertRegex(session, r"^[0-9a-f]{32}$", "the id alone on the first line")
+        # Random tokens, then a file's rows; the output saved is what the
+        # server answered, checked against the same step sent from Python.
+        code, out, err = self.attnctl("session", "extend", f"--session_id={session}",
+                                      "--tokens=4")
+        self.assertEqual(code, 0, err)
+        self.assertIn("4 tokens appended, length now 4", out)
+        rows = np.random.default_rng().standard_normal((3, 768))  # float64: converted
+        path = os.path.join(self.tmp.name, "rows.npy")
+        saved = os.path.join(self.tmp.name, "out.npy")
+        np.save(path, rows)
+        code, out, err = self.attnctl("session", "extend", f"--session_id={session}",
+                                      f"--input={path}", f"--save_output={saved}", "--json")
+        self.assertEqual(code, 0, err)
+        self.assertIn("float64", err)
+        answer = json.loads(out)
+        self.assertEqual(answer["results"][0]["length"], "7")
+        # A fork at 7 tokens, given the same step from Python, answers the same.
+        code, out, err = self.attnctl("session", "fork", f"--session_id={session}")
+        self.assertEqual(code, 0, err)
+        fork = out.splitlines()[0]
+        self.assertNotEqual(fork, session)
+        self.assertIn("layer lengths: 7", out)
+        code, out, err = self.attnctl("session", "truncate", f"--session_id={fork}",
+                                      "--length=4")
+        self.assertEqual(code, 0, err)
+        self.assertIn("layer lengths: 4", out)
+        step = pb.ExtendStep(session_id=fork, expected_length=4, hidden_states=pb.Tensor(
+            dtype=pb.DATA_TYPE_FP32, shape=[3, 768], raw_data=rows.astype("<f4").tobytes()))
+        result = self.stub.Extend(pb.ExtendRequest(steps=[step]), timeout=60).results[0]
+        self.assertEqual(result.code, 0, result.message)
+        np.testing.assert_array_equal(
+            np.load(saved), np.frombuffer(result.output.raw_data, "<f4").reshape(3, 768))
+        code, out, err = self.attnctl("session", "get", f"--session_id={session}", "--json")
+        self.assertEqual(code, 0, err)
+        self.assertEqual(json.loads(out)["layer_lengths"], ["7"])
+        # A step the server refuses: exit 1 with its code and message.
+        code, out, err = self.attnctl("session", "extend", f"--session_id={session}",
+                                      "--tokens=1", "--expected_length=3")
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("ABORTED", err)
+        self.assertIn("steps[0]", err)
+        for sid in (session, fork):
+            code, out, err = self.attnctl("session", "close", f"--session_id={sid}")
+            self.assertEqual((code, out), (0, f"closed {sid}\n"), err)
+        code, out, err = self.attnctl("session", "get", f"--session_id={session}")
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("NOT_FOUND", err)
+        self.assertIn("closed", err)
 
     def test_a_response_over_the_clients_limit_names_its_flag(self):
         # 16 tokens x 768 floats: about 49 KB of output, over a 10000-byte limit.

@@ -72,7 +72,8 @@ class EndToEnd(unittest.TestCase):
         methods = {m.name for f in files for s in f.service if s.name == "AttentionService"
                    for m in s.method}
         self.assertEqual(methods, {"Attend", "AttendStream", "ListModels", "GetModel", "LoadModel",
-                                   "UnloadModel", "OpenSession", "Extend", "GetSession",
+                                   "UnloadModel", "OpenSession", "Extend", "ExtendStream",
+                                   "GetSession",
                                    "ForkSession", "TruncateSession", "CloseSession"})
 
     def test_list_models_reports_the_builtin_head_configuration(self):

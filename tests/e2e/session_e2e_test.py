@@ -9,6 +9,9 @@ documented seeded weights, fresh random inputs). Then a micro-batch drives
 several sessions in one message per step, a lost answer is retried (replayed,
 not appended twice), a fork diverges from its parent, the server's metrics
 show the sessions, and after a restart the sessions are gone (NOT_FOUND).
+ExtendStream (grpcio's stream-stream call) answers each message in order as
+Extend would, refuses a bad step on its own and ends with the code of a
+message that fails as a whole.
 
 Usage: session_e2e_test.py --server PATH/attnserve --proto_dir REPO/proto
 """
@@ -124,6 +127,44 @@ class DecodeSessions(unittest.TestCase):
         # The gauges follow within a second (the sessions' upkeep).
         wait_until("attnserve_sessions to count the four sessions",
                    lambda: metric(self.server.scrape(), "attnserve_sessions") >= 4, timeout=60)
+
+    def test_a_stream_answers_each_message_in_order_as_extend_would(self):
+        rng = np.random.default_rng()
+        sessions = [self.open() for _ in range(2)]
+        sequences = [np.zeros((0, D_MODEL), np.float32) for _ in sessions]
+        messages, expected = [], []
+        for counts in [(6, 2), (1, 1), (1, 3), (1, 1)]:
+            steps = []
+            for i, n in enumerate(counts):
+                x = rng.standard_normal((n, D_MODEL)).astype(np.float32)
+                steps.append(self.step(sessions[i], len(sequences[i]), x))
+                expected.append((i, len(sequences[i]), n))
+                sequences[i] = np.concatenate([sequences[i], x])
+            messages.append(self.pb.ExtendRequest(steps=steps))
+        # A step of an unknown session is refused on its own; the stream goes on.
+        unknown = self.step("f" * 32, 0, rng.standard_normal((1, D_MODEL)).astype(np.float32))
+        messages.insert(2, self.pb.ExtendRequest(steps=[unknown]))
+        responses = list(self.stub.ExtendStream(iter(messages), timeout=120))
+        self.assertEqual(len(responses), len(messages))
+        refused = responses.pop(2)
+        self.assertEqual(refused.results[0].code, self.grpc.StatusCode.NOT_FOUND.value[0],
+                         refused.results[0].message)
+        results = [r for response in responses for r in response.results]
+        self.assertEqual(len(results), len(expected))
+        for result, (i, before, n) in zip(results, expected):
+            self.assertEqual(result.code, 0, result.message)
+            self.assertEqual(result.length, before + n)
+            self.assertLessEqual(rel_error(self.output(result),
+                                           self.reference_rows(sequences[i], before, n)), 1e-5)
+        # A message that fails as a whole (no steps) ends the stream with its code.
+        with self.assertRaises(self.grpc.RpcError) as failed:
+            list(self.stub.ExtendStream(iter([self.pb.ExtendRequest()]), timeout=60))
+        self.assertEqual(failed.exception.code(), self.grpc.StatusCode.INVALID_ARGUMENT)
+        text = self.server.scrape()
+        self.assertGreaterEqual(metric(text, "attnserve_requests_total", code="OK",
+                                       method="ExtendStream"), 1)
+        self.assertGreaterEqual(metric(text, "attnserve_requests_total", code="INVALID_ARGUMENT",
+                                       method="ExtendStream"), 1)
 
     def test_sessions_do_not_survive_a_restart(self):
         session = self.open()

@@ -119,21 +119,29 @@ TEST(KvBlockPool, TrimReturnsFreeListedMemoryOnly) {
   pool->Release(kept);
 }
 
-TEST(KvBlockPool, ASharedBlockIsFreedByItsLastReleaseOnly) {
+TEST(KvBlockPool, ASharedBlockCountsAsSharedAndIsFreedByItsLastReleaseOnly) {
   std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(2);
   absl::StatusOr<KvBlockHandle> block = pool->Allocate(kLayout);
   ASSERT_THAT(block, IsOk());
+  absl::StatusOr<KvBlockHandle> alone = pool->Allocate(kLayout);
+  ASSERT_THAT(alone, IsOk());
+  EXPECT_EQ(pool->stats().shared_blocks, 0);
   pool->Share(*block);
+  EXPECT_EQ(pool->stats().shared_blocks, 1);
   pool->Share(*block);
   EXPECT_EQ(pool->ReferenceCount(*block), 3);
-  EXPECT_EQ(pool->stats().blocks_in_use, 1);
+  EXPECT_EQ(pool->stats().blocks_in_use, 2);
+  EXPECT_EQ(pool->stats().shared_blocks, 1);  // a block, however many share it
   pool->Release(*block);
+  EXPECT_EQ(pool->stats().shared_blocks, 1);
   pool->Release(*block);
   EXPECT_EQ(pool->ReferenceCount(*block), 1);
+  EXPECT_EQ(pool->stats().shared_blocks, 0);
   EXPECT_EQ(pool->stats().free_blocks, 0);
   pool->Release(*block);
   EXPECT_EQ(pool->stats().free_blocks, 1);
-  EXPECT_EQ(pool->stats().blocks_in_use, 0);
+  EXPECT_EQ(pool->stats().blocks_in_use, 1);
+  EXPECT_EQ(pool->stats().shared_blocks, 0);
 }
 
 // Free-listed blocks of one layout give way to another layout's allocation

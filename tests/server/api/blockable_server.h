@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -37,6 +38,7 @@
 #include "server/models/model_registry.h"
 #include "server/observability/metrics.h"
 #include "server/scheduling/compute_executor.h"
+#include "server/sessions/session_manager.h"
 
 namespace attnserve::testing {
 
@@ -74,7 +76,8 @@ struct PendingCall {
 };
 
 // See the file comment. The built-in model (seed `model_seed`) is loaded and
-// the service is serving from construction on. Not thread-safe, except
+// the service is serving from construction on, with decode sessions
+// (options.sessions). Not thread-safe, except
 // Start/Attend, which may be called from any thread.
 class BlockableServer {
  public:
@@ -90,8 +93,10 @@ class BlockableServer {
         {.address = "", .queue_capacity = options.max_queued_requests});  // no endpoint
     metrics_->AddModel((*model)->name, (*model)->layer->config());
     EXPECT_TRUE(registry_.Add(*std::move(model)).ok());
-    service_ = std::make_unique<server::AttentionServiceImpl>(options, &registry_, executor_.get(),
-                                                              metrics_.get());
+    sessions_ = *server::SessionManager::Create(options.sessions);
+    service_ = std::make_unique<server::AttentionServiceImpl>(
+        options, &registry_, executor_.get(), metrics_.get(), std::nullopt, nullptr,
+        sessions_.get());
     service_->set_state(server::AttentionServiceImpl::State::kServing);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
@@ -157,12 +162,14 @@ class BlockableServer {
   }
 
   server::AttentionServiceImpl& service() { return *service_; }
+  v1::AttentionService::Stub& stub() { return *stub_; }
   const server::ModelRegistry& registry() const { return registry_; }
 
  private:
   server::ModelRegistry registry_;
   std::unique_ptr<server::ComputeExecutor> executor_;
   std::unique_ptr<server::Metrics> metrics_;
+  std::unique_ptr<server::SessionManager> sessions_;
   std::unique_ptr<server::AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;

@@ -4,22 +4,31 @@
 // far (FP32 KV within 1e-5, BF16 KV within 2e-2, relative Frobenius); a
 // micro-batch answers each step on its own; retries replay; forks diverge;
 // truncation rewinds; tokens own their sessions; the metrics show them.
+// ExtendStream answers each message as Extend does (the same bits), in
+// order; a bad step is refused by its code while the stream goes on; a
+// message that fails as a whole ends the stream with its status;
+// cancellation and the drain end it without appending a step half-done.
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/attention_weights.h"
 #include "gtest/gtest.h"
@@ -347,6 +356,345 @@ TEST_F(SessionServiceTest, TheMetricsShowTheSessionsAndTheirKvCache) {
   EXPECT_EQ(testing::SampleValue(
                 scrape(), "attnserve_requests_total{code=\"OK\",method=\"Extend\"}"),
             1);
+}
+
+TEST_F(SessionServiceTest, TheStepMetricsFollowTheStepsTheirTokensAndTheKvTheyRead) {
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string a = Open(), b = Open();
+  // K and V of one token of the built-in model: 12 heads x 64 x 4 bytes each.
+  constexpr double kTokenKvBytes = 2 * 12 * 64 * 4;
+  const auto scrape = [this] { return server_->MetricsText(); };
+  double read = 0, tokens = 0, batches = 0;
+  int64_t a_length = 0, b_length = 0;
+  for (const auto& [a_new, b_new] : std::vector<std::pair<int64_t, int64_t>>{{40, 9}, {1, 1}, {3, 1}}) {
+    v1::ExtendRequest request;
+    *request.add_steps() = Step(a, a_length, RandomRows(a_new, rng));
+    *request.add_steps() = Step(b, b_length, RandomRows(b_new, rng));
+    const v1::ExtendResponse response = Extend(request);
+    ASSERT_EQ(response.results(0).code(), 0) << response.results(0).message();
+    ASSERT_EQ(response.results(1).code(), 0) << response.results(1).message();
+    a_length += a_new;
+    b_length += b_new;
+    // A step's attention reads every token its layer holds after it, once.
+    read += static_cast<double>(a_length + b_length) * kTokenKvBytes;
+    tokens += static_cast<double>(a_new + b_new);
+    ++batches;
+  }
+  // A repeated step replays: nothing computed, nothing read.
+  v1::ExtendRequest again;
+  *again.add_steps() = Step(a, a_length, RandomRows(1, rng));
+  ASSERT_EQ(Extend(again).results(0).code(), 0);
+  read += static_cast<double>(a_length + 1) * kTokenKvBytes;
+  tokens += 1;
+  ++batches;
+  ASSERT_TRUE(Extend(again).results(0).replayed());
+  a_length += 1;
+  const std::string text = scrape();
+  const std::string model = "{model=\"default\"}";
+  EXPECT_EQ(testing::SampleValue(text, "attnserve_kv_cache_read_bytes_total" + model), read);
+  EXPECT_EQ(testing::SampleValue(text, "attnserve_decode_batch_tokens_count" + model), batches);
+  EXPECT_EQ(testing::SampleValue(text, "attnserve_decode_batch_tokens_sum" + model), tokens);
+  // Every call answered OK is a step, the replay too.
+  EXPECT_EQ(testing::SampleValue(
+                text, "attnserve_decode_step_seconds_count{method=\"Extend\"}"),
+            batches + 1);
+  // The lengths the reads were counted from are the sessions'.
+  for (const auto& [id, length] : {std::pair{a, a_length}, std::pair{b, b_length}}) {
+    v1::GetSessionRequest get;
+    get.set_session_id(id);
+    v1::Session session;
+    ASSERT_TRUE(Call(&v1::AttentionService::Stub::GetSession, get, &session).ok());
+    EXPECT_EQ(session.layer_lengths(0), length);
+  }
+
+  // A fork shares every block of its parent until one of them writes: a's
+  // 45 tokens are two blocks (of 32).
+  ASSERT_TRUE(testing::WaitForSample(scrape, "attnserve_kv_cache_shared_blocks", 0));
+  v1::ForkSessionRequest fork;
+  fork.set_session_id(a);
+  v1::Session child;
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::ForkSession, fork, &child).ok());
+  ASSERT_TRUE(testing::WaitForSample(scrape, "attnserve_kv_cache_shared_blocks", 2));
+  v1::ExtendRequest diverge;
+  *diverge.add_steps() = Step(child.session_id(), a_length, RandomRows(1, rng));
+  ASSERT_EQ(Extend(diverge).results(0).code(), 0);
+  // The child's last block was copied before its write; the first stays shared.
+  EXPECT_TRUE(testing::WaitForSample(scrape, "attnserve_kv_cache_shared_blocks", 1));
+}
+
+// ExtendStream: one stream, many messages, each answered in order.
+using StreamPtr = std::unique_ptr<grpc::ClientReaderWriter<v1::ExtendRequest, v1::ExtendResponse>>;
+
+// Writes `request` on `stream` and reads its answer; false when the stream
+// ended instead.
+bool Exchange(StreamPtr& stream, const v1::ExtendRequest& request, v1::ExtendResponse* response) {
+  return stream->Write(request) && stream->Read(response);
+}
+
+// The stream's status once it has ended (what is left unread is dropped).
+grpc::Status Ended(StreamPtr& stream) {
+  v1::ExtendResponse unread;
+  while (stream->Read(&unread)) {
+  }
+  return stream->Finish();
+}
+
+TEST_F(SessionServiceTest, ExtendStreamAnswersEachMessageInOrderAsExtendDoes) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(absl::StrCat("input seed ", seed));
+  std::mt19937_64 rng(seed);
+  // The stream drives a and b; unary Extend calls drive their twins with the
+  // same messages.
+  const std::string a = Open(), b = Open(), twin_a = Open(), twin_b = Open();
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  StreamPtr stream = stub_->ExtendStream(&context);
+  std::vector<float> a_seq, b_seq;
+  int64_t messages = 0;
+  for (const auto& [a_new, b_new] : std::vector<std::pair<int64_t, int64_t>>{
+           {7, 3}, {1, 1}, {1, 1}, {4, 1}, {1, 2}, {1, 1}}) {
+    const std::vector<float> a_rows = RandomRows(a_new, rng), b_rows = RandomRows(b_new, rng);
+    const int64_t a_before = static_cast<int64_t>(a_seq.size()) / kDModel;
+    const int64_t b_before = static_cast<int64_t>(b_seq.size()) / kDModel;
+    a_seq.insert(a_seq.end(), a_rows.begin(), a_rows.end());
+    b_seq.insert(b_seq.end(), b_rows.begin(), b_rows.end());
+    v1::ExtendRequest request, twin;
+    *request.add_steps() = Step(a, a_before, a_rows);
+    *request.add_steps() = Step(b, b_before, b_rows);
+    *twin.add_steps() = Step(twin_a, a_before, a_rows);
+    *twin.add_steps() = Step(twin_b, b_before, b_rows);
+    v1::ExtendResponse streamed;
+    ASSERT_TRUE(Exchange(stream, request, &streamed)) << Ended(stream).error_message();
+    ++messages;
+    const v1::ExtendResponse unary = Extend(twin);
+    ASSERT_EQ(streamed.results_size(), 2);
+    for (int i = 0; i < 2; ++i) {
+      ASSERT_EQ(streamed.results(i).code(), 0) << streamed.results(i).message();
+      // The same code plans and runs both forms: the same bits.
+      EXPECT_EQ(streamed.results(i).output().raw_data(), unary.results(i).output().raw_data())
+          << "message " << messages << ", step " << i;
+    }
+    EXPECT_EQ(streamed.results(0).length(), a_before + a_new);
+    EXPECT_EQ(streamed.results(1).length(), b_before + b_new);
+    EXPECT_TRUE(absl::EndsWith(streamed.kernel_path(), "/paged")) << streamed.kernel_path();
+    EXPECT_LT(testing::RelativeFrobeniusError(Floats(streamed.results(0).output()),
+                                              Rows(Reference(a_seq).output, a_before, a_new,
+                                                   kDModel)),
+              1e-5);
+    EXPECT_LT(testing::RelativeFrobeniusError(Floats(streamed.results(1).output()),
+                                              Rows(Reference(b_seq).output, b_before, b_new,
+                                                   kDModel)),
+              1e-5);
+  }
+  // A message repeated after a lost answer replays on the stream as well.
+  v1::ExtendRequest last;
+  *last.add_steps() = Step(a, static_cast<int64_t>(a_seq.size()) / kDModel, RandomRows(1, rng));
+  v1::ExtendResponse first, again;
+  ASSERT_TRUE(Exchange(stream, last, &first));
+  ASSERT_TRUE(Exchange(stream, last, &again));
+  EXPECT_FALSE(first.results(0).replayed());
+  EXPECT_TRUE(again.results(0).replayed());
+  EXPECT_EQ(again.results(0).output().raw_data(), first.results(0).output().raw_data());
+  // The client half-closes: the stream ends OK.
+  ASSERT_TRUE(stream->WritesDone());
+  const grpc::Status status = Ended(stream);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  const std::string metrics = server_->MetricsText();
+  EXPECT_EQ(testing::SampleValue(
+                metrics, "attnserve_requests_total{code=\"OK\",method=\"ExtendStream\"}"),
+            1);
+  EXPECT_EQ(testing::SampleValue(
+                metrics, "attnserve_decode_step_seconds_count{method=\"ExtendStream\"}"),
+            static_cast<double>(messages) + 2);
+  // Each message waited for the compute executor as an Extend call does.
+  EXPECT_EQ(testing::SampleValue(metrics, "attnserve_queue_wait_seconds_count{model=\"\"}"),
+            2.0 * static_cast<double>(messages) + 1);
+}
+
+TEST_F(SessionServiceTest, ExtendStreamAnswersABadStepWithItsCodeAndGoesOn) {
+  const std::string dir = ::testing::TempDir();
+  const std::string tokens = dir + "/stream_tokens";
+  std::ofstream(tokens) << "alice-token\nbob-token\n";
+  Start(tokens);
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string alice = Open(v1::DATA_TYPE_FP32, "alice-token");
+  const std::string bob = Open(v1::DATA_TYPE_FP32, "bob-token");
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  context.AddMetadata("authorization", "Bearer bob-token");
+  StreamPtr stream = stub_->ExtendStream(&context);
+  v1::ExtendRequest mixed;
+  *mixed.add_steps() = Step(bob, 0, RandomRows(2, rng));
+  *mixed.add_steps() = Step(alice, 0, RandomRows(1, rng));  // not bob's: as if unknown
+  *mixed.add_steps() = Step(bob, 2, RandomRows(1, rng));
+  mixed.mutable_steps(2)->mutable_hidden_states()->set_shape(1, 767);
+  v1::ExtendResponse response;
+  ASSERT_TRUE(Exchange(stream, mixed, &response)) << Ended(stream).error_message();
+  ASSERT_EQ(response.results_size(), 3);
+  EXPECT_EQ(response.results(0).code(), 0) << response.results(0).message();
+  EXPECT_EQ(response.results(1).code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(absl::StartsWith(response.results(1).message(), "steps[1]: "))
+      << response.results(1).message();
+  EXPECT_EQ(response.results(2).code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StartsWith(response.results(2).message(), "steps[2].hidden_states"))
+      << response.results(2).message();
+  // The stream goes on, and alice's session is as it was.
+  v1::ExtendRequest next;
+  *next.add_steps() = Step(bob, 2, RandomRows(1, rng));
+  ASSERT_TRUE(Exchange(stream, next, &response));
+  EXPECT_EQ(response.results(0).code(), 0) << response.results(0).message();
+  EXPECT_EQ(response.results(0).length(), 3);
+  v1::GetSessionRequest get;
+  get.set_session_id(alice);
+  v1::Session session;
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::GetSession, get, &session, "alice-token").ok());
+  EXPECT_EQ(session.layer_lengths(0), 0);
+  ASSERT_TRUE(stream->WritesDone());
+  EXPECT_TRUE(Ended(stream).ok());
+
+  // Without a token the stream is refused before its first message is run.
+  grpc::ClientContext anonymous;
+  anonymous.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  StreamPtr refused = stub_->ExtendStream(&anonymous);
+  refused->Write(next);  // may fail: the server may have ended the stream already
+  EXPECT_EQ(Ended(refused).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+TEST_F(SessionServiceTest, ExtendStreamEndsWithTheStatusOfAMessageThatFailsAsAWhole) {
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string id = Open();
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  StreamPtr stream = stub_->ExtendStream(&context);
+  v1::ExtendRequest good;
+  *good.add_steps() = Step(id, 0, RandomRows(3, rng));
+  v1::ExtendResponse response;
+  ASSERT_TRUE(Exchange(stream, good, &response));
+  ASSERT_EQ(response.results(0).code(), 0) << response.results(0).message();
+  v1::ExtendRequest empty;  // no steps: Extend would fail as a whole
+  EXPECT_FALSE(Exchange(stream, empty, &response));
+  const grpc::Status status = Ended(stream);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(absl::StartsWith(status.error_message(), "steps")) << status.error_message();
+  EXPECT_EQ(testing::SampleValue(
+                server_->MetricsText(),
+                "attnserve_requests_total{code=\"INVALID_ARGUMENT\",method=\"ExtendStream\"}"),
+            1);
+}
+
+// A server whose compute executor the test holds (BlockableServer), so a
+// message stays queued until the test lets it run.
+server::ServerOptions BlockableOptions() {
+  server::ServerOptions options;
+  options.listen_address = "127.0.0.1:0";
+  return options;
+}
+
+std::string OpenOn(v1::AttentionService::Stub& stub) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::OpenSessionRequest request;
+  request.add_models("default");
+  v1::Session session;
+  EXPECT_TRUE(stub.OpenSession(&context, request, &session).ok());
+  return session.session_id();
+}
+
+int64_t LengthOn(v1::AttentionService::Stub& stub, const std::string& id) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::GetSessionRequest request;
+  request.set_session_id(id);
+  v1::Session session;
+  const grpc::Status status = stub.GetSession(&context, request, &session);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return session.layer_lengths_size() > 0 ? session.layer_lengths(0) : -1;
+}
+
+TEST(ExtendStreamService, ACancelledStreamStopsItsQueuedMessageAndAppendsNothing) {
+  testing::BlockableServer server(BlockableOptions(), kSeed);
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string id = OpenOn(server.stub());
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  StreamPtr stream = server.stub().ExtendStream(&context);
+  v1::ExtendRequest request;
+  *request.add_steps() = Step(id, 0, RandomRows(4, rng));
+  server.Block();
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(server.WaitForQueueDepth(1));
+  context.TryCancel();
+  server.Release();
+  EXPECT_EQ(Ended(stream).error_code(), grpc::StatusCode::CANCELLED);
+  // The step was not appended: the session goes on from 0.
+  EXPECT_EQ(LengthOn(server.stub(), id), 0);
+  const std::function<std::string()> scrape = [&server] { return server.MetricsText(); };
+  EXPECT_TRUE(testing::WaitForSample(
+      scrape, "attnserve_requests_total{code=\"CANCELLED\",method=\"ExtendStream\"}", 1));
+  EXPECT_TRUE(testing::WaitForSample(scrape, "attnserve_queue_depth", 0));
+}
+
+TEST(ExtendStreamService, ADrainAnswersTheMessageRunningThenEndsEveryStreamUnavailable) {
+  testing::BlockableServer server(BlockableOptions(), kSeed);
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string busy_id = OpenOn(server.stub()), idle_id = OpenOn(server.stub());
+  grpc::ClientContext busy_context, idle_context;
+  for (grpc::ClientContext* c : {&busy_context, &idle_context}) {
+    c->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  }
+  StreamPtr busy = server.stub().ExtendStream(&busy_context);
+  StreamPtr idle = server.stub().ExtendStream(&idle_context);
+  // The idle stream has answered a message and waits for the next.
+  v1::ExtendRequest first;
+  *first.add_steps() = Step(idle_id, 0, RandomRows(2, rng));
+  v1::ExtendResponse response;
+  ASSERT_TRUE(Exchange(idle, first, &response));
+  ASSERT_EQ(response.results(0).code(), 0) << response.results(0).message();
+  // The busy one has a message queued behind the held executor.
+  v1::ExtendRequest queued;
+  *queued.add_steps() = Step(busy_id, 0, RandomRows(3, rng));
+  server.Block();
+  ASSERT_TRUE(busy->Write(queued));
+  ASSERT_TRUE(server.WaitForQueueDepth(1));
+  server.service().set_state(server::AttentionServiceImpl::State::kDraining);
+  // The idle stream ends at once, though the executor is still held.
+  const grpc::Status idle_status = Ended(idle);
+  EXPECT_EQ(idle_status.error_code(), grpc::StatusCode::UNAVAILABLE) << idle_status.error_message();
+  EXPECT_FALSE(server.service().WaitForIdle(absl::Now()));  // the queued message is in flight
+  server.Release();
+  // The queued message runs and is answered; then the stream ends.
+  ASSERT_TRUE(busy->Read(&response));
+  EXPECT_EQ(response.results(0).code(), 0) << response.results(0).message();
+  EXPECT_EQ(response.results(0).length(), 3);
+  EXPECT_EQ(Ended(busy).error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_TRUE(server.service().WaitForIdle(absl::Now() + absl::Seconds(60)));
+  // A stream opened during the drain is refused.
+  grpc::ClientContext late_context;
+  late_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  StreamPtr late = server.stub().ExtendStream(&late_context);
+  late->Write(first);  // may fail: the server may have ended the stream already
+  EXPECT_EQ(Ended(late).error_code(), grpc::StatusCode::UNAVAILABLE);
+}
+
+// The whole shutdown (AttnServer::Shutdown: lame duck, drain, stop): an idle
+// stream is told UNAVAILABLE (retryable), not cut off CANCELLED when the
+// server stops.
+TEST_F(SessionServiceTest, ShutdownEndsAnIdleStreamUnavailable) {
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string id = Open();
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  StreamPtr stream = stub_->ExtendStream(&context);
+  v1::ExtendRequest request;
+  *request.add_steps() = Step(id, 0, RandomRows(2, rng));
+  v1::ExtendResponse response;
+  ASSERT_TRUE(Exchange(stream, request, &response));
+  server_->Shutdown();
+  const grpc::Status status = Ended(stream);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  // The drain's own answer, not gRPC ending what is left when the server stops.
+  EXPECT_TRUE(absl::StrContains(status.error_message(), "open the stream again"))
+      << status.error_message();
 }
 
 }  // namespace

@@ -374,6 +374,8 @@ TEST(Metrics, AddedModelsHaveEverySeriesAtZeroAndAnInfoSeries) {
   EXPECT_EQ(exposition.Count("attnserve_batch_tokens", {{"model", "small"}}), 0);
   EXPECT_EQ(exposition.Value("attnserve_tokens_total", {{"model", "small"}}), 0);
   EXPECT_EQ(exposition.Value("attnserve_attention_map_bytes_total", {{"model", "small"}}), 0);
+  EXPECT_EQ(exposition.Count("attnserve_decode_batch_tokens", {{"model", "small"}}), 0);
+  EXPECT_EQ(exposition.Value("attnserve_kv_cache_read_bytes_total", {{"model", "small"}}), 0);
 }
 
 TEST(Metrics, OnlyAddedModelsBecomeLabels) {
@@ -647,6 +649,21 @@ TEST_F(MetricsServerTest, SeriesOfTheBuiltinModelExistBeforeAnyRequest) {
                                                       {"head_dim", "64"}}),
             1);
   EXPECT_EQ(exposition.Value("attnserve_queue_capacity"), ServerOptions().max_queued_requests);
+  // The decode steps' series: each form's step latency, the micro-batches'
+  // tokens and the KV bytes they read, the shared blocks.
+  for (const char* method : {"Extend", "ExtendStream"}) {
+    EXPECT_EQ(exposition.Count("attnserve_decode_step_seconds", {{"method", method}}), 0)
+        << method;
+    for (const char* code : {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE",
+                             "DEADLINE_EXCEEDED", "CANCELLED"}) {
+      EXPECT_EQ(exposition.Value("attnserve_requests_total", {{"method", method}, {"code", code}}),
+                0)
+          << method << " " << code;
+    }
+  }
+  EXPECT_EQ(exposition.Count("attnserve_decode_batch_tokens", {{"model", "default"}}), 0);
+  EXPECT_EQ(exposition.Value("attnserve_kv_cache_read_bytes_total", {{"model", "default"}}), 0);
+  EXPECT_EQ(exposition.Value("attnserve_kv_cache_shared_blocks"), 0);
   for (const char* process : {"process_cpu_seconds_total", "process_resident_memory_bytes",
                               "process_virtual_memory_bytes", "process_open_fds", "process_max_fds",
                               "process_start_time_seconds", "process_threads"}) {

@@ -1,0 +1,230 @@
+#include "client/session_command.h"
+
+#include <algorithm>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/time/time.h"
+#include "client/attend_report.h"
+#include "client/npy.h"
+
+namespace attnserve::client {
+namespace {
+
+absl::Status FlagError(absl::string_view flag, absl::string_view message) {
+  return absl::InvalidArgumentError(absl::StrCat(flag, ": ", message));
+}
+
+bool Takes(const SessionCommand& c, std::initializer_list<const char*> verbs) {
+  return std::any_of(verbs.begin(), verbs.end(), [&](const char* v) { return c.verb == v; });
+}
+
+std::string DtypeName(v1::DataType dtype) {
+  return dtype == v1::DATA_TYPE_BF16 ? "bf16" : "fp32";
+}
+
+// A session as a few lines.
+std::string SessionText(const v1::Session& s) {
+  std::string text = absl::StrCat(s.session_id(), "\n");
+  absl::StrAppend(&text, "  models: ", absl::StrJoin(s.models(), ", "), "\n");
+  absl::StrAppend(&text, "  layer lengths: ", absl::StrJoin(s.layer_lengths(), ", "),
+                  " (max ", s.max_tokens(), " tokens a layer)\n");
+  absl::StrAppendFormat(&text, "  kv: %s, %d blocks, %d bytes\n", DtypeName(s.kv_dtype()),
+                        s.kv_blocks(), s.kv_bytes());
+  absl::StrAppend(&text, "  idle ttl: ",
+                  absl::FormatDuration(absl::Seconds(s.idle_ttl().seconds()) +
+                                       absl::Nanoseconds(s.idle_ttl().nanos())),
+                  ", first position ", s.first_position(), "\n");
+  return text;
+}
+
+absl::StatusOr<std::string> Print(const google::protobuf::Message& message, bool json,
+                                  std::string text) {
+  if (!json) return text;
+  absl::StatusOr<std::string> line = JsonLine(message);
+  if (!line.ok()) return line.status();
+  return absl::StrCat(*line, "\n");
+}
+
+// The extend step's hidden states [n, d_model] as an FP32 tensor: --input's
+// rows, or `tokens` random ones.
+absl::StatusOr<v1::Tensor> StepStates(const AttentionClient& client, const SessionCommand& c,
+                                      const std::string& model) {
+  v1::Tensor tensor;
+  tensor.set_dtype(v1::DATA_TYPE_FP32);
+  std::vector<float> values;
+  if (!c.input.empty()) {
+    absl::StatusOr<NpyArray> array = ReadNpyFile(c.input);
+    if (!array.ok()) return array.status();
+    if (array->shape.size() != 2) {
+      return FlagError("--input", absl::StrCat(c.input, ": must be [tokens, d_model], has ",
+                                               array->shape.size(), " dimensions"));
+    }
+    values = array->ToFloats();
+    for (int64_t d : array->shape) tensor.add_shape(d);
+  } else {
+    absl::StatusOr<v1::ModelInfo> info = client.GetModel(model);
+    if (!info.ok()) return info.status();
+    const int64_t d_model = info->head_config().d_model();
+    std::mt19937_64 rng(c.seed);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    values.resize(static_cast<size_t>(c.tokens * d_model));
+    for (float& v : values) v = normal(rng);
+    tensor.add_shape(c.tokens);
+    tensor.add_shape(d_model);
+  }
+  tensor.set_raw_data(values.data(), values.size() * sizeof(float));
+  return tensor;
+}
+
+absl::StatusOr<std::string> RunExtend(const AttentionClient& client, const SessionCommand& c) {
+  absl::StatusOr<v1::Session> session = client.GetSession(c.session_id);
+  if (!session.ok()) return session.status();
+  const int layer = c.layer < 0 ? 0 : c.layer;
+  if (layer >= session->models_size()) {
+    return FlagError("--layer", absl::StrCat(layer, " is not a layer of the session (it has ",
+                                             session->models_size(), ")"));
+  }
+  absl::StatusOr<v1::Tensor> states = StepStates(client, c, session->models(layer));
+  if (!states.ok()) return states.status();
+  v1::ExtendRequest request;
+  request.set_precision(c.precision == "bf16" ? v1::PRECISION_BF16 : v1::PRECISION_FP32);
+  v1::ExtendStep* step = request.add_steps();
+  step->set_session_id(c.session_id);
+  step->set_layer(layer);
+  step->set_expected_length(c.expected_length >= 0 ? c.expected_length
+                                                   : session->layer_lengths(layer));
+  *step->mutable_hidden_states() = *std::move(states);
+  for (float gate : c.head_mask) step->add_head_mask(gate);
+  absl::StatusOr<v1::ExtendResponse> response = client.Extend(request);
+  if (!response.ok()) return response.status();
+  const v1::ExtendResult& result = response->results(0);
+  if (result.code() != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(result.code()), result.message());
+  }
+  absl::StatusOr<std::vector<float>> output = TensorValues(result.output());
+  if (!output.ok()) return output.status();
+  std::vector<int64_t> shape(result.output().shape().begin(), result.output().shape().end());
+  std::string files;
+  if (!c.save_output.empty()) {
+    if (absl::Status saved = WriteNpyFile(c.save_output, shape, *output); !saved.ok()) {
+      return saved;
+    }
+    files = absl::StrCat("output saved to ", c.save_output, "\n");
+  }
+  std::string text = absl::StrCat(
+      c.session_id, " layer ", layer, ": ", shape.empty() ? 0 : shape[0], " tokens ",
+      result.replayed() ? "replayed (answered before; nothing appended)" : "appended",
+      ", length now ", result.length(), "\n");
+  absl::StrAppend(&text, "output [", absl::StrJoin(shape, ", "), "]: ");
+  const size_t shown = std::min<size_t>(output->size(), 6);
+  for (size_t i = 0; i < shown; ++i) absl::StrAppendFormat(&text, "%s%.6g", i ? " " : "", (*output)[i]);
+  absl::StrAppend(&text, output->size() > shown ? " ...\n" : "\n");
+  absl::StrAppend(&text, "server: ", response->kernel_path(), ", compute ",
+                  absl::FormatDuration(absl::Seconds(response->timing().compute().seconds()) +
+                                       absl::Nanoseconds(response->timing().compute().nanos())),
+                  "\n", files);
+  return Print(*response, c.json, std::move(text));
+}
+
+}  // namespace
+
+absl::Status ValidateSessionCommand(const SessionCommand& c) {
+  if (std::none_of(std::begin(kSessionVerbs), std::end(kSessionVerbs),
+                   [&](const char* v) { return c.verb == v; })) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session: unknown verb '", c.verb, "' (",
+                     absl::StrJoin(kSessionVerbs, ", "), ")"));
+  }
+  if (c.verb == "open") {
+    if (c.models.empty() ||
+        std::any_of(c.models.begin(), c.models.end(), [](const std::string& m) { return m.empty(); })) {
+      return FlagError("--model", "session open needs the layers' models (comma-separated)");
+    }
+    if (c.kv_dtype != "fp32" && c.kv_dtype != "bf16") return FlagError("--kv_dtype", "fp32 or bf16");
+    if (c.max_tokens < 0) return FlagError("--max_tokens", "must be >= 0");
+    if (!(c.ttl_seconds >= 0)) return FlagError("--ttl_seconds", "must be >= 0");
+    if (c.first_position < 0) return FlagError("--first_position", "must be >= 0");
+  } else if (c.session_id.empty()) {
+    return FlagError("--session_id", absl::StrCat("session ", c.verb, " needs the session's id"));
+  }
+  const auto only = [&](bool set, absl::string_view flag,
+                        std::initializer_list<const char*> verbs) -> absl::Status {
+    if (set && !Takes(c, verbs)) {
+      return FlagError(flag, absl::StrCat("session ", c.verb, " does not take it"));
+    }
+    return absl::OkStatus();
+  };
+  for (const absl::Status& status :
+       {only(c.tokens != 0, "--tokens", {"extend"}), only(!c.input.empty(), "--input", {"extend"}),
+        only(c.expected_length >= 0, "--expected_length", {"extend"}),
+        only(!c.head_mask.empty(), "--head_mask", {"extend"}),
+        only(!c.save_output.empty(), "--save_output", {"extend"}),
+        only(c.layer >= 0, "--layer", {"extend", "truncate"}),
+        only(c.length >= 0, "--length", {"truncate"})}) {
+    if (!status.ok()) return status;
+  }
+  if (c.verb == "extend") {
+    if (c.tokens < 0) return FlagError("--tokens", "must be >= 1");
+    if ((c.tokens > 0) == !c.input.empty()) {
+      return FlagError("--tokens", "session extend takes --tokens=N (random) or --input=X.npy, "
+                                   "one of them");
+    }
+    if (c.precision != "fp32" && c.precision != "bf16") {
+      return FlagError("--precision", "fp32 or bf16");
+    }
+  }
+  if (c.verb == "truncate" && c.length < 0) {
+    return FlagError("--length", "session truncate needs the tokens to keep (>= 0)");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> RunSessionCommand(const AttentionClient& client,
+                                              const SessionCommand& c) {
+  if (absl::Status valid = ValidateSessionCommand(c); !valid.ok()) return valid;
+  if (c.verb == "open") {
+    v1::OpenSessionRequest request;
+    for (const std::string& model : c.models) request.add_models(model);
+    request.set_kv_dtype(c.kv_dtype == "bf16" ? v1::DATA_TYPE_BF16 : v1::DATA_TYPE_FP32);
+    request.set_max_tokens(c.max_tokens);
+    if (c.ttl_seconds > 0) {
+      const absl::Duration ttl = absl::Seconds(c.ttl_seconds);
+      request.mutable_idle_ttl()->set_seconds(absl::ToInt64Seconds(ttl));
+      request.mutable_idle_ttl()->set_nanos(
+          static_cast<int32_t>(absl::ToInt64Nanoseconds(ttl % absl::Seconds(1))));
+    }
+    request.set_first_position(c.first_position);
+    absl::StatusOr<v1::Session> session = client.OpenSession(request);
+    if (!session.ok()) return session.status();
+    return Print(*session, c.json, SessionText(*session));
+  }
+  if (c.verb == "extend") return RunExtend(client, c);
+  if (c.verb == "close") {
+    if (absl::Status closed = client.CloseSession(c.session_id); !closed.ok()) return closed;
+    return c.json ? absl::StrCat("{\"closed\": \"", c.session_id, "\"}\n")
+                  : absl::StrCat("closed ", c.session_id, "\n");
+  }
+  absl::StatusOr<v1::Session> session;
+  if (c.verb == "get") {
+    session = client.GetSession(c.session_id);
+  } else if (c.verb == "fork") {
+    session = client.ForkSession(c.session_id);
+  } else {  // truncate
+    v1::TruncateSessionRequest request;
+    request.set_session_id(c.session_id);
+    request.set_all_layers(c.layer < 0);
+    request.set_layer(std::max(c.layer, 0));
+    request.set_length(c.length);
+    session = client.TruncateSession(request);
+  }
+  if (!session.ok()) return session.status();
+  return Print(*session, c.json, SessionText(*session));
+}
+
+}  // namespace attnserve::client
