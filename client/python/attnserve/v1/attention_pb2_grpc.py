@@ -61,6 +61,11 @@ class AttentionServiceStub(object):
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.ExtendRequest.SerializeToString,
                 response_deserializer=attnserve_dot_v1_dot_attention__pb2.ExtendResponse.FromString,
                 )
+        self.ExtendStream = channel.stream_stream(
+                '/attnserve.v1.AttentionService/ExtendStream',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.ExtendRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.ExtendResponse.FromString,
+                )
         self.GetSession = channel.unary_unary(
                 '/attnserve.v1.AttentionService/GetSession',
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.GetSessionRequest.SerializeToString,
@@ -172,6 +177,23 @@ class AttentionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExtendStream(self, request_iterator, context):
+        """Extend as a stream, for one long-lived decoder: each ExtendRequest the
+        client sends is answered by one ExtendResponse, in order, with Extend's
+        rules (validation, retries, owners, limits, metrics); the server reads
+        the next message after answering the one before. A step that fails on
+        its own gets its status in its result and the stream goes on; what would
+        fail an Extend call as a whole (a malformed message, a full queue, the
+        stream's deadline, cancellation) ends the stream with that status (the
+        message's steps are then not appended, or replay on a retry as Extend's
+        do). The client half-closing ends it OK. A server shutting down answers
+        the step in progress, then ends the stream UNAVAILABLE (an idle stream
+        at once).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetSession(self, request, context):
         """Describes a session (NOT_FOUND says whether it is unknown, expired,
         evicted or closed).
@@ -242,6 +264,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
             ),
             'Extend': grpc.unary_unary_rpc_method_handler(
                     servicer.Extend,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.ExtendRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.ExtendResponse.SerializeToString,
+            ),
+            'ExtendStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ExtendStream,
                     request_deserializer=attnserve_dot_v1_dot_attention__pb2.ExtendRequest.FromString,
                     response_serializer=attnserve_dot_v1_dot_attention__pb2.ExtendResponse.SerializeToString,
             ),
@@ -413,6 +440,23 @@ class AttentionService(object):
             timeout=None,
             metadata=None):
         return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/Extend',
+            attnserve_dot_v1_dot_attention__pb2.ExtendRequest.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.ExtendResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ExtendStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(request_iterator, target, '/attnserve.v1.AttentionService/ExtendStream',
             attnserve_dot_v1_dot_attention__pb2.ExtendRequest.SerializeToString,
             attnserve_dot_v1_dot_attention__pb2.ExtendResponse.FromString,
             options, channel_credentials,
