@@ -21,9 +21,10 @@ inline constexpr char kRoutingKeyHeader[] = "attnserve-routing-key";
 
 // A server interceptor factory adding `kReplicaHeader: replica_name` to the
 // initial metadata of every call of every service on the server (health and
-// reflection included), or, for a call that fails before sending anything,
-// to its trailing metadata (so that the answer stays one a client may retry
-// elsewhere). Thread-safe; each call gets its own interceptor.
+// reflection included), and to the trailing metadata of every failed call
+// (a call that fails before sending anything gets it there only, so that its
+// answer stays one a client may retry elsewhere). Thread-safe; each call gets
+// its own interceptor.
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>
 MakeReplicaHeaderInterceptorFactory(std::string replica_name);
 

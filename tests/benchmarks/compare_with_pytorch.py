@@ -30,6 +30,7 @@ Installs python3-torch (with OpenBLAS) through deploy/install_deps.sh when torch
 cannot be imported.
 """
 import argparse
+import atexit
 import json
 import os
 import statistics
@@ -146,8 +147,11 @@ def attnctl_attend(attnctl, target, case, calls):
     return report["latency_ms"]["p50"], report["transport_ms"]["p50"]
 
 
-def start_server(build):
-    server = Server(os.path.join(build, "server", "attnserve"))
+def start_server(build, threads):
+    """The build's attnserve on a free loopback port with `threads` compute
+    threads, SERVING; stopped at this process' exit whatever happens."""
+    server = Server(os.path.join(build, "server", "attnserve"), f"--compute_threads={threads}")
+    atexit.register(server.stop)
     attnctl = os.path.join(build, "client", "attnctl")
     deadline = time.monotonic() + 120
     while subprocess.run([attnctl, "health", f"--target={server.target}"],
@@ -185,7 +189,7 @@ def main():
     ensure_torch()
     server = None
     if args.over_the_wire:
-        server, attnctl = start_server(args.build)
+        server, attnctl = start_server(args.build, args.threads)
     binary = os.path.join(args.build, "tests", "benchmarks", "attention_layer_benchmark")
     cases = QUICK_CASES if args.quick else (
         parse_shapes(args.shapes) if args.shapes else DEFAULT_CASES)

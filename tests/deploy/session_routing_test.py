@@ -187,7 +187,8 @@ class SessionsAcrossReplicas(unittest.TestCase):
                     self.assertEqual(code, 0, message)
                     self.assertEqual(replica, session.replica)
             else:
-                self.assertEqual(code, 0, f"{session.key} on {session.replica} noticed: {message}")
+                self.assertEqual(code, 0, f"{session.key} on {session.replica} noticed: {message}; "
+                                          f"the proxy's replicas: {self.proxy.server_states()}")
                 self.assertEqual(replica, session.replica)
 
         # It comes back on its address: only the keys that were its own move back.
