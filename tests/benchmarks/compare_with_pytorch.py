@@ -147,10 +147,12 @@ def attnctl_attend(attnctl, target, case, calls):
     return report["latency_ms"]["p50"], report["transport_ms"]["p50"]
 
 
-def start_server(build, threads):
+def start_server(build, threads, max_seq):
     """The build's attnserve on a free loopback port with `threads` compute
-    threads, SERVING; stopped at this process' exit whatever happens."""
-    server = Server(os.path.join(build, "server", "attnserve"), f"--compute_threads={threads}")
+    threads, taking sequences of max_seq tokens, SERVING; stopped at this
+    process' exit whatever happens."""
+    server = Server(os.path.join(build, "server", "attnserve"), f"--compute_threads={threads}",
+                    f"--max_seq_len={max(max_seq, 2048)}")
     atexit.register(server.stop)
     attnctl = os.path.join(build, "client", "attnctl")
     deadline = time.monotonic() + 120
@@ -187,12 +189,12 @@ def main():
     parser.add_argument("--wire_calls", type=int, default=30, help="calls per round over the wire")
     args = parser.parse_args()
     ensure_torch()
-    server = None
-    if args.over_the_wire:
-        server, attnctl = start_server(args.build, args.threads)
     binary = os.path.join(args.build, "tests", "benchmarks", "attention_layer_benchmark")
     cases = QUICK_CASES if args.quick else (
         parse_shapes(args.shapes) if args.shapes else DEFAULT_CASES)
+    server = None
+    if args.over_the_wire:
+        server, attnctl = start_server(args.build, args.threads, max(c[1] for c in cases))
     header = ("shape", "mode", "precision", "ours ms", "PyTorch ms", "ratio", "of ceiling",
               "floor ms", "best ratio", "RSS ours MiB", "RSS torch MiB", "our path")
     if server:
