@@ -24,6 +24,8 @@ struct KvLayout {
   friend bool operator==(const KvLayout&, const KvLayout&) = default;
   // Bytes of one cached element: 4 (FP32) or 2 (BF16).
   int64_t element_bytes() const { return precision == KvPrecision::kBf16 ? 2 : 4; }
+  // Bytes of one cached token: its keys and values in every KV head.
+  int64_t token_bytes() const { return 2 * int64_t{num_kv_heads} * head_dim * element_bytes(); }
 };
 
 // Blocks start at, and their sizes are multiples of, this (a cache line, the

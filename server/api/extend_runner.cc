@@ -280,9 +280,7 @@ absl::Status RunGroup(const v1::ExtendRequest& request, const StepGroup& group, 
     for (const core::ExtendItem& item : items) {
       if (!item.status.ok()) continue;
       tokens += static_cast<int64_t>(item.output.size()) / config.d_model;
-      const core::KvLayout& layout = item.cache->layout();
-      kv_read_bytes += item.cache->length() * 2 * layout.num_kv_heads * layout.head_dim *
-                       layout.element_bytes();
+      kv_read_bytes += item.cache->length() * item.cache->layout().token_bytes();
     }
     if (computed != nullptr) {
       computed->push_back({group.model->name, ran->kernel_path, tokens, kv_read_bytes,

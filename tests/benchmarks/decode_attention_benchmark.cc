@@ -160,7 +160,7 @@ void BM_PagedDecode(benchmark::State& state) {
   const int64_t seqs = state.range(0), context = state.range(1);
   const int heads = static_cast<int>(state.range(2)), kv_heads = static_cast<int>(state.range(3));
   const KvLayout layout{kv_heads, 64, state.range(4) ? KvPrecision::kBf16 : KvPrecision::kFp32};
-  const int64_t call_bytes = seqs * context * kv_heads * 64 * 2 * layout.element_bytes();
+  const int64_t call_bytes = seqs * context * layout.token_bytes();
   // Groups of `seqs` sequences, rotated so that their KV is >= 4x L3.
   const int64_t groups = std::max<int64_t>(2, (4 * L3Bytes() + call_bytes - 1) / call_bytes);
   const int block_tokens = 32;
@@ -260,7 +260,7 @@ void BM_ExtendStep(benchmark::State& state) {
       AttentionLayer::Create(config, SeededWeights(config, 7)).value();
   const KvLayout layout{static_cast<int>(config.num_kv_heads), 64,
                         state.range(5) ? KvPrecision::kBf16 : KvPrecision::kFp32};
-  const int64_t kv_bytes = seqs * context * config.kv_width() * 2 * layout.element_bytes();
+  const int64_t kv_bytes = seqs * context * layout.token_bytes();
   const int64_t weight_bytes =
       4 * (config.d_model * (config.q_width() + 2 * config.kv_width()) +
            config.q_width() * config.d_model);

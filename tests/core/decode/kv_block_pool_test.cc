@@ -53,6 +53,9 @@ TEST(KvBlockPool, BlocksHoldKThenVOfEveryHeadAndAre64ByteAligned) {
   EXPECT_EQ(KvValueRowsOffset(kLayout, kBlockTokens, 0), 8192);
   // 2 * 1 head * 3 tokens * 5 * 2 bytes = 60, rounded up to a cache line.
   EXPECT_EQ(KvBlockBytes({1, 5, KvPrecision::kBf16}, 3), 64);
+  // One token's K and V over every head, unpadded: 2 * 1 * 5 * 2 bytes.
+  EXPECT_EQ((KvLayout{1, 5, KvPrecision::kBf16}.token_bytes()), 20);
+  EXPECT_EQ((KvLayout{4, 64, KvPrecision::kFp32}.token_bytes()), 2048);
   std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(8);
   std::vector<KvBlockHandle> blocks;
   ASSERT_THAT(pool->AllocateBlocks(kLayout, 8, blocks), IsOk());
