@@ -12,6 +12,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/time/time.h"
 #include "client/attention_client.h"
 #include "client/bench.h"
 #include "client/heatmap.h"
@@ -318,6 +319,10 @@ void SetStatistic(Struct& s, const std::string& key, const v1::Tensor& tensor) {
 
 double DurationMillis(const google::protobuf::Duration& d) {
   return static_cast<double>(d.seconds()) * 1e3 + static_cast<double>(d.nanos()) * 1e-6;
+}
+
+std::string DurationText(const google::protobuf::Duration& d) {
+  return absl::FormatDuration(absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos()));
 }
 
 absl::StatusOr<std::string> FormatAttendJson(const AttendCall& call,

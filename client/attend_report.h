@@ -41,6 +41,8 @@ absl::StatusOr<std::string> JsonLine(const google::protobuf::Message& message);
 
 // A protobuf Duration in milliseconds.
 double DurationMillis(const google::protobuf::Duration& d);
+// A protobuf Duration as absl::FormatDuration writes it ("1.5ms", "30s").
+std::string DurationText(const google::protobuf::Duration& d);
 
 // `attnctl attend --json`: one JSON object (one line) of what the server
 // returned -- model, kernel_path, precision (enum name); output and

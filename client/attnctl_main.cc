@@ -287,10 +287,6 @@ void NoteNpyConversion(const std::string& path) {
   if (!note.empty()) std::fprintf(stderr, "attnctl: %s: %s\n", path.c_str(), note.c_str());
 }
 
-std::string DurationText(const google::protobuf::Duration& d) {
-  return absl::FormatDuration(absl::Seconds(d.seconds()) + absl::Nanoseconds(d.nanos()));
-}
-
 void PrintModel(const v1::ModelInfo& model) {
   if (model.state() == v1::MODEL_STATE_LOADING || model.state() == v1::MODEL_STATE_FAILED) {
     std::printf("%s  [%s]\n", model.name().c_str(),

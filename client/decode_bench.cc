@@ -14,24 +14,12 @@
 #include "client/attend_report.h"
 #include "client/bench.h"
 #include "client/extend_stream.h"
+#include "client/request_builder.h"
 
 namespace attnserve::client {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// `n` tokens of standard-normal hidden states as an FP32 tensor [n, d_model].
-v1::Tensor RandomStates(int64_t n, int64_t d_model, std::mt19937_64& rng) {
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> values(static_cast<size_t>(n * d_model));
-  for (float& v : values) v = normal(rng);
-  v1::Tensor tensor;
-  tensor.set_dtype(v1::DATA_TYPE_FP32);
-  tensor.add_shape(n);
-  tensor.add_shape(d_model);
-  tensor.set_raw_data(values.data(), values.size() * sizeof(float));
-  return tensor;
-}
 
 // One Extend message of `tokens` new tokens for every session at `length`,
 // as an Extend call or on `stream`; the first failed step's status as the
@@ -45,7 +33,7 @@ absl::StatusOr<v1::ExtendResponse> ExtendAll(const AttentionClient& client, Exte
     v1::ExtendStep* step = request.add_steps();
     step->set_session_id(id);
     step->set_expected_length(length);
-    *step->mutable_hidden_states() = RandomStates(tokens, d_model, rng);
+    *step->mutable_hidden_states() = RandomStateRows(tokens, d_model, rng);
   }
   absl::StatusOr<v1::ExtendResponse> response =
       stream != nullptr ? stream->Extend(request) : client.Extend(request);

@@ -122,6 +122,9 @@ void SetFloatTensor(v1::Tensor* tensor, std::vector<int64_t> shape,
 }
 
 // The BF16 word nearest to `value` (ties to even); NaN stays a quiet NaN.
+// core::FloatToBf16's rounding again: client/ may not include core/ (the
+// layering test), and request_builder_test holds this one to an independent
+// rounding.
 uint16_t Bf16Bits(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
@@ -235,6 +238,15 @@ std::string PrecisionText(v1::Precision precision) {
     default:
       return "unspecified";
   }
+}
+
+v1::Tensor RandomStateRows(int64_t n, int64_t d_model, std::mt19937_64& rng) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> values(static_cast<size_t>(n * d_model));
+  for (float& v : values) v = normal(rng);
+  v1::Tensor tensor;
+  SetFloatTensor(&tensor, {n, d_model}, values);
+  return tensor;
 }
 
 absl::Status ValidateAttendOptions(const AttendOptions& o) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -121,6 +122,10 @@ absl::StatusOr<AttendCall> BuildAttendRequest(const AttendOptions& options,
 
 // "fp32", "bf16" or "unspecified".
 std::string PrecisionText(v1::Precision precision);
+
+// `n` tokens of standard-normal hidden states drawn from `rng`, as an FP32
+// tensor [n, d_model] (a decode session's new tokens).
+v1::Tensor RandomStateRows(int64_t n, int64_t d_model, std::mt19937_64& rng);
 
 }  // namespace attnserve::client
 

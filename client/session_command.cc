@@ -12,6 +12,7 @@
 #include "absl/time/time.h"
 #include "client/attend_report.h"
 #include "client/npy.h"
+#include "client/request_builder.h"
 
 namespace attnserve::client {
 namespace {
@@ -37,8 +38,7 @@ std::string SessionText(const v1::Session& s) {
   absl::StrAppendFormat(&text, "  kv: %s, %d blocks, %d bytes\n", DtypeName(s.kv_dtype()),
                         s.kv_blocks(), s.kv_bytes());
   absl::StrAppend(&text, "  idle ttl: ",
-                  absl::FormatDuration(absl::Seconds(s.idle_ttl().seconds()) +
-                                       absl::Nanoseconds(s.idle_ttl().nanos())),
+                  DurationText(s.idle_ttl()),
                   ", first position ", s.first_position(), "\n");
   return text;
 }
@@ -55,29 +55,22 @@ absl::StatusOr<std::string> Print(const google::protobuf::Message& message, bool
 // rows, or `tokens` random ones.
 absl::StatusOr<v1::Tensor> StepStates(const AttentionClient& client, const SessionCommand& c,
                                       const std::string& model) {
-  v1::Tensor tensor;
-  tensor.set_dtype(v1::DATA_TYPE_FP32);
-  std::vector<float> values;
-  if (!c.input.empty()) {
-    absl::StatusOr<NpyArray> array = ReadNpyFile(c.input);
-    if (!array.ok()) return array.status();
-    if (array->shape.size() != 2) {
-      return FlagError("--input", absl::StrCat(c.input, ": must be [tokens, d_model], has ",
-                                               array->shape.size(), " dimensions"));
-    }
-    values = array->ToFloats();
-    for (int64_t d : array->shape) tensor.add_shape(d);
-  } else {
+  if (c.input.empty()) {
     absl::StatusOr<v1::ModelInfo> info = client.GetModel(model);
     if (!info.ok()) return info.status();
-    const int64_t d_model = info->head_config().d_model();
     std::mt19937_64 rng(c.seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    values.resize(static_cast<size_t>(c.tokens * d_model));
-    for (float& v : values) v = normal(rng);
-    tensor.add_shape(c.tokens);
-    tensor.add_shape(d_model);
+    return RandomStateRows(c.tokens, info->head_config().d_model(), rng);
   }
+  absl::StatusOr<NpyArray> array = ReadNpyFile(c.input);
+  if (!array.ok()) return array.status();
+  if (array->shape.size() != 2) {
+    return FlagError("--input", absl::StrCat(c.input, ": must be [tokens, d_model], has ",
+                                             array->shape.size(), " dimensions"));
+  }
+  const std::vector<float> values = array->ToFloats();
+  v1::Tensor tensor;
+  tensor.set_dtype(v1::DATA_TYPE_FP32);
+  for (int64_t d : array->shape) tensor.add_shape(d);
   tensor.set_raw_data(values.data(), values.size() * sizeof(float));
   return tensor;
 }
@@ -126,8 +119,7 @@ absl::StatusOr<std::string> RunExtend(const AttentionClient& client, const Sessi
   for (size_t i = 0; i < shown; ++i) absl::StrAppendFormat(&text, "%s%.6g", i ? " " : "", (*output)[i]);
   absl::StrAppend(&text, output->size() > shown ? " ...\n" : "\n");
   absl::StrAppend(&text, "server: ", response->kernel_path(), ", compute ",
-                  absl::FormatDuration(absl::Seconds(response->timing().compute().seconds()) +
-                                       absl::Nanoseconds(response->timing().compute().nanos())),
+                  DurationText(response->timing().compute()),
                   "\n", files);
   return Print(*response, c.json, std::move(text));
 }
@@ -166,7 +158,12 @@ absl::Status ValidateSessionCommand(const SessionCommand& c) {
         only(!c.head_mask.empty(), "--head_mask", {"extend"}),
         only(!c.save_output.empty(), "--save_output", {"extend"}),
         only(c.layer >= 0, "--layer", {"extend", "truncate"}),
-        only(c.length >= 0, "--length", {"truncate"})}) {
+        only(c.length >= 0, "--length", {"truncate"}),
+        only(c.precision != "fp32", "--precision", {"extend"}),
+        only(c.kv_dtype != "fp32", "--kv_dtype", {"open"}),
+        only(c.max_tokens != 0, "--max_tokens", {"open"}),
+        only(c.ttl_seconds != 0, "--ttl_seconds", {"open"}),
+        only(c.first_position != 0, "--first_position", {"open"})}) {
     if (!status.ok()) return status;
   }
   if (c.verb == "extend") {

@@ -1,8 +1,8 @@
 #ifndef ATTNSERVE_CLIENT_SESSION_COMMAND_H_
 #define ATTNSERVE_CLIENT_SESSION_COMMAND_H_
 
-// `attnctl session <verb>`: decode sessions from the shell, one RPC (or two)
-// a command.
+// `attnctl session <verb>`: decode sessions from the shell, one RPC a command
+// (extend with random --tokens asks the session and its model first: three).
 
 #include <cstdint>
 #include <string>
@@ -49,8 +49,8 @@ inline constexpr const char* kSessionVerbs[] = {"open", "extend", "get",
 // OK when `command` can be run; else INVALID_ARGUMENT naming the flag (or
 // the verb), found before any call: an unknown verb, a missing --session_id,
 // --model for open, --tokens and --input both or neither for extend, a
-// --length for truncate, a value out of range, a flag the verb does not
-// take. Needs no server. Thread-safe.
+// --length for truncate, a value out of range, a flag the verb does not take
+// given a value other than its default. Needs no server. Thread-safe.
 absl::Status ValidateSessionCommand(const SessionCommand& command);
 
 // Runs a valid `command` and returns what to print (lines ending in a newline;

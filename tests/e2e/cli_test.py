@@ -158,6 +158,9 @@ class UsageErrors(unittest.TestCase):
                              "--input=x.npy"], "--tokens"),
                            (["session", "truncate", "--session_id=ab"], "--length"),
                            (["session", "get", "--session_id=ab", "--tokens=2"], "--tokens"),
+                           (["session", "get", "--session_id=ab", "--max_tokens=5"], "--max_tokens"),
+                           (["session", "fork", "--session_id=ab", "--kv_dtype=bf16"], "--kv_dtype"),
+                           (["session", "close", "--session_id=ab", "--precision=bf16"], "--precision"),
                            (["session", "open", "--model="], "--model"),
                            (["session", "open", "--kv_dtype=fp8"], "--kv_dtype")]:
             self.check_usage_error(ARGS.attnctl, [*args, target], flag)
