@@ -42,3 +42,14 @@ def _messages():
 
 
 HealthCheckRequest, HealthCheckResponse = _messages()
+SERVING = 1  # HealthCheckResponse.ServingStatus
+
+
+def callables(channel):
+    """(Check, Watch) multi-callables of the health service on `channel`
+    (grpc's or grpc.aio's)."""
+    check = channel.unary_unary(CHECK, request_serializer=HealthCheckRequest.SerializeToString,
+                                response_deserializer=HealthCheckResponse.FromString)
+    watch = channel.unary_stream(WATCH, request_serializer=HealthCheckRequest.SerializeToString,
+                                 response_deserializer=HealthCheckResponse.FromString)
+    return check, watch

@@ -32,12 +32,7 @@ class Client:
         self._metadata = token_metadata(token)
         self._channel = make_channel(grpc.aio, target, tls, options, max_receive_message_bytes)
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
-        self._check = self._channel.unary_unary(
-            _health.CHECK, request_serializer=_health.HealthCheckRequest.SerializeToString,
-            response_deserializer=_health.HealthCheckResponse.FromString)
-        self._watch = self._channel.unary_stream(
-            _health.WATCH, request_serializer=_health.HealthCheckRequest.SerializeToString,
-            response_deserializer=_health.HealthCheckResponse.FromString)
+        self._check, self._watch = _health.callables(self._channel)
 
     async def close(self):
         """Closes the channel; calls in flight are cancelled."""
@@ -120,7 +115,7 @@ class Client:
                            metadata=self._metadata, wait_for_ready=True)
         try:
             async for response in call:
-                if response.status == 1:  # SERVING
+                if response.status == _health.SERVING:
                     call.cancel()
                     return
         except grpc.RpcError as e:
