@@ -36,7 +36,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
@@ -154,15 +153,8 @@ def start_server(build, threads, max_seq):
     server = Server(os.path.join(build, "server", "attnserve"), f"--compute_threads={threads}",
                     f"--max_seq_len={max(max_seq, 2048)}")
     atexit.register(server.stop)
-    attnctl = os.path.join(build, "client", "attnctl")
-    deadline = time.monotonic() + 120
-    while subprocess.run([attnctl, "health", f"--target={server.target}"],
-                         capture_output=True).returncode != 0:
-        if time.monotonic() > deadline:
-            server.stop()
-            raise RuntimeError("attnserve did not become SERVING")
-        time.sleep(0.1)
-    return server, attnctl
+    server.wait_serving(120)
+    return server, os.path.join(build, "client", "attnctl")
 
 
 def parse_shapes(text):

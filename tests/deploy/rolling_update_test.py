@@ -120,7 +120,7 @@ class Replica:
         return self.last_ok
 
     def serving(self):
-        return any("SERVING (" in line for line in list(self.server.log))
+        return self.server.logged_serving()
 
     def stop(self):
         self.server.stop()

@@ -63,8 +63,7 @@ class Replica:
             return None
 
         self.metrics_port = wait_until(f"replica {index}'s metrics port", metrics_port, 30)
-        wait_until(f"replica {index} SERVING", lambda: any("SERVING (" in l for l in list(self.server.log)),
-                   60)
+        self.server.wait_serving()
 
     def attend_counts(self, method="Attend"):
         """{code: attnserve_requests_total{method=method}} from /metrics (every

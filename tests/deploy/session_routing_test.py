@@ -57,8 +57,7 @@ class Replica:
             flags.append(f"--listen_address=127.0.0.1:{port}")  # the last one given wins
         self.server = Server(ARGS.server, *flags)
         self.port = self.server.port
-        wait_until(f"{self.name} SERVING",
-                   lambda: any("SERVING (" in line for line in list(self.server.log)), 60)
+        self.server.wait_serving()
 
     def kill(self):
         self.server.proc.send_signal(signal.SIGKILL)

@@ -162,6 +162,14 @@ class Server:
             raise RuntimeError("attnserve did not report its port")
         self.target = f"127.0.0.1:{self.port}"
 
+    def logged_serving(self):
+        """Whether the server has logged that it serves (its models loaded and warm)."""
+        return any("SERVING (" in line for line in list(self.log))
+
+    def wait_serving(self, timeout=60):
+        """Waits until the server logs that it serves (AssertionError after `timeout` s)."""
+        wait_until("attnserve SERVING", self.logged_serving, timeout)
+
     def scrape_text(self):
         """The server's /metrics exposition text (once its metrics port is known)."""
         if not self._metrics_seen.wait(60):
