@@ -96,6 +96,10 @@ absl::StatusOr<std::string> RunExtend(const AttentionClient& client, const Sessi
   for (float gate : c.head_mask) step->add_head_mask(gate);
   absl::StatusOr<v1::ExtendResponse> response = client.Extend(request);
   if (!response.ok()) return response.status();
+  if (response->results_size() != 1) {
+    return absl::InternalError(absl::StrCat("the server answered one step with ",
+                                            response->results_size(), " results"));
+  }
   const v1::ExtendResult& result = response->results(0);
   if (result.code() != 0) {
     return absl::Status(static_cast<absl::StatusCode>(result.code()), result.message());
