@@ -29,10 +29,11 @@ import time
 import unittest
 import urllib.request
 
+import numpy as np
 import yaml
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
-from harness import Server, stop_process  # noqa: E402
+from harness import PACKAGE_DIR, Server, stop_process, write_safetensors  # noqa: E402
 
 ARGS = None
 READY_SERVICES = ("attnserve.v1.AttentionService", "")
@@ -374,11 +375,13 @@ KUSTOMIZATIONS = {
     "base": WORKLOAD_KINDS,
     "overlays/model-repository": WORKLOAD_KINDS | {"PersistentVolumeClaim"},
     "monitoring": {"PodMonitor", "PrometheusRule", "ConfigMap"},
+    "kserve": {"ServingRuntime", "InferenceService"},
 }
 API_VERSIONS = {"Deployment": "apps/v1", "Service": "v1", "HorizontalPodAutoscaler": "autoscaling/v2",
                 "PodDisruptionBudget": "policy/v1", "NetworkPolicy": "networking.k8s.io/v1",
                 "PersistentVolumeClaim": "v1", "PodMonitor": "monitoring.coreos.com/v1",
-                "PrometheusRule": "monitoring.coreos.com/v1", "ConfigMap": "v1"}
+                "PrometheusRule": "monitoring.coreos.com/v1", "ConfigMap": "v1",
+                "ServingRuntime": "serving.kserve.io/v1alpha1", "InferenceService": "serving.kserve.io/v1beta1"}
 REQUIRED_FIELDS = {
     "Deployment": ["spec.selector.matchLabels", "spec.template.metadata.labels", "spec.template.spec.containers"],
     "Service": ["spec.selector", "spec.ports"],
@@ -389,6 +392,9 @@ REQUIRED_FIELDS = {
     "PodMonitor": ["spec.selector.matchLabels", "spec.podMetricsEndpoints"],
     "PrometheusRule": ["spec.groups"],
     "ConfigMap": ["data"],
+    "ServingRuntime": ["spec.supportedModelFormats", "spec.protocolVersions", "spec.containers"],
+    "InferenceService": ["spec.predictor.model.modelFormat.name", "spec.predictor.model.runtime",
+                         "spec.predictor.model.protocolVersion", "spec.predictor.model.storageUri"],
 }
 GRPC_CODES = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
               "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",
@@ -570,6 +576,99 @@ class Kustomizations(unittest.TestCase):
             self.assertEqual(deployment["spec"]["template"]["spec"]["containers"][0]["image"],
                              "registry.invalid/team/attnserve:9.8.7")
         finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+class KServe(unittest.TestCase):
+    """deploy/k8s/kserve: attnserve as a KServe ServingRuntime and an
+    InferenceService that uses it. KServe's CRDs are not available offline, so
+    the objects are checked against KServe's documented fields by the checks
+    here, not by KServe's own schema; the runtime's command line is run for
+    real on a model repository laid out as KServe mounts one."""
+
+    @classmethod
+    def setUpClass(cls):
+        objects = render(k8s_path("kserve"))
+        cls.runtime = objects[("ServingRuntime", "attnserve")]
+        cls.service = objects[("InferenceService", "attnserve")]
+        cls.container = cls.runtime["spec"]["containers"][0]
+
+    def test_the_inference_service_uses_the_runtime_for_a_format_and_protocol_it_declares(self):
+        model = self.service["spec"]["predictor"]["model"]
+        self.assertEqual(model["runtime"], self.runtime["metadata"]["name"])
+        formats = {(f["name"], str(f.get("version", ""))) for f in self.runtime["spec"]["supportedModelFormats"]}
+        self.assertIn((model["modelFormat"]["name"], str(model["modelFormat"].get("version", ""))), formats)
+        self.assertIn(model["protocolVersion"], self.runtime["spec"]["protocolVersions"])
+        # grpc-v2 is the Open Inference Protocol's gRPC form, which attnserve
+        # serves on its gRPC port; KServe's REST v2 would need the HTTP port.
+        self.assertEqual(self.runtime["spec"]["protocolVersions"], ["grpc-v2"])
+
+    def test_the_one_routed_port_is_the_grpc_port_named_h2c(self):
+        self.assertEqual(self.container["name"], "kserve-container")
+        grpc, _, _, _ = server_settings(self.container["args"])
+        self.assertEqual([(p["name"], p["containerPort"]) for p in self.container["ports"]], [("h2c", grpc)])
+
+    def test_the_server_reads_the_models_where_kserve_mounts_them(self):
+        self.assertEqual(flag_values(self.container["args"]).get("model_repository"), "/mnt/models")
+
+    def test_the_image_is_this_versions_and_runs_as_the_images_non_root_user(self):
+        self.assertEqual(self.container["image"], f"attnserve:{project_version()}")
+        for obj in (self.runtime, self.service):
+            self.assertEqual(str(obj["metadata"]["labels"]["app.kubernetes.io/version"]), project_version())
+        _, user, _ = dockerfile_final_stage()
+        security = self.container["securityContext"]
+        self.assertTrue(security["runAsNonRoot"])
+        self.assertEqual(str(security["runAsUser"]), user)
+        self.assertFalse(security["allowPrivilegeEscalation"])
+        self.assertTrue(security["readOnlyRootFilesystem"])
+
+    def test_resources_fit_the_compute_threads_and_the_memory_budget(self):
+        resources = self.container["resources"]
+        self.assertEqual(resources["requests"], resources["limits"], "Guaranteed QoS, as the base")
+        flags = flag_values(self.container["args"])
+        self.assertEqual(float(resources["limits"]["cpu"]), int(flags["compute_threads"]))
+        limit = resources["limits"]["memory"]
+        self.assertRegex(limit, r"^\d+Gi$")
+        self.assertLess(int(flags["max_rss_bytes"]), int(limit[:-2]) << 30)
+        self.assertLess(int(flags["max_inflight_bytes"]), int(flags["max_rss_bytes"]))
+
+    def test_the_runtimes_command_line_serves_a_repository_laid_out_as_kserve_mounts_it(self):
+        # KServe's storage initializer puts storageUri's folder at /mnt/models:
+        # here a folder with one model, and the runtime's own arguments but the
+        # addresses (free loopback ports) and the folder.
+        rng = np.random.default_rng()
+        work = tempfile.mkdtemp(prefix="attnserve-kserve-")
+        server = None
+        try:
+            d, heads = 32, 4
+            folder = os.path.join(work, "models", "encoder")
+            os.makedirs(folder)
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump({"layout": "torch_mha", "prefix": "attn.", "d_model": d, "num_heads": heads}, f)
+            write_safetensors(os.path.join(folder, "model.safetensors"), {
+                "attn.in_proj_weight": (rng.normal(size=(3 * d, d)) * 0.2, "F32"),
+                "attn.in_proj_bias": (rng.normal(size=3 * d) * 0.2, "F32"),
+                "attn.out_proj.weight": (rng.normal(size=(d, d)) * 0.2, "F32"),
+                "attn.out_proj.bias": (rng.normal(size=d) * 0.2, "F32")})
+            args = []
+            for a in self.container["args"]:
+                name = a.split("=", 1)[0]
+                if name in ("--listen_address", "--metrics_address"):
+                    continue  # the harness binds free loopback ports
+                args.append(a.replace("/mnt/models", os.path.join(work, "models")))
+            server = Server(ARGS.server, *args)
+            server.wait_serving(timeout=120)
+            sys.path.insert(0, PACKAGE_DIR)
+            import attnserve  # noqa: E402  (the Python package, from this checkout)
+            with attnserve.Client(server.target) as client:
+                self.assertEqual([m.name for m in client.models()], ["encoder"])
+                x = rng.normal(size=(1, 5, d)).astype(np.float32)
+                out = client.attend(x, model="encoder").output
+                self.assertEqual(out.shape, (1, 5, d))
+                self.assertTrue(np.isfinite(out).all())
+        finally:
+            if server is not None:
+                server.stop()
             shutil.rmtree(work, ignore_errors=True)
 
 
