@@ -226,6 +226,51 @@ class SessionsAcrossReplicas(unittest.TestCase):
                 self.assertEqual(code, 0, message)
                 self.check_output(session, replica, output, n)
 
+    def test_the_python_packages_routing_key_keeps_each_sessions_calls_on_its_replica(self):
+        # attnserve.Client.open_session(routing_key=...): every call of the
+        # session and of its forks carries the key. A call that reached another
+        # replica would find no such session (NOT_FOUND), and the outputs are
+        # checked against the weights of the replica that opened the session.
+        import attnserve
+        rng = np.random.default_rng()
+        with attnserve.Client(self.proxy.address, timeout=60) as client:
+            sessions = [client.open_session(routing_key=uuid.uuid4().hex) for _ in range(12)]
+            self.assertLessEqual({s.replica for s in sessions}, set(self.replicas))
+            self.assertGreaterEqual(len({s.replica for s in sessions}), 2, "12 keys on one replica")
+            for session in sessions:
+                tokens = np.zeros((0, D_MODEL), np.float32)
+                for n in (3, 1, 1):
+                    rows = rng.standard_normal((n, D_MODEL)).astype(np.float32)
+                    tokens = np.concatenate([tokens, rows])
+                    output = session.extend(rows).output
+                    mirror = Session(session.routing_key)
+                    mirror.tokens = tokens
+                    self.check_output(mirror, session.replica, output, n)
+                self.assertEqual(list(session.info().layer_lengths), [5])
+                fork = session.fork()
+                self.assertEqual((fork.routing_key, fork.replica), (session.routing_key, session.replica))
+                fork.truncate(4)
+                rows = rng.standard_normal((1, D_MODEL)).astype(np.float32)
+                mirror = Session(session.routing_key)
+                mirror.tokens = np.concatenate([tokens[:4], rows])
+                self.check_output(mirror, session.replica, fork.extend(rows).output, 1)
+                fork.close()
+                session.close()
+            # A micro-batch: the sessions of one key share a replica and a call.
+            key = uuid.uuid4().hex
+            group = [client.open_session(routing_key=key) for _ in range(3)]
+            self.assertEqual(len({s.replica for s in group}), 1)
+            results = client.extend([s.step(rng.standard_normal((2, D_MODEL)).astype(np.float32)) for s in group])
+            self.assertEqual([r.ok for r in results], [True] * 3)
+            other = client.open_session(routing_key=uuid.uuid4().hex)
+            with self.assertRaisesRegex(ValueError, "different routing keys"):
+                client.extend([group[0].step(np.zeros((1, D_MODEL), np.float32)),
+                               other.step(np.zeros((1, D_MODEL), np.float32))])
+            with self.assertRaisesRegex(ValueError, "routing_key"):
+                client.open_session(routing_key="bad\nkey")
+            for s in group + [other]:
+                s.close()
+
 
 def main():
     global ARGS

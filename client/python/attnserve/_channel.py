@@ -68,3 +68,26 @@ def token_metadata(token):
     if not token:
         raise ValueError("token: empty")
     return (("authorization", f"Bearer {token}"),)
+
+
+ROUTING_KEY_HEADER = "attnserve-routing-key"
+REPLICA_HEADER = "attnserve-replica"
+
+
+def call_metadata(token_md, routing_key):
+    """A call's metadata: the bearer token's (token_metadata) and, for a decode
+    session's calls, its routing key (None: none)."""
+    if routing_key is None:
+        return token_md
+    if not isinstance(routing_key, str) or not routing_key or not all(" " <= c <= "~" for c in routing_key):
+        raise ValueError(f"routing_key: a non-empty string of printable ASCII, got {routing_key!r}")
+    return (*(token_md or ()), (ROUTING_KEY_HEADER, routing_key))
+
+
+def replica_of(initial_metadata):
+    """The replica an answer names in its attnserve-replica header, or None."""
+    # (key, value) pairs: a tuple (grpc) or grpc.aio.Metadata, which iterates as pairs.
+    for key, value in initial_metadata or ():
+        if key == REPLICA_HEADER:
+            return value
+    return None

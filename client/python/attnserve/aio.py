@@ -14,8 +14,8 @@ import grpc
 import grpc.aio
 
 from . import _health, messages
-from ._channel import DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, make_channel, token_metadata
-from .client import SessionState, Step, record_steps, step_tuples
+from ._channel import DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, call_metadata, make_channel, replica_of, token_metadata
+from .client import SessionState, Step, record_steps, step_tuples, steps_routing_key
 from .errors import NotFoundError, UnavailableError, error_from_rpc
 from .v1 import attention_pb2 as pb, attention_pb2_grpc as pb_grpc
 
@@ -49,10 +49,20 @@ class Client:
         """The generated AttentionServiceStub on this client's grpc.aio channel."""
         return self._stub
 
-    async def _call(self, method, request, timeout, **kwargs):
+    async def _call(self, method, request, timeout, routing_key=None, **kwargs):
         try:
             return await method(request, timeout=self.timeout if timeout is None else timeout,
-                                metadata=self._metadata, **kwargs)
+                                metadata=call_metadata(self._metadata, routing_key), **kwargs)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e) from e
+
+    async def _call_with_replica(self, method, request, timeout, routing_key=None, **kwargs):
+        """(response, the replica its attnserve-replica header names or None)."""
+        try:
+            call = method(request, timeout=self.timeout if timeout is None else timeout,
+                          metadata=call_metadata(self._metadata, routing_key), **kwargs)
+            response = await call
+            return response, replica_of(await call.initial_metadata())
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
 
@@ -123,18 +133,19 @@ class Client:
         raise UnavailableError(grpc.StatusCode.UNAVAILABLE, "health: the watch ended before SERVING")
 
     async def open_session(self, models="default", *, kv_dtype=None, max_tokens=0, idle_ttl=None,
-                           first_position=0, timeout=None) -> "Session":
+                           first_position=0, routing_key=None, timeout=None) -> "Session":
         """attnserve.Client.open_session, awaited; the Session's methods are coroutines."""
         request = messages.build_open_session_request(models, kv_dtype, max_tokens, idle_ttl, first_position)
-        return Session(self, messages.SessionInfo.from_message(
-            await self._call(self._stub.OpenSession, request, timeout)))
+        response, replica = await self._call_with_replica(self._stub.OpenSession, request, timeout, routing_key)
+        return Session(self, messages.SessionInfo.from_message(response), routing_key, replica)
 
     async def extend(self, steps, *, precision=None, input_dtype=None, output_dtype=None, bf16_words=False,
                      timeout=None) -> List[messages.StepResult]:
         """attnserve.Client.extend, awaited."""
         steps = list(steps)
+        key = steps_routing_key(steps)
         request = messages.build_extend_request(step_tuples(steps), precision, input_dtype, output_dtype)
-        results = messages.read_extend_response(await self._call(self._stub.Extend, request, timeout),
+        results = messages.read_extend_response(await self._call(self._stub.Extend, request, timeout, key),
                                                 bf16_words)
         record_steps(steps, results)
         return results
@@ -143,9 +154,12 @@ class Client:
 class Session(SessionState):
     """attnserve.Session's asyncio twin (`async with`, awaited methods)."""
 
-    def __init__(self, client, info):
-        super().__init__(info)
+    def __init__(self, client, info, routing_key=None, replica=None):
+        super().__init__(info, routing_key, replica)
         self._client = client
+
+    async def _call(self, method, request, timeout):
+        return await self._client._call(method, request, timeout, self.routing_key)
 
     def step(self, x, *, layer=0, maps=False, head_mask=None) -> Step:
         """A Step of this session, for Client.extend's micro-batches."""
@@ -164,27 +178,27 @@ class Session(SessionState):
 
     async def info(self, *, timeout=None) -> messages.SessionInfo:
         """attnserve.Session.info, awaited."""
-        return messages.SessionInfo.from_message(await self._client._call(
+        return messages.SessionInfo.from_message(await self._call(
             self._client._stub.GetSession, pb.GetSessionRequest(session_id=self.id), timeout))
 
     async def fork(self, *, timeout=None) -> "Session":
         """attnserve.Session.fork, awaited."""
-        return Session(self._client, messages.SessionInfo.from_message(await self._client._call(
-            self._client._stub.ForkSession, pb.ForkSessionRequest(session_id=self.id), timeout)))
+        response, replica = await self._client._call_with_replica(
+            self._client._stub.ForkSession, pb.ForkSessionRequest(session_id=self.id), timeout, self.routing_key)
+        return Session(self._client, messages.SessionInfo.from_message(response), self.routing_key, replica)
 
     async def truncate(self, length, *, layer=None, timeout=None) -> messages.SessionInfo:
         """attnserve.Session.truncate, awaited."""
         request = pb.TruncateSessionRequest(session_id=self.id, layer=layer or 0, all_layers=layer is None,
                                             length=int(length))
         info = messages.SessionInfo.from_message(
-            await self._client._call(self._client._stub.TruncateSession, request, timeout))
+            await self._call(self._client._stub.TruncateSession, request, timeout))
         self.lengths = list(info.layer_lengths)
         return info
 
     async def close(self, *, timeout=None):
         """attnserve.Session.close, awaited."""
-        await self._client._call(self._client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id),
-                                 timeout)
+        await self._call(self._client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id), timeout)
 
     async def __aenter__(self):
         return self

@@ -5,7 +5,7 @@ from typing import Any, List, Optional, Sequence
 import grpc
 
 from . import _health, messages
-from ._channel import DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, make_channel, token_metadata
+from ._channel import DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, call_metadata, make_channel, replica_of, token_metadata
 from .errors import NotFoundError, UnavailableError, error_from_rpc
 from .v1 import attention_pb2 as pb, attention_pb2_grpc as pb_grpc
 
@@ -26,21 +26,37 @@ class Step:
 
 class SessionState:
     """What a session object knows, whichever client it belongs to: its id,
-    models (layers) and the length of each layer as this client last saw it
-    (each step sends it as expected_length)."""
+    models (layers), the length of each layer as this client last saw it
+    (each step sends it as expected_length), the routing key its calls carry
+    (None: none) and the replica that opened it (its attnserve-replica
+    header; None when the server sent none)."""
 
-    def __init__(self, info):
+    def __init__(self, info, routing_key=None, replica=None):
         self.id = info.id
         self.models = info.models
         self.lengths = list(info.layer_lengths)
+        self.routing_key = routing_key
+        self.replica = replica
 
     def __repr__(self):
-        return f"{type(self).__name__}(id={self.id!r}, models={self.models!r}, lengths={self.lengths!r})"
+        return (f"{type(self).__name__}(id={self.id!r}, models={self.models!r}, lengths={self.lengths!r}, "
+                f"routing_key={self.routing_key!r}, replica={self.replica!r})")
 
 
 def step_tuples(steps):
     """(session_id, layer, expected_length, x, maps, head_mask) of each Step."""
     return [(s.session.id, s.layer, s.session.lengths[s.layer], s.x, s.maps, s.head_mask) for s in steps]
+
+
+def steps_routing_key(steps):
+    """The routing key an Extend of `steps` carries: their sessions' one key
+    (None if they have none). ValueError when they differ: sessions routed
+    apart may live on different replicas, so they cannot share a call."""
+    keys = {s.session.routing_key for s in steps}
+    if len(keys) > 1:
+        raise ValueError(f"steps: sessions with different routing keys ({sorted(map(str, keys))}) cannot share "
+                         "an Extend call; send one call per key")
+    return keys.pop() if keys else None
 
 
 def record_steps(steps, results):
@@ -97,10 +113,10 @@ class Client:
         the methods here do not cover (pass metadata and timeout yourself)."""
         return self._stub
 
-    def _call(self, method, request, timeout, **kwargs):
+    def _call(self, method, request, timeout, routing_key=None, **kwargs):
         try:
             return method(request, timeout=self.timeout if timeout is None else timeout,
-                          metadata=self._metadata, **kwargs)
+                          metadata=call_metadata(self._metadata, routing_key), **kwargs)
         except grpc.RpcError as e:
             raise error_from_rpc(e) from e
 
@@ -216,16 +232,21 @@ class Client:
     # --- Decode sessions ---
 
     def open_session(self, models="default", *, kv_dtype=None, max_tokens=0, idle_ttl=None, first_position=0,
-                     timeout=None) -> "Session":
+                     routing_key=None, timeout=None) -> "Session":
         """Opens a decode session (the server keeps its keys and values) over
         one model or a list of models (a network's layers, in order).
         kv_dtype: "fp32" or "bf16" keys and values; max_tokens: per layer (0:
         the server's limit); idle_ttl: seconds idle before it ends (None: the
         server's default); first_position: the RoPE position of its first
-        token. A context manager: `with client.open_session() as s:` closes it."""
+        token. routing_key: sent as the attnserve-routing-key metadata on every
+        call of the session (and of its forks), so that a proxy hashing it
+        (deploy/haproxy) keeps them on one replica; session.replica names the
+        replica that opened it. A context manager: `with client.open_session()
+        as s:` closes it."""
         request = messages.build_open_session_request(models, kv_dtype, max_tokens, idle_ttl, first_position)
-        return Session(self, messages.SessionInfo.from_message(self._call(self._stub.OpenSession, request,
-                                                                          timeout)))
+        response, call = self._call(self._stub.OpenSession.with_call, request, timeout, routing_key)
+        return Session(self, messages.SessionInfo.from_message(response), routing_key,
+                       replica_of(call.initial_metadata()))
 
     def extend(self, steps, *, precision=None, input_dtype=None, output_dtype=None, bf16_words=False,
                timeout=None) -> List[messages.StepResult]:
@@ -234,10 +255,12 @@ class Client:
         in order. A step that failed has its own `error` (nothing raised: its
         neighbours are fine); each successful step moves its session's length on.
         Raises only when the call as a whole fails; the same steps may then be
-        sent again (steps the server appended are replayed, not appended twice)."""
+        sent again (steps the server appended are replayed, not appended twice).
+        The steps' sessions must share one routing key (ValueError otherwise)."""
         steps = list(steps)
+        key = steps_routing_key(steps)
         request = messages.build_extend_request(step_tuples(steps), precision, input_dtype, output_dtype)
-        results = messages.read_extend_response(self._call(self._stub.Extend, request, timeout), bf16_words)
+        results = messages.read_extend_response(self._call(self._stub.Extend, request, timeout, key), bf16_words)
         record_steps(steps, results)
         return results
 
@@ -248,13 +271,16 @@ class Session(SessionState):
     as this client last saw it. A context manager (closes on exit). Not
     thread-safe: one thread drives a session (its steps follow each other)."""
 
-    def __init__(self, client, info):
-        super().__init__(info)
+    def __init__(self, client, info, routing_key=None, replica=None):
+        super().__init__(info, routing_key, replica)
         self._client = client
 
     def step(self, x, *, layer=0, maps=False, head_mask=None) -> Step:
         """A Step of this session, for Client.extend's micro-batches."""
         return Step(self, x, layer, maps, head_mask)
+
+    def _call(self, method, request, timeout):
+        return self._client._call(method, request, timeout, self.routing_key)
 
     def extend(self, x, *, layer=0, maps=False, head_mask=None, precision=None, input_dtype=None,
                output_dtype=None, bf16_words=False, timeout=None) -> messages.StepResult:
@@ -273,28 +299,27 @@ class Session(SessionState):
     def info(self, *, timeout=None) -> messages.SessionInfo:
         """The server's description (GetSession): lengths, KV blocks and bytes, last use."""
         return messages.SessionInfo.from_message(
-            self._client._call(self._client._stub.GetSession, pb.GetSessionRequest(session_id=self.id), timeout))
+            self._call(self._client._stub.GetSession, pb.GetSessionRequest(session_id=self.id), timeout))
 
     def fork(self, *, timeout=None) -> "Session":
         """A new session with the same tokens, sharing the cached blocks (copy on write)."""
-        info = messages.SessionInfo.from_message(
-            self._client._call(self._client._stub.ForkSession, pb.ForkSessionRequest(session_id=self.id),
-                               timeout))
-        return Session(self._client, info)
+        response, call = self._call(self._client._stub.ForkSession.with_call,
+                                    pb.ForkSessionRequest(session_id=self.id), timeout)
+        return Session(self._client, messages.SessionInfo.from_message(response), self.routing_key,
+                       replica_of(call.initial_metadata()))
 
     def truncate(self, length, *, layer=None, timeout=None) -> messages.SessionInfo:
         """Keeps the first `length` tokens of `layer`, or of every layer when
         layer is None (speculative decoding, beam search)."""
         request = pb.TruncateSessionRequest(session_id=self.id, layer=layer or 0, all_layers=layer is None,
                                             length=int(length))
-        info = messages.SessionInfo.from_message(self._client._call(self._client._stub.TruncateSession,
-                                                                    request, timeout))
+        info = messages.SessionInfo.from_message(self._call(self._client._stub.TruncateSession, request, timeout))
         self.lengths = list(info.layer_lengths)
         return info
 
     def close(self, *, timeout=None):
         """Ends the session (its memory goes back to the server's KV cache)."""
-        self._client._call(self._client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id), timeout)
+        self._call(self._client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id), timeout)
 
     def __enter__(self):
         return self

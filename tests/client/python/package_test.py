@@ -130,11 +130,15 @@ class WithoutServer(unittest.TestCase):
         self.assertEqual(attnserve.errors.error_for_status(5, "x").code, grpc.StatusCode.NOT_FOUND)
 
 
+# The name the test server answers with in its attnserve-replica header.
+REPLICA = "package-test-replica"
+
+
 class AgainstServer(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         # --access_log: the server then returns each call's x-request-id.
-        cls.server = Server(ARGS.server, "--max_seq_len=512", "--access_log")
+        cls.server = Server(ARGS.server, "--max_seq_len=512", "--access_log", f"--replica_name={REPLICA}")
         cls.client = attnserve.Client(cls.server.target, timeout=120)
         cls.client.wait_until_serving(timeout=120)
         cls.weights = seeded_weights(cls.server.seed, D_MODEL, HEADS, HEADS, HEAD_DIM)
@@ -330,6 +334,7 @@ class AgainstServer(unittest.TestCase):
         prompt = self.rng.standard_normal((12, D_MODEL)).astype(np.float32)
         with self.client.open_session() as session:
             self.assertRegex(session.id, r"^[0-9a-f]{32}$")
+            self.assertEqual((session.routing_key, session.replica), (None, REPLICA))
             step = session.extend(prompt, maps=True)
             self.assertLessEqual(rel_error(step.output, self.reference_rows(prompt, 0, 12)), 1e-5)
             self.assertEqual(step.maps.shape, (HEADS, 12, 12))
@@ -392,9 +397,13 @@ class AgainstServer(unittest.TestCase):
                 streamed = await client.attend(x, maps="per-head", stream_maps=True)
                 with self.assertRaises(attnserve.NotFoundError) as caught:
                     await client.attend(x, model="no-such-model")
-                async with await client.open_session() as session:
+                async with await client.open_session(routing_key="key-1") as session:
+                    self.assertEqual((session.routing_key, session.replica), ("key-1", REPLICA))
                     step = await session.extend(prompt)
                     info = await session.info()
+                    fork = await session.fork()
+                    self.assertEqual((fork.routing_key, fork.replica), ("key-1", REPLICA))
+                    await fork.close()
                 return results, streamed, caught.exception, step, info
 
         results, streamed, error, step, info = asyncio.run(main())
