@@ -487,7 +487,54 @@ class TokenAuth(unittest.TestCase):
                                 call(md)
                             self.assertEqual(caught.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
                         call((("authorization", f"Bearer {TOKEN}"),))
+                    # In plaintext the handler refuses (and counts) them.
+                    self.assertEqual(unauthenticated_model_infer_calls(server), 2)
                     # Probes stay open, as grpc.health.v1 does.
+                    self.assertTrue(stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live)
+                    self.assertTrue(stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready)
+                    r = stub.ModelInfer(infer_request(x), metadata=(("authorization", f"Bearer {TOKEN}"),),
+                                        timeout=30)
+                    self.assertEqual(len(r.raw_output_contents[0]), 2 * D_MODEL * 4)
+            finally:
+                server.stop()
+
+
+def unauthenticated_model_infer_calls(server):
+    """ModelInfer calls the handler answered UNAUTHENTICATED (its metrics)."""
+    return sum(v for (name, labels), v in server.scrape().items()
+               if name == "attnserve_requests_total" and ("method", "ModelInfer") in labels
+               and ("code", "UNAUTHENTICATED") in labels)
+
+
+class TokenAuthOnTls(unittest.TestCase):
+    def test_the_tls_auth_processor_guards_model_infer_and_lets_probes_through(self):
+        # On TLS the token is checked from the headers, before the body is
+        # read and before the handler: a refused ModelInfer never reaches the
+        # handler (its UNAUTHENTICATED counter stays 0, where on plaintext the
+        # handler counts it), while ServerLive/ServerReady pass without one.
+        with tempfile.TemporaryDirectory() as tmp:
+            def openssl(*argv):
+                subprocess.run(["openssl", *argv], cwd=tmp, check=True, capture_output=True)
+            ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+            openssl("req", "-x509", *ec, "-days", "2", "-keyout", "server.key", "-out", "server.pem",
+                    "-subj", "/CN=attnserve.test", "-addext", "subjectAltName=DNS:attnserve.test")
+            tokens = os.path.join(tmp, "tokens")
+            with open(tokens, "w") as f:
+                f.write(TOKEN + "\n")
+            server = harness.Server(ARGS.server, f"--tls_cert={tmp}/server.pem", f"--tls_key={tmp}/server.key",
+                                    f"--auth_tokens_file={tokens}", "--max_batch_tokens=0", "--lame_duck_seconds=0")
+            try:
+                server.wait_serving()
+                with open(os.path.join(tmp, "server.pem"), "rb") as f:
+                    creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+                with grpc.secure_channel(server.target, creds,
+                                         options=[("grpc.ssl_target_name_override", "attnserve.test")]) as channel:
+                    stub = oip_grpc.GRPCInferenceServiceStub(channel)
+                    x = np.ones((1, 2, D_MODEL), np.float32)
+                    with self.assertRaises(grpc.RpcError) as caught:
+                        stub.ModelInfer(infer_request(x), timeout=30)
+                    self.assertEqual(caught.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+                    self.assertEqual(unauthenticated_model_infer_calls(server), 0)
                     self.assertTrue(stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live)
                     self.assertTrue(stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready)
                     r = stub.ModelInfer(infer_request(x), metadata=(("authorization", f"Bearer {TOKEN}"),),
