@@ -286,6 +286,7 @@ void AttnServer::SetHealth(bool serving) {
   health->SetServingStatus("", serving);
   health->SetServingStatus(v1::AttentionService::service_full_name(), serving);
   health->SetServingStatus(inference::GRPCInferenceService::service_full_name(), serving);
+  open_inference_->set_ready(serving);
   metrics_->SetServing(serving);
 }
 

@@ -287,11 +287,6 @@ absl::Status AttentionServiceImpl::ServingLocked() const {
   return absl::OkStatus();
 }
 
-bool AttentionServiceImpl::serving() const {
-  absl::MutexLock lock(&mu_);
-  return state_ == State::kServing;
-}
-
 absl::Status AttentionServiceImpl::BeginCall() {
   absl::MutexLock lock(&mu_);
   if (absl::Status serving = ServingLocked(); !serving.ok()) return serving;

@@ -100,9 +100,6 @@ class AttentionServiceImpl final
   // another replica. Irreversible; the server is shutting down.
   void CutShortCallsInFlight();
 
-  // True while the state is kServing (models loaded and warm, no drain).
-  bool serving() const;
-
   // The one authentication check, first in every handler (here and in the
   // other protocols' services on this server): OK without tokens, else as
   // TokenSet::Authenticate (UNAUTHENTICATED).

@@ -69,7 +69,7 @@ grpc::ServerUnaryReactor* OpenInferenceService::ServerLive(
 grpc::ServerUnaryReactor* OpenInferenceService::ServerReady(
     grpc::CallbackServerContext* context, const inference::ServerReadyRequest* /*request*/,
     inference::ServerReadyResponse* response) {
-  response->set_ready(attention_->serving());
+  response->set_ready(ready_.load(std::memory_order_relaxed));
   return Finish(context, absl::OkStatus());
 }
 
@@ -87,7 +87,7 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelReady(
   }
   absl::StatusOr<ModelStatus> model = registry_->Get(request->name());
   if (!model.ok()) return Finish(context, Named("name", model.status()));
-  response->set_ready(model->state == ModelState::kReady && attention_->serving());
+  response->set_ready(model->state == ModelState::kReady && ready_.load(std::memory_order_relaxed));
   return Finish(context, absl::OkStatus());
 }
 

@@ -1,6 +1,7 @@
 #ifndef ATTNSERVE_SERVER_API_OPEN_INFERENCE_SERVICE_H_
 #define ATTNSERVE_SERVER_API_OPEN_INFERENCE_SERVICE_H_
 
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -23,8 +24,9 @@ namespace attnserve::server {
 // InferResponseFromAttend.
 //
 // Health: ServerLive (true while the process answers RPCs) and ServerReady
-// (attnserve.v1 serving: models loaded and warm, no drain) need no token,
-// like grpc.health.v1. ModelReady, ServerMetadata, ModelMetadata and
+// (set_ready: what grpc.health.v1 says, SERVING once the models are loaded
+// and warm, NOT_SERVING again from the start of a shutdown's lame duck) need
+// no token, like grpc.health.v1. ModelReady, ServerMetadata, ModelMetadata and
 // ModelInfer are authenticated as attnserve.v1's RPCs are (UNAUTHENTICATED).
 // A model_version other than "" or "1" is NOT_FOUND (attnserve's models have
 // one version), as is a model the server does not know.
@@ -38,6 +40,10 @@ class OpenInferenceService final : public inference::GRPCInferenceService::Callb
   OpenInferenceService(const OpenInferenceService&) = delete;
   OpenInferenceService& operator=(const OpenInferenceService&) = delete;
 
+  // Whether ServerReady (and ModelReady) say ready; false until first set.
+  // The server sets it with its health status.
+  void set_ready(bool ready) { ready_.store(ready, std::memory_order_relaxed); }
+
   // The paths ("/inference.GRPCInferenceService/<method>") of the RPCs that
   // need a token: all but ServerLive and ServerReady (for
   // MakeTokenAuthProcessor).
@@ -49,7 +55,8 @@ class OpenInferenceService final : public inference::GRPCInferenceService::Callb
   grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
                                         const inference::ServerReadyRequest* request,
                                         inference::ServerReadyResponse* response) override;
-  // ready: the model is loaded (READY) and the server ready. INVALID_ARGUMENT
+  // ready: the model is loaded (READY) and the server ready (set_ready).
+  // INVALID_ARGUMENT
   // without a name; NOT_FOUND for an unknown model or version.
   grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
                                        const inference::ModelReadyRequest* request,
@@ -74,6 +81,8 @@ class OpenInferenceService final : public inference::GRPCInferenceService::Callb
   const ModelRegistry* const registry_;
   const RequestLimits limits_;
   const std::string version_;
+
+  std::atomic<bool> ready_{false};
 };
 
 }  // namespace attnserve::server

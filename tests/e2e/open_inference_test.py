@@ -20,6 +20,7 @@ import argparse
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -497,6 +498,31 @@ class TokenAuth(unittest.TestCase):
                     self.assertEqual(len(r.raw_output_contents[0]), 2 * D_MODEL * 4)
             finally:
                 server.stop()
+
+
+class ReadinessFollowsTheServersState(unittest.TestCase):
+    def test_not_ready_from_the_lame_duck_on_while_still_live_and_serving(self):
+        # SIGTERM starts a lame duck: health NOT_SERVING while the server
+        # still serves, so balancers move away first. ServerReady and
+        # ModelReady turn false with it; ServerLive stays true; calls in the
+        # lame duck are still answered.
+        server = harness.Server(ARGS.server, "--lame_duck_seconds=60", "--max_batch_tokens=0")
+        try:
+            server.wait_serving()
+            with grpc.insecure_channel(server.target) as channel:
+                stub = oip_grpc.GRPCInferenceServiceStub(channel)
+                self.assertTrue(stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready)
+                self.assertTrue(stub.ModelReady(oip.ModelReadyRequest(name="default"), timeout=10).ready)
+                server.proc.send_signal(signal.SIGTERM)
+                harness.wait_until("ServerReady false after SIGTERM",
+                                   lambda: not stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready, 30)
+                self.assertFalse(stub.ModelReady(oip.ModelReadyRequest(name="default"), timeout=10).ready)
+                self.assertTrue(stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live)
+                x = np.ones((1, 2, D_MODEL), np.float32)
+                r = stub.ModelInfer(infer_request(x), timeout=30)
+                self.assertEqual(len(r.raw_output_contents[0]), 2 * D_MODEL * 4)
+        finally:
+            server.stop()
 
 
 def unauthenticated_model_infer_calls(server):
