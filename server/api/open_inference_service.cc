@@ -22,8 +22,7 @@ namespace {
 // version.
 absl::Status CheckVersion(absl::string_view name, const std::optional<std::string>& version) {
   if (!version.has_value() || version->empty() || *version == "1") return absl::OkStatus();
-  return absl::NotFoundError(absl::StrCat("version: model '", name, "' has no version '",
-                                          *version,
+  return absl::NotFoundError(absl::StrCat("version: model '", name, "' has no version '", *version,
                                           "'; attnserve's models have one version, \"1\""));
 }
 
@@ -53,8 +52,8 @@ OpenInferenceService::OpenInferenceService(AttentionServiceImpl* attention,
 std::vector<std::string> OpenInferenceService::AuthenticatedMethodPaths() {
   std::vector<std::string> paths;
   for (const char* method : {"ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"}) {
-    paths.push_back(absl::StrCat("/", inference::GRPCInferenceService::service_full_name(), "/",
-                                 method));
+    paths.push_back(
+        absl::StrCat("/", inference::GRPCInferenceService::service_full_name(), "/", method));
   }
   return paths;
 }
@@ -80,8 +79,8 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelReady(
     return Finish(context, caller.status());
   }
   if (request->name().empty()) return Finish(context, absl::InvalidArgumentError("name: required"));
-  if (absl::Status version = CheckVersion(
-          request->name(), VersionOf(request->has_version(), request->version()));
+  if (absl::Status version =
+          CheckVersion(request->name(), VersionOf(request->has_version(), request->version()));
       !version.ok()) {
     return Finish(context, version);
   }
@@ -109,8 +108,8 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelMetadata(
     return Finish(context, caller.status());
   }
   if (request->name().empty()) return Finish(context, absl::InvalidArgumentError("name: required"));
-  if (absl::Status version = CheckVersion(
-          request->name(), VersionOf(request->has_version(), request->version()));
+  if (absl::Status version =
+          CheckVersion(request->name(), VersionOf(request->has_version(), request->version()));
       !version.ok()) {
     return Finish(context, version);
   }

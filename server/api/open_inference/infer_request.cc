@@ -1,8 +1,8 @@
 #include "server/api/open_inference/infer_request.h"
 
+#include <climits>
 #include <cstdint>
 #include <cstring>
-#include <climits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -38,14 +38,10 @@ struct InputRule {
 
 const InputRule* FindRule(absl::string_view name) {
   static const auto* const kRules = new std::vector<InputRule>{
-      {kHiddenStates, {"FP32", "BF16"}, {3, 2}},
-      {kSequenceLengths, {"INT32", "INT64"}, {1}},
-      {kContext, {"FP32", "BF16"}, {3, 2}},
-      {kContextLengths, {"INT32", "INT64"}, {1}},
-      {kMask, {"BOOL", "FP32", "BF16"}, {3}},
-      {kHeadMask, {"FP32", "BOOL"}, {1}},
-      {kPositionOffsets, {"INT32", "INT64"}, {1}},
-      {kAttentionMapHeads, {"INT32", "INT64"}, {1}},
+      {kHiddenStates, {"FP32", "BF16"}, {3, 2}},    {kSequenceLengths, {"INT32", "INT64"}, {1}},
+      {kContext, {"FP32", "BF16"}, {3, 2}},         {kContextLengths, {"INT32", "INT64"}, {1}},
+      {kMask, {"BOOL", "FP32", "BF16"}, {3}},       {kHeadMask, {"FP32", "BOOL"}, {1}},
+      {kPositionOffsets, {"INT32", "INT64"}, {1}},  {kAttentionMapHeads, {"INT32", "INT64"}, {1}},
       {kAttentionMapRows, {"INT32", "INT64"}, {1}},
   };
   for (const InputRule& rule : *kRules) {
@@ -107,7 +103,8 @@ absl::StatusOr<Input> CheckInput(const ModelInferRequest& infer, int index, cons
   input.field = absl::StrCat("inputs[", index, "] (", tensor.name(), ")");
   input.datatype = tensor.datatype();
   bool known_type = false;
-  for (absl::string_view type : rule.datatypes) known_type = known_type || type == tensor.datatype();
+  for (absl::string_view type : rule.datatypes)
+    known_type = known_type || type == tensor.datatype();
   if (!known_type) {
     return Invalid(absl::StrCat(input.field, ".datatype"),
                    absl::StrCat("'", tensor.datatype(), "' is not accepted; ", rule.name, " takes ",
@@ -147,10 +144,10 @@ absl::StatusOr<Input> CheckInput(const ModelInferRequest& infer, int index, cons
     input.raw = &infer.raw_input_contents(index);
     const int64_t want = input.elements * DatatypeSize(input.datatype);
     if (static_cast<int64_t>(input.raw->size()) != want) {
-      return Invalid(absl::StrCat("raw_input_contents[", index, "]"),
-                     absl::StrCat("has ", input.raw->size(), " bytes; ", input.field, " (",
-                                  input.datatype, ", shape [", absl::StrJoin(input.shape, ", "),
-                                  "]) needs ", want));
+      return Invalid(
+          absl::StrCat("raw_input_contents[", index, "]"),
+          absl::StrCat("has ", input.raw->size(), " bytes; ", input.field, " (", input.datatype,
+                       ", shape [", absl::StrJoin(input.shape, ", "), "]) needs ", want));
     }
     return input;
   }
@@ -163,9 +160,9 @@ absl::StatusOr<Input> CheckInput(const ModelInferRequest& infer, int index, cons
   const int64_t typed = TypedCount(contents, input.datatype);
   const absl::string_view typed_field = TypedFieldName(input.datatype);
   if (AllTypedCount(contents) != typed) {
-    return Invalid(absl::StrCat(input.field, ".contents"),
-                   absl::StrCat("has values outside ", typed_field, ", the field of ",
-                                input.datatype));
+    return Invalid(
+        absl::StrCat(input.field, ".contents"),
+        absl::StrCat("has values outside ", typed_field, ", the field of ", input.datatype));
   }
   if (typed != input.elements) {
     return Invalid(absl::StrCat(input.field, ".contents.", typed_field),
@@ -299,12 +296,11 @@ absl::Status AttendRequestFromInfer(const ModelInferRequest& infer, v1::AttendRe
   request->set_model(infer.model_name());
   form->id = infer.id();
   if (infer.model_name().empty()) return Invalid("model_name", "required");
-  if (infer.has_model_version() && !infer.model_version().empty() &&
-      infer.model_version() != "1") {
-    return absl::NotFoundError(
-        absl::StrCat("model_version: model '", infer.model_name(), "' has no version '",
-                     infer.model_version(), "'; attnserve's models have one version, \"1\" (or "
-                     "leave model_version empty)"));
+  if (infer.has_model_version() && !infer.model_version().empty() && infer.model_version() != "1") {
+    return absl::NotFoundError(absl::StrCat("model_version: model '", infer.model_name(),
+                                            "' has no version '", infer.model_version(),
+                                            "'; attnserve's models have one version, \"1\" (or "
+                                            "leave model_version empty)"));
   }
   if (infer.raw_input_contents_size() > 0 &&
       infer.raw_input_contents_size() != infer.inputs_size()) {
@@ -321,9 +317,9 @@ absl::Status AttendRequestFromInfer(const ModelInferRequest& infer, v1::AttendRe
     const std::string& name = infer.inputs(i).name();
     const InputRule* rule = FindRule(name);
     if (rule == nullptr) {
-      return Invalid(absl::StrCat("inputs[", i, "].name"),
-                     absl::StrCat("unknown input '", name, "' (attnserve's models take ",
-                                  kInputNames, ")"));
+      return Invalid(
+          absl::StrCat("inputs[", i, "].name"),
+          absl::StrCat("unknown input '", name, "' (attnserve's models take ", kInputNames, ")"));
     }
     if (!seen.insert(name).second) {
       return Invalid(absl::StrCat("inputs[", i, "].name"),
@@ -380,7 +376,7 @@ absl::Status AttendRequestFromInfer(const ModelInferRequest& infer, v1::AttendRe
   }
   if (mask.has_value()) {
     v1::AttentionMask::Kind kind = mask->datatype == "BOOL" ? v1::AttentionMask::KIND_ALLOWED
-                                                             : v1::AttentionMask::KIND_ADDITIVE;
+                                                            : v1::AttentionMask::KIND_ADDITIVE;
     if (params.mask_kind.has_value()) {
       if (*params.mask_kind == "allowed") {
         kind = v1::AttentionMask::KIND_ALLOWED;
@@ -404,9 +400,9 @@ absl::Status AttendRequestFromInfer(const ModelInferRequest& infer, v1::AttendRe
     const std::string& name = output.name();
     if (name != kOutput && name != kAttentionMaps && name != kHeadEntropy &&
         name != kHeadMaxWeight && name != kHeadContribution) {
-      return Invalid(absl::StrCat(field, ".name"),
-                     absl::StrCat("unknown output '", name, "' (attnserve's models give ",
-                                  kOutputNames, ")"));
+      return Invalid(
+          absl::StrCat(field, ".name"),
+          absl::StrCat("unknown output '", name, "' (attnserve's models give ", kOutputNames, ")"));
     }
     if (!seen.insert(name).second) {
       return Invalid(absl::StrCat(field, ".name"), absl::StrCat("'", name, "' named twice"));
@@ -420,8 +416,8 @@ absl::Status AttendRequestFromInfer(const ModelInferRequest& infer, v1::AttendRe
   }
   if (form->outputs.empty()) form->outputs.push_back(kOutput);
   const bool maps_named = seen.contains(kAttentionMaps);
-  v1::AttentionMapMode mode = maps_named ? v1::ATTENTION_MAP_MODE_PER_HEAD
-                                         : v1::ATTENTION_MAP_MODE_NONE;
+  v1::AttentionMapMode mode =
+      maps_named ? v1::ATTENTION_MAP_MODE_PER_HEAD : v1::ATTENTION_MAP_MODE_NONE;
   if (params.attention_maps.has_value()) {
     const std::string& value = *params.attention_maps;
     if (value == "none") {
@@ -451,8 +447,7 @@ absl::Status AttendRequestFromInfer(const ModelInferRequest& infer, v1::AttendRe
       seen.contains(kHeadContribution)) {
     request->mutable_attention_maps()->set_head_statistics(true);
   }
-  form->raw = infer.raw_input_contents_size() > 0 ||
-              request->output_dtype() == v1::DATA_TYPE_BF16;
+  form->raw = infer.raw_input_contents_size() > 0 || request->output_dtype() == v1::DATA_TYPE_BF16;
   return absl::OkStatus();
 }
 

@@ -84,9 +84,9 @@ absl::Status InferResponseFromAttend(const InferReplyForm& form, WireResponse& r
       continue;
     }
     if (header.dtype() != v1::DATA_TYPE_FP32) {
-      return absl::InternalError(
-          absl::StrCat("outputs: '", name, "' is ", DataTypeName(header.dtype()),
-                       ", which has no typed contents"));
+      return absl::InternalError(absl::StrCat("outputs: '", name, "' is ",
+                                              DataTypeName(header.dtype()),
+                                              ", which has no typed contents"));
     }
     auto* values = out->mutable_contents()->mutable_fp32_contents();
     if (bytes_form) {

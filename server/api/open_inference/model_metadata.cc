@@ -10,9 +10,9 @@
 namespace attnserve::server::open_inference {
 namespace {
 
-void AddTensor(const char* name, const char* datatype, std::initializer_list<int64_t> shape,
-               google::protobuf::RepeatedPtrField<
-                   inference::ModelMetadataResponse::TensorMetadata>* tensors) {
+void AddTensor(
+    const char* name, const char* datatype, std::initializer_list<int64_t> shape,
+    google::protobuf::RepeatedPtrField<inference::ModelMetadataResponse::TensorMetadata>* tensors) {
   auto* tensor = tensors->Add();
   tensor->set_name(name);
   tensor->set_datatype(datatype);
@@ -21,8 +21,7 @@ void AddTensor(const char* name, const char* datatype, std::initializer_list<int
 
 }  // namespace
 
-void ModelMetadataFromInfo(const v1::ModelInfo& info,
-                           inference::ModelMetadataResponse* metadata) {
+void ModelMetadataFromInfo(const v1::ModelInfo& info, inference::ModelMetadataResponse* metadata) {
   const v1::HeadConfig& head = info.head_config();
   const int64_t d_model = head.d_model();
   const int64_t context_dim = head.context_dim() > 0 ? head.context_dim() : head.d_model();

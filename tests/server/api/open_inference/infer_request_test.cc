@@ -116,8 +116,11 @@ TEST(InferRequest, LengthsOffsetsAndMapSelectionsFromInt32AndInt64RawAndTyped) {
       SCOPED_TRACE(type + (raw ? " raw" : " typed"));
       inference::ModelInferRequest r = StatesRequest(RandomFloats(24, 3), raw);
       const std::vector<std::pair<std::string, std::vector<int64_t>>> ints = {
-          {kSequenceLengths, {3, 1}},  {kContextLengths, {2, 5}},  {kPositionOffsets, {7, 0}},
-          {kAttentionMapHeads, {1, 0}}, {kAttentionMapRows, {2}}};
+          {kSequenceLengths, {3, 1}},
+          {kContextLengths, {2, 5}},
+          {kPositionOffsets, {7, 0}},
+          {kAttentionMapHeads, {1, 0}},
+          {kAttentionMapRows, {2}}};
       for (const auto& [name, values] : ints) {
         Input* input = AddInput(r, name, type, {static_cast<int64_t>(values.size())});
         if (raw) {
@@ -128,8 +131,10 @@ TEST(InferRequest, LengthsOffsetsAndMapSelectionsFromInt32AndInt64RawAndTyped) {
           }
         } else {
           for (int64_t v : values) {
-            if (type == "INT32") input->mutable_contents()->add_int_contents(static_cast<int32_t>(v));
-            else input->mutable_contents()->add_int64_contents(v);
+            if (type == "INT32")
+              input->mutable_contents()->add_int_contents(static_cast<int32_t>(v));
+            else
+              input->mutable_contents()->add_int64_contents(v);
           }
         }
       }
@@ -188,8 +193,8 @@ TEST(InferRequest, BoolMaskIsAllowedAndFloatMaskAdditiveUnlessMaskKindSays) {
     if (*kind != '\0') (*fr.mutable_parameters())["mask_kind"].set_string_param(kind);
     Translated ft = Translate(fr);
     ASSERT_THAT(ft.status, IsOk());
-    EXPECT_EQ(ft.request.mask().kind(), *kind == '\0' ? v1::AttentionMask::KIND_ADDITIVE
-                                                      : v1::AttentionMask::KIND_ALLOWED);
+    EXPECT_EQ(ft.request.mask().kind(),
+              *kind == '\0' ? v1::AttentionMask::KIND_ADDITIVE : v1::AttentionMask::KIND_ALLOWED);
     EXPECT_EQ(ft.request.mask().values().raw_data(), Bytes(values));
   }
 }
@@ -250,7 +255,8 @@ TEST(InferRequest, ParametersSetCausalPrecisionAndOutputDtype) {
 
 TEST(InferRequest, OutputsNamedInOrderChooseMapsAndStatistics) {
   inference::ModelInferRequest r = StatesRequest(RandomFloats(24, 11), /*raw=*/true);
-  for (const char* name : {kHeadEntropy, kAttentionMaps, kOutput, kHeadMaxWeight, kHeadContribution}) {
+  for (const char* name :
+       {kHeadEntropy, kAttentionMaps, kOutput, kHeadMaxWeight, kHeadContribution}) {
     r.add_outputs()->set_name(name);
   }
   Translated t = Translate(r);
@@ -329,34 +335,47 @@ TEST(InferRequest, EachMalformedRequestIsRefusedNamingTheProtocolsField) {
       {"unknown input", [&](auto& r) { add_raw(r, "query", "FP32", {1}, std::string(4, '\0')); },
        kInvalid, "inputs[1].name: unknown input 'query'"},
       {"input twice",
-       [&](auto& r) { add_raw(r, kHiddenStates, "FP32", {1, 1, 1}, std::string(4, '\0')); },
+       [&](auto& r) {
+         add_raw(r, kHiddenStates, "FP32", {1, 1, 1}, std::string(4, '\0'));
+       },
        kInvalid, "inputs[1].name: 'hidden_states' given twice"},
       {"input parameter",
        [](auto& r) { (*r.mutable_inputs(0)->mutable_parameters())["x"].set_bool_param(true); },
        kInvalid, "inputs[0] (hidden_states).parameters: attnserve takes no per-tensor parameters"},
-      {"lengths as float", [&](auto& r) { add_raw(r, kSequenceLengths, "FP32", {2}, std::string(8, 0)); },
-       kInvalid, "inputs[1] (sequence_lengths).datatype: 'FP32' is not accepted"},
-      {"head mask of rank 2", [&](auto& r) { add_raw(r, kHeadMask, "FP32", {1, 2}, std::string(8, 0)); },
+      {"lengths as float",
+       [&](auto& r) { add_raw(r, kSequenceLengths, "FP32", {2}, std::string(8, 0)); }, kInvalid,
+       "inputs[1] (sequence_lengths).datatype: 'FP32' is not accepted"},
+      {"head mask of rank 2",
+       [&](auto& r) {
+         add_raw(r, kHeadMask, "FP32", {1, 2}, std::string(8, 0));
+       },
        kInvalid, "inputs[1] (head_mask).shape: has 2 dimensions; head_mask has 1"},
       {"map heads beyond int32",
-       [&](auto& r) { add_raw(r, kAttentionMapHeads, "INT64", {1}, Bytes(std::vector<int64_t>{1LL << 40})); },
+       [&](auto& r) {
+         add_raw(r, kAttentionMapHeads, "INT64", {1}, Bytes(std::vector<int64_t>{1LL << 40}));
+       },
        kInvalid, "inputs[1] (attention_map_heads): value 1099511627776 is outside INT32's range"},
-      {"unknown parameter", [](auto& r) { (*r.mutable_parameters())["temperature"].set_double_param(1); },
-       kInvalid, "parameters: unknown parameter 'temperature'"},
-      {"causal as string", [](auto& r) { (*r.mutable_parameters())["causal"].set_string_param("true"); },
-       kInvalid, "parameters.causal: must be a bool_param"},
-      {"precision as bool", [](auto& r) { (*r.mutable_parameters())["precision"].set_bool_param(true); },
-       kInvalid, "parameters.precision: must be a string_param"},
-      {"unknown precision", [](auto& r) { (*r.mutable_parameters())["precision"].set_string_param("fp16"); },
-       kInvalid, "parameters.precision: 'fp16'; takes fp32 or bf16"},
+      {"unknown parameter",
+       [](auto& r) { (*r.mutable_parameters())["temperature"].set_double_param(1); }, kInvalid,
+       "parameters: unknown parameter 'temperature'"},
+      {"causal as string",
+       [](auto& r) { (*r.mutable_parameters())["causal"].set_string_param("true"); }, kInvalid,
+       "parameters.causal: must be a bool_param"},
+      {"precision as bool",
+       [](auto& r) { (*r.mutable_parameters())["precision"].set_bool_param(true); }, kInvalid,
+       "parameters.precision: must be a string_param"},
+      {"unknown precision",
+       [](auto& r) { (*r.mutable_parameters())["precision"].set_string_param("fp16"); }, kInvalid,
+       "parameters.precision: 'fp16'; takes fp32 or bf16"},
       {"unknown output dtype",
-       [](auto& r) { (*r.mutable_parameters())["output_dtype"].set_string_param("fp32"); }, kInvalid,
-       "parameters.output_dtype: 'fp32'; takes FP32 or BF16"},
+       [](auto& r) { (*r.mutable_parameters())["output_dtype"].set_string_param("fp32"); },
+       kInvalid, "parameters.output_dtype: 'fp32'; takes FP32 or BF16"},
       {"unknown map mode",
-       [](auto& r) { (*r.mutable_parameters())["attention_maps"].set_string_param("all"); }, kInvalid,
-       "parameters.attention_maps: 'all'; takes none, per_head or mean"},
+       [](auto& r) { (*r.mutable_parameters())["attention_maps"].set_string_param("all"); },
+       kInvalid, "parameters.attention_maps: 'all'; takes none, per_head or mean"},
       {"map mode without the output named",
-       [](auto& r) { (*r.mutable_parameters())["attention_maps"].set_string_param("mean"); }, kInvalid,
+       [](auto& r) { (*r.mutable_parameters())["attention_maps"].set_string_param("mean"); },
+       kInvalid,
        "parameters.attention_maps: 'mean' asks for maps, but outputs does not name attention_maps"},
       {"maps named with mode none",
        [](auto& r) {
@@ -365,8 +384,8 @@ TEST(InferRequest, EachMalformedRequestIsRefusedNamingTheProtocolsField) {
        },
        kInvalid, "parameters.attention_maps: 'none', but outputs names attention_maps"},
       {"mask kind without a mask",
-       [](auto& r) { (*r.mutable_parameters())["mask_kind"].set_string_param("allowed"); }, kInvalid,
-       "parameters.mask_kind: given without a mask input"},
+       [](auto& r) { (*r.mutable_parameters())["mask_kind"].set_string_param("allowed"); },
+       kInvalid, "parameters.mask_kind: given without a mask input"},
       {"unknown mask kind",
        [&](auto& r) {
          add_raw(r, kMask, "FP32", {1, 1, 1}, std::string(4, 0));

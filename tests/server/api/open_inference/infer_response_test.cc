@@ -89,10 +89,10 @@ std::string TypedBytes(const inference::ModelInferResponse::InferOutputTensor& t
 
 TEST(InferResponse, RawRepliesCarryEveryNamedOutputsBytesInOrder) {
   Computed c;
-  InferReplyForm form{.id = "r1",
-                      .outputs = {kHeadMaxWeight, kOutput, kAttentionMaps, kHeadEntropy,
-                                  kHeadContribution},
-                      .raw = true};
+  InferReplyForm form{
+      .id = "r1",
+      .outputs = {kHeadMaxWeight, kOutput, kAttentionMaps, kHeadEntropy, kHeadContribution},
+      .raw = true};
   inference::ModelInferResponse reply;
   ASSERT_THAT(InferResponseFromAttend(form, c.response, &reply), IsOk());
   EXPECT_EQ(reply.model_name(), "default");
