@@ -1,7 +1,6 @@
 #include "server/api/attention_service.h"
 
 #include <grpcpp/support/byte_buffer.h>
-#include <grpcpp/support/proto_buffer_reader.h>
 
 #include <algorithm>
 #include <chrono>
@@ -21,6 +20,7 @@
 #include "server/api/model_info.h"
 #include "server/api/observed_reactor.h"
 #include "server/api/proto_time.h"
+#include "server/api/request_bytes.h"
 #include "server/api/status_util.h"
 #include "server/api/tensor_codec.h"
 #include "server/api/wire_response.h"
@@ -46,28 +46,6 @@ struct AttendCall {
   v1::AttendRequest request;
   WireResponse response;
 };
-
-// Attend's and AttendStream's parse step: the call's bytes as an
-// AttendRequest. A call that died during upload (deadline, cancel) arrives
-// with no bytes: it is the client's deadline or cancel, not a malformed
-// request. A request that did not parse names no model (its bytes may not be
-// UTF-8).
-absl::Status ParseAttendBytes(const grpc::CallbackServerContext& context,
-                              const grpc::ByteBuffer* request_bytes, v1::AttendRequest* request) {
-  if (request_bytes == nullptr || !request_bytes->Valid() || context.IsCancelled()) {
-    return absl::Now() >= DeadlineOf(context)
-               ? absl::DeadlineExceededError("the deadline passed before the request arrived")
-               : absl::CancelledError("the call ended before the request arrived");
-  }
-  grpc::ByteBuffer bytes(*request_bytes);  // shares the slices; parsing consumes it
-  if (!grpc::SerializationTraits<v1::AttendRequest>::Deserialize(&bytes, request).ok()) {
-    request->Clear();
-    return absl::InvalidArgumentError(
-        "request: not a valid attnserve.v1.AttendRequest (malformed protobuf, or a string that is "
-        "not UTF-8)");
-  }
-  return absl::OkStatus();
-}
 
 int64_t QueryTokens(const AttendPlan& plan) {
   int64_t tokens = 0;
@@ -426,7 +404,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerConte
   return HandleUnaryAttend(
       context, RpcMethod::kAttend,
       [context, request_bytes](v1::AttendRequest* request) {
-        return ParseAttendBytes(*context, request_bytes, request);
+        return ParseRequestBytes(*context, request_bytes, "attnserve.v1.AttendRequest", request);
       },
       [response_bytes](WireResponse& response) { return response.SerializeTo(response_bytes); });
 }
@@ -439,7 +417,7 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
   return HandleAttend<MapStreamReactor>(
       context,
       [context, request_bytes](v1::AttendRequest* request) {
-        return ParseAttendBytes(*context, request_bytes, request);
+        return ParseRequestBytes(*context, request_bytes, "attnserve.v1.AttendRequest", request);
       },
       MapDelivery::kStreamed,
       [&](absl::string_view model) {

@@ -9,10 +9,12 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "server/api/model_info.h"
 #include "server/api/open_inference/infer_request.h"
 #include "server/api/open_inference/infer_response.h"
 #include "server/api/open_inference/model_metadata.h"
+#include "server/api/request_bytes.h"
 #include "server/api/status_util.h"
 
 namespace attnserve::server {
@@ -121,28 +123,42 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelMetadata(
   return Finish(context, absl::OkStatus());
 }
 
-grpc::ServerUnaryReactor* OpenInferenceService::ModelInfer(
-    grpc::CallbackServerContext* context, const inference::ModelInferRequest* request,
-    inference::ModelInferResponse* response) {
-  // The reply's layout, from the parse step to the write step.
-  auto form = std::make_shared<open_inference::InferReplyForm>();
+grpc::ServerUnaryReactor* OpenInferenceService::ModelInfer(grpc::CallbackServerContext* context,
+                                                           const grpc::ByteBuffer* request_bytes,
+                                                           grpc::ByteBuffer* response_bytes) {
+  // The request until it is translated, and the reply's layout until it is
+  // written.
+  struct InferCall {
+    inference::ModelInferRequest request;
+    open_inference::InferReplyForm form;
+  };
+  auto call = std::make_shared<InferCall>();
   return attention_->HandleUnaryAttend(
       context, RpcMethod::kModelInfer,
-      [this, request, form](v1::AttendRequest* attend) -> absl::Status {
-        if (absl::Status translated =
-                open_inference::AttendRequestFromInfer(*request, attend, form.get());
-            !translated.ok()) {
-          return translated;
-        }
+      [this, context, request_bytes, call](v1::AttendRequest* attend) -> absl::Status {
+        inference::ModelInferRequest& request = call->request;
+        ATTNSERVE_RETURN_IF_ERROR(
+            ParseRequestBytes(*context, request_bytes, "inference.ModelInferRequest", &request));
+        absl::Status translated =
+            open_inference::AttendRequestFromInfer(request, attend, &call->form);
         // An unknown model, named as the protocol names it (PlanAttend would
         // say "model"); loading and failed models get PlanAttend's verdict.
-        if (absl::Status found = registry_->Get(request->model_name()).status(); !found.ok()) {
-          return Named("model_name", found);
+        if (translated.ok())
+          translated = Named("model_name", registry_->Get(attend->model()).status());
+        inference::ModelInferRequest().Swap(&request);  // its tensors were copied
+        return translated;
+      },
+      [call, response_bytes](WireResponse& wire) -> absl::Status {
+        inference::ModelInferResponse reply;
+        ATTNSERVE_RETURN_IF_ERROR(
+            open_inference::InferResponseFromAttend(call->form, wire, &reply));
+        bool own_buffer = false;
+        if (!grpc::SerializationTraits<inference::ModelInferResponse>::Serialize(
+                 reply, response_bytes, &own_buffer)
+                 .ok()) {
+          return absl::InternalError("response: cannot serialize the ModelInferResponse");
         }
         return absl::OkStatus();
-      },
-      [form, response](WireResponse& wire) {
-        return open_inference::InferResponseFromAttend(*form, wire, response);
       });
 }
 

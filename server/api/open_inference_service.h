@@ -1,6 +1,8 @@
 #ifndef ATTNSERVE_SERVER_API_OPEN_INFERENCE_SERVICE_H_
 #define ATTNSERVE_SERVER_API_OPEN_INFERENCE_SERVICE_H_
 
+#include <grpcpp/support/byte_buffer.h>
+
 #include <atomic>
 #include <string>
 #include <vector>
@@ -32,7 +34,9 @@ namespace attnserve::server {
 // one version), as is a model the server does not know.
 //
 // Thread-safe. `attention` and `registry` must outlive the service.
-class OpenInferenceService final : public inference::GRPCInferenceService::CallbackService {
+class OpenInferenceService final
+    : public inference::GRPCInferenceService::WithRawCallbackMethod_ModelInfer<
+          inference::GRPCInferenceService::CallbackService> {
  public:
   // `version`: what ServerMetadata reports (the build's version).
   OpenInferenceService(AttentionServiceImpl* attention, const ModelRegistry* registry,
@@ -71,9 +75,12 @@ class OpenInferenceService final : public inference::GRPCInferenceService::Callb
   grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
                                           const inference::ModelMetadataRequest* request,
                                           inference::ModelMetadataResponse* response) override;
+  // Takes its request as bytes (ParseRequestBytes: INVALID_ARGUMENT for
+  // bytes that are not a ModelInferRequest, where gRPC's generated handler
+  // would answer UNIMPLEMENTED).
   grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
-                                       const inference::ModelInferRequest* request,
-                                       inference::ModelInferResponse* response) override;
+                                       const grpc::ByteBuffer* request_bytes,
+                                       grpc::ByteBuffer* response_bytes) override;
 
  private:
   // Constant after construction.

@@ -454,6 +454,13 @@ class BadRequests(ServerCase):
         nan = np.full((1, 3, D_MODEL), np.nan, np.float32)
         self.refuse(infer_request(nan), invalid, "hidden_states")
 
+    def test_bytes_that_are_not_a_model_infer_request(self):
+        call = self.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                        request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        self.assert_refused(lambda: call(b"\xff\xff\xff\x0f not protobuf", timeout=30),
+                            grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid inference.ModelInferRequest")
+        self.assertTrue(self.stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live)
+
     def test_unknown_model_and_version_are_not_found(self):
         self.refuse(self.good(model="no-such-model"), grpc.StatusCode.NOT_FOUND, "model_name:", "no-such-model")
         r = self.good()
