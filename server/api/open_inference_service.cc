@@ -140,12 +140,12 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelInfer(grpc::CallbackServerC
         ATTNSERVE_RETURN_IF_ERROR(
             ParseRequestBytes(*context, request_bytes, "inference.ModelInferRequest", &request));
         absl::Status translated =
-            open_inference::AttendRequestFromInfer(request, attend, &call->form);
+            open_inference::AttendRequestFromInfer(&request, attend, &call->form);
         // An unknown model, named as the protocol names it (PlanAttend would
         // say "model"); loading and failed models get PlanAttend's verdict.
         if (translated.ok())
           translated = Named("model_name", registry_->Get(attend->model()).status());
-        inference::ModelInferRequest().Swap(&request);  // its tensors were copied
+        inference::ModelInferRequest().Swap(&request);  // what is left of it
         return translated;
       },
       [call, response_bytes](WireResponse& wire) -> absl::Status {

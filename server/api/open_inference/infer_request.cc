@@ -93,11 +93,11 @@ struct Input {
   std::string datatype;
   std::vector<int64_t> shape;
   int64_t elements = 0;
-  const std::string* raw = nullptr;
+  std::string* raw = nullptr;  // moved out by the conversion that takes the tensor whole
   const InferTensorContents* typed = nullptr;
 };
 
-absl::StatusOr<Input> CheckInput(const ModelInferRequest& infer, int index, const InputRule& rule) {
+absl::StatusOr<Input> CheckInput(ModelInferRequest& infer, int index, const InputRule& rule) {
   const ModelInferRequest::InferInputTensor& tensor = infer.inputs(index);
   Input input;
   input.field = absl::StrCat("inputs[", index, "] (", tensor.name(), ")");
@@ -141,7 +141,7 @@ absl::StatusOr<Input> CheckInput(const ModelInferRequest& infer, int index, cons
                      "set while raw_input_contents is used: send every input's values raw, or "
                      "none");
     }
-    input.raw = &infer.raw_input_contents(index);
+    input.raw = infer.mutable_raw_input_contents(index);
     const int64_t want = input.elements * DatatypeSize(input.datatype);
     if (static_cast<int64_t>(input.raw->size()) != want) {
       return Invalid(
@@ -178,7 +178,7 @@ void ToStates(const Input& input, v1::Tensor* tensor) {
   tensor->set_dtype(input.datatype == "BF16" ? v1::DATA_TYPE_BF16 : v1::DATA_TYPE_FP32);
   tensor->mutable_shape()->Assign(input.shape.begin(), input.shape.end());
   if (input.raw != nullptr) {
-    tensor->set_raw_data(*input.raw);
+    tensor->set_raw_data(std::move(*input.raw));  // no copy of the states
   } else {
     tensor->mutable_float_data()->Assign(input.typed->fp32_contents().begin(),
                                          input.typed->fp32_contents().end());
@@ -225,7 +225,7 @@ void ToMask(const Input& input, v1::AttentionMask::Kind kind, v1::AttentionMask*
   if (input.datatype == "BOOL") {
     values->set_dtype(v1::DATA_TYPE_BOOL);
     if (input.raw != nullptr) {
-      values->set_raw_data(*input.raw);
+      values->set_raw_data(std::move(*input.raw));
     } else {
       std::string bytes(static_cast<size_t>(input.elements), '\0');
       for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = input.typed->bool_contents(i) ? 1 : 0;
@@ -289,8 +289,9 @@ absl::StatusOr<Parameters> CheckParameters(const ModelInferRequest& infer) {
 
 }  // namespace
 
-absl::Status AttendRequestFromInfer(const ModelInferRequest& infer, v1::AttendRequest* request,
+absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::AttendRequest* request,
                                     InferReplyForm* form) {
+  ModelInferRequest& infer = *infer_request;
   request->Clear();
   *form = InferReplyForm();
   request->set_model(infer.model_name());

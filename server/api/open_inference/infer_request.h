@@ -44,7 +44,9 @@ struct InferReplyForm {
 // Translates an Open Inference Protocol request into the attnserve.v1 request
 // it stands for (`request`, cleared first; its model is set to model_name
 // before anything is checked, so it names the model even on failure) and the
-// layout of its reply (`form`).
+// layout of its reply (`form`). The raw contents of hidden_states, context
+// and a mask are moved, not copied, out of `infer` (left in an unspecified
+// state).
 //
 // Checks only what the protocol's form adds: tensor names, datatypes, ranks,
 // element counts against shapes, raw vs typed contents, parameters, output
@@ -52,7 +54,7 @@ struct InferReplyForm {
 // for Attend. Codes: INVALID_ARGUMENT naming the protocol's field (e.g.
 // "inputs[0] (hidden_states).shape: ..."); NOT_FOUND for a model_version
 // other than "" or "1". Thread-safe.
-absl::Status AttendRequestFromInfer(const inference::ModelInferRequest& infer,
+absl::Status AttendRequestFromInfer(inference::ModelInferRequest* infer,
                                     v1::AttendRequest* request, InferReplyForm* form);
 
 }  // namespace attnserve::server::open_inference

@@ -69,9 +69,10 @@ struct Translated {
   InferReplyForm form;
 };
 
-Translated Translate(const inference::ModelInferRequest& r) {
+// Translates a copy of `r` (the translation moves raw contents out of it).
+Translated Translate(inference::ModelInferRequest r) {
   Translated t;
-  t.status = AttendRequestFromInfer(r, &t.request, &t.form);
+  t.status = AttendRequestFromInfer(&r, &t.request, &t.form);
   return t;
 }
 
