@@ -143,22 +143,17 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelInfer(grpc::CallbackServerC
             open_inference::AttendRequestFromInfer(&request, attend, &call->form);
         // An unknown model, named as the protocol names it (PlanAttend would
         // say "model"); loading and failed models get PlanAttend's verdict.
-        if (translated.ok())
+        if (translated.ok()) {
           translated = Named("model_name", registry_->Get(attend->model()).status());
+        }
         inference::ModelInferRequest().Swap(&request);  // what is left of it
         return translated;
       },
       [call, response_bytes](WireResponse& wire) -> absl::Status {
-        inference::ModelInferResponse reply;
+        open_inference::InferWireResponse reply;
         ATTNSERVE_RETURN_IF_ERROR(
             open_inference::InferResponseFromAttend(call->form, wire, &reply));
-        bool own_buffer = false;
-        if (!grpc::SerializationTraits<inference::ModelInferResponse>::Serialize(
-                 reply, response_bytes, &own_buffer)
-                 .ok()) {
-          return absl::InternalError("response: cannot serialize the ModelInferResponse");
-        }
-        return absl::OkStatus();
+        return reply.SerializeTo(response_bytes);
       });
 }
 

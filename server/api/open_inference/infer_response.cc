@@ -3,10 +3,13 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "server/api/tensor_codec.h"
+#include "server/api/wire_response.h"
 
 namespace attnserve::server::open_inference {
 namespace {
@@ -41,13 +44,35 @@ Source Find(const std::string& name, WireResponse& response) {
 
 }  // namespace
 
+absl::Status InferWireResponse::SerializeTo(grpc::ByteBuffer* out) {
+  std::string head;
+  if (!message.SerializeToString(&head)) {
+    return absl::InternalError("response: cannot serialize the ModelInferResponse");
+  }
+  std::vector<grpc::Slice> slices;
+  slices.reserve(2 * raw_outputs.size() + 1);
+  for (RawBytes& raw : raw_outputs) {
+    head += LengthDelimitedFieldStart(inference::ModelInferResponse::kRawOutputContentsFieldNumber,
+                                      raw.size());
+    slices.push_back(grpc::Slice(head));
+    head.clear();
+    if (!raw.empty()) slices.push_back(TakeAsSlice(raw));
+  }
+  if (!head.empty() || slices.empty()) slices.push_back(grpc::Slice(head));
+  raw_outputs.clear();
+  grpc::ByteBuffer bytes(slices.data(), slices.size());
+  out->Swap(&bytes);
+  return absl::OkStatus();
+}
+
 absl::Status InferResponseFromAttend(const InferReplyForm& form, WireResponse& response,
-                                     inference::ModelInferResponse* infer) {
+                                     InferWireResponse* infer) {
   const v1::AttendResponse& m = response.message;
-  infer->set_model_name(m.model());
-  infer->set_model_version("1");
-  infer->set_id(form.id);
-  auto& params = *infer->mutable_parameters();
+  inference::ModelInferResponse& reply = infer->message;
+  reply.set_model_name(m.model());
+  reply.set_model_version("1");
+  reply.set_id(form.id);
+  auto& params = *reply.mutable_parameters();
   params["kernel_path"].set_string_param(m.kernel_path());
   params["precision"].set_string_param(m.precision() == v1::PRECISION_BF16 ? "bf16" : "fp32");
   params["queue_us"].set_int64_param(Micros(m.timing().queue()));
@@ -60,27 +85,33 @@ absl::Status InferResponseFromAttend(const InferReplyForm& form, WireResponse& r
       return absl::InternalError(absl::StrCat("outputs: '", name, "' was not computed"));
     }
     const v1::Tensor& header = *source.header;
-    auto* out = infer->add_outputs();
+    auto* out = reply.add_outputs();
     out->set_name(name);
     out->set_datatype(DataTypeName(header.dtype()));
     out->mutable_shape()->Assign(header.shape().begin(), header.shape().end());
     // The values as the Attend response holds them: raw bytes kept out of
     // the message, raw_data in it, or float_data.
-    std::string bytes;
-    const bool has_raw = source.raw != nullptr && !source.raw->empty();
-    if (has_raw) {
-      bytes.assign(source.raw->data(), source.raw->size());
-      *source.raw = RawBytes();
+    const bool kept_out = source.raw != nullptr && !source.raw->empty();
+    const char* bytes = nullptr;
+    size_t size = 0;
+    if (kept_out) {
+      bytes = source.raw->data();
+      size = source.raw->size();
     } else if (!header.raw_data().empty()) {
-      bytes = header.raw_data();
+      bytes = header.raw_data().data();
+      size = header.raw_data().size();
+    } else {
+      bytes = reinterpret_cast<const char*>(header.float_data().data());
+      size = sizeof(float) * static_cast<size_t>(header.float_data_size());
     }
-    const bool bytes_form = has_raw || !header.raw_data().empty();
     if (form.raw) {
-      if (!bytes_form) {
-        bytes.resize(sizeof(float) * header.float_data_size());
-        if (!bytes.empty()) std::memcpy(bytes.data(), header.float_data().data(), bytes.size());
+      if (kept_out) {
+        infer->raw_outputs.push_back(std::move(*source.raw));  // the kernels' buffer, no copy
+      } else {
+        RawBytes copy = RawBytes::Uninitialized(size);
+        if (size > 0) std::memcpy(copy.data(), bytes, size);
+        infer->raw_outputs.push_back(std::move(copy));
       }
-      infer->add_raw_output_contents(std::move(bytes));
       continue;
     }
     if (header.dtype() != v1::DATA_TYPE_FP32) {
@@ -89,12 +120,8 @@ absl::Status InferResponseFromAttend(const InferReplyForm& form, WireResponse& r
                                               ", which has no typed contents"));
     }
     auto* values = out->mutable_contents()->mutable_fp32_contents();
-    if (bytes_form) {
-      values->Resize(static_cast<int>(bytes.size() / sizeof(float)), 0.0f);
-      if (!bytes.empty()) std::memcpy(values->mutable_data(), bytes.data(), bytes.size());
-    } else {
-      values->Assign(header.float_data().begin(), header.float_data().end());
-    }
+    values->Resize(static_cast<int>(size / sizeof(float)), 0.0f);
+    if (size > 0) std::memcpy(values->mutable_data(), bytes, size);
   }
   return absl::OkStatus();
 }

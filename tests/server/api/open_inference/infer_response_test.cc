@@ -1,8 +1,13 @@
-// InferResponseFromAttend: the Attend response's tensors -- raw buffers kept
-// out of the message, raw_data in it, or float_data -- reach the Open
-// Inference Protocol's reply in the named order, raw or typed as the form
-// says, with their bytes unchanged.
+// InferResponseFromAttend and InferWireResponse: the Attend response's
+// tensors -- raw buffers kept out of the message, raw_data in it, or
+// float_data -- reach the Open Inference Protocol's reply in the named order,
+// raw or typed as the form says, with their bytes unchanged; the wire form
+// parses, with the generated parser, as that reply, and the kernels' buffers
+// reach gRPC without a copy.
 #include "server/api/open_inference/infer_response.h"
+
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/slice.h>
 
 #include <cstdint>
 #include <cstring>
@@ -82,6 +87,28 @@ InferReplyForm Form(std::vector<std::string> outputs, bool raw) {
   return form;
 }
 
+// The reply as a client sees it: InferResponseFromAttend, SerializeTo, then
+// the generated parser on the bytes. `slices`: the wire form's slices.
+absl::Status Reply(const InferReplyForm& form, WireResponse& response,
+                   inference::ModelInferResponse* reply,
+                   std::vector<grpc::Slice>* slices = nullptr) {
+  InferWireResponse wire;
+  absl::Status status = InferResponseFromAttend(form, response, &wire);
+  if (!status.ok()) return status;
+  grpc::ByteBuffer buffer;
+  status = wire.SerializeTo(&buffer);
+  if (!status.ok()) return status;
+  std::vector<grpc::Slice> dumped;
+  if (!buffer.Dump(&dumped).ok()) return absl::InternalError("cannot dump the buffer");
+  std::string bytes;
+  for (const grpc::Slice& slice : dumped) {
+    bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  if (!reply->ParseFromString(bytes)) return absl::InternalError("the wire form does not parse");
+  if (slices != nullptr) *slices = std::move(dumped);
+  return absl::OkStatus();
+}
+
 std::string TypedBytes(const inference::ModelInferResponse::InferOutputTensor& t) {
   const auto& v = t.contents().fp32_contents();
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
@@ -93,8 +120,19 @@ TEST(InferResponse, RawRepliesCarryEveryNamedOutputsBytesInOrder) {
       .id = "r1",
       .outputs = {kHeadMaxWeight, kOutput, kAttentionMaps, kHeadEntropy, kHeadContribution},
       .raw = true};
+  const char* kernels_output = c.response.output_raw.data();
+  const char* kernels_maps = c.response.maps_raw.data();
   inference::ModelInferResponse reply;
-  ASSERT_THAT(InferResponseFromAttend(form, c.response, &reply), IsOk());
+  std::vector<grpc::Slice> slices;
+  ASSERT_THAT(Reply(form, c.response, &reply, &slices), IsOk());
+  // The output and the maps went to gRPC in the kernels' own buffers.
+  int uncopied = 0;
+  for (const grpc::Slice& slice : slices) {
+    const char* begin = reinterpret_cast<const char*>(slice.begin());
+    uncopied += (begin == kernels_output && slice.size() == c.output.size() * sizeof(float)) +
+                (begin == kernels_maps && slice.size() == c.maps.size() * sizeof(float));
+  }
+  EXPECT_EQ(uncopied, 2);
   EXPECT_EQ(reply.model_name(), "default");
   EXPECT_EQ(reply.model_version(), "1");
   EXPECT_EQ(reply.id(), "r1");
@@ -124,7 +162,7 @@ TEST(InferResponse, TypedRepliesCarryFp32ContentsFromRawBuffersOrFloatData) {
   Computed c;
   InferReplyForm form = Form({kOutput, kAttentionMaps, kHeadEntropy}, false);
   inference::ModelInferResponse reply;
-  ASSERT_THAT(InferResponseFromAttend(form, c.response, &reply), IsOk());
+  ASSERT_THAT(Reply(form, c.response, &reply), IsOk());
   EXPECT_EQ(reply.raw_output_contents_size(), 0);
   EXPECT_EQ(TypedBytes(reply.outputs(0)), Bytes(c.output));
   EXPECT_EQ(TypedBytes(reply.outputs(1)), Bytes(c.maps));
@@ -135,11 +173,11 @@ TEST(InferResponse, TypedRepliesCarryFp32ContentsFromRawBuffersOrFloatData) {
   Computed::Header(floats.message.mutable_output(), {1, 2, 3});
   for (float v : c.output) floats.message.mutable_output()->add_float_data(v);
   inference::ModelInferResponse typed;
-  ASSERT_THAT(InferResponseFromAttend(Form({kOutput}, false), floats, &typed), IsOk());
+  ASSERT_THAT(Reply(Form({kOutput}, false), floats, &typed), IsOk());
   EXPECT_EQ(TypedBytes(typed.outputs(0)), Bytes(c.output));
   // ... and as bytes when the form is raw.
   inference::ModelInferResponse raw;
-  ASSERT_THAT(InferResponseFromAttend(Form({kOutput}, true), floats, &raw), IsOk());
+  ASSERT_THAT(Reply(Form({kOutput}, true), floats, &raw), IsOk());
   EXPECT_EQ(raw.raw_output_contents(0), Bytes(c.output));
 }
 
@@ -154,7 +192,7 @@ TEST(InferResponse, Bf16OutputsKeepTheirWordsAndDatatype) {
   response.output_raw = RawOf(words);
   response.message.set_precision(v1::PRECISION_BF16);
   inference::ModelInferResponse reply;
-  ASSERT_THAT(InferResponseFromAttend(Form({kOutput}, true), response, &reply), IsOk());
+  ASSERT_THAT(Reply(Form({kOutput}, true), response, &reply), IsOk());
   EXPECT_EQ(reply.outputs(0).datatype(), "BF16");
   EXPECT_EQ(reply.raw_output_contents(0), words);
   EXPECT_EQ(reply.parameters().at("precision").string_param(), "bf16");
@@ -163,7 +201,7 @@ TEST(InferResponse, Bf16OutputsKeepTheirWordsAndDatatype) {
   *again.message.mutable_output() = *out;
   again.output_raw = RawOf(words);
   inference::ModelInferResponse typed;
-  EXPECT_THAT(InferResponseFromAttend(Form({kOutput}, false), again, &typed),
+  EXPECT_THAT(Reply(Form({kOutput}, false), again, &typed),
               StatusIs(absl::StatusCode::kInternal, "BF16"));
 }
 
@@ -171,7 +209,7 @@ TEST(InferResponse, AnOutputNotComputedIsInternal) {
   WireResponse response;
   Computed::Header(response.message.mutable_output(), {1, 1, 1})->add_float_data(1);
   inference::ModelInferResponse reply;
-  EXPECT_THAT(InferResponseFromAttend(Form({kAttentionMaps}, true), response, &reply),
+  EXPECT_THAT(Reply(Form({kAttentionMaps}, true), response, &reply),
               StatusIs(absl::StatusCode::kInternal, "outputs: 'attention_maps' was not computed"));
 }
 
