@@ -1,7 +1,6 @@
 #include "server/api/open_inference_service.h"
 
 #include <memory>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -19,18 +18,6 @@
 
 namespace attnserve::server {
 namespace {
-
-// NOT_FOUND unless `version` is unset, "" or "1": attnserve's models have one
-// version.
-absl::Status CheckVersion(absl::string_view name, const std::optional<std::string>& version) {
-  if (!version.has_value() || version->empty() || *version == "1") return absl::OkStatus();
-  return absl::NotFoundError(absl::StrCat("version: model '", name, "' has no version '", *version,
-                                          "'; attnserve's models have one version, \"1\""));
-}
-
-std::optional<std::string> VersionOf(bool has_version, const std::string& version) {
-  return has_version ? std::optional<std::string>(version) : std::nullopt;
-}
 
 // The registry's verdict on `name`, its message prefixed with the field.
 absl::Status Named(absl::string_view field, const absl::Status& status) {
@@ -81,8 +68,8 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelReady(
     return Finish(context, caller.status());
   }
   if (request->name().empty()) return Finish(context, absl::InvalidArgumentError("name: required"));
-  if (absl::Status version =
-          CheckVersion(request->name(), VersionOf(request->has_version(), request->version()));
+  if (absl::Status version = open_inference::CheckModelVersion(
+          "version", request->name(), request->has_version() ? &request->version() : nullptr);
       !version.ok()) {
     return Finish(context, version);
   }
@@ -110,8 +97,8 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelMetadata(
     return Finish(context, caller.status());
   }
   if (request->name().empty()) return Finish(context, absl::InvalidArgumentError("name: required"));
-  if (absl::Status version =
-          CheckVersion(request->name(), VersionOf(request->has_version(), request->version()));
+  if (absl::Status version = open_inference::CheckModelVersion(
+          "version", request->name(), request->has_version() ? &request->version() : nullptr);
       !version.ok()) {
     return Finish(context, version);
   }

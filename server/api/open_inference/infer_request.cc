@@ -289,6 +289,14 @@ absl::StatusOr<Parameters> CheckParameters(const ModelInferRequest& infer) {
 
 }  // namespace
 
+absl::Status CheckModelVersion(absl::string_view field, absl::string_view model,
+                               const std::string* version) {
+  if (version == nullptr || version->empty() || *version == "1") return absl::OkStatus();
+  return absl::NotFoundError(
+      absl::StrCat(field, ": model '", model, "' has no version '", *version,
+                   "'; attnserve's models have one version, \"1\" (or leave ", field, " empty)"));
+}
+
 absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::AttendRequest* request,
                                     InferReplyForm* form) {
   ModelInferRequest& infer = *infer_request;
@@ -297,12 +305,9 @@ absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::Attend
   request->set_model(infer.model_name());
   form->id = infer.id();
   if (infer.model_name().empty()) return Invalid("model_name", "required");
-  if (infer.has_model_version() && !infer.model_version().empty() && infer.model_version() != "1") {
-    return absl::NotFoundError(absl::StrCat("model_version: model '", infer.model_name(),
-                                            "' has no version '", infer.model_version(),
-                                            "'; attnserve's models have one version, \"1\" (or "
-                                            "leave model_version empty)"));
-  }
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckModelVersion("model_version", infer.model_name(),
+                        infer.has_model_version() ? &infer.model_version() : nullptr));
   if (infer.raw_input_contents_size() > 0 &&
       infer.raw_input_contents_size() != infer.inputs_size()) {
     return Invalid("raw_input_contents",

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
 #include "inference/open_inference.pb.h"
 
@@ -41,6 +42,11 @@ struct InferReplyForm {
   bool raw = false;
 };
 
+// NOT_FOUND naming `field` (and `model`) unless `version` is unset (null),
+// "" or "1": attnserve's models have one version. Thread-safe.
+absl::Status CheckModelVersion(absl::string_view field, absl::string_view model,
+                               const std::string* version);
+
 // Translates an Open Inference Protocol request into the attnserve.v1 request
 // it stands for (`request`, cleared first; its model is set to model_name
 // before anything is checked, so it names the model even on failure) and the
@@ -54,8 +60,8 @@ struct InferReplyForm {
 // for Attend. Codes: INVALID_ARGUMENT naming the protocol's field (e.g.
 // "inputs[0] (hidden_states).shape: ..."); NOT_FOUND for a model_version
 // other than "" or "1". Thread-safe.
-absl::Status AttendRequestFromInfer(inference::ModelInferRequest* infer,
-                                    v1::AttendRequest* request, InferReplyForm* form);
+absl::Status AttendRequestFromInfer(inference::ModelInferRequest* infer, v1::AttendRequest* request,
+                                    InferReplyForm* form);
 
 }  // namespace attnserve::server::open_inference
 
