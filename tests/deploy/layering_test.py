@@ -35,7 +35,8 @@ CHECKED_ROOTS = ("core", "cli", "client", "server")
 SOURCE_SUFFIXES = (".h", ".cc")
 
 # What each folder's #include "..." may name. "proto" is the generated public
-# API ("attnserve/v1/...", "grpc/health/v1/...").
+# API ("attnserve/v1/...", "grpc/health/v1/...", "inference/..." for the Open
+# Inference Protocol).
 SERVER_PARTS = ("server/scheduling", "server/models", "server/observability", "server/security")
 ALLOWED = {
     "core": {"core"},
@@ -79,7 +80,7 @@ def folder_of_path(path):
 def folder_of_include(name):
     """The folder a quoted include names, or None for a library outside the
     repository (Abseil, oneDNN, ...)."""
-    if name.startswith("attnserve/") or name.startswith("grpc/health/"):
+    if name.startswith(("attnserve/", "grpc/health/", "inference/")):
         return "proto"
     return folder_of_path(name)
 
