@@ -94,8 +94,8 @@ struct ServerOptions {
   int http_threads = 16;
   // Largest HTTP request body (413 beyond, before it is read).
   int64_t http_max_body_bytes = int64_t{64} << 20;
-  // An HTTP request's headers, and then its body, must arrive within this;
-  // every read and write must progress within it.
+  // An HTTP request's headers must be complete this long after its first
+  // byte, and every read and write (body, answer) must progress within it.
   int http_request_timeout_ms = 30000;
   // One JSON line per call on stderr (server/observability/access_log.h).
   bool access_log = false;

@@ -15,7 +15,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
 
 namespace attnserve::server {
 namespace {
@@ -238,13 +237,19 @@ bool HttpFront::ReadBody(mg_connection* connection, std::string& body) {
     }
     body.reserve(static_cast<size_t>(info->content_length));
   }
-  const absl::Time deadline = absl::Now() + absl::Milliseconds(options_.request_timeout_ms);
+  // Each mg_read waits at most request_timeout_ms for the next bytes; it
+  // returns once its chunk is full, so a client that dribbles its body keeps
+  // the thread while it keeps sending (SECURITY.md: the proxy in front
+  // buffers bodies).
   char buffer[kReadChunkBytes];
   while (true) {
     const int n = mg_read(connection, buffer, sizeof(buffer));
     if (n == 0) break;
     if (n < 0) {
-      Reply(connection, Error(400, "request body: the connection failed while reading it"), true);
+      Reply(connection,
+            Error(400, "request body: the connection failed or stalled (--http_request_timeout_ms) "
+                       "while reading it"),
+            true);
       return false;
     }
     if (static_cast<int64_t>(body.size()) + n > limit) {
@@ -256,11 +261,6 @@ bool HttpFront::ReadBody(mg_connection* connection, std::string& body) {
     }
     body.append(buffer, static_cast<size_t>(n));
     if (!chunked && static_cast<int64_t>(body.size()) == info->content_length) break;
-    if (absl::Now() > deadline) {
-      Reply(connection,
-            Error(408, "request body: not received within --http_request_timeout_ms"), true);
-      return false;
-    }
   }
   if (!chunked && static_cast<int64_t>(body.size()) != info->content_length) {
     Reply(connection, Error(400, "request body: shorter than its Content-Length"), true);

@@ -64,8 +64,9 @@ struct HttpFrontOptions {
   int64_t max_body_bytes = int64_t{64} << 20;
   // civetweb's request_timeout_ms: a request's headers must be complete this
   // long after its first byte, and every read and write of the connection
-  // must progress within it; the front also ends a body read past it
-  // between its 64 KiB reads.
+  // (body, answer) must progress within it. A body that keeps arriving,
+  // however slowly, is not cut short: bounded by max_body_bytes and the
+  // threads, it is the front proxy's to limit (SECURITY.md).
   int request_timeout_ms = 30000;
   // An idle keep-alive connection is closed after this long.
   int keep_alive_timeout_ms = 5000;
