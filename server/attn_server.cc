@@ -20,6 +20,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cli/build_info.h"
 #include "core/status_macros.h"
 #include "server/api/replica_header.h"
 #include "server/http/open_inference_rest.h"
@@ -190,8 +191,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
     http_tokens = tokens;
     if (!options.tls_cert_file.empty()) {
       // On TLS, a call without a valid token ends before its body is read.
-      credentials->SetAuthMetadataProcessor(
-          MakeTokenAuthProcessor(*tokens, v1::AttentionService::service_full_name()));
+      std::vector<std::string> guarded = OpenInferenceService::AuthenticatedMethodPaths();
+      guarded.push_back(absl::StrCat("/", v1::AttentionService::service_full_name(), "/"));
+      credentials->SetAuthMetadataProcessor(MakeTokenAuthProcessor(*tokens, std::move(guarded)));
     }
   }
   std::unique_ptr<AttnServer> server(new AttnServer(options));
@@ -241,6 +243,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
       options, &server->registry_, server->executor_.get(), server->metrics_.get(),
       std::move(tokens), server->loader_.get(), server->sessions_.get());
 
+  server->open_inference_ = std::make_unique<OpenInferenceService>(
+      server->service_.get(), &server->registry_, options.limits, std::string(cli::Version()));
+
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -254,6 +259,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
     builder.experimental().SetInterceptorCreators(std::move(factories));
   }
   builder.RegisterService(server->service_.get());
+  builder.RegisterService(server->open_inference_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(absl::StrCat(
@@ -308,6 +314,7 @@ void AttnServer::SetHealth(bool serving) {
   grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
   health->SetServingStatus("", serving);
   health->SetServingStatus(v1::AttentionService::service_full_name(), serving);
+  health->SetServingStatus(inference::GRPCInferenceService::service_full_name(), serving);
   metrics_->SetServing(serving);
 }
 

@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "server/allocator_cache.h"
 #include "server/api/attention_service.h"
+#include "server/api/open_inference_service.h"
 #include "server/common/server_options.h"
 #include "server/http/http_front.h"
 #include "server/models/model_loader.h"
@@ -90,6 +91,8 @@ class AttnServer {
   // metrics, which their upkeep reports to.
   std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<AttentionServiceImpl> service_;
+  // The Open Inference Protocol's gRPC service, on service_'s path.
+  std::unique_ptr<OpenInferenceService> open_inference_;
   std::unique_ptr<grpc::Server> server_;
   // The HTTP port (options.http_address): its routes call server_ through
   // an in-process channel, so it is destroyed first.

@@ -128,7 +128,8 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "File of bearer tokens, one per line ('admin:<token>' marks an admin token; blank lines "
           "and # comments ignored): every AttentionService call then needs 'authorization: "
-          "Bearer <token>' (health and reflection stay open)");
+          "Bearer <token>' (health, reflection and the Open Inference Protocol's ServerLive and "
+          "ServerReady stay open)");
 
 ABSL_FLAG(int64_t, max_model_bytes, kDefaults.max_model_bytes,
           "Most bytes of weights one repository model may hold, as its checkpoint's header declares "

@@ -17,6 +17,7 @@
 #include "server/api/attend_plan.h"
 #include "server/api/attend_runner.h"
 #include "server/api/map_stream.h"
+#include "server/api/model_info.h"
 #include "server/api/map_stream_reactor.h"
 #include "server/api/observed_reactor.h"
 #include "server/api/proto_time.h"
@@ -28,53 +29,6 @@
 
 namespace attnserve::server {
 namespace {
-
-v1::ModelState ToProto(ModelState state) {
-  switch (state) {
-    case ModelState::kLoading:
-      return v1::MODEL_STATE_LOADING;
-    case ModelState::kReady:
-      return v1::MODEL_STATE_READY;
-    case ModelState::kFailed:
-      return v1::MODEL_STATE_FAILED;
-  }
-  return v1::MODEL_STATE_UNSPECIFIED;
-}
-
-void FillModelInfo(const Model& model, const RequestLimits& limits, v1::ModelInfo* info) {
-  const core::HeadConfig& config = model.layer->config();
-  info->set_name(model.name);
-  info->set_state(v1::MODEL_STATE_READY);
-  info->set_causal(model.causal);
-  info->set_description(model.description);
-  v1::HeadConfig* head = info->mutable_head_config();
-  head->set_d_model(static_cast<int32_t>(config.d_model));
-  head->set_num_heads(static_cast<int32_t>(config.num_heads));
-  head->set_num_kv_heads(static_cast<int32_t>(config.num_kv_heads));
-  head->set_head_dim(static_cast<int32_t>(config.head_dim));
-  head->set_scale(config.scale);
-  head->mutable_rotary()->set_rotary_dim(static_cast<int32_t>(config.rotary.rotary_dim));
-  if (config.rotary.rotary_dim > 0) head->mutable_rotary()->set_theta(config.rotary.theta);
-  head->set_context_dim(static_cast<int32_t>(config.context_dim));
-  v1::ModelLimits* model_limits = info->mutable_limits();
-  model_limits->set_max_batch(limits.max_batch);
-  model_limits->set_max_seq_len(limits.max_seq_len);
-  model_limits->set_max_attention_map_bytes(limits.max_attention_map_bytes);
-  info->add_input_dtypes(v1::DATA_TYPE_FP32);
-  info->add_input_dtypes(v1::DATA_TYPE_BF16);
-}
-
-// A registry entry in any state: READY entries carry everything, LOADING and
-// FAILED ones their name, state and failure reason.
-void FillModelStatus(const ModelStatus& status, const RequestLimits& limits, v1::ModelInfo* info) {
-  if (status.model != nullptr) {
-    FillModelInfo(*status.model, limits, info);
-  } else {
-    info->set_name(status.name);
-  }
-  info->set_state(ToProto(status.state));
-  if (!status.failure.ok()) info->set_failure_reason(std::string(status.failure.message()));
-}
 
 // Reports a successful compute of a request of `tokens` query tokens: the
 // batch's compute time and the map bytes in `response`.
@@ -92,6 +46,28 @@ struct AttendCall {
   v1::AttendRequest request;
   WireResponse response;
 };
+
+// Attend's and AttendStream's parse step: the call's bytes as an
+// AttendRequest. A call that died during upload (deadline, cancel) arrives
+// with no bytes: it is the client's deadline or cancel, not a malformed
+// request. A request that did not parse names no model (its bytes may not be
+// UTF-8).
+absl::Status ParseAttendBytes(const grpc::CallbackServerContext& context,
+                              const grpc::ByteBuffer* request_bytes, v1::AttendRequest* request) {
+  if (request_bytes == nullptr || !request_bytes->Valid() || context.IsCancelled()) {
+    return absl::Now() >= DeadlineOf(context)
+               ? absl::DeadlineExceededError("the deadline passed before the request arrived")
+               : absl::CancelledError("the call ended before the request arrived");
+  }
+  grpc::ByteBuffer bytes(*request_bytes);  // shares the slices; parsing consumes it
+  if (!grpc::SerializationTraits<v1::AttendRequest>::Deserialize(&bytes, request).ok()) {
+    request->Clear();
+    return absl::InvalidArgumentError(
+        "request: not a valid attnserve.v1.AttendRequest (malformed protobuf, or a string that is "
+        "not UTF-8)");
+  }
+  return absl::OkStatus();
+}
 
 int64_t QueryTokens(const AttendPlan& plan) {
   int64_t tokens = 0;
@@ -311,6 +287,11 @@ absl::Status AttentionServiceImpl::ServingLocked() const {
   return absl::OkStatus();
 }
 
+bool AttentionServiceImpl::serving() const {
+  absl::MutexLock lock(&mu_);
+  return state_ == State::kServing;
+}
+
 absl::Status AttentionServiceImpl::BeginCall() {
   absl::MutexLock lock(&mu_);
   if (absl::Status serving = ServingLocked(); !serving.ok()) return serving;
@@ -378,8 +359,8 @@ bool AttentionServiceImpl::WaitForIdle(absl::Time deadline) {
 
 template <class Reactor>
 Reactor* AttentionServiceImpl::HandleAttend(
-    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request_bytes,
-    MapDelivery map_delivery, const std::function<Reactor*(absl::string_view model)>& make_reactor,
+    grpc::CallbackServerContext* context, const ParseAttend& parse, MapDelivery map_delivery,
+    const std::function<Reactor*(absl::string_view model)>& make_reactor,
     const std::function<Deliver(Reactor*)>& make_deliver) {
   NoteArrival();  // for WaitForQuiet and last_activity()
   if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
@@ -389,27 +370,10 @@ Reactor* AttentionServiceImpl::HandleAttend(
   }
   // The request and response live until the call is finished.
   auto call = std::make_shared<AttendCall>();
-  // A call that died during upload (deadline, cancel) arrives with no bytes:
-  // it is the client's deadline or cancel, not a malformed request.
-  if (request_bytes == nullptr || !request_bytes->Valid() || context->IsCancelled()) {
-    Reactor* reactor = make_reactor("");
-    reactor->FinishCall(absl::Now() >= DeadlineOf(*context)
-                            ? grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
-                                           "the deadline passed before the request arrived")
-                            : grpc::Status(grpc::StatusCode::CANCELLED,
-                                           "the call ended before the request arrived"));
-    return reactor;
-  }
-  grpc::ByteBuffer bytes(*request_bytes);  // shares the slices; parsing consumes it
-  const grpc::Status parsed =
-      grpc::SerializationTraits<v1::AttendRequest>::Deserialize(&bytes, &call->request);
-  // A request that did not parse names no model (its bytes may not be UTF-8).
-  Reactor* reactor = make_reactor(parsed.ok() ? call->request.model() : "");
+  const absl::Status parsed = parse(&call->request);
+  Reactor* reactor = make_reactor(call->request.model());
   if (!parsed.ok()) {
-    reactor->FinishCall(grpc::Status(
-        grpc::StatusCode::INVALID_ARGUMENT,
-        "request: not a valid attnserve.v1.AttendRequest (malformed protobuf, or a string that is "
-        "not UTF-8)"));
+    reactor->FinishCall(ToGrpcStatus(parsed));
     return reactor;
   }
   const v1::AttendRequest& request = call->request;
@@ -444,23 +408,32 @@ Reactor* AttentionServiceImpl::HandleAttend(
   return reactor;
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
-                                                       const grpc::ByteBuffer* request_bytes,
-                                                       grpc::ByteBuffer* response_bytes) {
+grpc::ServerUnaryReactor* AttentionServiceImpl::HandleUnaryAttend(
+    grpc::CallbackServerContext* context, RpcMethod method, ParseAttend parse, WriteAttend write) {
   return HandleAttend<ObservedReactor>(
-      context, request_bytes, MapDelivery::kInResponse,
+      context, parse, MapDelivery::kInResponse,
       [&](absl::string_view model) {
-        return new ObservedReactor(context, RpcMethod::kAttend, model, metrics_,
-                                   options_.access_log);
+        return new ObservedReactor(context, method, model, metrics_, options_.access_log);
       },
-      [this, response_bytes](ObservedReactor* reactor) -> Deliver {
-        return [this, reactor, response_bytes](absl::Status status, WireResponse& response,
-                                               int64_t /*kept: none*/) {
-          if (status.ok()) status = response.SerializeTo(response_bytes);
+      [this, &write](ObservedReactor* reactor) -> Deliver {
+        return [this, reactor, write = std::move(write)](
+                   absl::Status status, WireResponse& response, int64_t /*kept: none*/) {
+          if (status.ok()) status = write(response);
           reactor->FinishCall(ToGrpcStatus(status));
           EndCall();
         };
       });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
+                                                       const grpc::ByteBuffer* request_bytes,
+                                                       grpc::ByteBuffer* response_bytes) {
+  return HandleUnaryAttend(
+      context, RpcMethod::kAttend,
+      [context, request_bytes](v1::AttendRequest* request) {
+        return ParseAttendBytes(*context, request_bytes, request);
+      },
+      [response_bytes](WireResponse& response) { return response.SerializeTo(response_bytes); });
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
@@ -469,7 +442,11 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* AttentionServiceImpl::AttendStream(
   const int64_t chunk_bytes = std::max<int64_t>(
       1, std::min(kMapChunkBytes, options_.max_send_message_bytes - int64_t{4096}));
   return HandleAttend<MapStreamReactor>(
-      context, request_bytes, MapDelivery::kStreamed,
+      context,
+      [context, request_bytes](v1::AttendRequest* request) {
+        return ParseAttendBytes(*context, request_bytes, request);
+      },
+      MapDelivery::kStreamed,
       [&](absl::string_view model) {
         return new MapStreamReactor(context, model, metrics_, options_.access_log);
       },

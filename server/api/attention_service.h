@@ -100,6 +100,33 @@ class AttentionServiceImpl final
   // another replica. Irreversible; the server is shutting down.
   void CutShortCallsInFlight();
 
+  // True while the state is kServing (models loaded and warm, no drain).
+  bool serving() const;
+
+  // The one authentication check, first in every handler (here and in the
+  // other protocols' services on this server): OK without tokens, else as
+  // TokenSet::Authenticate (UNAUTHENTICATED).
+  absl::StatusOr<Principal> Authenticate(const grpc::CallbackServerContext& context) const;
+
+  // Fills a call's AttendRequest from what the call carries (Attend: its
+  // bytes; ModelInfer: the Open Inference Protocol's request). A status that
+  // is not OK fails the call with it; the request's model (even then) labels
+  // the call.
+  using ParseAttend = std::function<absl::Status(v1::AttendRequest* request)>;
+  // Writes a computed response into the call's own response message; a
+  // status that is not OK fails the call instead.
+  using WriteAttend = std::function<absl::Status(WireResponse& response)>;
+  // Attend's one path for a unary call of any protocol: authenticates,
+  // parses (`parse`), admits (UNAVAILABLE unless serving), plans (PlanAttend:
+  // its codes), queues for the Scheduler and the compute executor, and
+  // finishes the call with `write`'s result -- reported to metrics under
+  // `method` and to the access log. Thread-safe; `parse` runs on the calling
+  // thread, `write` on the compute executor (or here, for a refusal it does
+  // not run at all).
+  grpc::ServerUnaryReactor* HandleUnaryAttend(grpc::CallbackServerContext* context,
+                                              RpcMethod method, ParseAttend parse,
+                                              WriteAttend write);
+
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const grpc::ByteBuffer* request_bytes,
                                    grpc::ByteBuffer* response_bytes) override;
@@ -165,9 +192,6 @@ class AttentionServiceImpl final
   ModelLoader* const loader_;  // null without --model_repository
   SessionManager* const sessions_;  // null: no decode sessions
 
-  // The one authentication check, first in every handler: OK without
-  // tokens_, else as TokenSet::Authenticate.
-  absl::StatusOr<Principal> Authenticate(const grpc::CallbackServerContext& context) const;
   // Authenticate, then PERMISSION_DENIED unless the principal is an admin
   // (open without tokens_, like every RPC).
   absl::Status AuthorizeAdmin(const grpc::CallbackServerContext& context) const;
@@ -217,11 +241,12 @@ class AttentionServiceImpl final
   // `kept_bytes` of the in-flight budget (what it kept after compute).
   using Deliver =
       std::function<void(absl::Status status, WireResponse& response, int64_t kept_bytes)>;
-  // Attend's and AttendStream's handler: authenticates, parses, plans and
-  // submits the call; `make_reactor` makes its reactor (for the model the
-  // request names) and `make_deliver` what sends its result.
+  // The handler of Attend, AttendStream and HandleUnaryAttend's calls:
+  // authenticates, parses (`parse`), plans and submits the call;
+  // `make_reactor` makes its reactor (for the model the request names) and
+  // `make_deliver` what sends its result.
   template <class Reactor>
-  Reactor* HandleAttend(grpc::CallbackServerContext* context, const grpc::ByteBuffer* request_bytes,
+  Reactor* HandleAttend(grpc::CallbackServerContext* context, const ParseAttend& parse,
                         MapDelivery map_delivery,
                         const std::function<Reactor*(absl::string_view model)>& make_reactor,
                         const std::function<Deliver(Reactor*)>& make_deliver);

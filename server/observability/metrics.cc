@@ -65,7 +65,7 @@ constexpr RpcMethod kMethods[] = {
     RpcMethod::kGetModel,     RpcMethod::kLoadModel,       RpcMethod::kUnloadModel,
     RpcMethod::kOpenSession,  RpcMethod::kExtend,          RpcMethod::kExtendStream,
     RpcMethod::kGetSession,   RpcMethod::kForkSession,     RpcMethod::kTruncateSession,
-    RpcMethod::kCloseSession};
+    RpcMethod::kCloseSession, RpcMethod::kModelInfer};
 
 // The codes each method can answer with today; their request counters exist
 // from the start, so error ratios are defined before the first error.
@@ -74,6 +74,7 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
   switch (method) {
     case RpcMethod::kAttend:
     case RpcMethod::kAttendStream:
+    case RpcMethod::kModelInfer:
       return {StatusCode::kOk,          StatusCode::kInvalidArgument,
               StatusCode::kNotFound,    StatusCode::kResourceExhausted,
               StatusCode::kUnavailable, StatusCode::kDeadlineExceeded,
@@ -182,6 +183,8 @@ absl::string_view RpcMethodName(RpcMethod method) {
       return "TruncateSession";
     case RpcMethod::kCloseSession:
       return "CloseSession";
+    case RpcMethod::kModelInfer:
+      return "ModelInfer";
   }
   return "unknown";
 }

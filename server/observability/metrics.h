@@ -45,8 +45,9 @@ enum class RpcMethod {
   kForkSession,
   kTruncateSession,
   kCloseSession,
+  kModelInfer,  // the Open Inference Protocol's inference call (inference.GRPCInferenceService)
 };
-// "Attend", "ListModels", "GetModel", ...: the proto's method names.
+// "Attend", "ListModels", "GetModel", ..., "ModelInfer": the protos' method names.
 absl::string_view RpcMethodName(RpcMethod method);
 
 struct MetricsOptions {

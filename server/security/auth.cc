@@ -112,8 +112,8 @@ namespace {
 
 class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
  public:
-  TokenAuthProcessor(TokenSet tokens, absl::string_view service)
-      : tokens_(std::move(tokens)), method_prefix_(absl::StrCat("/", service, "/")) {}
+  TokenAuthProcessor(TokenSet tokens, std::vector<std::string> guarded)
+      : tokens_(std::move(tokens)), guarded_(std::move(guarded)) {}
 
   // A SHA-256 and a few comparisons: cheap enough for gRPC's own threads.
   bool IsBlocking() const override { return false; }
@@ -121,10 +121,11 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
   grpc::Status Process(const InputMetadata& metadata, grpc::AuthContext* /*context*/,
                        OutputMetadata* /*consumed*/, OutputMetadata* /*response*/) override {
     const auto path = metadata.find(":path");
-    if (path != metadata.end() &&
-        !absl::StartsWith(absl::string_view(path->second.data(), path->second.size()),
-                          method_prefix_)) {
-      return grpc::Status::OK;
+    if (path != metadata.end()) {
+      const absl::string_view called(path->second.data(), path->second.size());
+      bool guarded = false;
+      for (const std::string& prefix : guarded_) guarded = guarded || absl::StartsWith(called, prefix);
+      if (!guarded) return grpc::Status::OK;
     }
     const absl::StatusOr<Principal> caller = tokens_.Authenticate(metadata);
     if (!caller.ok()) {
@@ -135,14 +136,14 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
 
  private:
   const TokenSet tokens_;
-  const std::string method_prefix_;
+  const std::vector<std::string> guarded_;
 };
 
 }  // namespace
 
-std::shared_ptr<grpc::AuthMetadataProcessor> MakeTokenAuthProcessor(TokenSet tokens,
-                                                                   absl::string_view service) {
-  return std::make_shared<TokenAuthProcessor>(std::move(tokens), service);
+std::shared_ptr<grpc::AuthMetadataProcessor> MakeTokenAuthProcessor(
+    TokenSet tokens, std::vector<std::string> guarded) {
+  return std::make_shared<TokenAuthProcessor>(std::move(tokens), std::move(guarded));
 }
 
 }  // namespace attnserve::server

@@ -65,15 +65,17 @@ class TokenSet {
   std::vector<Entry> entries_;
 };
 
-// Checks the bearer token of every call to `service` (a full service name,
-// "attnserve.v1.AttentionService") from the call's headers, before its
-// request message is read: a call without a valid token ends UNAUTHENTICATED
-// while its body has sent at most a flow-control window, instead of being
-// buffered whole for the handler to refuse. Calls to other services (health,
-// reflection) pass. gRPC runs metadata processors only on TLS ports; the
-// handlers still authenticate (and check admin rights) on every port.
-std::shared_ptr<grpc::AuthMetadataProcessor> MakeTokenAuthProcessor(TokenSet tokens,
-                                                                   absl::string_view service);
+// Checks the bearer token of every call whose path (":path",
+// "/<service>/<method>") starts with one of `guarded` (e.g.
+// "/attnserve.v1.AttentionService/" for a whole service, or one method's
+// path) from the call's headers, before its request message is read: a call
+// without a valid token ends UNAUTHENTICATED while its body has sent at most a
+// flow-control window, instead of being buffered whole for the handler to
+// refuse. Other calls (health, reflection, open probes) pass. gRPC runs
+// metadata processors only on TLS ports; the handlers still authenticate (and
+// check admin rights) on every port.
+std::shared_ptr<grpc::AuthMetadataProcessor> MakeTokenAuthProcessor(
+    TokenSet tokens, std::vector<std::string> guarded);
 
 }  // namespace attnserve::server
 

@@ -37,7 +37,8 @@ CHECKED_ROOTS = ("core", "cli", "client", "server")
 SOURCE_SUFFIXES = (".h", ".cc")
 
 # What each folder's #include "..." may name. "proto" is the generated public
-# API ("attnserve/v1/...", "grpc/health/v1/...").
+# API ("attnserve/v1/...", "grpc/health/v1/...", "inference/..." for the Open
+# Inference Protocol).
 SERVER_PARTS = ("server/scheduling", "server/models", "server/observability", "server/security")
 ALLOWED = {
     "core": {"core"},

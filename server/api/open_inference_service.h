@@ -1,0 +1,81 @@
+#ifndef ATTNSERVE_SERVER_API_OPEN_INFERENCE_SERVICE_H_
+#define ATTNSERVE_SERVER_API_OPEN_INFERENCE_SERVICE_H_
+
+#include <string>
+#include <vector>
+
+#include "inference/open_inference.grpc.pb.h"
+#include "server/api/attention_service.h"
+#include "server/common/server_options.h"
+#include "server/models/model_registry.h"
+
+namespace attnserve::server {
+
+// The Open Inference Protocol (KServe V2), gRPC form: the service
+// inference.GRPCInferenceService on the callback API, registered on the same
+// server as attnserve.v1 (docs/open_inference.md).
+//
+// ModelInfer runs on Attend's one path (AttentionServiceImpl::
+// HandleUnaryAttend): the same authentication, admission and drain,
+// validation (PlanAttend: same codes and field names), Scheduler and compute
+// executor, metrics (method "ModelInfer") and access log. Its request is
+// translated by open_inference::AttendRequestFromInfer and its reply by
+// InferResponseFromAttend.
+//
+// Health: ServerLive (true while the process answers RPCs) and ServerReady
+// (attnserve.v1 serving: models loaded and warm, no drain) need no token,
+// like grpc.health.v1. ModelReady, ServerMetadata, ModelMetadata and
+// ModelInfer are authenticated as attnserve.v1's RPCs are (UNAUTHENTICATED).
+// A model_version other than "" or "1" is NOT_FOUND (attnserve's models have
+// one version), as is a model the server does not know.
+//
+// Thread-safe. `attention` and `registry` must outlive the service.
+class OpenInferenceService final : public inference::GRPCInferenceService::CallbackService {
+ public:
+  // `version`: what ServerMetadata reports (the build's version).
+  OpenInferenceService(AttentionServiceImpl* attention, const ModelRegistry* registry,
+                       const RequestLimits& limits, std::string version);
+  OpenInferenceService(const OpenInferenceService&) = delete;
+  OpenInferenceService& operator=(const OpenInferenceService&) = delete;
+
+  // The paths ("/inference.GRPCInferenceService/<method>") of the RPCs that
+  // need a token: all but ServerLive and ServerReady (for
+  // MakeTokenAuthProcessor).
+  static std::vector<std::string> AuthenticatedMethodPaths();
+
+  grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
+                                       const inference::ServerLiveRequest* request,
+                                       inference::ServerLiveResponse* response) override;
+  grpc::ServerUnaryReactor* ServerReady(grpc::CallbackServerContext* context,
+                                        const inference::ServerReadyRequest* request,
+                                        inference::ServerReadyResponse* response) override;
+  // ready: the model is loaded (READY) and the server ready. INVALID_ARGUMENT
+  // without a name; NOT_FOUND for an unknown model or version.
+  grpc::ServerUnaryReactor* ModelReady(grpc::CallbackServerContext* context,
+                                       const inference::ModelReadyRequest* request,
+                                       inference::ModelReadyResponse* response) override;
+  // name "attnserve", the build's version, no extensions.
+  grpc::ServerUnaryReactor* ServerMetadata(grpc::CallbackServerContext* context,
+                                           const inference::ServerMetadataRequest* request,
+                                           inference::ServerMetadataResponse* response) override;
+  // open_inference::ModelMetadataFromInfo. NOT_FOUND for an unknown model or
+  // version; UNAVAILABLE while the model loads; FAILED_PRECONDITION when its
+  // load failed (as ModelRegistry::Find).
+  grpc::ServerUnaryReactor* ModelMetadata(grpc::CallbackServerContext* context,
+                                          const inference::ModelMetadataRequest* request,
+                                          inference::ModelMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
+                                       const inference::ModelInferRequest* request,
+                                       inference::ModelInferResponse* response) override;
+
+ private:
+  // Constant after construction.
+  AttentionServiceImpl* const attention_;
+  const ModelRegistry* const registry_;
+  const RequestLimits limits_;
+  const std::string version_;
+};
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_API_OPEN_INFERENCE_SERVICE_H_
