@@ -17,6 +17,7 @@ connection closed by --http_request_timeout_ms.
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -237,6 +238,27 @@ class RestServerWithTokens(unittest.TestCase):
                 self.assertEqual(status, 200)
             finally:
                 server.stop()
+
+
+class RestServerDrain(unittest.TestCase):
+    def test_sigterm_stops_readiness_then_new_requests_and_the_process_exits_0(self):
+        server = harness.Server(ARGS.server, "--http_address=127.0.0.1:0", "--lame_duck_seconds=1")
+        try:
+            server.wait_serving()
+            base = f"http://127.0.0.1:{server.http_port}"
+            self.assertEqual(http(f"{base}/v2/health/ready"), (200, {"ready": True}))
+            server.proc.send_signal(signal.SIGTERM)
+
+            def no_longer_ready():
+                try:
+                    return http(f"{base}/v2/health/ready")[0] in (400, 503)
+                except OSError:  # stopped listening: the drain went by
+                    return True
+
+            harness.wait_until("/v2/health/ready no longer 200 after SIGTERM", no_longer_ready, 60)
+            self.assertEqual(server.proc.wait(timeout=60), 0)
+        finally:
+            server.stop()
 
 
 if __name__ == "__main__":
