@@ -301,8 +301,7 @@ void HttpFront::Serve(mg_connection* connection) {
   }
   HttpRequest request;
   request.method = std::string(method);
-  // Match again: raw_params points into this request's path.
-  Match(route->pattern, segments, raw_params);
+  // raw_params: the matched route's segments (the loop stopped at it).
   for (absl::string_view raw : raw_params) {
     std::optional<std::string> decoded = DecodeSegment(raw);
     if (!decoded.has_value()) {

@@ -282,6 +282,17 @@ TEST(HttpFront, ASilentConnectionIsClosedByTheRequestTimeout) {
   EXPECT_EQ(Exchange(front->port(), "GET", "/v2").status, 200);
 }
 
+TEST(HttpFront, HeadersOverTheLimitAreRefusedWithAJsonError) {
+  auto front = Start({Echo("GET", "/v2")});
+  ASSERT_NE(front, nullptr);
+  const std::string big(HttpFrontOptions::kMaxHeaderBytes + 1024, 'h');
+  Reply reply = Exchange(front->port(), "GET", "/v2", {"X-Big: " + big});
+  EXPECT_GE(reply.status, 400);
+  EXPECT_LT(reply.status, 500);
+  EXPECT_THAT(ErrorOf(reply), HasSubstr("refused"));
+  EXPECT_EQ(Exchange(front->port(), "GET", "/v2").status, 200);
+}
+
 TEST(HttpFront, RefusesBadOptionsAndAnAddressInUse) {
   HttpFrontOptions empty;
   EXPECT_EQ(HttpFront::Create(empty, {}).status().code(), absl::StatusCode::kInvalidArgument);
