@@ -240,10 +240,11 @@ bool HttpFront::ReadBody(mg_connection* connection, std::string& body) {
   // Each mg_read waits at most request_timeout_ms for the next bytes; it
   // returns once its chunk is full, so a client that dribbles its body keeps
   // the thread while it keeps sending (SECURITY.md: the proxy in front
-  // buffers bodies).
-  char buffer[kReadChunkBytes];
+  // buffers bodies). The chunk is on the heap: civetweb's threads have
+  // 100 KiB stacks.
+  std::vector<char> buffer(kReadChunkBytes);
   while (true) {
-    const int n = mg_read(connection, buffer, sizeof(buffer));
+    const int n = mg_read(connection, buffer.data(), buffer.size());
     if (n == 0) break;
     if (n < 0) {
       Reply(connection,
@@ -259,7 +260,7 @@ bool HttpFront::ReadBody(mg_connection* connection, std::string& body) {
             true);
       return false;
     }
-    body.append(buffer, static_cast<size_t>(n));
+    body.append(buffer.data(), static_cast<size_t>(n));
     if (!chunked && static_cast<int64_t>(body.size()) == info->content_length) break;
   }
   if (!chunked && static_cast<int64_t>(body.size()) != info->content_length) {

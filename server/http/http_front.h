@@ -47,8 +47,9 @@ struct HttpRoute {
   // (401 otherwise), checked before its body is read.
   bool needs_token = false;
   bool takes_body = false;
-  // Runs on the front's thread of the connection; may block (e.g. on a gRPC
-  // call). Must be thread-safe.
+  // Runs on the front's thread of the connection (civetweb's: a 100 KiB
+  // stack, so no large locals); may block (e.g. on a gRPC call). Must be
+  // thread-safe.
   std::function<HttpResponse(const HttpRequest&)> handler;
 };
 
