@@ -112,9 +112,9 @@ ABSL_FLAG(int, http_threads, kDefaults.http_threads,
 ABSL_FLAG(int64_t, http_max_body_bytes, kDefaults.http_max_body_bytes,
           "Largest HTTP request body in bytes; larger ones get 413 before they are read");
 ABSL_FLAG(int, http_request_timeout_ms, kDefaults.http_request_timeout_ms,
-          "An HTTP request's headers must be complete this many ms after its first byte, and "
-          "every read and write (body, answer) must progress within it; the connection is closed "
-          "otherwise");
+          "An HTTP request's headers must be complete this many ms after its first byte, every "
+          "read and write (body, answer) must progress within it, and its body must arrive within "
+          "it plus a second per MiB; the connection is closed otherwise");
 ABSL_FLAG(bool, access_log, kDefaults.access_log,
           "Log one JSON line per call to stderr (request id, method, model, shapes, status, "
           "queue and compute time)");

@@ -95,7 +95,8 @@ struct ServerOptions {
   // Largest HTTP request body (413 beyond, before it is read).
   int64_t http_max_body_bytes = int64_t{64} << 20;
   // An HTTP request's headers must be complete this long after its first
-  // byte, and every read and write (body, answer) must progress within it.
+  // byte, every read and write (body, answer) must progress within it, and
+  // its body must arrive within it plus a second per MiB.
   int http_request_timeout_ms = 30000;
   // One JSON line per call on stderr (server/observability/access_log.h).
   bool access_log = false;

@@ -1,6 +1,10 @@
 #include "server/http/http_front.h"
 
+#include <arpa/inet.h>
 #include <civetweb.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include <cstring>
 #include <string>
@@ -15,6 +19,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 
 namespace attnserve::server {
 namespace {
@@ -102,6 +107,48 @@ bool Match(absl::string_view pattern, const std::vector<absl::string_view>& path
   return true;
 }
 
+// The port of an IPv4 or IPv6 socket address, and its address as text.
+bool AddressOf(const sockaddr_storage& address, std::string& text, int& port) {
+  char buffer[INET6_ADDRSTRLEN] = {};
+  if (address.ss_family == AF_INET) {
+    const auto& a = reinterpret_cast<const sockaddr_in&>(address);
+    if (inet_ntop(AF_INET, &a.sin_addr, buffer, sizeof(buffer)) == nullptr) return false;
+    port = ntohs(a.sin_port);
+  } else if (address.ss_family == AF_INET6) {
+    const auto& a = reinterpret_cast<const sockaddr_in6&>(address);
+    if (inet_ntop(AF_INET6, &a.sin6_addr, buffer, sizeof(buffer)) == nullptr) return false;
+    port = ntohs(a.sin6_port);
+  } else {
+    return false;
+  }
+  text = buffer;
+  return true;
+}
+
+// Shuts down this process' TCP connection from peer_address:peer_port to
+// local_port (civetweb does not expose its sockets): the read blocked on it
+// returns. The descriptor stays open, so it cannot be reused under civetweb.
+void ShutDownConnection(const std::string& peer_address, int peer_port, int local_port) {
+  DIR* fds = opendir("/proc/self/fd");
+  if (fds == nullptr) return;
+  while (const dirent* entry = readdir(fds)) {
+    int fd;
+    if (!absl::SimpleAtoi(entry->d_name, &fd)) continue;
+    sockaddr_storage peer{}, local{};
+    socklen_t peer_size = sizeof(peer), local_size = sizeof(local);
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_size) != 0) continue;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_size) != 0) continue;
+    std::string peer_text, local_text;
+    int peer_p = 0, local_p = 0;
+    if (!AddressOf(peer, peer_text, peer_p) || !AddressOf(local, local_text, local_p)) continue;
+    if (peer_p == peer_port && local_p == local_port && peer_text == peer_address) {
+      shutdown(fd, SHUT_RDWR);
+      break;
+    }
+  }
+  closedir(fds);
+}
+
 }  // namespace
 
 std::string JsonErrorBody(absl::string_view message) {
@@ -171,11 +218,32 @@ absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Create(HttpFrontOptions op
   const int count = mg_get_server_ports(front->context_, 4, ports);
   if (count < 1) return absl::UnavailableError("the HTTP listener has no port");
   front->port_ = ports[0].port;
+  front->body_watch_ = std::thread([self = front.get()] { self->WatchBodies(); });
   return front;
 }
 
 HttpFront::~HttpFront() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (body_watch_.joinable()) body_watch_.join();
   if (context_ != nullptr) mg_stop(context_);
+}
+
+void HttpFront::WatchBodies() {
+  absl::MutexLock lock(&mu_);
+  while (!stopping_) {
+    mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Seconds(1));
+    const absl::Time now = absl::Now();
+    // Under mu_: a registered body's handler is still inside ReadBody, so
+    // its connection (and socket) is open.
+    for (auto& [id, read] : body_reads_) {
+      if (read.cut || now < read.deadline) continue;
+      ShutDownConnection(read.peer_address, read.peer_port, read.local_port);
+      read.cut = true;
+    }
+  }
 }
 
 bool HttpFront::Drain(absl::Time deadline) {
@@ -237,12 +305,38 @@ bool HttpFront::ReadBody(mg_connection* connection, std::string& body) {
     }
     body.reserve(static_cast<size_t>(info->content_length));
   }
-  // Each mg_read waits at most request_timeout_ms for the next bytes; it
-  // returns once its chunk is full, so a client that dribbles its body keeps
-  // the thread while it keeps sending (SECURITY.md: the proxy in front
-  // buffers bodies). The chunk is on the heap: civetweb's threads have
+  // Each mg_read waits at most request_timeout_ms for the next bytes but
+  // returns only once its chunk is full, so a client dribbling its body
+  // would keep the thread: the body watch shuts the connection down at the
+  // body's deadline. The chunk is on the heap: civetweb's threads have
   // 100 KiB stacks.
   std::vector<char> buffer(kReadChunkBytes);
+  const int64_t declared = chunked ? limit : info->content_length;
+  int64_t id;
+  {
+    absl::MutexLock lock(&mu_);
+    id = next_body_id_++;
+    body_reads_[id] = BodyRead{
+        .deadline = absl::Now() + absl::Milliseconds(options_.request_timeout_ms) +
+                    absl::Seconds(declared / (int64_t{1} << 20)),
+        .peer_address = info->remote_addr,
+        .peer_port = info->remote_port,
+        .local_port = info->server_port};
+  }
+  const bool complete = ReadBodyChunks(connection, buffer, chunked, limit, body);
+  bool cut;
+  {
+    absl::MutexLock lock(&mu_);
+    cut = body_reads_[id].cut;
+    body_reads_.erase(id);
+  }
+  // Cut: the connection is shut down, no answer can reach the client.
+  return complete && !cut;
+}
+
+bool HttpFront::ReadBodyChunks(mg_connection* connection, std::vector<char>& buffer, bool chunked,
+                               int64_t limit, std::string& body) {
+  const mg_request_info* info = mg_get_request_info(connection);
   while (true) {
     const int n = mg_read(connection, buffer.data(), buffer.size());
     if (n == 0) break;

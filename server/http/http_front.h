@@ -6,9 +6,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -65,9 +67,11 @@ struct HttpFrontOptions {
   int64_t max_body_bytes = int64_t{64} << 20;
   // civetweb's request_timeout_ms: a request's headers must be complete this
   // long after its first byte, and every read and write of the connection
-  // (body, answer) must progress within it. A body that keeps arriving,
-  // however slowly, is not cut short: bounded by max_body_bytes and the
-  // threads, it is the front proxy's to limit (SECURITY.md).
+  // (body, answer) must progress within it. The body as a whole must arrive
+  // within it plus a second per MiB it declares (chunked: per MiB of
+  // max_body_bytes); past that the front shuts the connection down (checked
+  // about once a second), so a client that dribbles its body cannot keep a
+  // thread.
   int request_timeout_ms = 30000;
   // An idle keep-alive connection is closed after this long.
   int keep_alive_timeout_ms = 5000;
@@ -119,6 +123,19 @@ class HttpFront {
   void Reply(mg_connection* connection, const HttpResponse& response, bool close);
   // Reads the body within the limits; false when it answered an error.
   bool ReadBody(mg_connection* connection, std::string& body);
+  // The body watch: connections reading a body past their deadline are shut
+  // down (their socket found by its addresses), which ends mg_read.
+  struct BodyRead {
+    absl::Time deadline;
+    std::string peer_address;
+    int peer_port = 0;
+    int local_port = 0;
+    bool cut = false;
+  };
+  void WatchBodies();
+  // ReadBody's loop: false when it answered an error.
+  bool ReadBodyChunks(mg_connection* connection, std::vector<char>& buffer, bool chunked,
+                      int64_t limit, std::string& body);
 
   // Constant after Create.
   const HttpFrontOptions options_;
@@ -130,6 +147,10 @@ class HttpFront {
   absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t next_body_id_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<int64_t, BodyRead> body_reads_ ABSL_GUARDED_BY(mu_);
+  std::thread body_watch_;
 };
 
 }  // namespace attnserve::server

@@ -282,6 +282,43 @@ TEST(HttpFront, ASilentConnectionIsClosedByTheRequestTimeout) {
   EXPECT_EQ(Exchange(front->port(), "GET", "/v2").status, 200);
 }
 
+TEST(HttpFront, ABodyDribbledPastItsDeadlineIsCutOff) {
+  std::atomic<int> calls{0};
+  HttpRoute route = Echo("POST", "/in", false, true);
+  route.handler = [&calls](const HttpRequest&) {
+    ++calls;
+    return HttpResponse{.body = "{}"};
+  };
+  // Deadline: 300 ms plus a second per MiB (here none); each byte comes well
+  // within the per-read timeout, so only the body's deadline can end it.
+  auto front = Start({route}, [](HttpFrontOptions& o) { o.request_timeout_ms = 300; });
+  ASSERT_NE(front, nullptr);
+  const int fd = Connect(front->port());
+  SendAll(fd,
+          "POST /in HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+          "Content-Length: 100000\r\n\r\n");
+  // One byte per 50 ms (the receive timeout paces it) until the server ends
+  // the connection; 100000 bytes would take more than an hour.
+  timeval pace{.tv_sec = 0, .tv_usec = 50 * 1000};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &pace, sizeof(pace));
+  int sent = 0;
+  bool ended = false;
+  for (; sent < 100000 && !ended; ++sent) {
+    if (send(fd, "x", 1, MSG_NOSIGNAL) != 1) {
+      ended = true;
+      break;
+    }
+    char byte;
+    const ssize_t n = recv(fd, &byte, 1, 0);
+    ended = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+  }
+  close(fd);
+  EXPECT_TRUE(ended);
+  EXPECT_LT(sent, 100000);
+  EXPECT_EQ(calls.load(), 0);
+  EXPECT_EQ(Exchange(front->port(), "GET", "/nothing").status, 404);  // serving on
+}
+
 TEST(HttpFront, HeadersOverTheLimitAreRefusedWithAJsonError) {
   auto front = Start({Echo("GET", "/v2")});
   ASSERT_NE(front, nullptr);
