@@ -4,7 +4,11 @@
 #include <civetweb.h>
 #include <dirent.h>
 #include <netinet/in.h>
+#include <netdb.h>
 #include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
 
 #include <cstring>
 #include <string>
@@ -149,6 +153,32 @@ void ShutDownConnection(const std::string& peer_address, int peer_port, int loca
   closedir(fds);
 }
 
+// Opens and closes one connection to host:port (no error if it fails).
+void ConnectOnce(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0) return;
+  const int fd = socket(found->ai_family, SOCK_STREAM, 0);
+  if (fd >= 0) {
+    connect(fd, found->ai_addr, found->ai_addrlen);
+    close(fd);
+  }
+  freeaddrinfo(found);
+}
+
+// Where this host reaches a listener bound to `address` (host:port).
+std::string LoopbackFor(absl::string_view address) {
+  absl::string_view host = address.substr(0, address.rfind(':'));
+  if (absl::StartsWith(host, "[") && absl::EndsWith(host, "]")) {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host.empty() || host == "0.0.0.0") return "127.0.0.1";
+  if (host == "::") return "::1";
+  return std::string(host);
+}
+
 }  // namespace
 
 std::string JsonErrorBody(absl::string_view message) {
@@ -228,7 +258,19 @@ HttpFront::~HttpFront() {
     stopping_ = true;
   }
   if (body_watch_.joinable()) body_watch_.join();
-  if (context_ != nullptr) mg_stop(context_);
+  if (context_ == nullptr) return;
+  // civetweb's listener waits for connections in rounds of a second or two
+  // and sees the stop only between them: connecting ends the round at once.
+  std::atomic<bool> stopped{false};
+  std::thread waker([this, &stopped, host = LoopbackFor(options_.address)] {
+    while (!stopped.load()) {
+      ConnectOnce(host, port_);
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+  });
+  mg_stop(context_);
+  stopped.store(true);
+  waker.join();
 }
 
 void HttpFront::WatchBodies() {
