@@ -14,7 +14,7 @@ BUILD_PKGS=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   libdnnl-dev ocl-icd-opencl-dev libabsl-dev prometheus-cpp-dev
-  zlib1g-dev libssl-dev nlohmann-json3-dev libjemalloc-dev
+  zlib1g-dev libssl-dev nlohmann-json3-dev libjemalloc-dev libcivetweb-dev
 )
 # Libraries only the tests and benchmarks link (ATTNSERVE_BUILD_TESTS=ON), and
 # ccache, through which deploy/test.sh's builds share objects.
@@ -32,8 +32,9 @@ TEST_BUILD_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev ccache)
 # hostile-client suite's tools. python3-venv and python3-wheel install the Python
 # package (client/python) offline into a virtual environment, as the README
 # says (the venv's own pip and setuptools come with python3-venv; wheel, which
-# Debian's setuptools 66 builds wheels with, from python3-wheel).
-TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-venv python3-wheel
+# Debian's setuptools 66 builds wheels with, from python3-wheel). curl calls
+# the HTTP port's REST routes as a user would.
+TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-venv python3-wheel curl
   python3-torch libopenblas0
   prometheus python3-yaml yamllint docker-compose openssl stress-ng
   haproxy python3-h2 nghttp2-client)
@@ -41,7 +42,8 @@ TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-venv py
 # /usr/bin/kubectl (e.g. the Google Cloud SDK's) conflicts with it.
 if ! command -v kubectl > /dev/null; then TEST_PKGS+=(kubernetes-client); fi
 # What the built binaries load (deploy/check_runtime_deps.sh proves the list
-# complete against ldd).
+# complete against ldd; libcivetweb1, the HTTP port's, comes with
+# libprometheus-cpp-pull1.0).
 RUNTIME_PKGS=(libgrpc++1.51 libgrpc29 libprotobuf32 libdnnl2 libabsl20220623 libgomp1
   libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libjemalloc2)
 # Fuzzing (deploy/fuzz.sh) needs clang: libclang-rt-14-dev holds libFuzzer

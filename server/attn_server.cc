@@ -14,6 +14,7 @@
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+#include <grpcpp/support/channel_arguments.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
@@ -22,6 +23,7 @@
 #include "cli/build_info.h"
 #include "core/status_macros.h"
 #include "server/api/replica_header.h"
+#include "server/http/open_inference_rest.h"
 #include "server/observability/log.h"
 #include "server/security/auth.h"
 #include "server/security/tls_credentials.h"
@@ -168,6 +170,11 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   if (options.listen_address.empty()) {
     return absl::InvalidArgumentError("--listen_address: required (host:port)");
   }
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("http_threads", options.http_threads, 1, 1024));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("http_max_body_bytes", options.http_max_body_bytes, 1024,
+                                       int64_t{1} << 30));
+  ATTNSERVE_RETURN_IF_ERROR(CheckRange("http_request_timeout_ms", options.http_request_timeout_ms,
+                                       100, 3600 * 1000));
   return absl::OkStatus();
 }
 
@@ -177,9 +184,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   ATTNSERVE_RETURN_IF_ERROR(ValidateServerOptions(options));
   ATTNSERVE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                              MakeServerCredentials(options));
+  std::optional<TokenSet> http_tokens;
   std::optional<TokenSet> tokens;
   if (!options.auth_tokens_file.empty()) {
     ATTNSERVE_ASSIGN_OR_RETURN(tokens, TokenSet::Load(options.auth_tokens_file));
+    http_tokens = tokens;
     if (!options.tls_cert_file.empty()) {
       // On TLS, a call without a valid token ends before its body is read.
       std::vector<std::string> guarded = OpenInferenceService::AuthenticatedMethodPaths();
@@ -260,6 +269,26 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
   // gRPC's health service says SERVING from the start; it must not until the
   // models are loaded and warm.
   server->SetHealth(false);
+  if (!options.http_address.empty()) {
+    // The REST routes call the gRPC services in process, with the gRPC
+    // port's message limits.
+    grpc::ChannelArguments arguments;
+    arguments.SetMaxReceiveMessageSize(static_cast<int>(options.max_send_message_bytes));
+    arguments.SetMaxSendMessageSize(static_cast<int>(options.max_receive_message_bytes));
+    HttpFrontOptions http_options;
+    http_options.address = options.http_address;
+    http_options.threads = options.http_threads;
+    http_options.max_body_bytes = options.http_max_body_bytes;
+    http_options.request_timeout_ms = options.http_request_timeout_ms;
+    http_options.tokens = std::move(http_tokens);
+    absl::StatusOr<std::unique_ptr<HttpFront>> http = HttpFront::Create(
+        std::move(http_options), OpenInferenceRoutes(server->server_->InProcessChannel(arguments)));
+    if (!http.ok()) {
+      return absl::Status(http.status().code(),
+                          absl::StrCat("--http_address: ", http.status().message()));
+    }
+    server->http_ = *std::move(http);
+  }
   AttnServer* self = server.get();
   server->allocator_cache_ = std::make_unique<AllocatorCacheKeeper>(AllocatorCacheOptions{
       .max_bytes = options.max_allocator_cache_bytes,
@@ -372,6 +401,11 @@ void AttnServer::Shutdown() {
     // stops with CANCELLED, which clients do not retry. Stop once calls have
     // stopped coming (the proxies and balancers have seen NOT_SERVING), or
     // at the drain timeout.
+    // The HTTP port: new requests get 503, those in flight (their calls have
+    // finished or been cut short above) send their answers.
+    if (http_ != nullptr) {
+      http_->Drain(std::max(drain_deadline, absl::Now() + kCutShortWait));
+    }
     if (!service_->WaitForQuiet(kQuietPeriod, drain_deadline)) {
       LogLine("drain timeout: calls still arriving; those whose requests are still in transit "
               "end CANCELLED");
@@ -383,6 +417,7 @@ void AttnServer::Shutdown() {
     //    since step 2 have been answered UNAVAILABLE and get kShutdownGrace for
     //    their answers to leave, then what is left (health Watch streams) is
     //    cancelled.
+    http_.reset();  // stops listening; before the server its channel calls
     server_->GetHealthCheckService()->Shutdown();
     server_->Shutdown(absl::ToChronoTime(absl::Now() + kShutdownGrace));
   }

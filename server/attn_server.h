@@ -14,6 +14,7 @@
 #include "server/api/attention_service.h"
 #include "server/api/open_inference_service.h"
 #include "server/common/server_options.h"
+#include "server/http/http_front.h"
 #include "server/models/model_loader.h"
 #include "server/models/model_registry.h"
 #include "server/models/model_repository.h"
@@ -23,8 +24,9 @@
 namespace attnserve::server {
 
 // The whole attnserve server: the gRPC server (AttentionService, standard
-// health, reflection), the model registry, the compute executor and the
-// metrics endpoint (options.metrics_address).
+// health, reflection), the model registry, the compute executor, the
+// metrics endpoint (options.metrics_address) and the HTTP port
+// (options.http_address: the Open Inference Protocol's REST form).
 //
 // Life: Create (listening, health NOT_SERVING) -> LoadModelsAndServe (health
 // SERVING) -> Shutdown (health NOT_SERVING, drains calls in flight).
@@ -65,6 +67,9 @@ class AttnServer {
   // The port serving /metrics (the one picked for port 0); 0 when
   // options.metrics_address is empty.
   int metrics_port() const { return metrics_->port(); }
+  // The HTTP port (the one picked for port 0); 0 when options.http_address is
+  // empty.
+  int http_port() const { return http_ != nullptr ? http_->port() : 0; }
   // The metrics' text exposition, as /metrics serves it.
   std::string MetricsText() const { return metrics_->TextExposition(); }
 
@@ -89,6 +94,9 @@ class AttnServer {
   // The Open Inference Protocol's gRPC service, on service_'s path.
   std::unique_ptr<OpenInferenceService> open_inference_;
   std::unique_ptr<grpc::Server> server_;
+  // The HTTP port (options.http_address): its routes call server_ through
+  // an in-process channel, so it is destroyed first.
+  std::unique_ptr<HttpFront> http_;
   // Gives the allocator's freed memory back when idle or over its bound.
   // Declared after what its thread calls (service_, metrics_, the
   // executor), so it is destroyed, and its thread joined, before them.

@@ -34,7 +34,8 @@ const attnserve::server::ServerOptions kDefaults;
 constexpr int kExitWatchdog = 3;
 
 constexpr char kUsage[] = R"(attnserve: serves multi-head attention over gRPC
-(attnserve.v1.AttentionService, grpc.health.v1.Health, server reflection).
+(attnserve.v1.AttentionService, grpc.health.v1.Health, server reflection) and,
+with --http_address, the Open Inference Protocol's REST form over HTTP.
 
 Usage: attnserve [--listen_address=0.0.0.0:50051] [flags]
 Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish,
@@ -102,6 +103,18 @@ ABSL_FLAG(std::string, metrics_address, attnserve::server::kDefaultMetricsAddres
 ABSL_FLAG(int, metrics_threads, kDefaults.metrics_threads,
           "Threads serving the metrics port, one connection each; a connection that has not sent "
           "its request headers within 5 s is closed");
+ABSL_FLAG(std::string, http_address, kDefaults.http_address,
+          "host:port of the HTTP port serving the Open Inference Protocol's REST form (/v2/...; "
+          "port 0 picks a free port, printed at start-up); empty (the default): no HTTP port. "
+          "0.0.0.0 exposes it on every interface (SECURITY.md)");
+ABSL_FLAG(int, http_threads, kDefaults.http_threads,
+          "Connections the HTTP port serves at once (a thread each); more wait in a short queue");
+ABSL_FLAG(int64_t, http_max_body_bytes, kDefaults.http_max_body_bytes,
+          "Largest HTTP request body in bytes; larger ones get 413 before they are read");
+ABSL_FLAG(int, http_request_timeout_ms, kDefaults.http_request_timeout_ms,
+          "An HTTP request's headers must be complete this many ms after its first byte, every "
+          "read and write (body, answer) must progress within it, and its body must arrive within "
+          "it plus a second per MiB; the connection is closed otherwise");
 ABSL_FLAG(bool, access_log, kDefaults.access_log,
           "Log one JSON line per call to stderr (request id, method, model, shapes, status, "
           "queue and compute time)");
@@ -236,6 +249,10 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
   options.builtin_model_seed = absl::GetFlag(FLAGS_builtin_model_seed);
   options.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   options.metrics_threads = absl::GetFlag(FLAGS_metrics_threads);
+  options.http_address = absl::GetFlag(FLAGS_http_address);
+  options.http_threads = absl::GetFlag(FLAGS_http_threads);
+  options.http_max_body_bytes = absl::GetFlag(FLAGS_http_max_body_bytes);
+  options.http_request_timeout_ms = absl::GetFlag(FLAGS_http_request_timeout_ms);
   options.access_log = absl::GetFlag(FLAGS_access_log);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
@@ -294,6 +311,12 @@ void LogConfiguration(const attnserve::server::ServerOptions& options,
   if (options.limits.max_request_bytes > options.max_inflight_bytes) {
     LogLine("WARNING: --max_request_bytes is over --max_inflight_bytes: requests between the two "
             "are always refused");
+  }
+  if (options.http_address.empty()) {
+    LogLine("HTTP port off (no --http_address)");
+  } else {
+    LogLine(absl::StrCat("HTTP on port ", server.http_port(), " (", options.http_address,
+                         "): the Open Inference Protocol's REST form under /v2"));
   }
   if (options.metrics_address.empty()) {
     LogLine("metrics endpoint off (--metrics_address is empty)");

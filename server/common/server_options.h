@@ -85,6 +85,19 @@ struct ServerOptions {
   // 5 s (MetricsOptions::kRequestTimeoutMs) is closed, so /metrics keeps answering while
   // fewer connections than this dribble their headers.
   int metrics_threads = 256;
+  // host:port of the HTTP port (server/http): the Open Inference Protocol's
+  // REST form; port 0 picks a free port (see AttnServer::http_port). Empty:
+  // no HTTP port (the default here and in the attnserve binary).
+  std::string http_address;
+  // Connections the HTTP port serves at once (a thread each); more wait in a
+  // queue (HttpFrontOptions).
+  int http_threads = 16;
+  // Largest HTTP request body (413 beyond, before it is read).
+  int64_t http_max_body_bytes = int64_t{64} << 20;
+  // An HTTP request's headers must be complete this long after its first
+  // byte, every read and write (body, answer) must progress within it, and
+  // its body must arrive within it plus a second per MiB.
+  int http_request_timeout_ms = 30000;
   // One JSON line per call on stderr (server/observability/access_log.h).
   bool access_log = false;
   // TLS on the gRPC port: PEM certificate chain and private key. Both empty:

@@ -14,6 +14,8 @@ this names the file and line that broke it, header-only uses included.
     server/observability/  itself, common, core, the proto, cli/
     server/security/       itself, common, core
     server/api/            itself, the four parts above, common, core, the proto
+    server/http/           itself, security, common, core, the proto (calls the
+                           gRPC services through a channel, never api/)
     server/ (top)          all of server/, core, the proto, cli/
 
 No folder outside tests/ includes tests/. A new folder under server/ needs a
@@ -50,7 +52,8 @@ ALLOWED = {
     "server/sessions": {"server/sessions", "server/models", "server/common", "core"},
     # The decode sessions sit on the models (a session holds its layers' models).
     "server/api": {"server/api", *SERVER_PARTS, "server/sessions", "server/common", "core", "proto"},
-    "server": {"server", "server/api", *SERVER_PARTS, "server/sessions", "server/common", "core",
+    "server/http": {"server/http", "server/security", "server/common", "core", "proto"},
+    "server": {"server", "server/api", "server/http", *SERVER_PARTS, "server/sessions", "server/common", "core",
                "proto", "cli"},
 }
 # Folders that must build without gRPC, protobuf and Prometheus: their

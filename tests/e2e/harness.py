@@ -140,6 +140,7 @@ class Server:
             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
         self.log = []
         self.metrics_port = None
+        self.http_port = None  # with --http_address
         port_seen = threading.Event()
         self._metrics_seen = threading.Event()
 
@@ -151,6 +152,9 @@ class Server:
                 if m:
                     self.port = int(m.group(1))
                     port_seen.set()
+                m = re.search(r"HTTP on port (\d+)", line)
+                if m:
+                    self.http_port = int(m.group(1))
                 m = re.search(r"metrics on port (\d+)", line)
                 if m:
                     self.metrics_port = int(m.group(1))
