@@ -48,10 +48,12 @@ class OpenInferenceService final
   // The server sets it with its health status.
   void set_ready(bool ready) { ready_.store(ready, std::memory_order_relaxed); }
 
-  // The paths ("/inference.GRPCInferenceService/<method>") of the RPCs that
-  // need a token: all but ServerLive and ServerReady (for
-  // MakeTokenAuthProcessor).
-  static std::vector<std::string> AuthenticatedMethodPaths();
+  // For MakeTokenAuthProcessor: every RPC of the service needs a token (its
+  // path prefix, "/inference.GRPCInferenceService/", so that a method added
+  // later is guarded by default) but the probes, ServerLive and ServerReady
+  // (their paths).
+  static std::string GuardedPathPrefix();
+  static std::vector<std::string> OpenMethodPaths();
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
