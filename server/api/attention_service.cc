@@ -471,6 +471,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerC
   return reactor;
 }
 
+ObservedReactor* AttentionServiceImpl::NewObservedReactor(grpc::CallbackServerContext* context,
+                                                         RpcMethod method,
+                                                         absl::string_view model) {
+  return new ObservedReactor(context, method, model, metrics_, options_.access_log);
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,
                                                          const v1::GetModelRequest* request,
                                                          v1::ModelInfo* response) {

@@ -104,6 +104,12 @@ class AttentionServiceImpl final
   // other protocols' services on this server): OK without tokens, else as
   // TokenSet::Authenticate (UNAUTHENTICATED).
   absl::StatusOr<Principal> Authenticate(const grpc::CallbackServerContext& context) const;
+  // A reactor for a unary call of another protocol's service on this server
+  // that reports it to this service's metrics under `method` and `model`,
+  // and to the access log if it is on (as GetModel's). Deletes itself when
+  // done. Thread-safe.
+  ObservedReactor* NewObservedReactor(grpc::CallbackServerContext* context, RpcMethod method,
+                                      absl::string_view model);
 
   // Fills a call's AttendRequest from what the call carries (Attend: its
   // bytes; ModelInfer: the Open Inference Protocol's request). A status that

@@ -62,53 +62,60 @@ grpc::ServerUnaryReactor* OpenInferenceService::ServerReady(
   return Finish(context, absl::OkStatus());
 }
 
+grpc::ServerUnaryReactor* OpenInferenceService::Observed(grpc::CallbackServerContext* context,
+                                                         RpcMethod method, absl::string_view model,
+                                                         const absl::Status& status) {
+  ObservedReactor* reactor = attention_->NewObservedReactor(context, method, model);
+  reactor->FinishCall(ToGrpcStatus(status));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* OpenInferenceService::ModelReady(
     grpc::CallbackServerContext* context, const inference::ModelReadyRequest* request,
     inference::ModelReadyResponse* response) {
   if (absl::StatusOr<Principal> caller = attention_->Authenticate(*context); !caller.ok()) {
-    return Finish(context, caller.status());
+    return Observed(context, RpcMethod::kModelReady, "", caller.status());
   }
-  if (request->name().empty()) return Finish(context, absl::InvalidArgumentError("name: required"));
-  if (absl::Status version = open_inference::CheckModelVersion(
-          "version", request->name(), request->has_version() ? &request->version() : nullptr);
-      !version.ok()) {
-    return Finish(context, version);
-  }
-  absl::StatusOr<ModelStatus> model = registry_->Get(request->name());
-  if (!model.ok()) return Finish(context, Named("name", model.status()));
-  response->set_ready(model->state == ModelState::kReady && ready_.load(std::memory_order_relaxed));
-  return Finish(context, absl::OkStatus());
+  return Observed(context, RpcMethod::kModelReady, request->name(), [&]() -> absl::Status {
+    if (request->name().empty()) return absl::InvalidArgumentError("name: required");
+    ATTNSERVE_RETURN_IF_ERROR(open_inference::CheckModelVersion(
+        "version", request->name(), request->has_version() ? &request->version() : nullptr));
+    absl::StatusOr<ModelStatus> model = registry_->Get(request->name());
+    if (!model.ok()) return Named("name", model.status());
+    response->set_ready(model->state == ModelState::kReady &&
+                        ready_.load(std::memory_order_relaxed));
+    return absl::OkStatus();
+  }());
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ServerMetadata(
     grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* /*request*/,
     inference::ServerMetadataResponse* response) {
   if (absl::StatusOr<Principal> caller = attention_->Authenticate(*context); !caller.ok()) {
-    return Finish(context, caller.status());
+    return Observed(context, RpcMethod::kServerMetadata, "", caller.status());
   }
   response->set_name("attnserve");
   response->set_version(version_);
-  return Finish(context, absl::OkStatus());
+  return Observed(context, RpcMethod::kServerMetadata, "", absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
   if (absl::StatusOr<Principal> caller = attention_->Authenticate(*context); !caller.ok()) {
-    return Finish(context, caller.status());
+    return Observed(context, RpcMethod::kModelMetadata, "", caller.status());
   }
-  if (request->name().empty()) return Finish(context, absl::InvalidArgumentError("name: required"));
-  if (absl::Status version = open_inference::CheckModelVersion(
-          "version", request->name(), request->has_version() ? &request->version() : nullptr);
-      !version.ok()) {
-    return Finish(context, version);
-  }
-  absl::StatusOr<std::shared_ptr<const Model>> model = registry_->Find(request->name());
-  if (!model.ok()) return Finish(context, Named("name", model.status()));
-  v1::ModelInfo info;
-  FillModelInfo(**model, limits_, &info);
-  open_inference::ModelMetadataFromInfo(info, response);
-  return Finish(context, absl::OkStatus());
+  return Observed(context, RpcMethod::kModelMetadata, request->name(), [&]() -> absl::Status {
+    if (request->name().empty()) return absl::InvalidArgumentError("name: required");
+    ATTNSERVE_RETURN_IF_ERROR(open_inference::CheckModelVersion(
+        "version", request->name(), request->has_version() ? &request->version() : nullptr));
+    absl::StatusOr<std::shared_ptr<const Model>> model = registry_->Find(request->name());
+    if (!model.ok()) return Named("name", model.status());
+    v1::ModelInfo info;
+    FillModelInfo(**model, limits_, &info);
+    open_inference::ModelMetadataFromInfo(info, response);
+    return absl::OkStatus();
+  }());
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ModelInfer(grpc::CallbackServerContext* context,

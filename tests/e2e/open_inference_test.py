@@ -330,6 +330,51 @@ class MetricsFromStartUp(ServerCase):
                  if name == "attnserve_requests_total" and ("method", "ModelInfer") in labels}
         self.assertTrue({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED"} <= codes, codes)
 
+    def test_metadata_series_exist_before_the_first_call(self):
+        samples = self.server.scrape()
+        expected = {"ModelReady": {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED"},
+                    "ModelMetadata": {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE",
+                                      "FAILED_PRECONDITION", "UNAUTHENTICATED"},
+                    "ServerMetadata": {"OK", "UNAUTHENTICATED"}}
+        for method, want in expected.items():
+            codes = {dict(labels).get("code") for (name, labels) in samples
+                     if name == "attnserve_requests_total" and ("method", method) in labels}
+            self.assertEqual(codes, want, method)
+        # Durations per model, as GetModel's (ServerMetadata names none).
+        for method, model in (("ModelReady", "default"), ("ModelMetadata", "default"),
+                              ("ServerMetadata", "")):
+            self.assertIn(("attnserve_request_duration_seconds_count",
+                           (("code", "OK"), ("method", method), ("model", model))),
+                          {(name, tuple(sorted(labels))) for (name, labels) in samples}, method)
+
+
+class MetadataCallsAreCounted(ServerCase):
+    FLAGS = ("--access_log",)
+
+    def test_each_metadata_call_is_counted_and_logged_as_itself(self):
+        def count(method, code):
+            return sum(v for (name, labels), v in self.server.scrape().items()
+                       if name == "attnserve_requests_total" and ("method", method) in labels
+                       and ("code", code) in labels)
+        before = {(m, c): count(m, c) for m in ("ModelReady", "ModelMetadata", "ServerMetadata")
+                  for c in ("OK", "NOT_FOUND")}
+        self.assertTrue(self.stub.ModelReady(oip.ModelReadyRequest(name="default"), timeout=10).ready)
+        self.stub.ModelMetadata(oip.ModelMetadataRequest(name="default"), timeout=10)
+        with self.assertRaises(grpc.RpcError) as caught:
+            self.stub.ModelMetadata(oip.ModelMetadataRequest(name="no-such-model"), timeout=10)
+        self.assertEqual(caught.exception.code(), grpc.StatusCode.NOT_FOUND)
+        self.assertEqual(self.stub.ServerMetadata(oip.ServerMetadataRequest(), timeout=10).name, "attnserve")
+        harness.wait_until("the metadata calls counted", lambda: (
+            count("ModelReady", "OK") == before[("ModelReady", "OK")] + 1
+            and count("ModelMetadata", "OK") == before[("ModelMetadata", "OK")] + 1
+            and count("ModelMetadata", "NOT_FOUND") == before[("ModelMetadata", "NOT_FOUND")] + 1
+            and count("ServerMetadata", "OK") == before[("ServerMetadata", "OK")] + 1), 30)
+        for method, code in (("ModelReady", "OK"), ("ModelMetadata", "NOT_FOUND"),
+                             ("ServerMetadata", "OK")):
+            harness.wait_until(f"{method} {code} in the access log", lambda: any(
+                f'"method":"{method}"' in line and f'"code":"{code}"' in line
+                for line in list(self.server.log)), 30)
+
 
 class HealthAndMetadata(ServerCase):
     def test_server_live_and_ready(self):
