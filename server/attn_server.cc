@@ -191,9 +191,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
     http_tokens = tokens;
     if (!options.tls_cert_file.empty()) {
       // On TLS, a call without a valid token ends before its body is read.
-      std::vector<std::string> guarded = OpenInferenceService::AuthenticatedMethodPaths();
-      guarded.push_back(absl::StrCat("/", v1::AttentionService::service_full_name(), "/"));
-      credentials->SetAuthMetadataProcessor(MakeTokenAuthProcessor(*tokens, std::move(guarded)));
+      std::vector<std::string> guarded = {
+          absl::StrCat("/", v1::AttentionService::service_full_name(), "/"),
+          OpenInferenceService::GuardedPathPrefix()};
+      credentials->SetAuthMetadataProcessor(MakeTokenAuthProcessor(
+          *tokens, std::move(guarded), OpenInferenceService::OpenMethodPaths()));
     }
   }
   std::unique_ptr<AttnServer> server(new AttnServer(options));

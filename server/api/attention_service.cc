@@ -334,7 +334,7 @@ template <class Reactor>
 Reactor* AttentionServiceImpl::HandleAttend(
     grpc::CallbackServerContext* context, const ParseAttend& parse, MapDelivery map_delivery,
     const std::function<Reactor*(absl::string_view model)>& make_reactor,
-    const std::function<Deliver(Reactor*)>& make_deliver) {
+    const std::function<Deliver(Reactor*)>& make_deliver, const ParseAttend& translate) {
   NoteArrival();  // for WaitForQuiet and last_activity()
   if (absl::StatusOr<Principal> caller = Authenticate(*context); !caller.ok()) {
     Reactor* reactor = make_reactor("");
@@ -355,6 +355,14 @@ Reactor* AttentionServiceImpl::HandleAttend(
   if (absl::Status admitted = BeginCall(); !admitted.ok()) {
     reactor->FinishCall(ToGrpcStatus(admitted));
     return reactor;
+  }
+  if (translate) {
+    if (absl::Status translated = translate(&call->request); !translated.ok()) {
+      reactor->FinishCall(ToGrpcStatus(translated));
+      EndCall();
+      return reactor;
+    }
+    if (reactor->observer().access_log()) reactor->observer().set_shapes(AttendShapes(request));
   }
   absl::StatusOr<AttendPlan> plan =
       PlanAttend(request, *registry_, options_.limits, options_.max_send_message_bytes,
@@ -382,7 +390,8 @@ Reactor* AttentionServiceImpl::HandleAttend(
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::HandleUnaryAttend(
-    grpc::CallbackServerContext* context, RpcMethod method, ParseAttend parse, WriteAttend write) {
+    grpc::CallbackServerContext* context, RpcMethod method, ParseAttend parse, WriteAttend write,
+    ParseAttend translate) {
   return HandleAttend<ObservedReactor>(
       context, parse, MapDelivery::kInResponse,
       [&](absl::string_view model) {
@@ -395,7 +404,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::HandleUnaryAttend(
           reactor->FinishCall(ToGrpcStatus(status));
           EndCall();
         };
-      });
+      },
+      translate);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(grpc::CallbackServerContext* context,
@@ -459,6 +469,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(grpc::CallbackServerC
   }
   reactor->FinishCall(grpc::Status::OK);
   return reactor;
+}
+
+ObservedReactor* AttentionServiceImpl::NewObservedReactor(grpc::CallbackServerContext* context,
+                                                         RpcMethod method,
+                                                         absl::string_view model) {
+  return new ObservedReactor(context, method, model, metrics_, options_.access_log);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModel(grpc::CallbackServerContext* context,

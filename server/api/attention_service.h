@@ -104,6 +104,12 @@ class AttentionServiceImpl final
   // other protocols' services on this server): OK without tokens, else as
   // TokenSet::Authenticate (UNAUTHENTICATED).
   absl::StatusOr<Principal> Authenticate(const grpc::CallbackServerContext& context) const;
+  // A reactor for a unary call of another protocol's service on this server
+  // that reports it to this service's metrics under `method` and `model`,
+  // and to the access log if it is on (as GetModel's). Deletes itself when
+  // done. Thread-safe.
+  ObservedReactor* NewObservedReactor(grpc::CallbackServerContext* context, RpcMethod method,
+                                      absl::string_view model);
 
   // Fills a call's AttendRequest from what the call carries (Attend: its
   // bytes; ModelInfer: the Open Inference Protocol's request). A status that
@@ -114,15 +120,17 @@ class AttentionServiceImpl final
   // status that is not OK fails the call instead.
   using WriteAttend = std::function<absl::Status(WireResponse& response)>;
   // Attend's one path for a unary call of any protocol: authenticates,
-  // parses (`parse`), admits (UNAVAILABLE unless serving), plans (PlanAttend:
-  // its codes), queues for the Scheduler and the compute executor, and
-  // finishes the call with `write`'s result -- reported to metrics under
-  // `method` and to the access log. Thread-safe; `parse` runs on the calling
-  // thread, `write` on the compute executor (or here, for a refusal it does
-  // not run at all).
+  // parses (`parse`), admits (UNAVAILABLE unless serving), translates
+  // (`translate`, if given: a protocol's request into the AttendRequest that
+  // `parse` began, its model's existence first, so its checks come in
+  // Attend's order), plans (PlanAttend: its codes), queues for the Scheduler
+  // and the compute executor, and finishes the call with `write`'s result --
+  // reported to metrics under `method` and to the access log. Thread-safe;
+  // `parse` and `translate` run on the calling thread, `write` on the compute
+  // executor (or here, for a refusal it does not run at all).
   grpc::ServerUnaryReactor* HandleUnaryAttend(grpc::CallbackServerContext* context,
                                               RpcMethod method, ParseAttend parse,
-                                              WriteAttend write);
+                                              WriteAttend write, ParseAttend translate = nullptr);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const grpc::ByteBuffer* request_bytes,
@@ -239,14 +247,16 @@ class AttentionServiceImpl final
   using Deliver =
       std::function<void(absl::Status status, WireResponse& response, int64_t kept_bytes)>;
   // The handler of Attend, AttendStream and HandleUnaryAttend's calls:
-  // authenticates, parses (`parse`), plans and submits the call;
+  // authenticates, parses (`parse`), admits, translates (`translate`, if not
+  // empty), plans and submits the call;
   // `make_reactor` makes its reactor (for the model the request names) and
   // `make_deliver` what sends its result.
   template <class Reactor>
   Reactor* HandleAttend(grpc::CallbackServerContext* context, const ParseAttend& parse,
                         MapDelivery map_delivery,
                         const std::function<Reactor*(absl::string_view model)>& make_reactor,
-                        const std::function<Deliver(Reactor*)>& make_deliver);
+                        const std::function<Deliver(Reactor*)>& make_deliver,
+                        const ParseAttend& translate = nullptr);
   void RunBatch(std::vector<std::unique_ptr<ScheduledWork>> batch, const BatchInfo& info);
 
   // CutShortCallsInFlight() was called.

@@ -11,6 +11,7 @@
 #include "core/status_macros.h"
 #include "server/api/model_info.h"
 #include "server/api/open_inference/infer_request.h"
+#include "server/api/open_inference/infer_request_scan.h"
 #include "server/api/open_inference/infer_response.h"
 #include "server/api/open_inference/model_metadata.h"
 #include "server/api/request_bytes.h"
@@ -38,13 +39,13 @@ OpenInferenceService::OpenInferenceService(AttentionServiceImpl* attention,
                                            const RequestLimits& limits, std::string version)
     : attention_(attention), registry_(registry), limits_(limits), version_(std::move(version)) {}
 
-std::vector<std::string> OpenInferenceService::AuthenticatedMethodPaths() {
-  std::vector<std::string> paths;
-  for (const char* method : {"ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"}) {
-    paths.push_back(
-        absl::StrCat("/", inference::GRPCInferenceService::service_full_name(), "/", method));
-  }
-  return paths;
+std::string OpenInferenceService::GuardedPathPrefix() {
+  return absl::StrCat("/", inference::GRPCInferenceService::service_full_name(), "/");
+}
+
+std::vector<std::string> OpenInferenceService::OpenMethodPaths() {
+  return {absl::StrCat(GuardedPathPrefix(), "ServerLive"),
+          absl::StrCat(GuardedPathPrefix(), "ServerReady")};
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ServerLive(
@@ -61,53 +62,60 @@ grpc::ServerUnaryReactor* OpenInferenceService::ServerReady(
   return Finish(context, absl::OkStatus());
 }
 
+grpc::ServerUnaryReactor* OpenInferenceService::Observed(grpc::CallbackServerContext* context,
+                                                         RpcMethod method, absl::string_view model,
+                                                         const absl::Status& status) {
+  ObservedReactor* reactor = attention_->NewObservedReactor(context, method, model);
+  reactor->FinishCall(ToGrpcStatus(status));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* OpenInferenceService::ModelReady(
     grpc::CallbackServerContext* context, const inference::ModelReadyRequest* request,
     inference::ModelReadyResponse* response) {
   if (absl::StatusOr<Principal> caller = attention_->Authenticate(*context); !caller.ok()) {
-    return Finish(context, caller.status());
+    return Observed(context, RpcMethod::kModelReady, "", caller.status());
   }
-  if (request->name().empty()) return Finish(context, absl::InvalidArgumentError("name: required"));
-  if (absl::Status version = open_inference::CheckModelVersion(
-          "version", request->name(), request->has_version() ? &request->version() : nullptr);
-      !version.ok()) {
-    return Finish(context, version);
-  }
-  absl::StatusOr<ModelStatus> model = registry_->Get(request->name());
-  if (!model.ok()) return Finish(context, Named("name", model.status()));
-  response->set_ready(model->state == ModelState::kReady && ready_.load(std::memory_order_relaxed));
-  return Finish(context, absl::OkStatus());
+  return Observed(context, RpcMethod::kModelReady, request->name(), [&]() -> absl::Status {
+    if (request->name().empty()) return absl::InvalidArgumentError("name: required");
+    ATTNSERVE_RETURN_IF_ERROR(open_inference::CheckModelVersion(
+        "version", request->name(), request->has_version() ? &request->version() : nullptr));
+    absl::StatusOr<ModelStatus> model = registry_->Get(request->name());
+    if (!model.ok()) return Named("name", model.status());
+    response->set_ready(model->state == ModelState::kReady &&
+                        ready_.load(std::memory_order_relaxed));
+    return absl::OkStatus();
+  }());
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ServerMetadata(
     grpc::CallbackServerContext* context, const inference::ServerMetadataRequest* /*request*/,
     inference::ServerMetadataResponse* response) {
   if (absl::StatusOr<Principal> caller = attention_->Authenticate(*context); !caller.ok()) {
-    return Finish(context, caller.status());
+    return Observed(context, RpcMethod::kServerMetadata, "", caller.status());
   }
   response->set_name("attnserve");
   response->set_version(version_);
-  return Finish(context, absl::OkStatus());
+  return Observed(context, RpcMethod::kServerMetadata, "", absl::OkStatus());
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ModelMetadata(
     grpc::CallbackServerContext* context, const inference::ModelMetadataRequest* request,
     inference::ModelMetadataResponse* response) {
   if (absl::StatusOr<Principal> caller = attention_->Authenticate(*context); !caller.ok()) {
-    return Finish(context, caller.status());
+    return Observed(context, RpcMethod::kModelMetadata, "", caller.status());
   }
-  if (request->name().empty()) return Finish(context, absl::InvalidArgumentError("name: required"));
-  if (absl::Status version = open_inference::CheckModelVersion(
-          "version", request->name(), request->has_version() ? &request->version() : nullptr);
-      !version.ok()) {
-    return Finish(context, version);
-  }
-  absl::StatusOr<std::shared_ptr<const Model>> model = registry_->Find(request->name());
-  if (!model.ok()) return Finish(context, Named("name", model.status()));
-  v1::ModelInfo info;
-  FillModelInfo(**model, limits_, &info);
-  open_inference::ModelMetadataFromInfo(info, response);
-  return Finish(context, absl::OkStatus());
+  return Observed(context, RpcMethod::kModelMetadata, request->name(), [&]() -> absl::Status {
+    if (request->name().empty()) return absl::InvalidArgumentError("name: required");
+    ATTNSERVE_RETURN_IF_ERROR(open_inference::CheckModelVersion(
+        "version", request->name(), request->has_version() ? &request->version() : nullptr));
+    absl::StatusOr<std::shared_ptr<const Model>> model = registry_->Find(request->name());
+    if (!model.ok()) return Named("name", model.status());
+    v1::ModelInfo info;
+    FillModelInfo(**model, limits_, &info);
+    open_inference::ModelMetadataFromInfo(info, response);
+    return absl::OkStatus();
+  }());
 }
 
 grpc::ServerUnaryReactor* OpenInferenceService::ModelInfer(grpc::CallbackServerContext* context,
@@ -122,25 +130,39 @@ grpc::ServerUnaryReactor* OpenInferenceService::ModelInfer(grpc::CallbackServerC
   auto call = std::make_shared<InferCall>();
   return attention_->HandleUnaryAttend(
       context, RpcMethod::kModelInfer,
-      [this, context, request_bytes, call](v1::AttendRequest* attend) -> absl::Status {
+      // Parsing, as Attend's: the wire form's entries counted before protobuf
+      // allocates an object for each, then the message.
+      [context, request_bytes, call](v1::AttendRequest* attend) -> absl::Status {
         inference::ModelInferRequest& request = call->request;
+        if (request_bytes != nullptr && request_bytes->Valid() && !context->IsCancelled()) {
+          ATTNSERVE_RETURN_IF_ERROR(open_inference::ScanInferRequest(*request_bytes));
+        }
         ATTNSERVE_RETURN_IF_ERROR(
             ParseRequestBytes(*context, request_bytes, "inference.ModelInferRequest", &request));
-        absl::Status translated =
-            open_inference::AttendRequestFromInfer(&request, attend, &call->form);
-        // An unknown model, named as the protocol names it (PlanAttend would
-        // say "model"); loading and failed models get PlanAttend's verdict.
-        if (translated.ok()) {
-          translated = Named("model_name", registry_->Get(attend->model()).status());
-        }
-        inference::ModelInferRequest().Swap(&request);  // what is left of it
-        return translated;
+        attend->set_model(request.model_name());  // labels the call
+        return absl::OkStatus();
       },
       [call, response_bytes](WireResponse& wire) -> absl::Status {
         open_inference::InferWireResponse reply;
         ATTNSERVE_RETURN_IF_ERROR(
             open_inference::InferResponseFromAttend(call->form, wire, &reply));
         return reply.SerializeTo(response_bytes);
+      },
+      // After admission, in Attend's order: the model, then the request's
+      // fields (PlanAttend's checks follow).
+      [this, call](v1::AttendRequest* attend) -> absl::Status {
+        inference::ModelInferRequest request;
+        request.Swap(&call->request);  // what is left of it goes with this scope
+        if (request.model_name().empty()) {
+          return absl::InvalidArgumentError("model_name: required");
+        }
+        // An unknown model, named as the protocol names it (PlanAttend would
+        // say "model"); loading and failed models get PlanAttend's verdict.
+        ATTNSERVE_RETURN_IF_ERROR(Named("model_name", registry_->Get(request.model_name()).status()));
+        ATTNSERVE_RETURN_IF_ERROR(open_inference::CheckModelVersion(
+            "model_version", request.model_name(),
+            request.has_model_version() ? &request.model_version() : nullptr));
+        return open_inference::AttendRequestFromInfer(&request, attend, &call->form);
       });
 }
 

@@ -7,10 +7,15 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
 #include "inference/open_inference.grpc.pb.h"
 #include "server/api/attention_service.h"
+#include "server/api/observed_reactor.h"
 #include "server/common/server_options.h"
 #include "server/models/model_registry.h"
+#include "server/observability/metrics.h"
 
 namespace attnserve::server {
 
@@ -29,7 +34,9 @@ namespace attnserve::server {
 // (set_ready: what grpc.health.v1 says, SERVING once the models are loaded
 // and warm, NOT_SERVING again from the start of a shutdown's lame duck) need
 // no token, like grpc.health.v1. ModelReady, ServerMetadata, ModelMetadata and
-// ModelInfer are authenticated as attnserve.v1's RPCs are (UNAUTHENTICATED).
+// ModelInfer are authenticated as attnserve.v1's RPCs are (UNAUTHENTICATED),
+// and counted in attnserve_requests_total and the access log under their own
+// method names, as GetModel is (the probes are not counted).
 // A model_version other than "" or "1" is NOT_FOUND (attnserve's models have
 // one version), as is a model the server does not know.
 //
@@ -48,10 +55,12 @@ class OpenInferenceService final
   // The server sets it with its health status.
   void set_ready(bool ready) { ready_.store(ready, std::memory_order_relaxed); }
 
-  // The paths ("/inference.GRPCInferenceService/<method>") of the RPCs that
-  // need a token: all but ServerLive and ServerReady (for
-  // MakeTokenAuthProcessor).
-  static std::vector<std::string> AuthenticatedMethodPaths();
+  // For MakeTokenAuthProcessor: every RPC of the service needs a token (its
+  // path prefix, "/inference.GRPCInferenceService/", so that a method added
+  // later is guarded by default) but the probes, ServerLive and ServerReady
+  // (their paths).
+  static std::string GuardedPathPrefix();
+  static std::vector<std::string> OpenMethodPaths();
 
   grpc::ServerUnaryReactor* ServerLive(grpc::CallbackServerContext* context,
                                        const inference::ServerLiveRequest* request,
@@ -83,6 +92,11 @@ class OpenInferenceService final
                                        grpc::ByteBuffer* response_bytes) override;
 
  private:
+  // Finishes a unary call with `status`, reported to metrics and the access
+  // log under `method` and `model` (as GetModel's calls are).
+  grpc::ServerUnaryReactor* Observed(grpc::CallbackServerContext* context, RpcMethod method,
+                                     absl::string_view model, const absl::Status& status);
+
   // Constant after construction.
   AttentionServiceImpl* const attention_;
   const ModelRegistry* const registry_;

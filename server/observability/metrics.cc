@@ -65,7 +65,8 @@ constexpr RpcMethod kMethods[] = {
     RpcMethod::kGetModel,     RpcMethod::kLoadModel,       RpcMethod::kUnloadModel,
     RpcMethod::kOpenSession,  RpcMethod::kExtend,          RpcMethod::kExtendStream,
     RpcMethod::kGetSession,   RpcMethod::kForkSession,     RpcMethod::kTruncateSession,
-    RpcMethod::kCloseSession, RpcMethod::kModelInfer};
+    RpcMethod::kCloseSession, RpcMethod::kModelInfer,      RpcMethod::kModelReady,
+    RpcMethod::kModelMetadata, RpcMethod::kServerMetadata};
 
 // The codes each method can answer with today; their request counters exist
 // from the start, so error ratios are defined before the first error.
@@ -83,8 +84,15 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
     case RpcMethod::kListModels:
       return {StatusCode::kOk, StatusCode::kUnauthenticated};
     case RpcMethod::kGetModel:
+    case RpcMethod::kModelReady:
       return {StatusCode::kOk, StatusCode::kInvalidArgument, StatusCode::kNotFound,
               StatusCode::kUnauthenticated};
+    case RpcMethod::kModelMetadata:
+      return {StatusCode::kOk,          StatusCode::kInvalidArgument,
+              StatusCode::kNotFound,    StatusCode::kUnavailable,
+              StatusCode::kFailedPrecondition, StatusCode::kUnauthenticated};
+    case RpcMethod::kServerMetadata:
+      return {StatusCode::kOk, StatusCode::kUnauthenticated};
     case RpcMethod::kLoadModel:
       return {StatusCode::kOk,
               StatusCode::kInvalidArgument,
@@ -185,6 +193,12 @@ absl::string_view RpcMethodName(RpcMethod method) {
       return "CloseSession";
     case RpcMethod::kModelInfer:
       return "ModelInfer";
+    case RpcMethod::kModelReady:
+      return "ModelReady";
+    case RpcMethod::kModelMetadata:
+      return "ModelMetadata";
+    case RpcMethod::kServerMetadata:
+      return "ServerMetadata";
   }
   return "unknown";
 }
@@ -377,7 +391,7 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
   for (RpcMethod method :
        {RpcMethod::kListModels, RpcMethod::kOpenSession, RpcMethod::kExtend,
         RpcMethod::kExtendStream, RpcMethod::kGetSession, RpcMethod::kForkSession,
-        RpcMethod::kTruncateSession, RpcMethod::kCloseSession}) {
+        RpcMethod::kTruncateSession, RpcMethod::kCloseSession, RpcMethod::kServerMetadata}) {
     for (absl::StatusCode code : ExpectedCodes(method)) {
       m->request_duration_->Add({{"method", std::string(RpcMethodName(method))},
                                  {"model", ""},
@@ -423,9 +437,14 @@ void Metrics::CreateModelSeries(const std::string& model) {
     }
   }
   if (!model.empty()) {
-    for (absl::StatusCode code : ExpectedCodes(RpcMethod::kGetModel)) {
-      request_duration_->Add({{"method", "GetModel"}, {"model", model}, {"code", CodeName(code)}},
-                             DurationBuckets());
+    for (RpcMethod method : {RpcMethod::kGetModel, RpcMethod::kModelReady,
+                             RpcMethod::kModelMetadata}) {
+      for (absl::StatusCode code : ExpectedCodes(method)) {
+        request_duration_->Add({{"method", std::string(RpcMethodName(method))},
+                                {"model", model},
+                                {"code", CodeName(code)}},
+                               DurationBuckets());
+      }
     }
   }
   queue_wait_->Add({{"model", model}}, DurationBuckets());

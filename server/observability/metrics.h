@@ -46,6 +46,9 @@ enum class RpcMethod {
   kTruncateSession,
   kCloseSession,
   kModelInfer,  // the Open Inference Protocol's inference call (inference.GRPCInferenceService)
+  kModelReady,  // and its metadata calls (its probes, ServerLive/ServerReady, are not counted)
+  kModelMetadata,
+  kServerMetadata,
 };
 // "Attend", "ListModels", "GetModel", ..., "ModelInfer": the protos' method names.
 absl::string_view RpcMethodName(RpcMethod method);

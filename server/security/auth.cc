@@ -112,8 +112,9 @@ namespace {
 
 class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
  public:
-  TokenAuthProcessor(TokenSet tokens, std::vector<std::string> guarded)
-      : tokens_(std::move(tokens)), guarded_(std::move(guarded)) {}
+  TokenAuthProcessor(TokenSet tokens, std::vector<std::string> guarded,
+                     std::vector<std::string> open)
+      : tokens_(std::move(tokens)), guarded_(std::move(guarded)), open_(std::move(open)) {}
 
   // A SHA-256 and a few comparisons: cheap enough for gRPC's own threads.
   bool IsBlocking() const override { return false; }
@@ -125,6 +126,7 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
       const absl::string_view called(path->second.data(), path->second.size());
       bool guarded = false;
       for (const std::string& prefix : guarded_) guarded = guarded || absl::StartsWith(called, prefix);
+      for (const std::string& exempt : open_) guarded = guarded && called != exempt;
       if (!guarded) return grpc::Status::OK;
     }
     const absl::StatusOr<Principal> caller = tokens_.Authenticate(metadata);
@@ -137,13 +139,15 @@ class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
  private:
   const TokenSet tokens_;
   const std::vector<std::string> guarded_;
+  const std::vector<std::string> open_;
 };
 
 }  // namespace
 
 std::shared_ptr<grpc::AuthMetadataProcessor> MakeTokenAuthProcessor(
-    TokenSet tokens, std::vector<std::string> guarded) {
-  return std::make_shared<TokenAuthProcessor>(std::move(tokens), std::move(guarded));
+    TokenSet tokens, std::vector<std::string> guarded, std::vector<std::string> open) {
+  return std::make_shared<TokenAuthProcessor>(std::move(tokens), std::move(guarded),
+                                              std::move(open));
 }
 
 }  // namespace attnserve::server

@@ -71,11 +71,13 @@ class TokenSet {
 // path) from the call's headers, before its request message is read: a call
 // without a valid token ends UNAUTHENTICATED while its body has sent at most a
 // flow-control window, instead of being buffered whole for the handler to
-// refuse. Other calls (health, reflection, open probes) pass. gRPC runs
-// metadata processors only on TLS ports; the handlers still authenticate (and
-// check admin rights) on every port.
+// refuse. A path equal to one of `open` passes even under a guarded prefix
+// (a whole service guarded but its probes, so that a method added to the
+// service later is guarded by default). Other calls (health, reflection, open
+// probes) pass. gRPC runs metadata processors only on TLS ports; the handlers
+// still authenticate (and check admin rights) on every port.
 std::shared_ptr<grpc::AuthMetadataProcessor> MakeTokenAuthProcessor(
-    TokenSet tokens, std::vector<std::string> guarded);
+    TokenSet tokens, std::vector<std::string> guarded, std::vector<std::string> open = {});
 
 }  // namespace attnserve::server
 

@@ -330,6 +330,51 @@ class MetricsFromStartUp(ServerCase):
                  if name == "attnserve_requests_total" and ("method", "ModelInfer") in labels}
         self.assertTrue({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED"} <= codes, codes)
 
+    def test_metadata_series_exist_before_the_first_call(self):
+        samples = self.server.scrape()
+        expected = {"ModelReady": {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED"},
+                    "ModelMetadata": {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE",
+                                      "FAILED_PRECONDITION", "UNAUTHENTICATED"},
+                    "ServerMetadata": {"OK", "UNAUTHENTICATED"}}
+        for method, want in expected.items():
+            codes = {dict(labels).get("code") for (name, labels) in samples
+                     if name == "attnserve_requests_total" and ("method", method) in labels}
+            self.assertEqual(codes, want, method)
+        # Durations per model, as GetModel's (ServerMetadata names none).
+        for method, model in (("ModelReady", "default"), ("ModelMetadata", "default"),
+                              ("ServerMetadata", "")):
+            self.assertIn(("attnserve_request_duration_seconds_count",
+                           (("code", "OK"), ("method", method), ("model", model))),
+                          {(name, tuple(sorted(labels))) for (name, labels) in samples}, method)
+
+
+class MetadataCallsAreCounted(ServerCase):
+    FLAGS = ("--access_log",)
+
+    def test_each_metadata_call_is_counted_and_logged_as_itself(self):
+        def count(method, code):
+            return sum(v for (name, labels), v in self.server.scrape().items()
+                       if name == "attnserve_requests_total" and ("method", method) in labels
+                       and ("code", code) in labels)
+        before = {(m, c): count(m, c) for m in ("ModelReady", "ModelMetadata", "ServerMetadata")
+                  for c in ("OK", "NOT_FOUND")}
+        self.assertTrue(self.stub.ModelReady(oip.ModelReadyRequest(name="default"), timeout=10).ready)
+        self.stub.ModelMetadata(oip.ModelMetadataRequest(name="default"), timeout=10)
+        with self.assertRaises(grpc.RpcError) as caught:
+            self.stub.ModelMetadata(oip.ModelMetadataRequest(name="no-such-model"), timeout=10)
+        self.assertEqual(caught.exception.code(), grpc.StatusCode.NOT_FOUND)
+        self.assertEqual(self.stub.ServerMetadata(oip.ServerMetadataRequest(), timeout=10).name, "attnserve")
+        harness.wait_until("the metadata calls counted", lambda: (
+            count("ModelReady", "OK") == before[("ModelReady", "OK")] + 1
+            and count("ModelMetadata", "OK") == before[("ModelMetadata", "OK")] + 1
+            and count("ModelMetadata", "NOT_FOUND") == before[("ModelMetadata", "NOT_FOUND")] + 1
+            and count("ServerMetadata", "OK") == before[("ServerMetadata", "OK")] + 1), 30)
+        for method, code in (("ModelReady", "OK"), ("ModelMetadata", "NOT_FOUND"),
+                             ("ServerMetadata", "OK")):
+            harness.wait_until(f"{method} {code} in the access log", lambda: any(
+                f'"method":"{method}"' in line and f'"code":"{code}"' in line
+                for line in list(self.server.log)), 30)
+
 
 class HealthAndMetadata(ServerCase):
     def test_server_live_and_ready(self):
@@ -435,7 +480,7 @@ class BadRequests(ServerCase):
         self.refuse(r, invalid, "outputs[1].name", "logits")
         r = self.good()
         r.parameters["top_k"].int64_param = 3
-        self.refuse(r, invalid, "parameters: unknown parameter 'top_k'")
+        self.refuse(r, invalid, "parameters.top_k: unknown parameter")
         r = self.good()
         r.parameters["causal"].string_param = "yes"
         self.refuse(r, invalid, "parameters.causal: must be a bool_param")
@@ -451,8 +496,10 @@ class BadRequests(ServerCase):
         self.refuse(self.good(lengths=[9]), invalid, "sequence_lengths")
         self.refuse(self.good(head_mask=np.ones(5, np.float32)), invalid, "head_mask")
         self.refuse(self.good(context_lengths=[2]), invalid, "context_lengths")
-        nan = np.full((1, 3, D_MODEL), np.nan, np.float32)
-        self.refuse(infer_request(nan), invalid, "hidden_states")
+        nan = np.zeros((1, 3, D_MODEL), np.float32)
+        nan[0, 2, 5] = np.nan
+        self.refuse(infer_request(nan), invalid,
+                    "hidden_states: sequence 0 holds nan at position 2; inputs must be finite")
 
     def test_bytes_that_are_not_a_model_infer_request(self):
         call = self.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
@@ -461,6 +508,18 @@ class BadRequests(ServerCase):
                             grpc.StatusCode.INVALID_ARGUMENT, "request: not a valid inference.ModelInferRequest")
         self.assertTrue(self.stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live)
 
+    def test_a_long_id_and_a_huge_input_name_get_short_messages(self):
+        invalid = grpc.StatusCode.INVALID_ARGUMENT
+        r = self.good()
+        r.id = "i" * 257
+        self.refuse(r, invalid, "id: has 257 bytes; at most 256")
+        r.id = "i" * 256
+        self.assertEqual(self.stub.ModelInfer(r, timeout=30).id, "i" * 256)
+        r = self.good()
+        r.inputs[0].name = "q" * (1 << 20)
+        details = self.refuse(r, invalid, "inputs[0].name: unknown input 'qqq")
+        self.assertLess(len(details), 400)
+
     def test_unknown_model_and_version_are_not_found(self):
         self.refuse(self.good(model="no-such-model"), grpc.StatusCode.NOT_FOUND, "model_name:", "no-such-model")
         r = self.good()
@@ -468,6 +527,43 @@ class BadRequests(ServerCase):
         self.refuse(r, grpc.StatusCode.NOT_FOUND, "model_version:")
         r.model_version = "1"
         self.assertEqual(len(self.stub.ModelInfer(r, timeout=30).outputs), 1)
+
+
+class ManyEmptyEntries(unittest.TestCase):
+    def test_millions_of_empty_inputs_are_refused_before_parsing(self):
+        # 4 MiB of empty `inputs` entries (2 bytes each on the wire): parsed,
+        # each would be an object of ~100 bytes, hundreds of MiB in all. They
+        # are counted on the wire form first: INVALID_ARGUMENT naming
+        # `inputs`, and the server's peak RSS (VmHWM) barely moves. A server of
+        # its own, so that no earlier test's peak hides a jump.
+        server = harness.Server(ARGS.server, "--max_batch_tokens=0", "--lame_duck_seconds=0")
+        try:
+            server.wait_serving()
+            with grpc.insecure_channel(server.target, options=[
+                    ("grpc.max_send_message_length", 64 << 20)]) as channel:
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                           request_serializer=lambda b: b,
+                                           response_deserializer=lambda b: b)
+                stub = oip_grpc.GRPCInferenceServiceStub(channel)
+                self.assertTrue(stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live)
+                before = server.memory_kib()["VmHWM"]
+                for tag in (b"\x2a", b"\x32", b"\x3a", b"\x22"):  # inputs, outputs, raw, parameters
+                    field = {b"\x2a": "inputs", b"\x32": "outputs", b"\x3a": "raw_input_contents",
+                             b"\x22": "parameters"}[tag]
+                    with self.assertRaises(grpc.RpcError) as caught:
+                        call(b"\x0a\x07default" + (tag + b"\x00") * (2 << 20), timeout=60)
+                    self.assertEqual(caught.exception.code(), grpc.StatusCode.INVALID_ARGUMENT)
+                    self.assertIn(f"{field}: more than", caught.exception.details())
+                grown_mib = (server.memory_kib()["VmHWM"] - before) / 1024
+                # The 4 MiB requests themselves and gRPC's buffers: well under
+                # 64 MiB; parsed, one of them alone would take ~200 MiB.
+                self.assertLess(grown_mib, 64, f"peak RSS grew {grown_mib:.0f} MiB")
+                # The server answers other calls after.
+                x = np.ones((1, 2, D_MODEL), np.float32)
+                r = stub.ModelInfer(infer_request(x), timeout=30)
+                self.assertEqual(len(r.raw_output_contents[0]), 2 * D_MODEL * 4)
+        finally:
+            server.stop()
 
 
 class TokenAuth(unittest.TestCase):

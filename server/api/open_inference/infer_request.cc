@@ -1,5 +1,6 @@
 #include "server/api/open_inference/infer_request.h"
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "core/status_macros.h"
+#include "server/common/message_text.h"
 
 namespace attnserve::server::open_inference {
 namespace {
@@ -97,17 +99,43 @@ struct Input {
   const InferTensorContents* typed = nullptr;
 };
 
+// A map's keys in sorted order, so that the one a message names does not
+// depend on the map's order.
+std::vector<std::string> SortedKeys(
+    const google::protobuf::Map<std::string, InferParameter>& parameters) {
+  std::vector<std::string> keys;
+  keys.reserve(parameters.size());
+  for (const auto& [key, value] : parameters) keys.push_back(key);
+  std::sort(keys.begin(), keys.end());
+  return keys;
+}
+
+// An input's or output's parameters: content_type (how a client's codec
+// encoded the tensor; attnserve's datatypes say it all) is accepted and
+// ignored, any other is refused, named.
+absl::Status CheckTensorParameters(
+    absl::string_view field, const google::protobuf::Map<std::string, InferParameter>& parameters) {
+  for (const std::string& key : SortedKeys(parameters)) {
+    if (key == kContentType) continue;
+    return Invalid(absl::StrCat(field, ".parameters.", Abbreviate(key)),
+                   "unknown per-tensor parameter (attnserve takes only content_type, and ignores "
+                   "it)");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Input> CheckInput(ModelInferRequest& infer, int index, const InputRule& rule) {
   const ModelInferRequest::InferInputTensor& tensor = infer.inputs(index);
   Input input;
-  input.field = absl::StrCat("inputs[", index, "] (", tensor.name(), ")");
+  input.field = absl::StrCat("inputs[", index, "] (", Abbreviate(tensor.name()), ")");
   input.datatype = tensor.datatype();
   bool known_type = false;
   for (absl::string_view type : rule.datatypes)
     known_type = known_type || type == tensor.datatype();
   if (!known_type) {
     return Invalid(absl::StrCat(input.field, ".datatype"),
-                   absl::StrCat("'", tensor.datatype(), "' is not accepted; ", rule.name, " takes ",
+                   absl::StrCat("'", Abbreviate(tensor.datatype()), "' is not accepted; ", rule.name,
+                                " takes ",
                                 absl::StrJoin(rule.datatypes, " or ")));
   }
   bool known_rank = false;
@@ -130,11 +158,7 @@ absl::StatusOr<Input> CheckInput(ModelInferRequest& infer, int index, const Inpu
     input.elements *= dim;
     input.shape.push_back(dim);
   }
-  if (!tensor.parameters().empty()) {
-    return Invalid(absl::StrCat(input.field, ".parameters"),
-                   absl::StrCat("attnserve takes no per-tensor parameters (got '",
-                                tensor.parameters().begin()->first, "')"));
-  }
+  ATTNSERVE_RETURN_IF_ERROR(CheckTensorParameters(input.field, tensor.parameters()));
   if (infer.raw_input_contents_size() > 0) {
     if (tensor.has_contents() && AllTypedCount(tensor.contents()) > 0) {
       return Invalid(absl::StrCat(input.field, ".contents"),
@@ -259,8 +283,9 @@ struct Parameters {
 
 absl::StatusOr<Parameters> CheckParameters(const ModelInferRequest& infer) {
   Parameters p;
-  for (const auto& [name, value] : infer.parameters()) {
-    const std::string field = absl::StrCat("parameters.", name);
+  for (const std::string& name : SortedKeys(infer.parameters())) {
+    const InferParameter& value = infer.parameters().at(name);
+    const std::string field = absl::StrCat("parameters.", Abbreviate(name));
     if (name == "causal") {
       if (value.parameter_choice_case() != InferParameter::kBoolParam) {
         return Invalid(field, "must be a bool_param");
@@ -274,10 +299,9 @@ absl::StatusOr<Parameters> CheckParameters(const ModelInferRequest& infer) {
                                        : name == "mask_kind"    ? &p.mask_kind
                                                                 : nullptr;
     if (slot == nullptr) {
-      return Invalid("parameters",
-                     absl::StrCat("unknown parameter '", name,
-                                  "' (attnserve takes causal, attention_maps, precision, "
-                                  "output_dtype, mask_kind)"));
+      return Invalid(field,
+                     "unknown parameter (attnserve takes causal, attention_maps, precision, "
+                     "output_dtype, mask_kind)");
     }
     if (value.parameter_choice_case() != InferParameter::kStringParam) {
       return Invalid(field, "must be a string_param");
@@ -293,7 +317,7 @@ absl::Status CheckModelVersion(absl::string_view field, absl::string_view model,
                                const std::string* version) {
   if (version == nullptr || version->empty() || *version == "1") return absl::OkStatus();
   return absl::NotFoundError(
-      absl::StrCat(field, ": model '", model, "' has no version '", *version,
+      absl::StrCat(field, ": model '", Abbreviate(model), "' has no version '", Abbreviate(*version),
                    "'; attnserve's models have one version, \"1\" (or leave ", field, " empty)"));
 }
 
@@ -305,6 +329,10 @@ absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::Attend
   request->set_model(infer.model_name());
   form->id = infer.id();
   if (infer.model_name().empty()) return Invalid("model_name", "required");
+  if (infer.id().size() > kMaxInferIdBytes) {
+    return Invalid("id", absl::StrCat("has ", infer.id().size(), " bytes; at most ",
+                                      kMaxInferIdBytes, " (it is echoed in the response)"));
+  }
   ATTNSERVE_RETURN_IF_ERROR(
       CheckModelVersion("model_version", infer.model_name(),
                         infer.has_model_version() ? &infer.model_version() : nullptr));
@@ -325,11 +353,12 @@ absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::Attend
     if (rule == nullptr) {
       return Invalid(
           absl::StrCat("inputs[", i, "].name"),
-          absl::StrCat("unknown input '", name, "' (attnserve's models take ", kInputNames, ")"));
+          absl::StrCat("unknown input '", Abbreviate(name), "' (attnserve's models take ",
+                       kInputNames, ")"));
     }
     if (!seen.insert(name).second) {
       return Invalid(absl::StrCat("inputs[", i, "].name"),
-                     absl::StrCat("'", name, "' given twice"));
+                     absl::StrCat("'", Abbreviate(name), "' given twice"));
     }
     ATTNSERVE_ASSIGN_OR_RETURN(Input input, CheckInput(infer, i, *rule));
     if (name == kHiddenStates) {
@@ -367,7 +396,7 @@ absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::Attend
       request->set_precision(v1::PRECISION_BF16);
     } else {
       return Invalid("parameters.precision",
-                     absl::StrCat("'", *params.precision, "'; takes fp32 or bf16"));
+                     absl::StrCat("'", Abbreviate(*params.precision), "'; takes fp32 or bf16"));
     }
   }
   if (params.output_dtype.has_value()) {
@@ -377,7 +406,7 @@ absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::Attend
       request->set_output_dtype(v1::DATA_TYPE_BF16);
     } else {
       return Invalid("parameters.output_dtype",
-                     absl::StrCat("'", *params.output_dtype, "'; takes FP32 or BF16"));
+                     absl::StrCat("'", Abbreviate(*params.output_dtype), "'; takes FP32 or BF16"));
     }
   }
   if (mask.has_value()) {
@@ -390,7 +419,8 @@ absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::Attend
         kind = v1::AttentionMask::KIND_ADDITIVE;
       } else {
         return Invalid("parameters.mask_kind",
-                       absl::StrCat("'", *params.mask_kind, "'; takes allowed or additive"));
+                       absl::StrCat("'", Abbreviate(*params.mask_kind),
+                                    "'; takes allowed or additive"));
       }
     }
     ToMask(*mask, kind, request->mutable_mask());
@@ -408,16 +438,15 @@ absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::Attend
         name != kHeadMaxWeight && name != kHeadContribution) {
       return Invalid(
           absl::StrCat(field, ".name"),
-          absl::StrCat("unknown output '", name, "' (attnserve's models give ", kOutputNames, ")"));
+          absl::StrCat("unknown output '", Abbreviate(name), "' (attnserve's models give ",
+                       kOutputNames, ")"));
     }
     if (!seen.insert(name).second) {
-      return Invalid(absl::StrCat(field, ".name"), absl::StrCat("'", name, "' named twice"));
+      return Invalid(absl::StrCat(field, ".name"),
+                     absl::StrCat("'", Abbreviate(name), "' named twice"));
     }
-    if (!output.parameters().empty()) {
-      return Invalid(absl::StrCat(field, " (", name, ").parameters"),
-                     absl::StrCat("attnserve takes no per-output parameters (got '",
-                                  output.parameters().begin()->first, "')"));
-    }
+    ATTNSERVE_RETURN_IF_ERROR(
+        CheckTensorParameters(absl::StrCat(field, " (", name, ")"), output.parameters()));
     form->outputs.push_back(name);
   }
   if (form->outputs.empty()) form->outputs.push_back(kOutput);
@@ -434,7 +463,7 @@ absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::Attend
       mode = v1::ATTENTION_MAP_MODE_MEAN;
     } else {
       return Invalid("parameters.attention_maps",
-                     absl::StrCat("'", value, "'; takes none, per_head or mean"));
+                     absl::StrCat("'", Abbreviate(value), "'; takes none, per_head or mean"));
     }
     if (maps_named && mode == v1::ATTENTION_MAP_MODE_NONE) {
       return Invalid("parameters.attention_maps",
@@ -443,7 +472,7 @@ absl::Status AttendRequestFromInfer(ModelInferRequest* infer_request, v1::Attend
     }
     if (!maps_named && mode != v1::ATTENTION_MAP_MODE_NONE) {
       return Invalid("parameters.attention_maps",
-                     absl::StrCat("'", value,
+                     absl::StrCat("'", Abbreviate(value),
                                   "' asks for maps, but outputs does not name attention_maps "
                                   "(maps are computed only when asked for by name)"));
     }

@@ -1,6 +1,7 @@
 #ifndef ATTNSERVE_SERVER_API_OPEN_INFERENCE_INFER_REQUEST_H_
 #define ATTNSERVE_SERVER_API_OPEN_INFERENCE_INFER_REQUEST_H_
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,11 @@ inline constexpr char kHeadMask[] = "head_mask";
 inline constexpr char kPositionOffsets[] = "position_offsets";
 inline constexpr char kAttentionMapHeads[] = "attention_map_heads";
 inline constexpr char kAttentionMapRows[] = "attention_map_rows";
+
+// The one per-tensor parameter accepted (and ignored): clients' codecs set it.
+inline constexpr char kContentType[] = "content_type";
+// The longest request id, in bytes: the response echoes it.
+inline constexpr size_t kMaxInferIdBytes = 256;
 
 inline constexpr char kOutput[] = "output";
 inline constexpr char kAttentionMaps[] = "attention_maps";
@@ -54,7 +60,8 @@ absl::Status CheckModelVersion(absl::string_view field, absl::string_view model,
 // and a mask are moved, not copied, out of `infer` (left in an unspecified
 // state).
 //
-// Checks only what the protocol's form adds: tensor names, datatypes, ranks,
+// Checks only what the protocol's form adds: the id's length (INVALID_ARGUMENT
+// "id: ..." over kMaxInferIdBytes), tensor names, datatypes, ranks,
 // element counts against shapes, raw vs typed contents, parameters, output
 // names. Sizes against the model and the server's limits are PlanAttend's, as
 // for Attend. Codes: INVALID_ARGUMENT naming the protocol's field (e.g.

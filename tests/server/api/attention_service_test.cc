@@ -745,6 +745,54 @@ TEST(AttentionServiceQueue, ADrainingServiceRefusesNewCallsWithUnavailable) {
       << status.error_message();
 }
 
+// ModelInfer checks in Attend's order -- authentication, parsing, admission,
+// the model, then the request's fields -- so the same fault gets the same
+// code on both APIs: an unknown model with a bad tensor is NOT_FOUND (not
+// INVALID_ARGUMENT), and an unknown model while draining is UNAVAILABLE (not
+// NOT_FOUND).
+TEST(AttentionServiceQueue, ModelInferChecksInAttendsOrder) {
+  testing::BlockableServer server(TestOptions(), kSeed);
+  v1::AttendRequest attend = RawRequest(1, 2, RandomValues(2 * 768, 2));
+  attend.set_model("no-such-model");
+  attend.mutable_hidden_states()->add_shape(5);  // a bad tensor: rank 4
+  inference::ModelInferRequest infer;
+  infer.set_model_name("no-such-model");
+  auto* input = infer.add_inputs();
+  input->set_name("hidden_states");
+  input->set_datatype("FP64");  // a bad tensor
+  for (int64_t d : {1, 2, 768}) input->add_shape(d);
+  infer.add_raw_input_contents(std::string(2 * 768 * 8, '\0'));
+  auto model_infer = [&](grpc::Status* status) {
+    grpc::ClientContext context;
+    context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(120)));
+    inference::ModelInferResponse response;
+    *status = server.oip_stub().ModelInfer(&context, infer, &response);
+  };
+  v1::AttendResponse response;
+  grpc::Status attended = server.Attend(attend, &response);
+  EXPECT_EQ(attended.error_code(), grpc::StatusCode::NOT_FOUND) << attended.error_message();
+  grpc::Status inferred;
+  model_infer(&inferred);
+  EXPECT_EQ(inferred.error_code(), grpc::StatusCode::NOT_FOUND) << inferred.error_message();
+  EXPECT_NE(inferred.error_message().find("model_name: "), std::string::npos)
+      << inferred.error_message();
+  // A known model: the bad tensor is named.
+  infer.set_model_name(std::string(server::kBuiltinModelName));
+  model_infer(&inferred);
+  EXPECT_EQ(inferred.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << inferred.error_message();
+  EXPECT_NE(inferred.error_message().find("inputs[0] (hidden_states).datatype"), std::string::npos)
+      << inferred.error_message();
+
+  server.service().set_state(AttentionServiceImpl::State::kDraining);
+  infer.set_model_name("no-such-model");
+  attended = server.Attend(attend, &response);
+  EXPECT_EQ(attended.error_code(), grpc::StatusCode::UNAVAILABLE) << attended.error_message();
+  model_infer(&inferred);
+  EXPECT_EQ(inferred.error_code(), grpc::StatusCode::UNAVAILABLE) << inferred.error_message();
+  EXPECT_NE(inferred.error_message().find("shutting down"), std::string::npos)
+      << inferred.error_message();
+}
+
 TEST(AttentionServiceShutdown, HealthSaysNotServingAndNewCallsAreRefusedWhileACallInFlightFinishes) {
   ServerOptions options = TestOptions();
   options.lame_duck_seconds = 0;

@@ -1,7 +1,8 @@
 #ifndef ATTNSERVE_TESTS_SERVER_API_BLOCKABLE_SERVER_H_
 #define ATTNSERVE_TESTS_SERVER_API_BLOCKABLE_SERVER_H_
 
-// The Attend service on a gRPC server of its own on an ephemeral port, with
+// The Attend service (and the Open Inference Protocol's service on it) on a
+// gRPC server of its own on an ephemeral port, with
 // its compute executor in the test's hands: Block() occupies the executor, so
 // admitted calls stay queued until Release(), however fast or slow the
 // machine is. Tests of queueing, batching, deadlines and cancellation use it
@@ -32,7 +33,9 @@
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "gtest/gtest.h"
+#include "inference/open_inference.grpc.pb.h"
 #include "server/api/attention_service.h"
+#include "server/api/open_inference_service.h"
 #include "server/attn_server.h"
 #include "server/common/server_options.h"
 #include "server/models/model_registry.h"
@@ -103,9 +106,14 @@ class BlockableServer {
     builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_receive_message_bytes));
     builder.SetMaxSendMessageSize(static_cast<int>(options.max_send_message_bytes));
     builder.RegisterService(service_.get());
+    open_inference_ = std::make_unique<server::OpenInferenceService>(
+        service_.get(), &registry_, options.limits, "test");
+    builder.RegisterService(open_inference_.get());
     server_ = builder.BuildAndStart();
     EXPECT_NE(server_, nullptr);
     stub_ = v1::AttentionService::NewStub(grpc::CreateChannel(
+        absl::StrCat("127.0.0.1:", port_), grpc::InsecureChannelCredentials()));
+    oip_stub_ = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
         absl::StrCat("127.0.0.1:", port_), grpc::InsecureChannelCredentials()));
   }
   ~BlockableServer() {
@@ -163,6 +171,8 @@ class BlockableServer {
 
   server::AttentionServiceImpl& service() { return *service_; }
   v1::AttentionService::Stub& stub() { return *stub_; }
+  // The Open Inference Protocol's service on the same server and service.
+  inference::GRPCInferenceService::Stub& oip_stub() { return *oip_stub_; }
   const server::ModelRegistry& registry() const { return registry_; }
 
  private:
@@ -171,8 +181,10 @@ class BlockableServer {
   std::unique_ptr<server::Metrics> metrics_;
   std::unique_ptr<server::SessionManager> sessions_;
   std::unique_ptr<server::AttentionServiceImpl> service_;
+  std::unique_ptr<server::OpenInferenceService> open_inference_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
+  std::unique_ptr<inference::GRPCInferenceService::Stub> oip_stub_;
   std::shared_ptr<absl::Notification> release_;  // of the last Block()
   int port_ = 0;
 };

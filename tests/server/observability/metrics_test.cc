@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
@@ -641,6 +642,19 @@ TEST_F(MetricsServerTest, SeriesOfTheBuiltinModelExistBeforeAnyRequest) {
     EXPECT_EQ(exposition.Count(kDuration, {{"method", "Attend"}, {"model", "default"}, {"code", code}}),
               0)
         << code;
+  }
+  // The Open Inference Protocol's metadata calls, as GetModel's (ServerMetadata
+  // names no model).
+  for (const auto& [method, model] : {std::pair<const char*, const char*>{"ModelReady", "default"},
+                                      {"ModelMetadata", "default"},
+                                      {"ServerMetadata", ""}}) {
+    for (const char* code : {"OK", "UNAUTHENTICATED"}) {
+      EXPECT_EQ(exposition.Value("attnserve_requests_total", {{"method", method}, {"code", code}}),
+                0)
+          << method << " " << code;
+    }
+    EXPECT_EQ(exposition.Count(kDuration, {{"method", method}, {"model", model}, {"code", "OK"}}), 0)
+        << method;
   }
   EXPECT_EQ(exposition.Value("attnserve_model_info", {{"model", "default"},
                                                       {"d_model", "768"},

@@ -1,6 +1,7 @@
 // Bearer-token authentication: the token file's parsing, and the real server
 // on an ephemeral port called with and without tokens.
 #include <grpcpp/create_channel.h>
+#include <grpcpp/security/auth_metadata_processor.h>
 #include <grpcpp/security/credentials.h>
 
 #include <fstream>
@@ -14,6 +15,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/attention_client.h"
 #include "gtest/gtest.h"
+#include "server/api/open_inference_service.h"
 #include "server/attn_server.h"
 #include "server/security/auth.h"
 
@@ -51,6 +53,41 @@ TEST(TokenSet, RejectsMissingMalformedAndUnknownTokensWithoutNamingThem) {
   }
   EXPECT_EQ(tokens->Authenticate(std::nullopt).status().code(),
             absl::StatusCode::kUnauthenticated);
+}
+
+// The metadata processor guards whole services by prefix, the server's own
+// lists: a method of inference.GRPCInferenceService that no list names (one
+// added later) needs a token; ServerLive and ServerReady do not (exactly:
+// a longer name under them does); other services pass.
+TEST(TokenAuthProcessor, GuardsTheOpenInferenceServiceByPrefixButItsProbes) {
+  absl::StatusOr<TokenSet> tokens = TokenSet::Parse(kUserToken);
+  ASSERT_TRUE(tokens.ok());
+  std::shared_ptr<grpc::AuthMetadataProcessor> processor = MakeTokenAuthProcessor(
+      *tokens, {"/attnserve.v1.AttentionService/", OpenInferenceService::GuardedPathPrefix()},
+      OpenInferenceService::OpenMethodPaths());
+  const std::string bearer = absl::StrCat("Bearer ", kUserToken);
+  // The code of a call to `path`, with the user's token or none.
+  auto code = [&](const std::string& path, bool with_token) {
+    grpc::AuthMetadataProcessor::InputMetadata metadata;
+    metadata.emplace(":path", path);
+    if (with_token) metadata.emplace("authorization", bearer);
+    grpc::AuthMetadataProcessor::OutputMetadata consumed, response;
+    return processor->Process(metadata, nullptr, &consumed, &response).error_code();
+  };
+  for (const char* method : {"ModelInfer", "ModelReady", "ModelMetadata", "ServerMetadata",
+                             "ModelStreamInfer", "RepositoryIndex", "AMethodAddedLater",
+                             "ServerLiveness", "ServerReadyz"}) {
+    const std::string path = absl::StrCat("/inference.GRPCInferenceService/", method);
+    EXPECT_EQ(code(path, false), grpc::StatusCode::UNAUTHENTICATED) << path;
+    EXPECT_EQ(code(path, true), grpc::StatusCode::OK) << path;
+  }
+  for (const char* path :
+       {"/inference.GRPCInferenceService/ServerLive", "/inference.GRPCInferenceService/ServerReady",
+        "/grpc.health.v1.Health/Check", "/inference.GRPCInferenceServiceX/ModelInfer"}) {
+    EXPECT_EQ(code(path, false), grpc::StatusCode::OK) << path;
+  }
+  EXPECT_EQ(code("/attnserve.v1.AttentionService/Attend", false),
+            grpc::StatusCode::UNAUTHENTICATED);
 }
 
 TEST(TokenSet, AFileWithoutTokensOrWithABadLineIsRefused) {

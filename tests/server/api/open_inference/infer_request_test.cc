@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/status_matchers.h"
@@ -342,7 +343,27 @@ TEST(InferRequest, EachMalformedRequestIsRefusedNamingTheProtocolsField) {
        kInvalid, "inputs[1].name: 'hidden_states' given twice"},
       {"input parameter",
        [](auto& r) { (*r.mutable_inputs(0)->mutable_parameters())["x"].set_bool_param(true); },
-       kInvalid, "inputs[0] (hidden_states).parameters: attnserve takes no per-tensor parameters"},
+       kInvalid, "inputs[0] (hidden_states).parameters.x: unknown per-tensor parameter"},
+      {"input parameters, the first in sorted order named",
+       [](auto& r) {
+         auto& p = *r.mutable_inputs(0)->mutable_parameters();
+         for (const char* key : {"zeta", "beta", "content_type", "gamma"}) p[key].set_bool_param(true);
+       },
+       kInvalid, "inputs[0] (hidden_states).parameters.beta: unknown per-tensor parameter"},
+      {"negative dimension", [](auto& r) { r.mutable_inputs(0)->set_shape(2, -4); }, kInvalid,
+       "inputs[0] (hidden_states).shape[2]: is -4; every dimension must be positive"},
+      {"INT64_MAX dimension",
+       [](auto& r) { r.mutable_inputs(0)->set_shape(0, INT64_MAX); }, kInvalid,
+       "inputs[0] (hidden_states).shape: has too many elements"},
+      {"element count overflowing int64",
+       [](auto& r) {
+         r.mutable_inputs(0)->set_shape(0, int64_t{1} << 30);
+         r.mutable_inputs(0)->set_shape(1, int64_t{1} << 30);
+         r.mutable_inputs(0)->set_shape(2, int64_t{1} << 30);
+       },
+       kInvalid, "inputs[0] (hidden_states).shape: has too many elements"},
+      {"id over 256 bytes", [](auto& r) { r.set_id(std::string(257, 'i')); }, kInvalid,
+       "id: has 257 bytes; at most 256"},
       {"lengths as float",
        [&](auto& r) { add_raw(r, kSequenceLengths, "FP32", {2}, std::string(8, 0)); }, kInvalid,
        "inputs[1] (sequence_lengths).datatype: 'FP32' is not accepted"},
@@ -358,7 +379,15 @@ TEST(InferRequest, EachMalformedRequestIsRefusedNamingTheProtocolsField) {
        kInvalid, "inputs[1] (attention_map_heads): value 1099511627776 is outside INT32's range"},
       {"unknown parameter",
        [](auto& r) { (*r.mutable_parameters())["temperature"].set_double_param(1); }, kInvalid,
-       "parameters: unknown parameter 'temperature'"},
+       "parameters.temperature: unknown parameter"},
+      {"unknown parameters, the first in sorted order named",
+       [](auto& r) {
+         auto& p = *r.mutable_parameters();
+         for (const char* key : {"top_p", "causal", "seed", "alpha", "temperature"}) {
+           p[key].set_bool_param(true);
+         }
+       },
+       kInvalid, "parameters.alpha: unknown parameter"},
       {"causal as string",
        [](auto& r) { (*r.mutable_parameters())["causal"].set_string_param("true"); }, kInvalid,
        "parameters.causal: must be a bool_param"},
@@ -407,7 +436,7 @@ TEST(InferRequest, EachMalformedRequestIsRefusedNamingTheProtocolsField) {
          out->set_name(kOutput);
          (*out->mutable_parameters())["classification"].set_int64_param(3);
        },
-       kInvalid, "outputs[0] (output).parameters: attnserve takes no per-output parameters"},
+       kInvalid, "outputs[0] (output).parameters.classification: unknown per-tensor parameter"},
       {"unknown version", [](auto& r) { r.set_model_version("latest"); }, StatusCode::kNotFound,
        "model_version: model 'm' has no version 'latest'"},
   };
@@ -417,6 +446,82 @@ TEST(InferRequest, EachMalformedRequestIsRefusedNamingTheProtocolsField) {
     refusal.spoil(r);
     EXPECT_THAT(Translate(r).status, StatusIs(refusal.code, refusal.message));
   }
+}
+
+TEST(InferRequest, ContentTypeOfATensorIsAcceptedAndIgnored) {
+  const std::vector<float> states = RandomFloats(24, 19);
+  inference::ModelInferRequest r = StatesRequest(states, /*raw=*/true);
+  (*r.mutable_inputs(0)->mutable_parameters())[kContentType].set_string_param("np");
+  auto* out = r.add_outputs();
+  out->set_name(kOutput);
+  (*out->mutable_parameters())[kContentType].set_string_param("np");
+  const Translated t = Translate(r);
+  ASSERT_THAT(t.status, IsOk());
+  EXPECT_EQ(t.request.hidden_states().raw_data(), Bytes(states));
+  EXPECT_THAT(t.form.outputs, ElementsAre(kOutput));
+}
+
+TEST(InferRequest, IdOf256BytesIsEchoed) {
+  inference::ModelInferRequest r = StatesRequest(RandomFloats(24, 20), /*raw=*/true);
+  r.set_id(std::string(256, 'i'));
+  const Translated t = Translate(r);
+  ASSERT_THAT(t.status, IsOk());
+  EXPECT_EQ(t.form.id, std::string(256, 'i'));
+}
+
+// Callers' strings are cut in messages: a 1 MB name, datatype, parameter key
+// or value, or version makes a short message that still names the field.
+TEST(InferRequest, CallersStringsAreAbbreviatedInMessages) {
+  const std::string huge(1 << 20, 'q');
+  const std::vector<std::pair<std::string, std::function<void(inference::ModelInferRequest&)>>>
+      cases = {
+          {"inputs[1].name: unknown input 'qqq",
+           [&](auto& r) {
+             AddInput(r, huge, "FP32", {1});
+             r.add_raw_input_contents(std::string(4, '\0'));
+           }},
+          {"inputs[0] (hidden_states).datatype: 'qqq",
+           [&](auto& r) { r.mutable_inputs(0)->set_datatype(huge); }},
+          {"parameters.qqq", [&](auto& r) { (*r.mutable_parameters())[huge].set_bool_param(true); }},
+          {"parameters.precision: 'qqq",
+           [&](auto& r) { (*r.mutable_parameters())["precision"].set_string_param(huge); }},
+          {"inputs[0] (hidden_states).parameters.qqq",
+           [&](auto& r) {
+             (*r.mutable_inputs(0)->mutable_parameters())[huge].set_bool_param(true);
+           }},
+          {"outputs[0].name: unknown output 'qqq", [&](auto& r) { r.add_outputs()->set_name(huge); }},
+          {"model_version: model 'm' has no version 'qqq",
+           [&](auto& r) { r.set_model_version(huge); }},
+      };
+  for (const auto& [message, spoil] : cases) {
+    SCOPED_TRACE(message);
+    inference::ModelInferRequest r = StatesRequest(RandomFloats(24, 21), /*raw=*/true);
+    spoil(r);
+    const absl::Status status = Translate(r).status;
+    const absl::StatusCode code = absl::StartsWith(message, "model_version")
+                                      ? absl::StatusCode::kNotFound
+                                      : absl::StatusCode::kInvalidArgument;
+    EXPECT_THAT(status, StatusIs(code, message));
+    EXPECT_LT(status.message().size(), 400u) << status.message().substr(0, 200);
+  }
+}
+
+// The raw contents are moved into the attnserve.v1 request, not copied: the
+// source entry is empty afterwards.
+TEST(InferRequest, RawContentsAreMovedOutOfTheRequest) {
+  const std::vector<float> states = RandomFloats(24, 22);
+  inference::ModelInferRequest r = StatesRequest(states, /*raw=*/true);
+  AddInput(r, kMask, "BOOL", {2, 3, 3});
+  std::string mask(18, '\1');
+  mask[4] = '\0';
+  r.add_raw_input_contents(mask);
+  v1::AttendRequest request;
+  InferReplyForm form;
+  ASSERT_THAT(AttendRequestFromInfer(&r, &request, &form), IsOk());
+  EXPECT_EQ(request.hidden_states().raw_data(), Bytes(states));
+  EXPECT_EQ(request.mask().values().raw_data(), mask);
+  EXPECT_TRUE(r.raw_input_contents(0).empty());
+  EXPECT_TRUE(r.raw_input_contents(1).empty());
 }
 
 TEST(InferRequest, TypedContentsRefusalsNameTheTypedField) {
