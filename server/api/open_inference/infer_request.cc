@@ -315,7 +315,7 @@ absl::StatusOr<Parameters> CheckParameters(const ModelInferRequest& infer) {
 
 absl::Status CheckModelVersion(absl::string_view field, absl::string_view model,
                                const std::string* version) {
-  if (version == nullptr || version->empty() || *version == "1") return absl::OkStatus();
+  if (version == nullptr || version->empty() || *version == kModelVersion) return absl::OkStatus();
   return absl::NotFoundError(
       absl::StrCat(field, ": model '", Abbreviate(model), "' has no version '", Abbreviate(*version),
                    "'; attnserve's models have one version, \"1\" (or leave ", field, " empty)"));

@@ -49,7 +49,10 @@ struct InferReplyForm {
 };
 
 // NOT_FOUND naming `field` (and `model`) unless `version` is unset (null),
-// "" or "1": attnserve's models have one version. Thread-safe.
+// The one version of every attnserve model, as the protocol names versions.
+inline constexpr char kModelVersion[] = "1";
+
+// "" or kModelVersion: attnserve's models have one version. Thread-safe.
 absl::Status CheckModelVersion(absl::string_view field, absl::string_view model,
                                const std::string* version);
 

@@ -70,7 +70,7 @@ absl::Status InferResponseFromAttend(const InferReplyForm& form, WireResponse& r
   const v1::AttendResponse& m = response.message;
   inference::ModelInferResponse& reply = infer->message;
   reply.set_model_name(m.model());
-  reply.set_model_version("1");
+  reply.set_model_version(kModelVersion);
   reply.set_id(form.id);
   auto& params = *reply.mutable_parameters();
   params["kernel_path"].set_string_param(m.kernel_path());

@@ -27,7 +27,9 @@ void ModelMetadataFromInfo(const v1::ModelInfo& info, inference::ModelMetadataRe
   const int64_t context_dim = head.context_dim() > 0 ? head.context_dim() : head.d_model();
   const int64_t num_heads = head.num_heads();
   metadata->set_name(info.name());
-  metadata->add_versions("1");
+  // From a std::string: GCC 12 at -O3 reports a false -Wrestrict inside
+  // add_versions(const char*) (GCC bug 105329).
+  metadata->add_versions(std::string(kModelVersion));
   metadata->set_platform(kPlatform);
   auto* in = metadata->mutable_inputs();
   AddTensor(kHiddenStates, "FP32", {-1, -1, d_model}, in);
