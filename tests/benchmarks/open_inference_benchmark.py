@@ -27,7 +27,6 @@ import http.client
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,9 +34,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
-from harness import PACKAGE_DIR, Server, cpu_model  # noqa: E402
+from harness import PACKAGE_DIR, Server, cpu_model, generate_open_inference_stubs  # noqa: E402
 
 sys.path.insert(0, PACKAGE_DIR)
 import grpc  # noqa: E402
@@ -47,16 +45,6 @@ D_MODEL = 768
 # name, batch, seq, calls per block (gRPC ways), calls per block (REST)
 SHAPES = [("B=1 S=16", 1, 16, 200, 100), ("B=8 S=128", 8, 128, 20, 4)]
 OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", -1)]
-
-
-def oip_modules(out_dir):
-    """The protocol's Python stubs, generated from proto/inference into out_dir."""
-    subprocess.run(["/usr/bin/protoc", f"-I{os.path.join(REPO, 'proto')}", f"--python_out={out_dir}",
-                    f"--grpc_out={out_dir}", "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin",
-                    os.path.join(REPO, "proto", "inference", "open_inference.proto")], check=True)
-    sys.path.insert(0, out_dir)
-    from inference import open_inference_pb2, open_inference_pb2_grpc
-    return open_inference_pb2, open_inference_pb2_grpc
 
 
 def ways(server, oip, oip_grpc, channel):
@@ -117,7 +105,7 @@ def main():
         server.wait_serving()
         assert server.http_port, "no 'HTTP on port N' line"
         with tempfile.TemporaryDirectory() as stubs:
-            oip, oip_grpc = oip_modules(stubs)
+            oip, oip_grpc = generate_open_inference_stubs(stubs)
             channel = grpc.insecure_channel(server.target, options=OPTIONS)
             calls, bodies, encode, connection = ways(server, oip, oip_grpc, channel)
             rng = np.random.default_rng()

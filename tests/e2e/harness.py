@@ -50,6 +50,22 @@ def generate_stubs(out_dir, proto_dir, package_from_checkout=True):
     sys.path.insert(0, out_dir)
 
 
+def generate_open_inference_stubs(out_dir, proto_dir=os.path.join(REPO, "proto")):
+    """Compiles the Open Inference Protocol's proto (proto_dir/inference/
+    open_inference.proto) into out_dir with Debian's protoc and
+    grpc_python_plugin, puts out_dir on sys.path and returns the modules
+    (inference.open_inference_pb2, inference.open_inference_pb2_grpc). The
+    attnserve package does not carry them: a protocol client brings its own."""
+    import importlib
+    subprocess.run(
+        ["/usr/bin/protoc", f"-I{proto_dir}", f"--python_out={out_dir}", f"--grpc_out={out_dir}",
+         "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin",
+         os.path.join(proto_dir, "inference", "open_inference.proto")], check=True)
+    sys.path.insert(0, out_dir)
+    return (importlib.import_module("inference.open_inference_pb2"),
+            importlib.import_module("inference.open_inference_pb2_grpc"))
+
+
 def run_tests_with_stubs(proto_dir, unittest_args, exit=True, package_from_checkout=True):
     """Generates the stubs into a temporary folder (removed afterwards) and runs
     the calling script's tests with the remaining command-line arguments;

@@ -17,8 +17,6 @@ ModelInfer metrics series (present from start-up) and access log line.
   open_inference_test.py --server <attnserve> --proto_dir <repo>/proto
 """
 import argparse
-import importlib
-import json
 import os
 import signal
 import subprocess
@@ -44,16 +42,9 @@ oip_grpc = None
 
 
 def generate_oip_stubs(out_dir):
-    """Compiles our proto/inference/open_inference.proto into out_dir and
-    imports it (module inference.open_inference_pb2 and _pb2_grpc)."""
+    """Our proto's modules, as the globals oip and oip_grpc."""
     global oip, oip_grpc
-    subprocess.run(
-        ["/usr/bin/protoc", f"-I{ARGS.proto_dir}", f"--python_out={out_dir}", f"--grpc_out={out_dir}",
-         "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin",
-         os.path.join(ARGS.proto_dir, "inference", "open_inference.proto")], check=True)
-    sys.path.insert(0, out_dir)
-    oip = importlib.import_module("inference.open_inference_pb2")
-    oip_grpc = importlib.import_module("inference.open_inference_pb2_grpc")
+    oip, oip_grpc = harness.generate_open_inference_stubs(out_dir, ARGS.proto_dir)
 
 
 # --- Requests on both APIs from the same arrays ---
@@ -593,12 +584,7 @@ class TokenAuth(unittest.TestCase):
                         call((("authorization", f"Bearer {TOKEN}"),))
                     # In plaintext the handler refuses (and counts) them.
                     self.assertEqual(unauthenticated_model_infer_calls(server), 2)
-                    # Probes stay open, as grpc.health.v1 does.
-                    self.assertTrue(stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live)
-                    self.assertTrue(stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready)
-                    r = stub.ModelInfer(infer_request(x), metadata=(("authorization", f"Bearer {TOKEN}"),),
-                                        timeout=30)
-                    self.assertEqual(len(r.raw_output_contents[0]), 2 * D_MODEL * 4)
+                    assert_probes_open_and_token_serves(self, stub, x)
             finally:
                 server.stop()
 
@@ -626,6 +612,15 @@ class ReadinessFollowsTheServersState(unittest.TestCase):
                 self.assertEqual(len(r.raw_output_contents[0]), 2 * D_MODEL * 4)
         finally:
             server.stop()
+
+
+def assert_probes_open_and_token_serves(test, stub, x):
+    """ServerLive and ServerReady answer without a token (as grpc.health.v1
+    does), and ModelInfer on x [1, 2, d_model] with TOKEN does."""
+    test.assertTrue(stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live)
+    test.assertTrue(stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready)
+    r = stub.ModelInfer(infer_request(x), metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=30)
+    test.assertEqual(len(r.raw_output_contents[0]), 2 * D_MODEL * 4)
 
 
 def unauthenticated_model_infer_calls(server):
@@ -664,11 +659,7 @@ class TokenAuthOnTls(unittest.TestCase):
                         stub.ModelInfer(infer_request(x), timeout=30)
                     self.assertEqual(caught.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
                     self.assertEqual(unauthenticated_model_infer_calls(server), 0)
-                    self.assertTrue(stub.ServerLive(oip.ServerLiveRequest(), timeout=10).live)
-                    self.assertTrue(stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready)
-                    r = stub.ModelInfer(infer_request(x), metadata=(("authorization", f"Bearer {TOKEN}"),),
-                                        timeout=30)
-                    self.assertEqual(len(r.raw_output_contents[0]), 2 * D_MODEL * 4)
+                    assert_probes_open_and_token_serves(self, stub, x)
             finally:
                 server.stop()
 

@@ -8,14 +8,15 @@ and nothing more.
   open_inference_spec_test.py --proto_dir <repo>/proto --fixture <grpc_fields.txt>
 """
 import argparse
-import importlib
 import os
-import subprocess
 import sys
 import tempfile
 import unittest
 
 from google.protobuf import descriptor as d
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
+from harness import generate_open_inference_stubs  # noqa: E402
 
 PARSER = argparse.ArgumentParser()
 PARSER.add_argument("--proto_dir", required=True)
@@ -101,12 +102,7 @@ class ProtoMatchesSpecification(unittest.TestCase):
     def setUpClass(cls):
         cls.spec = read_fixture(ARGS.fixture)
         cls.tmp = tempfile.TemporaryDirectory()
-        subprocess.run(
-            ["/usr/bin/protoc", f"-I{ARGS.proto_dir}", f"--python_out={cls.tmp.name}",
-             f"--grpc_out={cls.tmp.name}", "--plugin=protoc-gen-grpc=/usr/bin/grpc_python_plugin",
-             os.path.join(ARGS.proto_dir, "inference", "open_inference.proto")], check=True)
-        sys.path.insert(0, cls.tmp.name)
-        module = importlib.import_module("inference.open_inference_pb2")
+        module, _ = generate_open_inference_stubs(cls.tmp.name, ARGS.proto_dir)
         cls.file = module.DESCRIPTOR
         cls.fields, cls.messages = {}, set()
         for message in cls.file.message_types_by_name.values():
