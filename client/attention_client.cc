@@ -12,6 +12,7 @@
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -39,9 +40,7 @@ absl::StatusOr<Response> Call(Stub& stub,
                               const Request& request, const ClientOptions& options,
                               bool with_token = true) {
   grpc::ClientContext context;
-  if (with_token && !options.bearer_token.empty()) {
-    context.AddMetadata("authorization", "Bearer " + options.bearer_token);
-  }
+  if (with_token) AddCallMetadata(options, context);
   context.set_deadline(
       std::chrono::system_clock::now() +
       std::chrono::microseconds(static_cast<int64_t>(options.timeout_seconds * 1e6)));
@@ -126,6 +125,13 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
 }
 
 }  // namespace
+
+void AddCallMetadata(const ClientOptions& options, grpc::ClientContext& context) {
+  if (!options.bearer_token.empty()) {
+    context.AddMetadata("authorization", "Bearer " + options.bearer_token);
+  }
+  if (!options.routing_key.empty()) context.AddMetadata(kRoutingKeyHeader, options.routing_key);
+}
 
 absl::Status ExplainMessageSizeError(const absl::Status& status, int64_t request_bytes,
                                      int64_t client_limit) {
@@ -264,6 +270,11 @@ absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Create(
         absl::StrCat("max_receive_message_bytes: ", options.max_receive_message_bytes,
                      " is outside [1, ", std::numeric_limits<int>::max(), "]"));
   }
+  if (!options.routing_key.empty() &&
+      !absl::c_all_of(options.routing_key, [](char c) { return c >= ' ' && c <= '~'; })) {
+    return absl::InvalidArgumentError(
+        "routing_key: printable ASCII only (it travels as a header value)");
+  }
   absl::StatusOr<std::string> service_config = ServiceConfigJson(options);
   if (!service_config.ok()) return service_config.status();
   grpc::ChannelArguments args;
@@ -327,7 +338,7 @@ std::unique_ptr<ExtendStream> AttentionClient::OpenExtendStream(double timeout_s
   const absl::Time deadline = timeout_seconds > 0 ? absl::Now() + absl::Seconds(timeout_seconds)
                                                   : absl::InfiniteFuture();
   return std::unique_ptr<ExtendStream>(new ExtendStream(
-      *stub_, options_.bearer_token, deadline, options_.max_receive_message_bytes));
+      *stub_, options_, deadline, options_.max_receive_message_bytes));
 }
 
 absl::StatusOr<v1::Session> AttentionClient::GetSession(absl::string_view session_id) const {
@@ -356,9 +367,7 @@ absl::Status AttentionClient::CloseSession(absl::string_view session_id) const {
 absl::StatusOr<v1::AttendResponse> AttentionClient::AttendStream(
     const v1::AttendRequest& request, int64_t* chunks) const {
   grpc::ClientContext context;
-  if (!options_.bearer_token.empty()) {
-    context.AddMetadata("authorization", "Bearer " + options_.bearer_token);
-  }
+  AddCallMetadata(options_, context);
   context.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
   std::unique_ptr<grpc::ClientReader<v1::AttendStreamResponse>> reader =
@@ -383,9 +392,7 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::AttendStream(
 void AttentionClient::AttendAsync(grpc::ClientContext* context, const v1::AttendRequest* request,
                                   v1::AttendResponse* response,
                                   std::function<void(grpc::Status)> done) const {
-  if (!options_.bearer_token.empty()) {
-    context->AddMetadata("authorization", "Bearer " + options_.bearer_token);
-  }
+  AddCallMetadata(options_, *context);
   context->set_deadline(std::chrono::system_clock::now() +
                         std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
   stub_->async()->Attend(context, request, response, std::move(done));

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <grpcpp/client_context.h>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -66,7 +68,19 @@ struct ClientOptions {
   // Sent as "authorization: Bearer <token>" on AttentionService calls (not on
   // health checks); empty: none.
   std::string bearer_token;
+  // Sent as "attnserve-routing-key: <key>" on AttentionService calls (not on
+  // health checks): the shipped proxy sends every call with one key to one
+  // replica, so that a decode session's calls reach the replica holding it
+  // (README, "Sessions across replicas"). Printable ASCII; empty: none.
+  std::string routing_key;
 };
+
+// The request header the shipped proxy routes by (deploy/haproxy/haproxy.cfg).
+inline constexpr char kRoutingKeyHeader[] = "attnserve-routing-key";
+
+// Adds what every AttentionService call of a client with `options` carries:
+// the bearer token and the routing key, each when set.
+void AddCallMetadata(const ClientOptions& options, grpc::ClientContext& context);
 
 // The gRPC target for options.target: a comma-separated list of IP
 // address:port replicas becomes "ipv4:a:p,b:q" (or "ipv6:[a]:p,..."); a

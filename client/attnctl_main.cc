@@ -65,6 +65,10 @@ ABSL_FLAG(std::string, tls_server_name, "",
 ABSL_FLAG(std::string, token_file, "",
           "File holding the bearer token (first line) sent as 'authorization: Bearer <token>'; "
           "read from a file so it does not show in ps");
+ABSL_FLAG(std::string, routing_key, "",
+          "Sent as 'attnserve-routing-key' on every call: behind the shipped proxy, calls with "
+          "one key reach one replica, so give a session's key to each of its commands "
+          "(session open, extend, get, fork, truncate, close); printable ASCII");
 ABSL_FLAG(std::string, model, "default", "attend/model: the model to use");
 ABSL_FLAG(std::string, service, "",
           "health: the service to check (\"\" = the whole server, or "
@@ -631,6 +635,7 @@ int main(int argc, char** argv) {
   options.tls.key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls.server_name = absl::GetFlag(FLAGS_tls_server_name);
   options.tls.enabled = !options.tls.ca_file.empty() || !options.tls.cert_file.empty();
+  options.routing_key = absl::GetFlag(FLAGS_routing_key);
   if (const std::string token_file = absl::GetFlag(FLAGS_token_file); !token_file.empty()) {
     absl::StatusOr<std::string> token = attnserve::client::ReadFileBytes(token_file);
     if (!token.ok()) return attnserve::client::Fail(token.status());

@@ -6,10 +6,10 @@
 
 namespace attnserve::client {
 
-ExtendStream::ExtendStream(v1::AttentionService::Stub& stub, const std::string& bearer_token,
+ExtendStream::ExtendStream(v1::AttentionService::Stub& stub, const ClientOptions& options,
                            absl::Time deadline, int64_t client_limit)
     : client_limit_(client_limit) {
-  if (!bearer_token.empty()) context_.AddMetadata("authorization", "Bearer " + bearer_token);
+  AddCallMetadata(options, context_);
   if (deadline != absl::InfiniteFuture()) context_.set_deadline(absl::ToChronoTime(deadline));
   stream_ = stub.ExtendStream(&context_);
 }

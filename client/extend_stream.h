@@ -16,6 +16,8 @@
 
 namespace attnserve::client {
 
+struct ClientOptions;  // client/attention_client.h
+
 class AttentionClient;
 
 // One ExtendStream call (AttentionClient::OpenExtendStream): Extend messages
@@ -48,7 +50,7 @@ class ExtendStream {
   friend class AttentionClient;
   // `deadline`: of the whole stream (InfiniteFuture: none); `client_limit`:
   // the client's receive limit, to explain a message over it.
-  ExtendStream(v1::AttentionService::Stub& stub, const std::string& bearer_token,
+  ExtendStream(v1::AttentionService::Stub& stub, const ClientOptions& options,
                absl::Time deadline, int64_t client_limit);
 
   // Reads what is left, finishes the call and keeps its status (an OK end

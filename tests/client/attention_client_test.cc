@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
@@ -208,6 +209,20 @@ TEST(AttentionClient, GrpcMakesALameChannelOfAServiceConfigItRejects) {
   const grpc::Status status = stub->Check(&context, {}, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
   EXPECT_THAT(status.error_message(), HasSubstr("Failed to create"));
+}
+
+TEST(AttentionClient, RefusesARoutingKeyThatCannotBeAHeaderValue) {
+  ClientOptions options;
+  options.target = "127.0.0.1:1";
+  const std::vector<std::string> bad_keys = {"two\nlines", "tab\there", std::string("nul\0", 4),
+                                            "caf\xc3\xa9"};
+  for (const std::string& bad : bad_keys) {
+    options.routing_key = bad;
+    EXPECT_THAT(AttentionClient::Create(options),
+                StatusIs(absl::StatusCode::kInvalidArgument, "routing_key"));
+  }
+  options.routing_key = "session-7f3a 42";
+  EXPECT_THAT(AttentionClient::Create(options).status(), IsOk());
 }
 
 }  // namespace

@@ -15,12 +15,18 @@ and every answer naming its replica (`attnserve-replica`).
     own move back to it (consistent hashing; about a third), those sessions
     get NOT_FOUND there and are opened again; nobody else moves.
 
+The Python package's routing_key and attnctl's --routing_key are checked the same
+way: every call of a session reaches the replica that holds it.
+
 Every loop is bounded in count and time; replicas and HAProxy are stopped in
-finally blocks. Usage: session_routing_test.py --server PATH/attnserve --repo REPO
+finally blocks. Usage: session_routing_test.py --server PATH/attnserve
+--attnctl PATH/attnctl --repo REPO
 """
 import argparse
+import json
 import os
 import signal
+import subprocess
 import sys
 import unittest
 import uuid
@@ -271,11 +277,70 @@ class SessionsAcrossReplicas(unittest.TestCase):
             for s in group + [other]:
                 s.close()
 
+    def attnctl(self, key, *args):
+        """attnctl through the proxy with --routing_key=key: (exit code, stdout, stderr)."""
+        done = subprocess.run([ARGS.attnctl, f"--target={self.proxy.address}", "--timeout_seconds=60",
+                               f"--routing_key={key}", *args],
+                              capture_output=True, text=True, timeout=120)
+        return done.returncode, done.stdout, done.stderr
+
+    def holder(self, session_id):
+        """The replica that holds the session, asked of each replica directly."""
+        import grpc
+        from attnserve.v1 import attention_pb2_grpc
+        holders = []
+        for name, replica in self.replicas.items():
+            with grpc.insecure_channel(f"127.0.0.1:{replica.port}") as channel:
+                stub = attention_pb2_grpc.AttentionServiceStub(channel)
+                try:
+                    stub.GetSession(self.pb.GetSessionRequest(session_id=session_id), timeout=60)
+                    holders.append(name)
+                except grpc.RpcError as error:
+                    self.assertEqual(error.code(), grpc.StatusCode.NOT_FOUND, error.details())
+        self.assertEqual(len(holders), 1, f"session {session_id} held by {holders}")
+        return holders[0]
+
+    def test_attnctls_routing_key_keeps_a_sessions_commands_on_its_replica(self):
+        # Each attnctl command is its own process and connection: only the key
+        # brings a session's commands back to the replica that opened it.
+        # Another key placed on another replica finds no such session there.
+        keys = {}  # replica -> a key the proxy places there
+        for _ in range(60):
+            probe = Session(uuid.uuid4().hex)
+            self.open(probe)
+            keys.setdefault(probe.replica, probe.key)
+            if len(keys) == REPLICAS:
+                break
+        self.assertEqual(len(keys), REPLICAS, f"60 keys reached only {sorted(keys)}")
+        for replica, key in sorted(keys.items()):
+            code, out, err = self.attnctl(key, "session", "open", "--model=default", "--json")
+            self.assertEqual(code, 0, err)
+            session_id = json.loads(out)["session_id"]
+            self.assertEqual(self.holder(session_id), replica)
+            for n in (4, 1, 1):
+                code, out, err = self.attnctl(key, "session", "extend", f"--session_id={session_id}",
+                                              f"--tokens={n}", "--json")
+                self.assertEqual(code, 0, f"extend through {key}: {err}")
+            code, out, err = self.attnctl(key, "session", "get", f"--session_id={session_id}", "--json")
+            self.assertEqual(code, 0, err)
+            self.assertEqual([int(n) for n in json.loads(out)["layer_lengths"]], [6])
+            other = keys[next(r for r in sorted(keys) if r != replica)]
+            code, out, err = self.attnctl(other, "session", "extend", f"--session_id={session_id}",
+                                          "--tokens=1")
+            self.assertNotEqual(code, 0, "a key placed on another replica found the session")
+            self.assertIn("NOT_FOUND", err)
+            code, out, err = self.attnctl(key, "session", "close", f"--session_id={session_id}")
+            self.assertEqual(code, 0, err)
+        code, out, err = self.attnctl("two\nlines", "session", "get", "--session_id=x")
+        self.assertEqual(code, 2, err)
+        self.assertIn("routing_key", err)
+
 
 def main():
     global ARGS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", required=True)
+    parser.add_argument("--attnctl", required=True)
     parser.add_argument("--repo", required=True)
     ARGS, rest = parser.parse_known_args()
     run_tests_with_stubs(os.path.join(ARGS.repo, "proto"), rest)
