@@ -517,19 +517,19 @@
         hatch.data.set([g, g, g, 255], 4 * (y * 16 + x));
       }
     }
-    ctx.putImageData(hatch, 230, 4);
+    ctx.putImageData(hatch, 222, 4);
     ctx.textAlign = "left";
-    ctx.fillText("masked", 250, 15);
+    ctx.fillText("masked", 242, 15);
   }
 
   // --- (a) the grid of heads -------------------------------------------------
 
-  const TILE = 150;
+  const TILE = 110;
   const TILE_GAP = 14;
   const TILE_TITLE = 18;
 
   function gridLayout() {
-    const perRow = Math.min(state.H, 6);
+    const perRow = Math.min(state.H, state.H <= 16 ? 4 : 8);
     return {perRow, rows: Math.ceil(state.H / perRow)};
   }
 
@@ -556,6 +556,9 @@
         ctx.strokeRect(x + 1, y + TILE_TITLE + 1, TILE - 2, TILE - 2);
       }
     }
+    // The layout, for tests and tools: tile h is at column h % perRow, row h / perRow.
+    Object.assign(canvas.dataset, {perRow: String(perRow), tile: String(TILE), tileGap: String(TILE_GAP),
+                                   tileTitle: String(TILE_TITLE), pool: String(g.pool)});
     $("grid-caption").textContent = g.pool > 1
       ? `S = ${state.S}, pooled ${g.pool} x ${g.pool} (each cell the maximum weight of its block); click a head`
       : `S = ${state.S}, full resolution; click a head`;
@@ -580,9 +583,9 @@
 
   // --- (b) one head large ----------------------------------------------------
 
-  const MARGIN_LEFT = 110;
-  const MARGIN_TOP = 110;
-  const PLOT = 600;
+  const MARGIN_LEFT = 100;
+  const MARGIN_TOP = 100;
+  const PLOT = 550;
 
   // What the large view shows: the pooled (or full) map of the head, or a
   // region at full resolution. Cells [rows, cols]; cell (i, j) covers queries
@@ -600,7 +603,7 @@
 
   function renderLarge() {
     const canvas = $("large-canvas");
-    const ctx = canvas.getContext("2d");
+    const ctx = canvas.getContext("2d", {willReadFrequently: true});
     ctx.fillStyle = "#fff";
     ctx.fillRect(0, 0, canvas.width, canvas.height);
     const src = largeSource();
@@ -610,6 +613,10 @@
     const h = cell ? cell * src.rows : PLOT;
     paintMap(ctx, MARGIN_LEFT, MARGIN_TOP, w, h, src.data, src.offset, src.rows, src.cols);
     state.largeGeometry = {x0: MARGIN_LEFT, y0: MARGIN_TOP, w, h, src};
+    // Where the cells are, for tests and tools (canvas pixels).
+    Object.assign(canvas.dataset, {plotX: String(MARGIN_LEFT), plotY: String(MARGIN_TOP), plotW: String(w),
+                                   plotH: String(h), rows: String(src.rows), cols: String(src.cols),
+                                   q0: String(src.q0), k0: String(src.k0), step: String(src.step)});
     drawAxes(ctx, src, w, h);
     state.largeImage = ctx.getImageData(0, 0, canvas.width, canvas.height);
     $("large-head").textContent = String(state.largeHead);
@@ -714,7 +721,7 @@
   }
 
   function drawDrag(p) {
-    const ctx = $("large-canvas").getContext("2d");
+    const ctx = $("large-canvas").getContext("2d", {willReadFrequently: true});
     ctx.putImageData(state.largeImage, 0, 0);
     const s = state.drag.start;
     ctx.strokeStyle = "#e0301e";
@@ -726,7 +733,7 @@
     if (!state.drag) return;
     const drag = state.drag;
     state.drag = null;
-    $("large-canvas").getContext("2d").putImageData(state.largeImage, 0, 0);
+    $("large-canvas").getContext("2d", {willReadFrequently: true}).putImageData(state.largeImage, 0, 0);
     const p = canvasPoint(event);
     if (Math.abs(p.x - drag.start.x) < 4 && Math.abs(p.y - drag.start.y) < 4) return;  // a click
     const g = state.largeGeometry;
@@ -1046,7 +1053,10 @@
   }
 
   function setUp() {
-    $("run").addEventListener("click", run);
+    $("request-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      run();
+    });
     $("reload-models").addEventListener("click", loadModels);
     $("token").addEventListener("change", loadModels);
     $("model").addEventListener("change", showModelInfo);
