@@ -108,6 +108,7 @@ class ExplorerInBrowser(unittest.TestCase):
         cls.driver = webdriver.Chrome(service=Service(ARGS.chromedriver), options=options)
         print(f"chromium started in {time.monotonic() - started:.1f} s", file=sys.stderr)
         cls.driver.set_window_size(*WINDOW)
+        cls.driver.get_log("performance")  # the browser's own start (about:blank), before any page
         cls.fetched = []  # every URL the browser asked for, over all tests
 
     @classmethod
@@ -426,7 +427,8 @@ class ExplorerInBrowser(unittest.TestCase):
         attends = sum(u.endswith("/api/attend") for u in self.fetched)
         requests = self.body_attr("requests")
         self.drag((0, 0), (rows - 1, rows - 1))
-        self.wait("the refusal", lambda: "max_region_cells" in self.el("notice").text)
+        self.wait("the refusal", lambda: f"The region of queries 0-{S - 1} x keys 0-{S - 1}" in self.el("notice").text)
+        self.assertIn("max_region_cells", self.el("notice").text)
         self.assert_fetched_same_origin()
         self.assertEqual(sum(u.endswith("/api/attend") for u in self.fetched), attends)
         self.assertEqual(self.body_attr("requests"), requests)

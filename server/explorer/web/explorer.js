@@ -411,7 +411,8 @@
                  `server's limit of ${formatCount(maxRegionCells())} per answer (limits.max_region_cells).`);
       return;
     }
-    const answer = await api("api/attend", requestBody({query_row: q}));
+    // grid 0: only this row is computed, not the pooled maps again.
+    const answer = await api("api/attend", requestBody({query_row: q, grid: 0}));
     if (!answer.row) throw new Error("the answer has no row");
     state.row = {query: answer.row.query, data: base64ToF32(answer.row.data, "row.data")};
     renderLines();
@@ -429,7 +430,7 @@
     await busy("Fetching the region at full resolution", async () => {
       showNotice("");
       const head = state.largeHead;
-      const answer = await api("api/attend", requestBody({region: {head, q0, q1, k0, k1}}));
+      const answer = await api("api/attend", requestBody({region: {head, q0, q1, k0, k1}, grid: 0}));
       if (!answer.region) throw new Error("the answer has no region");
       const r = answer.region;
       state.region = {head, q0: r.q0, q1: r.q1, k0: r.k0, k1: r.k1, data: base64ToF32(r.data, "region.data")};
