@@ -60,6 +60,7 @@ ARGS, UNITTEST_ARGS = PARSER.parse_known_args()
 
 TOKEN = "explorer-browser-test-4f1e"
 WINDOW = (1700, 1150)
+LONG_S = 4096  # the long sequence (--max_seq_len)
 WAIT = 300  # seconds: an S=4096 request on a busy 2-core machine
 WORDS = ("the quick brown fox jumps over the lazy dog while the old cat sleeps on a warm mat "
          "near the red barn at dusk <eos>").split()
@@ -86,7 +87,7 @@ class ExplorerInBrowser(unittest.TestCase):
         # No dynamic batching: the page's requests and the test's gRPC calls
         # compute the same bits for the same inputs.
         cls.server = harness.Server(ARGS.server, "--http_address=127.0.0.1:0", "--max_batch_tokens=0",
-                                    f"--auth_tokens_file={tokens}")
+                                    f"--max_seq_len={LONG_S}", f"--auth_tokens_file={tokens}")
         cls.server.wait_serving()
         assert cls.server.http_port, "attnserve did not log its HTTP port"
         cls.origin = f"http://127.0.0.1:{cls.server.http_port}"
@@ -102,7 +103,9 @@ class ExplorerInBrowser(unittest.TestCase):
             options.add_argument(flag)
         options.binary_location = "/usr/bin/chromium"
         options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
-        options.add_experimental_option("prefs", {"download.default_directory": cls.tmp.name,
+        cls.downloads = os.path.join(cls.tmp.name, "downloads")
+        os.makedirs(cls.downloads)
+        options.add_experimental_option("prefs", {"download.default_directory": cls.downloads,
                                                   "download.prompt_for_download": False})
         started = time.monotonic()
         cls.driver = webdriver.Chrome(service=Service(ARGS.chromedriver), options=options)
@@ -250,19 +253,19 @@ class ExplorerInBrowser(unittest.TestCase):
             return seen.size;""", canvas_id)
 
     def download(self, button_css, suffix):
-        """Clicks an export button; returns the bytes of the file it offers."""
+        """Clicks an export button; returns the bytes of the file the browser
+        saved (in the test's download folder)."""
         from selenium.webdriver.common.by import By
         link = self.el("download-link")
         self.driver.find_element(By.CSS_SELECTOR, button_css).click()
         self.wait(f"the {suffix} export", lambda: (link.get_attribute("download") or "").endswith(suffix))
-        data = self.driver.execute_async_script("""
-            const done = arguments[arguments.length - 1];
-            fetch(document.getElementById('download-link').href).then((r) => r.arrayBuffer()).then((b) => {
-              const u = new Uint8Array(b); let s = '';
-              for (let i = 0; i < u.length; i += 0x8000) s += String.fromCharCode.apply(null, u.subarray(i, i + 0x8000));
-              done(btoa(s));
-            });""")
-        return base64.b64decode(data)
+        path = os.path.join(self.downloads, link.get_attribute("download"))
+        # Chromium writes NAME.crdownload and renames it to NAME when complete.
+        self.wait(f"{path} saved", lambda: os.path.exists(path))
+        with open(path, "rb") as f:
+            data = f.read()
+        os.remove(path)
+        return data
 
     def screenshot(self, element_id, name):
         element = self.el(element_id)
@@ -401,7 +404,7 @@ class ExplorerInBrowser(unittest.TestCase):
     def test_long_sequence_renders_within_the_servers_limits(self):
         self.open_page()
         rng = np.random.default_rng()
-        seed, S, H = int(rng.integers(0, 2**31)), 4096, self.model["num_heads"]
+        seed, S, H = int(rng.integers(0, 2**31)), LONG_S, self.model["num_heads"]
         started = time.monotonic()
         self.run_page(seed, S)
         print(f"S={S}: the page's run took {time.monotonic() - started:.1f} s", file=sys.stderr)
@@ -424,6 +427,7 @@ class ExplorerInBrowser(unittest.TestCase):
         self.assertEqual(int(canvas.get_attribute("data-step")), pool)
         # The whole map at full resolution is over the limit: the page says so and asks nothing.
         self.assertGreater(S * S, max_cells)
+        self.assert_fetched_same_origin()  # drains the log: what follows is the drag's
         attends = sum(u.endswith("/api/attend") for u in self.fetched)
         requests = self.body_attr("requests")
         self.drag((0, 0), (rows - 1, rows - 1))
