@@ -338,12 +338,13 @@ class ExplorerInBrowser(unittest.TestCase):
             self.assertLessEqual(abs(float(shown) - expected), significant_tolerance(expected),
                                  f"head {head} query {q} key {k}: page {shown}, Attend {expected}")
         self.screenshot("large-section", "large.png")
-        if ARGS.readme_image:
-            self.driver.execute_script("window.scrollTo(0, 0)")
-            self.hover(16, 14)
-            self.driver.execute_script("window.scrollTo(0, 0)")
-            self.assertTrue(self.driver.save_screenshot(ARGS.readme_image))
-            print(f"README picture: {ARGS.readme_image}", file=sys.stderr)
+        # The head view for another query token: one row of every head.
+        rendered = int(self.el("lines-canvas").get_attribute("data-rendered"))
+        self.set_field("query", "16")
+        self.act("the head view of query 16", lambda: self.el("show-query").click())
+        self.assertGreater(int(self.el("lines-canvas").get_attribute("data-rendered")), rendered)
+        self.assertEqual(self.el("query-label").text, f'"{WORDS[16]}"')
+        self.assertGreater(self.distinct_colours("lines-canvas"), 20)
 
         # The .npy behind the large view: the same weights, masked cells -1.
         exported = np.load(io.BytesIO(self.download('[data-export-npy="large"]', "-large.npy")))
@@ -374,6 +375,26 @@ class ExplorerInBrowser(unittest.TestCase):
         self.screenshot("grid-section", "grid.png")
         self.screenshot("lines-section", "lines.png")
         self.screenshot("stats-section", "stats.png")
+
+        # The square-root colour scale redraws the maps; then the page as a
+        # whole, with a head removed (the README's picture).
+        from selenium.webdriver.support.ui import Select
+        rendered = int(self.el("large-canvas").get_attribute("data-rendered"))
+        colours = self.distinct_colours("large-canvas")
+        Select(self.el("scale")).select_by_value("sqrt")
+        self.wait("the square-root scale", lambda: int(self.el("large-canvas").get_attribute("data-rendered")) > rendered)
+        self.assertNotEqual(self.distinct_colours("large-canvas"), colours)
+        removed = (head + 1) % H
+        self.act(f"head {removed} off", lambda: self.el(f"head-toggle-{removed}").click())
+        self.assertIn(f"Removing head {removed} changes the output by", self.el("output-change").text)
+        self.hover(16, 14)
+        self.driver.execute_script("window.scrollTo(0, 0)")
+        page = os.path.join(ARGS.screenshots, "page.png")
+        self.assertTrue(self.driver.save_screenshot(page))
+        print(f"screenshot: {page}", file=sys.stderr)
+        if ARGS.readme_image:
+            self.assertTrue(self.driver.save_screenshot(ARGS.readme_image))
+            print(f"README picture: {ARGS.readme_image}", file=sys.stderr)
 
     def test_head_mask_shows_the_output_change_attend_gives(self):
         self.open_page()

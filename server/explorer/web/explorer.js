@@ -1078,7 +1078,11 @@
       renderLarge();
     });
     $("show-query").addEventListener("click", showQuery);
-    $("query").addEventListener("change", showQuery);
+    $("query").addEventListener("keydown", (event) => {
+      if (event.key !== "Enter") return;
+      event.preventDefault();
+      showQuery();
+    });
     $("stats-table").tHead.addEventListener("click", onSort);
     $("scale").addEventListener("change", () => {
       if (!state.grid) return;
