@@ -11,9 +11,12 @@ the test's own computation from Attend's full maps and outputs:
     the causal or key mask removes every cell of a block; region and row: the
     maps at those cells (-1 where masked); absolute tolerance 1e-6 (weights are
     in [0, 1]; the explorer asks Attend for the same rows in chunks);
-  - stats: Attend's head_statistics, relative tolerance 1e-6;
+  - stats: Attend's head_statistics, relative tolerance 1e-6 (1e-5 where many chunks' statistics are
+    combined);
   - output norm and relative_change (||y - y_full|| / ||y_full|| from two
     Attend calls, with and without the head mask): relative tolerance 1e-5.
+Many chunks run on model-repository Llama layouts (RoPE, grouped-query heads,
+causal and not) with a small --max_attention_map_bytes.
 S=4096 on the built-in model (--max_seq_len=4096) answers a grid within the
 limits while the server's peak RSS (VmHWM) stays under 400 MB, half the size
 of the full maps (12 x 4096 x 4096 x 4 bytes = 805 MB).
