@@ -11,9 +11,12 @@ the test's own computation from Attend's full maps and outputs:
     the causal or key mask removes every cell of a block; region and row: the
     maps at those cells (-1 where masked); absolute tolerance 1e-6 (weights are
     in [0, 1]; the explorer asks Attend for the same rows in chunks);
-  - stats: Attend's head_statistics, relative tolerance 1e-6;
+  - stats: Attend's head_statistics, relative tolerance 1e-6 (1e-5 where many chunks' statistics are
+    combined);
   - output norm and relative_change (||y - y_full|| / ||y_full|| from two
     Attend calls, with and without the head mask): relative tolerance 1e-5.
+Many chunks run on model-repository Llama layouts (RoPE, grouped-query heads,
+causal and not) with a small --max_attention_map_bytes.
 S=4096 on the built-in model (--max_seq_len=4096) answers a grid within the
 limits while the server's peak RSS (VmHWM) stays under 400 MB, half the size
 of the full maps (12 x 4096 x 4096 x 4 bytes = 805 MB).
@@ -364,6 +367,97 @@ class ExplorerServer(unittest.TestCase):
               f"before, {peak_mb:.0f} MB after (full maps: {full_maps_mb:.0f} MB, bound {RSS_BOUND_MB} MB)",
               file=sys.stderr)
         self.assertLess(peak_mb, RSS_BOUND_MB)
+
+
+class ExplorerChunksOnRepositoryModels(unittest.TestCase):
+    """Many chunks (--max_attention_map_bytes small) on Llama-layout models with RoPE and grouped-query heads: one
+    made bidirectional ("causal": false; chunks asked as cross-attention with position offsets) and one causal
+    (causal for every request; chunks asked as self-attention with query rows). The reference maps come from
+    Attend in row subsets of self-attention, as the limit allows."""
+
+    D, HEADS, KV_HEADS, S = 64, 4, 2, 57
+    MAP_BYTES = 20000  # 21 rows of 4 heads x 57 keys per chunk: 3 chunks
+
+    @classmethod
+    def setUpClass(cls):
+        import attnserve
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        cls.tmp = tempfile.TemporaryDirectory()
+        rng = np.random.default_rng()
+        d, hd = cls.D, cls.D // cls.HEADS
+        for name, causal in [("rope_bidirectional", False), ("rope_causal", None)]:
+            folder = os.path.join(cls.tmp.name, name)
+            os.makedirs(folder)
+            p = "model.layers.0.self_attn."
+            config = {"layout": "llama", "prefix": p, "d_model": d, "num_heads": cls.HEADS,
+                      "num_kv_heads": cls.KV_HEADS, "rotary": {"dim": hd, "theta": 10000.0}}
+            if causal is not None:
+                config["causal"] = causal
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump(config, f)
+            g = lambda *shape: (rng.standard_normal(shape) * 0.3).astype(np.float32)  # noqa: E731
+            harness.write_safetensors(os.path.join(folder, "model.safetensors"), {
+                p + "q_proj.weight": (g(cls.HEADS * hd, d), "F32"), p + "k_proj.weight": (g(cls.KV_HEADS * hd, d), "F32"),
+                p + "v_proj.weight": (g(cls.KV_HEADS * hd, d), "F32"), p + "o_proj.weight": (g(d, cls.HEADS * hd), "F32")})
+        cls.server = harness.Server(ARGS.server, "--http_address=127.0.0.1:0", "--max_batch_tokens=0",
+                                    f"--model_repository={cls.tmp.name}",
+                                    f"--max_attention_map_bytes={cls.MAP_BYTES}")
+        cls.server.wait_serving()
+        cls.port = cls.server.http_port
+        cls.client = attnserve.Client(cls.server.target)
+        cls.rng = rng
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+        cls.tmp.cleanup()
+
+    def full_maps(self, model, x, causal, key_mask):
+        """[H, S, S] float64 from Attend, rows in pieces within --max_attention_map_bytes; and the statistics."""
+        s = x.shape[0]
+        per_call = self.MAP_BYTES // (self.HEADS * s * 4)
+        maps, stats = [], None
+        for r0 in range(0, s, per_call):
+            rows = list(range(r0, min(s, r0 + per_call)))
+            result = self.client.attend(x[None], model=model, causal=causal, mask=key_mask[None, None, :],
+                                        maps="per-head", rows=rows, stats=True)
+            maps.append(result.maps[0].astype(np.float64))
+            stats = result.stats
+        return np.concatenate(maps, axis=1), stats
+
+    def test_many_chunks_give_attends_maps_with_rope_grouped_heads_and_a_causal_model(self):
+        s, grid = self.S, 16
+        for model, causal in [("rope_bidirectional", False), ("rope_bidirectional", True), ("rope_causal", False)]:
+            with self.subTest(model=model, causal=causal):
+                seed = int(self.rng.integers(0, 1 << 53))
+                key_mask = np.ones(s, dtype=bool)
+                key_mask[self.rng.choice(np.arange(1, s), size=8, replace=False)] = False
+                status, _, reply = request(self.port, "POST", "/explorer/api/inputs",
+                                           {"seed": seed, "seq_len": s, "d_model": self.D})
+                x = np.load(io.BytesIO(base64.b64decode(json.loads(reply)["npy"])))
+                region = {"head": 3, "q0": 15, "q1": 50, "k0": 2, "k1": 40}
+                status, _, body = request(self.port, "POST", "/explorer/api/attend", {
+                    "model": model, "inputs": {"random": {"seed": seed, "seq_len": s}}, "causal": causal,
+                    "key_mask": key_mask.astype(int).tolist(), "grid": grid, "region": region, "query_row": 40})
+                reply = json.loads(body)
+                self.assertEqual(status, 200, reply)
+                effective = causal or model == "rope_causal"
+                self.assertEqual(reply["causal"], effective)
+                maps, stats = self.full_maps(model, x, effective, key_mask)
+                q, k = np.meshgrid(np.arange(s), np.arange(s), indexing="ij")
+                masked = ((k > q) if effective else np.zeros((s, s), bool)) | ~key_mask[None, :]
+                expected, p = pooled_reference(maps, masked, grid)
+                got = f32(reply["grid"]["data"], expected.shape)
+                np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+                want = np.where(masked, -1.0, maps[3])[15:50, 2:40]
+                np.testing.assert_allclose(f32(reply["region"]["data"], (1, 35, 38))[0], want, rtol=0, atol=1e-6)
+                want = np.where(masked[40][None, :], -1.0, maps[:, 40, :])
+                np.testing.assert_allclose(f32(reply["row"]["data"], (self.HEADS, s)), want, rtol=0, atol=1e-6)
+                for name in ["entropy", "max_weight", "contribution"]:
+                    np.testing.assert_allclose(np.array(reply["stats"][name]),
+                                               getattr(stats, name)[0].astype(np.float64), rtol=1e-5, atol=0,
+                                               err_msg=name)
 
 
 class ExplorerWithTokensAndWebDir(unittest.TestCase):
