@@ -748,12 +748,7 @@
     const q1 = Math.min(S, src.q0 + (Math.max(a.i, end.i) + 1) * src.step);
     const k0 = src.k0 + Math.min(a.j, end.j) * src.step;
     const k1 = Math.min(S, src.k0 + (Math.max(a.j, end.j) + 1) * src.step);
-    selectRegion(q0, q1, k0, k1);
-  }
-
-  // Zooms the large view into queries [q0, q1) x keys [k0, k1) (also for tests).
-  function selectRegion(q0, q1, k0, k1) {
-    return fetchRegion(q0, q1, k0, k1);
+    fetchRegion(q0, q1, k0, k1);
   }
 
   // --- (c) the head view -----------------------------------------------------
