@@ -71,7 +71,7 @@ def significant_tolerance(expected, digits=4):
     plus float32 slack: how far a correctly rounded display may be off."""
     if expected == 0:
         return 1e-12
-    return 0.5 * 10 ** (math.floor(math.log10(abs(expected))) - digits + 1) + 1e-6 * abs(expected)
+    return 0.5 * 10 ** (math.floor(math.log10(abs(expected))) - digits + 1) + 1e-5 * abs(expected)
 
 
 class ExplorerInBrowser(unittest.TestCase):

@@ -620,6 +620,10 @@
                                    q0: String(src.q0), k0: String(src.k0), step: String(src.step)});
     drawAxes(ctx, src, w, h);
     state.largeImage = ctx.getImageData(0, 0, canvas.width, canvas.height);
+    // What the pointer showed belongs to the map drawn before.
+    const readout = $("hover-readout");
+    readout.textContent = "Hover over the map.";
+    for (const key of ["head", "query", "key", "pool", "weight"]) readout.dataset[key] = "";
     $("large-head").textContent = String(state.largeHead);
     const removed = state.headMask[state.largeHead] === 0 ? " (removed by the head mask)" : "";
     $("large-caption").textContent = src.exact
@@ -636,7 +640,7 @@
     const S = state.S;
     const rowsPx = h / src.rows;
     const colsPx = w / src.cols;
-    const labelled = src.exact && Math.min(rowsPx, colsPx) >= 10;
+    const labelled = src.exact && Math.min(rowsPx, colsPx) >= 12;
     const tick = (n, px) => Math.max(1, Math.ceil(n / Math.max(1, Math.floor(px / 40))));
     // Queries down the left side.
     ctx.textAlign = "right";
