@@ -33,11 +33,13 @@ TEST_BUILD_PKGS=(libgtest-dev libgmock-dev libbenchmark-dev ccache)
 # package (client/python) offline into a virtual environment, as the README
 # says (the venv's own pip and setuptools come with python3-venv; wheel, which
 # Debian's setuptools 66 builds wheels with, from python3-wheel). curl calls
-# the HTTP port's REST routes as a user would.
+# the HTTP port's REST routes as a user would. Chromium, its WebDriver and
+# python3-selenium drive the attention explorer's page in a headless browser.
 TEST_PKGS=(python3 python3-grpcio python3-numpy python3-protobuf python3-venv python3-wheel curl
   python3-torch libopenblas0
   prometheus python3-yaml yamllint docker-compose openssl stress-ng
-  haproxy python3-h2 nghttp2-client)
+  haproxy python3-h2 nghttp2-client
+  chromium chromium-driver python3-selenium)
 # Debian's kubectl, unless a kubectl is installed already: another package's
 # /usr/bin/kubectl (e.g. the Google Cloud SDK's) conflicts with it.
 if ! command -v kubectl > /dev/null; then TEST_PKGS+=(kubernetes-client); fi

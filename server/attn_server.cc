@@ -16,6 +16,8 @@
 #include <grpcpp/server_builder.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -23,6 +25,7 @@
 #include "cli/build_info.h"
 #include "core/status_macros.h"
 #include "server/api/replica_header.h"
+#include "server/explorer/explorer_routes.h"
 #include "server/http/open_inference_rest.h"
 #include "server/observability/log.h"
 #include "server/security/auth.h"
@@ -47,6 +50,13 @@ constexpr absl::Duration kQuietPeriod = absl::Milliseconds(250);
 // Transport limits beyond the options (SECURITY.md says why each).
 constexpr absl::Duration kHandshakeTimeout = absl::Seconds(10);
 constexpr int kMaxMetadataBytes = 16 * 1024;
+
+// The host of a host:port address ("[::1]" bracketed as written).
+std::string HostOf(absl::string_view address) {
+  const size_t colon = address.rfind(':');
+  if (colon == absl::string_view::npos) return std::string(address);
+  return std::string(address.substr(0, colon));
+}
 
 // Seconds as the int milliseconds of a channel argument (at most ~24 days).
 int ClampedMilliseconds(int64_t seconds) {
@@ -175,6 +185,19 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                                        int64_t{1} << 30));
   ATTNSERVE_RETURN_IF_ERROR(CheckRange("http_request_timeout_ms", options.http_request_timeout_ms,
                                        100, 3600 * 1000));
+  for (const std::string& host : options.http_allowed_hosts) {
+    const bool bracketed = absl::StartsWith(host, "[") && absl::EndsWith(host, "]");
+    bool name = !host.empty() && host.size() <= 255;
+    for (char c : host) {
+      name = name && (absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '-' ||
+                      (bracketed && (c == ':' || c == '[' || c == ']')));
+    }
+    if (!name) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--http_allowed_hosts: '", host,
+          "' is not a host name (letters, digits, '.', '-'; an IPv6 address in brackets; no port)"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -283,8 +306,23 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
     http_options.max_body_bytes = options.http_max_body_bytes;
     http_options.request_timeout_ms = options.http_request_timeout_ms;
     http_options.tokens = std::move(http_tokens);
-    absl::StatusOr<std::unique_ptr<HttpFront>> http = HttpFront::Create(
-        std::move(http_options), OpenInferenceRoutes(server->server_->InProcessChannel(arguments)));
+    // Browser-facing routes (the explorer) accept, besides the loopback
+    // names, the host the port is bound to (unless a wildcard) and the
+    // allowed hosts.
+    http_options.allowed_hosts = options.http_allowed_hosts;
+    const std::string bound_host = HostOf(options.http_address);
+    if (!bound_host.empty() && bound_host != "0.0.0.0" && bound_host != "[::]") {
+      http_options.allowed_hosts.push_back(bound_host);
+    }
+    std::shared_ptr<grpc::Channel> channel = server->server_->InProcessChannel(arguments);
+    std::vector<HttpRoute> routes = OpenInferenceRoutes(channel);
+    ATTNSERVE_ASSIGN_OR_RETURN(
+        std::vector<HttpRoute> explorer,
+        ExplorerRoutes(channel, {.web_dir = options.explorer_web_dir,
+                                 .max_body_bytes = options.http_max_body_bytes}));
+    for (HttpRoute& route : explorer) routes.push_back(std::move(route));
+    absl::StatusOr<std::unique_ptr<HttpFront>> http =
+        HttpFront::Create(std::move(http_options), std::move(routes));
     if (!http.ok()) {
       return absl::Status(http.status().code(),
                           absl::StrCat("--http_address: ", http.status().message()));

@@ -35,7 +35,8 @@ constexpr int kExitWatchdog = 3;
 
 constexpr char kUsage[] = R"(attnserve: serves multi-head attention over gRPC
 (attnserve.v1.AttentionService, grpc.health.v1.Health, server reflection) and,
-with --http_address, the Open Inference Protocol's REST form over HTTP.
+with --http_address, the Open Inference Protocol's REST form over HTTP and
+the attention explorer, a page for looking at heads (http://<address>/explorer/).
 
 Usage: attnserve [--listen_address=0.0.0.0:50051] [flags]
 Stops on SIGTERM or SIGINT: health turns NOT_SERVING, calls in flight finish,
@@ -104,9 +105,20 @@ ABSL_FLAG(int, metrics_threads, kDefaults.metrics_threads,
           "Threads serving the metrics port, one connection each; a connection that has not sent "
           "its request headers within 5 s is closed");
 ABSL_FLAG(std::string, http_address, kDefaults.http_address,
-          "host:port of the HTTP port serving the Open Inference Protocol's REST form (/v2/...; "
-          "port 0 picks a free port, printed at start-up); empty (the default): no HTTP port. "
-          "0.0.0.0 exposes it on every interface (SECURITY.md)");
+          "host:port of the HTTP port serving the Open Inference Protocol's REST form (/v2/...) "
+          "and the attention explorer (open http://<host:port>/explorer/ in a browser; port 0 "
+          "picks a free port, printed at start-up); empty (the default): no HTTP port. 0.0.0.0 "
+          "exposes it on every interface (SECURITY.md)");
+ABSL_FLAG(std::vector<std::string>, http_allowed_hosts, {},
+          "Comma-separated host names the attention explorer (/explorer) accepts in the Host "
+          "header besides localhost, 127.0.0.1, [::1] and --http_address's host, e.g. "
+          "attn.lab.example when the port is reached by that name; any other Host gets 403 "
+          "(a defence against DNS rebinding). The /v2 routes accept any Host");
+ABSL_FLAG(std::string, explorer_web_dir, "",
+          "Development: serve the attention explorer's page files (/explorer/...) from this "
+          "folder, read at each request, instead of those built into the binary, so the page "
+          "(server/explorer/web) can be edited without rebuilding. Empty (the default): the "
+          "built-in files");
 ABSL_FLAG(int, http_threads, kDefaults.http_threads,
           "Connections the HTTP port serves at once (a thread each); more wait in a short queue");
 ABSL_FLAG(int64_t, http_max_body_bytes, kDefaults.http_max_body_bytes,
@@ -253,6 +265,8 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
   options.http_threads = absl::GetFlag(FLAGS_http_threads);
   options.http_max_body_bytes = absl::GetFlag(FLAGS_http_max_body_bytes);
   options.http_request_timeout_ms = absl::GetFlag(FLAGS_http_request_timeout_ms);
+  options.http_allowed_hosts = absl::GetFlag(FLAGS_http_allowed_hosts);
+  options.explorer_web_dir = absl::GetFlag(FLAGS_explorer_web_dir);
   options.access_log = absl::GetFlag(FLAGS_access_log);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
@@ -316,7 +330,8 @@ void LogConfiguration(const attnserve::server::ServerOptions& options,
     LogLine("HTTP port off (no --http_address)");
   } else {
     LogLine(absl::StrCat("HTTP on port ", server.http_port(), " (", options.http_address,
-                         "): the Open Inference Protocol's REST form under /v2"));
+                         "): the Open Inference Protocol's REST form under /v2, the attention explorer "
+                         "at /explorer/"));
   }
   if (options.metrics_address.empty()) {
     LogLine("metrics endpoint off (--metrics_address is empty)");

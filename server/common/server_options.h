@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/time/time.h"
 #include "core/attention_inputs.h"
@@ -98,6 +99,14 @@ struct ServerOptions {
   // byte, every read and write (body, answer) must progress within it, and
   // its body must arrive within it plus a second per MiB.
   int http_request_timeout_ms = 30000;
+  // Host names (besides localhost, 127.0.0.1, [::1] and --http_address's
+  // host) that the HTTP port's browser-facing routes (the attention explorer,
+  // /explorer) accept in the Host header; others get 403 (DNS rebinding).
+  std::vector<std::string> http_allowed_hosts;
+  // The attention explorer's page files are read from this folder at each
+  // request instead of those built into the binary (for editing the page
+  // without rebuilding). Empty: the built-in files.
+  std::string explorer_web_dir;
   // One JSON line per call on stderr (server/observability/access_log.h).
   bool access_log = false;
   // TLS on the gRPC port: PEM certificate chain and private key. Both empty:

@@ -33,6 +33,7 @@ constexpr size_t kReadChunkBytes = 64 * 1024;
 const char* ReasonPhrase(int status) {
   switch (status) {
     case 200: return "OK";
+    case 308: return "Permanent Redirect";
     case 400: return "Bad Request";
     case 401: return "Unauthorized";
     case 403: return "Forbidden";
@@ -179,7 +180,55 @@ std::string LoopbackFor(absl::string_view address) {
   return std::string(host);
 }
 
+// Whether `port` is empty or decimal digits (at most 5).
+bool PortText(absl::string_view port) {
+  if (port.size() > 5) return false;
+  for (char c : port) {
+    if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
+  }
+  return true;
+}
+
 }  // namespace
+
+bool HostAllowed(absl::string_view host, const std::vector<std::string>& allowed) {
+  // name[:port], where an IPv6 name is bracketed: [::1]:8000.
+  absl::string_view name = host;
+  absl::string_view port;
+  if (absl::StartsWith(host, "[")) {
+    const size_t close = host.find(']');
+    if (close == absl::string_view::npos) return false;
+    name = host.substr(0, close + 1);
+    absl::string_view rest = host.substr(close + 1);
+    if (!rest.empty()) {
+      if (rest[0] != ':' || rest.size() < 2) return false;
+      port = rest.substr(1);
+    }
+  } else if (const size_t colon = host.find(':'); colon != absl::string_view::npos) {
+    name = host.substr(0, colon);
+    port = host.substr(colon + 1);
+    if (port.empty()) return false;
+  }
+  if (name.empty() || !PortText(port)) return false;
+  for (absl::string_view known : {"localhost", "127.0.0.1", "[::1]"}) {
+    if (absl::EqualsIgnoreCase(name, known)) return true;
+  }
+  for (const std::string& known : allowed) {
+    if (absl::EqualsIgnoreCase(name, known)) return true;
+  }
+  return false;
+}
+
+bool OriginMatchesHost(absl::string_view origin, absl::string_view host) {
+  for (absl::string_view scheme : {"http://", "https://"}) {
+    if (origin.size() == scheme.size() + host.size() &&
+        absl::StartsWithIgnoreCase(origin, scheme) &&
+        absl::EqualsIgnoreCase(origin.substr(scheme.size()), host)) {
+      return true;
+    }
+  }
+  return false;
+}
 
 std::string JsonErrorBody(absl::string_view message) {
   return nlohmann::json{{"error", std::string(message)}}.dump(
@@ -312,13 +361,23 @@ int HttpFront::BeginRequest(mg_connection* connection) {
   return 200;
 }
 
-void HttpFront::Reply(mg_connection* connection, const HttpResponse& response, bool close) {
+void HttpFront::Reply(mg_connection* connection, const HttpResponse& response, bool close,
+                      bool browser) {
   if (close) mg_disable_connection_keep_alive(connection);
   std::string head = absl::StrCat(
       "HTTP/1.1 ", response.status, " ", ReasonPhrase(response.status),
       "\r\nContent-Type: ", response.content_type,
       "\r\nContent-Length: ", response.body.size(),
       "\r\nCache-Control: no-store\r\nX-Content-Type-Options: nosniff\r\n");
+  if (browser) {
+    for (const auto& [name, value] : kBrowserSecurityHeaders) {
+      if (absl::string_view(name) == "X-Content-Type-Options") continue;  // above
+      absl::StrAppend(&head, name, ": ", value, "\r\n");
+    }
+  }
+  for (const auto& [name, value] : response.headers) {
+    absl::StrAppend(&head, name, ": ", value, "\r\n");
+  }
   if (response.status == 401) absl::StrAppend(&head, "WWW-Authenticate: Bearer\r\n");
   if (close) absl::StrAppend(&head, "Connection: close\r\n");
   absl::StrAppend(&head, "\r\n");
@@ -428,21 +487,43 @@ void HttpFront::Serve(mg_connection* connection) {
       break;
     }
   }
+  const bool browser = route != nullptr ? route->browser_facing : BrowserPath(segments);
+  if (browser) {
+    // Before anything else: a page of another site, or one reached through a
+    // name that rebinds to this host, learns nothing but the refusal.
+    const char* host = mg_get_header(connection, "Host");
+    if (host == nullptr || !HostAllowed(host, options_.allowed_hosts)) {
+      Reply(connection,
+            Error(403, absl::StrCat("Host '", host == nullptr ? "" : host,
+                                    "' is not allowed here (--http_allowed_hosts)")),
+            true, browser);
+      return;
+    }
+    const char* origin = mg_get_header(connection, "Origin");
+    if (origin != nullptr && !OriginMatchesHost(origin, host)) {
+      Reply(connection,
+            Error(403, absl::StrCat("Origin '", origin, "' is not this server's (http://", host,
+                                    "): cross-site requests are refused")),
+            true, browser);
+      return;
+    }
+  }
   if (route == nullptr) {
     // A body the route would not read is not drained: the connection closes.
     Reply(connection,
           path_known ? Error(405, "method not allowed on this path")
                      : Error(404, "no such path (the Open Inference Protocol's are under /v2)"),
-          true);
+          true, browser);
     return;
   }
   HttpRequest request;
   request.method = std::string(method);
+  request.path = std::string(raw_path);
   // raw_params: the matched route's segments (the loop stopped at it).
   for (absl::string_view raw : raw_params) {
     std::optional<std::string> decoded = DecodeSegment(raw);
     if (!decoded.has_value()) {
-      Reply(connection, Error(400, "a path segment is not valid percent-encoding"), true);
+      Reply(connection, Error(400, "a path segment is not valid percent-encoding"), true, browser);
       return;
     }
     request.path_params.push_back(*std::move(decoded));
@@ -456,7 +537,7 @@ void HttpFront::Serve(mg_connection* connection) {
             ? std::optional<absl::string_view>(*request.authorization)
             : std::nullopt);
     if (!caller.ok()) {
-      Reply(connection, Error(401, caller.status().message()), true);
+      Reply(connection, Error(401, caller.status().message()), true, browser);
       return;
     }
   }
@@ -465,12 +546,22 @@ void HttpFront::Serve(mg_connection* connection) {
     if (type == nullptr ||
         !absl::StartsWithIgnoreCase(absl::StripLeadingAsciiWhitespace(type), "application/json")) {
       Reply(connection, Error(415, "the request body must be Content-Type: application/json"),
-            true);
+            true, browser);
       return;
     }
     if (!ReadBody(connection, request.body)) return;
   }
-  Reply(connection, route->handler(request), /*close=*/false);
+  Reply(connection, route->handler(request), /*close=*/false, browser);
+}
+
+bool HttpFront::BrowserPath(const std::vector<absl::string_view>& segments) const {
+  if (segments.empty()) return false;
+  for (const HttpRoute& route : routes_) {
+    if (!route.browser_facing) continue;
+    const std::vector<absl::string_view> pattern = Segments(route.pattern);
+    if (!pattern.empty() && pattern[0] == segments[0]) return true;
+  }
+  return false;
 }
 
 }  // namespace attnserve::server

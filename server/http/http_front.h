@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -25,6 +26,9 @@ namespace attnserve::server {
 // What a route's handler sees of a request.
 struct HttpRequest {
   std::string method;
+  // The request target's path as sent (not decoded, no query string), e.g.
+  // "/explorer/" (a pattern matches it with or without a trailing slash).
+  std::string path;
   // The {} segments of the route's pattern, percent-decoded, in order.
   std::vector<std::string> path_params;
   // The Authorization header, when sent (the front has checked it already on
@@ -38,6 +42,8 @@ struct HttpResponse {
   int status = 200;
   std::string content_type = "application/json";
   std::string body;
+  // More header fields (e.g. Location); names and values must not hold CR or LF.
+  std::vector<std::pair<std::string, std::string>> headers = {};
 };
 
 struct HttpRoute {
@@ -49,6 +55,12 @@ struct HttpRoute {
   // (401 otherwise), checked before its body is read.
   bool needs_token = false;
   bool takes_body = false;
+  // A route for browsers (the explorer's page and API): before anything else
+  // the request's Host must be an allowed host (HttpFrontOptions::
+  // allowed_hosts) and its Origin, when sent, http(s)://<that Host>; 403
+  // otherwise (DNS rebinding, cross-site requests). Its answers, errors
+  // included, carry the browser security headers (kBrowserSecurityHeaders).
+  bool browser_facing = false;
   // Runs on the front's thread of the connection (civetweb's: a 100 KiB
   // stack, so no large locals); may block (e.g. on a gRPC call). Must be
   // thread-safe.
@@ -77,12 +89,34 @@ struct HttpFrontOptions {
   int keep_alive_timeout_ms = 5000;
   // Bearer tokens; none: no route needs one.
   std::optional<TokenSet> tokens;
+  // The Host names browser-facing routes accept besides localhost, 127.0.0.1
+  // and [::1] (each with or without a port), compared without case, e.g.
+  // "attn.lab.example" or "[fd00::1]".
+  std::vector<std::string> allowed_hosts;
 
   // Request line and headers together (civetweb's max_request_size).
   static constexpr int kMaxHeaderBytes = 16 * 1024;
   static constexpr int kConnectionQueue = 64;
   static constexpr int kListenBacklog = 128;
 };
+
+// The header fields of every answer of a browser-facing route: the page may
+// load only its own origin's files and may not be framed, types are not
+// sniffed, no Referer leaves it.
+inline constexpr std::pair<const char*, const char*> kBrowserSecurityHeaders[] = {
+    {"Content-Security-Policy", "default-src 'self'; frame-ancestors 'none'"},
+    {"X-Content-Type-Options", "nosniff"},
+    {"Referrer-Policy", "no-referrer"},
+};
+
+// Whether a Host header value names an allowed host: localhost, 127.0.0.1,
+// [::1] or one of `allowed` (without case), with or without a numeric port.
+// Thread-safe.
+bool HostAllowed(absl::string_view host, const std::vector<std::string>& allowed);
+
+// Whether an Origin header value is http://<host> or https://<host> for the
+// request's Host header value `host` (without case). Thread-safe.
+bool OriginMatchesHost(absl::string_view origin, absl::string_view host);
 
 // The JSON error body every error of the front and its routes carries:
 // {"error": message}, written by the JSON library (escaped; invalid UTF-8
@@ -94,7 +128,8 @@ std::string JsonErrorBody(absl::string_view message);
 // (no files): 404 for an unknown path, 405 for a known path with another
 // method, 411 for a body without a length, 413 over max_body_bytes, 415 for
 // a body that is not application/json, 401 for a missing or wrong token,
-// 503 once draining. Every error body is JsonErrorBody; no header or body
+// 503 once draining; 403 on a browser-facing route for a foreign Host or
+// Origin. Every error body is JsonErrorBody; no header or body
 // echoes request text outside a JSON string.
 //
 // Thread-safe. Life: Create (listening) -> Drain (503 to new requests, waits
@@ -120,7 +155,12 @@ class HttpFront {
   explicit HttpFront(HttpFrontOptions options, std::vector<HttpRoute> routes);
   static int BeginRequest(mg_connection* connection);
   void Serve(mg_connection* connection);
-  void Reply(mg_connection* connection, const HttpResponse& response, bool close);
+  // `browser`: adds kBrowserSecurityHeaders.
+  void Reply(mg_connection* connection, const HttpResponse& response, bool close,
+             bool browser = false);
+  // Whether the path's first segment is that of a browser-facing route (an
+  // unknown path under /explorer gets the browser treatment too).
+  bool BrowserPath(const std::vector<absl::string_view>& segments) const;
   // Reads the body within the limits; false when it answered an error.
   bool ReadBody(mg_connection* connection, std::string& body);
   // The body watch: connections reading a body past their deadline are shut

@@ -16,6 +16,9 @@ this names the file and line that broke it, header-only uses included.
     server/api/            itself, the four parts above, common, core, the proto
     server/http/           itself, security, common, core, the proto (calls the
                            gRPC services through a channel, never api/)
+    server/explorer/       itself, http, security, common, core, the proto (the
+                           attention explorer's routes on the HTTP port; calls
+                           the gRPC services through a channel, never api/)
     server/ (top)          all of server/, core, the proto, cli/
 
 No folder outside tests/ includes tests/. A new folder under server/ needs a
@@ -53,7 +56,9 @@ ALLOWED = {
     # The decode sessions sit on the models (a session holds its layers' models).
     "server/api": {"server/api", *SERVER_PARTS, "server/sessions", "server/common", "core", "proto"},
     "server/http": {"server/http", "server/security", "server/common", "core", "proto"},
-    "server": {"server", "server/api", "server/http", *SERVER_PARTS, "server/sessions", "server/common", "core",
+    "server/explorer": {"server/explorer", "server/http", "server/security", "server/common", "core",
+                        "proto"},
+    "server": {"server", "server/api", "server/http", "server/explorer", *SERVER_PARTS, "server/sessions", "server/common", "core",
                "proto", "cli"},
 }
 # Folders that must build without gRPC, protobuf and Prometheus: their

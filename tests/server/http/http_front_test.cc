@@ -343,3 +343,92 @@ TEST(HttpFront, RefusesBadOptionsAndAnAddressInUse) {
 
 }  // namespace
 }  // namespace attnserve::server
+
+namespace attnserve::server {
+namespace {
+
+TEST(HostAllowed, TakesTheLoopbackNamesAndTheAllowedOnesWithOrWithoutAPort) {
+  const std::vector<std::string> allowed = {"attn.example", "[fd00::1]"};
+  for (const char* host : {"localhost", "LOCALHOST:8000", "127.0.0.1", "127.0.0.1:1", "[::1]",
+                           "[::1]:8000", "attn.example", "Attn.Example:443", "[fd00::1]:80"}) {
+    EXPECT_TRUE(HostAllowed(host, allowed)) << host;
+  }
+  for (const char* host : {"", ":80", "evil.example", "localhost.evil.example", "127.0.0.1.nip.io",
+                           "attn.example.evil", "localhost:", "localhost:80x", "localhost:123456",
+                           "localhost:80@evil.example", "[::1", "[::1]x", "[::1]:", "[::2]:80",
+                           "::1", "evil.example#@localhost"}) {
+    EXPECT_FALSE(HostAllowed(host, allowed)) << host;
+  }
+}
+
+TEST(OriginMatchesHost, IsHttpOrHttpsOfTheHostExactly) {
+  EXPECT_TRUE(OriginMatchesHost("http://127.0.0.1:8000", "127.0.0.1:8000"));
+  EXPECT_TRUE(OriginMatchesHost("https://Attn.Example", "attn.example"));
+  for (const char* origin : {"null", "http://evil.example", "http://127.0.0.1:8001", "http://127.0.0.1",
+                             "ftp://127.0.0.1:8000", "http://127.0.0.1:8000/", "127.0.0.1:8000",
+                             "http://127.0.0.1:8000.evil.example"}) {
+    EXPECT_FALSE(OriginMatchesHost(origin, "127.0.0.1:8000")) << origin;
+  }
+}
+
+// One raw request (its own connection, closed by the server).
+Reply RawExchange(int port, const std::string& request) {
+  const int fd = Connect(port);
+  SendAll(fd, request);
+  Reply reply = Parse(ReadToClose(fd));
+  close(fd);
+  return reply;
+}
+
+TEST(HttpFront, BrowserFacingRoutesCheckHostAndOriginAndCarryTheSecurityHeaders) {
+  HttpRoute page{.method = "GET",
+                 .pattern = "/page/{}",
+                 .browser_facing = true,
+                 .handler = [](const HttpRequest& request) {
+                   return HttpResponse{.content_type = "text/html; charset=utf-8",
+                                       .body = request.path,
+                                       .headers = {{"Location", "/page/"}}};
+                 }};
+  std::unique_ptr<HttpFront> front = Start({Echo("GET", "/v2/{}"), page}, [](HttpFrontOptions& o) {
+    o.allowed_hosts = {"attn.example"};
+  });
+  const int port = front->port();
+  auto get = [port](const std::string& path, const std::string& host, const std::string& more = "") {
+    return RawExchange(port, absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: ", host, "\r\n", more,
+                                          "Connection: close\r\n\r\n"));
+  };
+  constexpr absl::string_view kCsp =
+      "Content-Security-Policy: default-src 'self'; frame-ancestors 'none'\r\n";
+
+  Reply ok = get("/page/a", "127.0.0.1");
+  EXPECT_EQ(ok.status, 200);
+  EXPECT_EQ(ok.body, "/page/a");
+  EXPECT_THAT(ok.head + "\r\n", HasSubstr(std::string(kCsp)));
+  EXPECT_THAT(ok.head, HasSubstr("Referrer-Policy: no-referrer\r\n"));
+  EXPECT_THAT(ok.head, HasSubstr("X-Content-Type-Options: nosniff\r\n"));
+  EXPECT_THAT(ok.head + "\r\n", HasSubstr("Location: /page/\r\n"));
+  EXPECT_EQ(get("/page/a", absl::StrCat("ATTN.example:", port)).status, 200);
+  EXPECT_EQ(get("/page/a", "127.0.0.1", "Origin: http://127.0.0.1\r\n").status, 200);
+
+  Reply foreign = get("/page/a", "evil.example");
+  EXPECT_EQ(foreign.status, 403);
+  EXPECT_EQ(ErrorOf(foreign), "Host 'evil.example' is not allowed here (--http_allowed_hosts)");
+  EXPECT_THAT(foreign.head + "\r\n", HasSubstr(std::string(kCsp)));
+  Reply cross = get("/page/a", "127.0.0.1", "Origin: http://evil.example\r\n");
+  EXPECT_EQ(cross.status, 403);
+  EXPECT_THAT(ErrorOf(cross), HasSubstr("Origin 'http://evil.example'"));
+  // No Host at all (HTTP/1.0).
+  EXPECT_EQ(RawExchange(port, "GET /page/a HTTP/1.0\r\n\r\n").status, 403);
+  // An unknown path under a browser-facing route's first segment: checked, headers too.
+  EXPECT_EQ(get("/page/a/b", "evil.example").status, 403);
+  Reply unknown = get("/page/a/b", "127.0.0.1");
+  EXPECT_EQ(unknown.status, 404);
+  EXPECT_THAT(unknown.head + "\r\n", HasSubstr(std::string(kCsp)));
+  // Other routes take any Host and carry no page headers.
+  Reply api = get("/v2/x", "evil.example", "Origin: http://evil.example\r\n");
+  EXPECT_EQ(api.status, 200);
+  EXPECT_THAT(api.head, ::testing::Not(HasSubstr("Content-Security-Policy")));
+}
+
+}  // namespace
+}  // namespace attnserve::server

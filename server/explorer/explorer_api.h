@@ -1,0 +1,65 @@
+#ifndef ATTNSERVE_SERVER_EXPLORER_EXPLORER_API_H_
+#define ATTNSERVE_SERVER_EXPLORER_EXPLORER_API_H_
+
+#include <cstdint>
+#include <memory>
+
+#include <grpcpp/channel.h>
+
+#include "server/http/http_front.h"
+
+namespace attnserve::server {
+
+// The attention explorer's JSON API (docs/explorer.md has the full spec),
+// each answer built from calls of attnserve.v1.AttentionService through
+// `channel` (the gRPC server's in-process channel), so validation, tokens,
+// limits and metrics are the gRPC API's:
+//   Models  (GET  /explorer/api/models): ListModels' READY models and the
+//           explorer's limits.
+//   Inputs  (POST /explorer/api/inputs): {"seed", "seq_len", "d_model"} ->
+//           {"npy": base64 of the seeded hidden states (SeededHiddenStates)}.
+//   Attend  (POST /explorer/api/attend): one request's statistics, output
+//           norm (and, with heads removed, the relative change of the
+//           output), max-pooled per-head maps, a region and a query row at
+//           full resolution. The maps come through Attend in chunks of query
+//           rows (AttentionMapRequest.query_rows), each within the model's
+//           max_attention_map_bytes and kMaxChunkMapBytes, and are pooled as
+//           they come (MaxPoolGrid): the full maps are never held.
+// Errors: 400 {"error": "<field>: ..."} for a bad request (fields as in the
+// JSON: "inputs.npy: ...", "region.q1: ...", "head_mask: ..."); a gRPC
+// error as HttpStatusFor(its code) with its message (which names the
+// AttendRequest field). The caller's Authorization header goes on as the
+// calls' "authorization" metadata.
+//
+// Thread-safe (constant after construction; each request its own stub).
+class ExplorerApi {
+ public:
+  // The largest pooled map edge ("grid").
+  static constexpr int64_t kMaxGrid = 512;
+  static constexpr int64_t kDefaultGrid = 256;
+  // The most map cells one region answer may carry, over all its heads
+  // (16 MiB of float32).
+  static constexpr int64_t kMaxRegionCells = int64_t{1} << 22;
+  // The most map bytes one chunk's Attend call asks for (at most the
+  // model's max_attention_map_bytes too): bounds the memory a request holds.
+  static constexpr int64_t kMaxChunkMapBytes = int64_t{16} << 20;
+  // The most values /explorer/api/inputs makes (64 MiB of float32).
+  static constexpr int64_t kMaxInputValues = int64_t{16} << 20;
+
+  // `max_body_bytes`: the HTTP front's limit, reported in Models' limits.
+  ExplorerApi(std::shared_ptr<grpc::Channel> channel, int64_t max_body_bytes);
+  ExplorerApi(const ExplorerApi&) = delete;
+  ExplorerApi& operator=(const ExplorerApi&) = delete;
+
+  HttpResponse Models(const HttpRequest& request) const;
+  HttpResponse Inputs(const HttpRequest& request) const;
+  HttpResponse Attend(const HttpRequest& request) const;
+
+ private:
+  const std::shared_ptr<grpc::Channel> channel_;
+  const int64_t max_body_bytes_;
+};
+
+}  // namespace attnserve::server
+
+#endif  // ATTNSERVE_SERVER_EXPLORER_EXPLORER_API_H_
