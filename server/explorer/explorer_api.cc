@@ -189,7 +189,9 @@ absl::Status ParseInputs(const Json& body, AttendQuery& query) {
     absl::StatusOr<int64_t> seq_len =
         IntField(spec, "seq_len", "inputs.random.seq_len", 1, max_seq, std::nullopt);
     if (!seq_len.ok()) return seq_len.status();
-    if (*seq_len * query.d_model > ExplorerApi::kMaxInputValues) {  // both <= 2^16 x 2^31: no overflow
+    // An ad-hoc layer's d_model is the caller's: its inputs are bounded as
+    // /explorer/api/inputs' are (a model's by its configuration).
+    if (query.layer && *seq_len > ExplorerApi::kMaxInputValues / query.d_model) {
       return Invalid("inputs.random.seq_len",
                      absl::StrCat(*seq_len, " x d_model ", query.d_model, " values is over the limit of ",
                                   ExplorerApi::kMaxInputValues));
