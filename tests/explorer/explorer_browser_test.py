@@ -23,8 +23,8 @@ fetched through /explorer/api/inputs, or a .npy the test wrote and uploaded):
   - a file that is not a .npy gets a message naming the file and the problem;
   - the model choice's ad-hoc layer (grouped-query heads, RoPE, seeded
     weights): the server's refusal of a bad head configuration shows in the
-    page's error place, a good one renders and its hover matches Attend with
-    the same LayerSpec.
+    page's error place, a good one renders, its hover and a head's removal
+    match Attend with the same LayerSpec.
 
 Screenshots of each view go to --screenshots (default: the build folder's
 tests/explorer/screenshots; build folders are ignored by git).
@@ -555,6 +555,17 @@ class ExplorerInBrowser(unittest.TestCase):
             expected = float(maps[head, q, k])
             self.assertLessEqual(abs(float(shown) - expected), significant_tolerance(expected),
                                  f"ad-hoc head {head} query {q} key {k}: page {shown}, Attend {expected}")
+        # The head mask reruns the same layer: the output change two Attend calls give.
+        removed = (head + 3) % heads
+        self.act(f"ad-hoc head {removed} off", lambda: self.el(f"head-toggle-{removed}").click())
+        change = self.el("output-change")
+        full = self.client.attend(x[None], layer=spec, causal=True).output.astype(np.float64)
+        masked = self.client.attend(x[None], layer=spec, causal=True,
+                                    head_mask=[0.0 if h == removed else 1.0 for h in range(heads)])
+        expected = 100 * np.linalg.norm(masked.output.astype(np.float64) - full) / np.linalg.norm(full)
+        shown = float(change.get_attribute("data-percent"))
+        self.assertLessEqual(abs(shown - expected), significant_tolerance(expected) + 1e-4 * expected,
+                             f"ad-hoc head {removed} off: page {change.text!r}, Attend {expected:.6g}%")
         self.screenshot("side", "adhoc_layer.png")
 
 
