@@ -13,15 +13,18 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
+#include "cli/npy.h"
 #include "client/attention_client.h"
 #include "client/bench.h"
 #include "client/heatmap.h"
-#include "client/npy.h"
 #include "client/png.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
 namespace attnserve::client {
+
+using ::attnserve::cli::WriteNpyFile;
+
 namespace {
 
 // Sequences shown one by one in the statistics table; more are averaged.

@@ -22,10 +22,13 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/file_io.h"
+#include "cli/file_io.h"
 #include "client/map_assembler.h"
 
 namespace attnserve::client {
+
+using ::attnserve::cli::ReadFileBytes;
+
 namespace {
 
 absl::Status FromGrpc(const grpc::Status& status) {

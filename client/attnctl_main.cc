@@ -24,12 +24,12 @@
 #include "absl/time/time.h"
 #include "cli/build_info.h"
 #include "cli/command_line.h"
+#include "cli/file_io.h"
+#include "cli/npy.h"
 #include "client/attend_report.h"
 #include "client/attention_client.h"
 #include "client/bench.h"
 #include "client/decode_bench.h"
-#include "client/file_io.h"
-#include "client/npy.h"
 #include "client/request_builder.h"
 #include "client/session_command.h"
 
@@ -189,6 +189,11 @@ ABSL_FLAG(int64_t, repeat, 1,
           "attend: send the request this many times and report latency percentiles");
 
 namespace attnserve::client {
+
+using ::attnserve::cli::NpyArray;
+using ::attnserve::cli::NpyConversionNote;
+using ::attnserve::cli::ReadNpyHeader;
+
 namespace {
 
 constexpr char kUsage[] = R"(the command-line client of attnserve.
@@ -637,7 +642,7 @@ int main(int argc, char** argv) {
   options.tls.enabled = !options.tls.ca_file.empty() || !options.tls.cert_file.empty();
   options.routing_key = absl::GetFlag(FLAGS_routing_key);
   if (const std::string token_file = absl::GetFlag(FLAGS_token_file); !token_file.empty()) {
-    absl::StatusOr<std::string> token = attnserve::client::ReadFileBytes(token_file);
+    absl::StatusOr<std::string> token = attnserve::cli::ReadFileBytes(token_file);
     if (!token.ok()) return attnserve::client::Fail(token.status());
     const std::string first_line = token->substr(0, token->find('\n'));
     options.bearer_token = std::string(absl::StripAsciiWhitespace(first_line));

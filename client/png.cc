@@ -5,9 +5,12 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "client/file_io.h"
+#include "cli/file_io.h"
 
 namespace attnserve::client {
+
+using ::attnserve::cli::WriteFileBytes;
+
 namespace {
 
 void AppendBigEndian32(std::string& out, uint32_t value) {

@@ -17,9 +17,15 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "client/npy.h"
+#include "cli/npy.h"
 
 namespace attnserve::client {
+
+using ::attnserve::cli::NpyArray;
+using ::attnserve::cli::NpyDtype;
+using ::attnserve::cli::NpyDtypeName;
+using ::attnserve::cli::ReadNpyFile;
+
 namespace {
 
 constexpr int64_t kDefaultSeq = 16;

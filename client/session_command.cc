@@ -10,11 +10,16 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
+#include "cli/npy.h"
 #include "client/attend_report.h"
-#include "client/npy.h"
 #include "client/request_builder.h"
 
 namespace attnserve::client {
+
+using ::attnserve::cli::NpyArray;
+using ::attnserve::cli::ReadNpyFile;
+using ::attnserve::cli::WriteNpyFile;
+
 namespace {
 
 absl::Status FlagError(absl::string_view flag, absl::string_view message) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fuzzes AttendRequest parsing, validation and memory planning (or, with
 # FUZZ_TARGET=safetensors_header, the checkpoint header parser; with
-# FUZZ_TARGET=npy_reader, the explorer's .npy upload reader) with libFuzzer
+# FUZZ_TARGET=npy, the .npy parser that reads the explorer's uploads) with libFuzzer
 # (clang-14, ASan + UBSan) for a number of minutes.
 #
 #   deploy/fuzz.sh [MINUTES] [libFuzzer options...]   default: 10 minutes
@@ -26,8 +26,8 @@ TARGET="${FUZZ_TARGET:-attend_request}"
 case "$TARGET" in
   attend_request) SEEDS="$REPO/tests/fuzz/corpus" ;;
   safetensors_header) SEEDS="$REPO/tests/fuzz/safetensors_corpus" ;;
-  npy_reader) SEEDS="$REPO/tests/fuzz/npy_corpus" ;;
-  *) echo "fuzz.sh: unknown FUZZ_TARGET '$TARGET' (attend_request, safetensors_header, npy_reader)" >&2; exit 2 ;;
+  npy) SEEDS="$REPO/tests/fuzz/npy_corpus" ;;
+  *) echo "fuzz.sh: unknown FUZZ_TARGET '$TARGET' (attend_request, safetensors_header, npy)" >&2; exit 2 ;;
 esac
 CC=clang-14 CXX=clang++-14 CMAKE_ARGS="-DATTNSERVE_FUZZ=ON -DATTNSERVE_BUILD_TESTS=ON" \
   "$REPO/deploy/build.sh" "$BUILD_DIR" RelWithDebInfo "${TARGET}_fuzzer"

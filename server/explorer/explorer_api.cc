@@ -20,11 +20,10 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "cli/npy.h"
 #include "core/head_config.h"
 #include "server/explorer/cell_mask.h"
 #include "server/explorer/max_pool_grid.h"
-#include "server/explorer/npy_reader.h"
-#include "server/explorer/npy_writer.h"
 #include "server/explorer/seeded_hidden_states.h"
 #include "server/http/open_inference_rest.h"
 
@@ -206,9 +205,12 @@ absl::Status ParseInputs(const Json& body, AttendQuery& query) {
   if (!absl::Base64Unescape(text.get_ref<const std::string&>(), &bytes)) {
     return Invalid("inputs.npy", "not valid base64");
   }
-  NpyReadLimits limits;
+  // (S, d_model) or (1, S, d_model): nothing larger is parsed or allocated.
+  cli::NpyLimits limits;
+  limits.max_header_bytes = 64 * 1024;
+  limits.max_dims = 3;
   limits.max_elements = max_seq * query.d_model;
-  absl::StatusOr<NpyArray> array = ReadNpy(bytes, "inputs.npy", limits);
+  absl::StatusOr<cli::NpyArray> array = cli::ParseNpy(bytes, "inputs.npy", limits);
   if (!array.ok()) return array.status();
   std::vector<int64_t> shape = array->shape;
   if (shape.size() == 3 && shape[0] == 1) shape.erase(shape.begin());
@@ -222,8 +224,16 @@ absl::Status ParseInputs(const Json& body, AttendQuery& query) {
     return Invalid("inputs.npy", absl::StrCat("shape: seq_len ", shape[0],
                                               " is over the model's max_seq_len ", max_seq));
   }
+  std::vector<float> values = array->ToFloats();
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (!std::isfinite(values[i])) {
+      return Invalid("inputs.npy",
+                     absl::StrCat("data: row ", i / query.d_model, ", column ", i % query.d_model,
+                                  " is ", values[i], "; hidden states must be finite"));
+    }
+  }
   query.seq_len = shape[0];
-  query.hidden_states = std::move(array->values);
+  query.hidden_states = std::move(values);
   return absl::OkStatus();
 }
 
@@ -510,7 +520,7 @@ HttpResponse ExplorerApi::Inputs(const HttpRequest& request) const {
   }
   const std::vector<float> states = SeededHiddenStates(*seed, *seq_len, *d_model);
   const std::vector<int64_t> shape = {*seq_len, *d_model};
-  return HttpResponse{.body = Dump(Json{{"npy", absl::Base64Escape(WriteNpyFloat32(shape, states))}})};
+  return HttpResponse{.body = Dump(Json{{"npy", absl::Base64Escape(cli::EncodeNpyFloat32(shape, states))}})};
 }
 
 HttpResponse ExplorerApi::Attend(const HttpRequest& request) const {

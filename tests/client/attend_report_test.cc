@@ -8,15 +8,20 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cli/file_io.h"
+#include "cli/npy.h"
 #include "client/attention_client.h"
-#include "client/file_io.h"
-#include "client/npy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/test_files.h"
 #include "tests/core/status_matchers.h"
 
 namespace attnserve::client {
+
+using ::attnserve::cli::NpyArray;
+using ::attnserve::cli::ReadFileBytes;
+using ::attnserve::cli::ReadNpyFile;
+
 namespace {
 
 using ::attnserve::testing::IsOk;

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cli/file_io.h"
 #include "client/bitmap_font.h"
-#include "client/file_io.h"
 #include "client/heatmap.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -20,6 +20,9 @@
 #include "tests/core/status_matchers.h"
 
 namespace attnserve::client {
+
+using ::attnserve::cli::ReadFileBytes;
+
 namespace {
 
 using ::attnserve::testing::IsOk;

@@ -12,13 +12,16 @@
 
 #include "absl/flags/marshalling.h"
 #include "absl/strings/str_cat.h"
-#include "client/npy.h"
+#include "cli/npy.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/test_files.h"
 #include "tests/core/status_matchers.h"
 
 namespace attnserve::client {
+
+using ::attnserve::cli::WriteNpyFile;
+
 namespace {
 
 using ::attnserve::testing::IsOk;

@@ -259,15 +259,17 @@ class ExplorerServer(unittest.TestCase):
                                delta=1e-5)
         self.assertNotIn("relative_change", reply["output"])
 
-        # The same inputs uploaded as a float64 (1, S, D) .npy: the same answer.
-        with io.BytesIO() as f:
-            np.save(f, x.astype("<f8")[None])
-            upload = base64.b64encode(f.getvalue()).decode()
-        body["inputs"] = {"npy": upload}
-        status, _, again = self.api("/explorer/api/attend", body)
-        self.assertEqual(status, 200, again)
-        np.testing.assert_allclose(f32(again["grid"]["data"], expected.shape), got, rtol=0, atol=1e-6)
-        np.testing.assert_allclose(again["stats"]["entropy"], reply["stats"]["entropy"], rtol=1e-6)
+        # The same inputs uploaded as a float64 (1, S, D) .npy, and as big-endian
+        # float32 in Fortran order (both converted by the parser): the same answer.
+        for stored in (x.astype("<f8")[None], np.asfortranarray(x.astype(">f4"))):
+            with io.BytesIO() as f:
+                np.save(f, stored)
+                upload = base64.b64encode(f.getvalue()).decode()
+            body["inputs"] = {"npy": upload}
+            status, _, again = self.api("/explorer/api/attend", body)
+            self.assertEqual(status, 200, again)
+            np.testing.assert_allclose(f32(again["grid"]["data"], expected.shape), got, rtol=0, atol=1e-6)
+            np.testing.assert_allclose(again["stats"]["entropy"], reply["stats"]["entropy"], rtol=1e-6)
 
     def test_a_region_of_every_head_alone_without_grid(self):
         s = 64
@@ -312,13 +314,19 @@ class ExplorerServer(unittest.TestCase):
             np.save(f, np.zeros((16, D_MODEL + 1), dtype="<f4"))
             wrong_width = base64.b64encode(f.getvalue()).decode()
         with io.BytesIO() as f:
-            np.save(f, np.zeros((16, D_MODEL), dtype="<i4"))
-            integers = base64.b64encode(f.getvalue()).decode()
+            np.save(f, np.zeros((16, D_MODEL), dtype="<c8"))
+            complex_values = base64.b64encode(f.getvalue()).decode()
+        with_nan = np.zeros((16, D_MODEL), dtype="<f8")
+        with_nan[2, 5] = np.nan
+        with io.BytesIO() as f:
+            np.save(f, with_nan)
+            with_nan = base64.b64encode(f.getvalue()).decode()
         cases = [
-            ({"inputs": {"npy": not_npy}}, "inputs.npy: magic"),
+            ({"inputs": {"npy": not_npy}}, "inputs.npy: not a .npy file"),
             ({"inputs": {"npy": "%%% not base64"}}, "inputs.npy: not valid base64"),
             ({"inputs": {"npy": wrong_width}}, "inputs.npy: shape"),
-            ({"inputs": {"npy": integers}}, "inputs.npy: descr: '<i4' is not supported"),
+            ({"inputs": {"npy": complex_values}}, "inputs.npy: bad .npy header: dtype '<c8' cannot be"),
+            ({"inputs": {"npy": with_nan}}, "inputs.npy: data: row 2, column 5 is nan"),
             ({"inputs": {"random": {"seed": 1, "seq_len": LONG_S + 1}}}, "inputs.random.seq_len"),
             ({"head_mask": [1, 0]}, "head_mask"),
             ({"key_mask": [1] * 15}, "key_mask"),

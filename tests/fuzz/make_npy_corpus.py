@@ -1,13 +1,16 @@
 #!/usr/bin/python3
-"""Writes the seed corpus of npy_reader_fuzzer into tests/fuzz/npy_corpus/.
+"""Writes the seed corpus of npy_fuzzer (cli/npy.h's ParseNpy) into
+tests/fuzz/npy_corpus/.
 
 valid_* seeds are written by NumPy itself (numpy.lib.format.write_array) in
 format versions 1.0, 2.0 and 3.0, float32 and float64, shapes (S, D),
-(1, S, D), a scalar and an empty array: ReadNpy must accept each. invalid_*
-seeds are well-formed .npy files the explorer refuses (big-endian, float16,
-Fortran order, a NaN, a version 4.0, a header with an unknown key, data one
-byte short, a shape whose size overflows int64): ReadNpy must refuse each,
-naming the field. Rerun after changing the reader:  tests/fuzz/make_npy_corpus.py
+(1, S, D), a scalar, an empty array, and what the parser converts (big-endian,
+float16, Fortran order, booleans) or reads as it is (a NaN: the explorer
+refuses it after parsing): ParseNpy must accept each. invalid_* seeds are
+malformed files (a version 4.0, a header with an unknown key, data one byte
+short, a shape whose size overflows int64, a complex dtype): ParseNpy must
+refuse each, naming the file. Rerun after changing the parser:
+tests/fuzz/make_npy_corpus.py
 """
 import io
 import pathlib
@@ -47,10 +50,13 @@ def main():
         seeds[f"valid_v{v}_f8_3d"] = npy(rng.standard_normal((1, 4, 6)).astype("<f8"), version)
     seeds["valid_v1_scalar"] = npy(np.array(1.5, dtype="<f4"), (1, 0))
     seeds["valid_v1_empty"] = npy(np.zeros((0, 3), dtype="<f4"), (1, 0))
-    seeds["invalid_big_endian"] = npy(np.ones((2, 3), dtype=">f4"), (1, 0))
-    seeds["invalid_float16"] = npy(np.ones((2, 3), dtype="<f2"), (1, 0))
-    seeds["invalid_fortran_order"] = npy(np.asfortranarray(np.ones((2, 3), dtype="<f4")), (1, 0))
-    seeds["invalid_nan"] = npy(np.array([[1.0, np.nan]], dtype="<f4"), (1, 0))
+    seeds["valid_v1_big_endian"] = npy(rng.standard_normal((2, 3)).astype(">f4"), (1, 0))
+    seeds["valid_v1_float16"] = npy(rng.standard_normal((2, 3)).astype("<f2"), (1, 0))
+    seeds["valid_v1_fortran_order"] = npy(np.asfortranarray(rng.standard_normal((2, 3)).astype("<f4")),
+                                          (1, 0))
+    seeds["valid_v1_bool"] = npy(rng.standard_normal((2, 3)) > 0, (1, 0))
+    seeds["valid_v1_nan"] = npy(np.array([[1.0, np.nan]], dtype="<f4"), (1, 0))
+    seeds["invalid_complex"] = npy(np.ones((2,), dtype="<c8"), (1, 0))
     seeds["invalid_version_4"] = by_hand("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }",
                                          b"\0\0\0\0", version=(4, 0))
     seeds["invalid_unknown_key"] = by_hand(

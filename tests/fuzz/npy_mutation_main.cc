@@ -1,10 +1,10 @@
-// The .npy reader's mutation run, a fuzzer without libFuzzer for CTest (and
+// The .npy parser's mutation run, a fuzzer without libFuzzer for CTest (and
 // ASan): every valid_* seed of tests/fuzz/npy_corpus is mutated many times
 // (random bytes overwritten, inserted or removed, truncation, the header's
 // length field and its shape replaced by huge or malformed values) and each
-// mutant goes through npy_reader_fuzzer.cc's LLVMFuzzerTestOneInput, which
-// traps unless ReadNpy accepts it consistently or refuses it naming the
-// field. The random seed is fresh each run and printed; pass it as the
+// mutant goes through npy_fuzzer.cc's LLVMFuzzerTestOneInput, which traps
+// unless cli::ParseNpy accepts it consistently or refuses it naming the
+// file. The random seed is fresh each run and printed; pass it as the
 // second argument to replay a run.
 //
 //   npy_mutation_fuzz <corpus dir> [seed]

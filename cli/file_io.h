@@ -1,5 +1,5 @@
-#ifndef ATTNSERVE_CLIENT_FILE_IO_H_
-#define ATTNSERVE_CLIENT_FILE_IO_H_
+#ifndef ATTNSERVE_CLI_FILE_IO_H_
+#define ATTNSERVE_CLI_FILE_IO_H_
 
 // Whole-file reads and writes for attnctl's .npy and .png files.
 
@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
-namespace attnserve::client {
+namespace attnserve::cli {
 
 // The contents of the file at `path`. On failure the errno-derived code
 // (NOT_FOUND for a missing file, PERMISSION_DENIED, ...) with a message that
@@ -20,6 +20,6 @@ absl::StatusOr<std::string> ReadFileBytes(const std::string& path);
 // with a message that names the path.
 absl::Status WriteFileBytes(const std::string& path, absl::string_view bytes);
 
-}  // namespace attnserve::client
+}  // namespace attnserve::cli
 
-#endif  // ATTNSERVE_CLIENT_FILE_IO_H_
+#endif  // ATTNSERVE_CLI_FILE_IO_H_

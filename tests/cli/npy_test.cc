@@ -1,4 +1,4 @@
-#include "client/npy.h"
+#include "cli/npy.h"
 
 #include <unistd.h>
 
@@ -13,15 +13,17 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "client/file_io.h"
+#include "cli/file_io.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/client/test_files.h"
 #include "tests/core/status_matchers.h"
 
-namespace attnserve::client {
+namespace attnserve::cli {
 namespace {
 
+using ::attnserve::client::TempPath;
+using ::attnserve::client::TestData;
 using ::attnserve::testing::IsOk;
 using ::attnserve::testing::StatusIs;
 using ::testing::ElementsAre;
@@ -386,7 +388,8 @@ TEST(Npy, MalformedFilesAreRejectedWithAClearMessage) {
       {"text", "hello, world\n", "not a .npy file"},
       {"magic only", std::string("\x93NUMPY", 6), "no version"},
       {"no header length", std::string("\x93NUMPY\x01\x00\x10", 9), "no header length"},
-      {"version 3", NpyBytes(header_2x2, data_2x2).replace(6, 1, "\x03"), "version 3.0"},
+      {"version 4", NpyBytes(header_2x2, data_2x2, 4), "version 4.0 is not supported"},
+      {"version 1.1", NpyBytes(header_2x2, data_2x2).replace(7, 1, "\x01"), "version 1.1"},
       {"header past the end", good.substr(0, 40), "truncated .npy file (the header says"},
       {"truncated data", good.substr(0, good.size() - 3), "truncated .npy file: shape (2, 2)"},
       {"trailing data", good + "xyz", "size mismatch: shape (2, 2) of <f4 needs 16"},
@@ -463,11 +466,70 @@ TEST(Npy, AcceptsHeadersWithOtherSpacingAndKeyOrder) {
     ASSERT_THAT(array, IsOk());
     EXPECT_THAT(array->ToFloats(), ElementsAre(1, 2, 3));
   }
-  // Version 2.0's 4-byte header length.
-  absl::StatusOr<NpyArray> v2 = ParseNpy(
-      NpyBytes("{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }", data, 2), "v2.npy");
-  ASSERT_THAT(v2, IsOk());
-  EXPECT_THAT(v2->shape, ElementsAre(3));
+  // Versions 2.0 and 3.0: a 4-byte header length.
+  for (char major : {2, 3}) {
+    absl::StatusOr<NpyArray> v = ParseNpy(
+        NpyBytes("{'descr': '<f4', 'fortran_order': False, 'shape': (3,), }", data, major), "v.npy");
+    ASSERT_THAT(v, IsOk());
+    EXPECT_THAT(v->shape, ElementsAre(3));
+    EXPECT_THAT(v->ToFloats(), ElementsAre(1, 2, 3));
+  }
+}
+
+// The attention explorer parses uploads with limits: each is refused before
+// anything of the refused size is allocated, naming the file.
+TEST(Npy, LimitsRefuseLongHeadersManyDimensionsAndElements) {
+  NpyLimits limits;
+  limits.max_header_bytes = 128;
+  limits.max_dims = 3;
+  limits.max_elements = 5;
+  const std::string six = FloatBytes({1, 2, 3, 4, 5, 6});
+  EXPECT_THAT(ParseNpy(NpyBytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", six),
+                       "inputs.npy", limits),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "inputs.npy: shape (2, 3) has 6 elements, over the limit of 5"));
+  EXPECT_THAT(
+      ParseNpy(NpyBytes("{'descr': '<f4', 'fortran_order': False, 'shape': (1, 1, 1, 1), }",
+                        FloatBytes({1})),
+               "inputs.npy", limits),
+      StatusIs(absl::StatusCode::kInvalidArgument, "inputs.npy: bad .npy header: more than 3 dimensions"));
+  // A version 2.0 file whose header length says 4 GiB: refused from the
+  // length alone (the file is 12 bytes).
+  EXPECT_THAT(ParseNpy(std::string("\x93NUMPY\x02\x00\xff\xff\xff\xff", 12), "inputs.npy", limits),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       "inputs.npy: bad .npy header: 4294967295 bytes long, over the limit of 128"));
+  EXPECT_THAT(ParseNpy(NpyBytes(std::string(200, ' ') + "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }",
+                                FloatBytes({1})),
+                       "inputs.npy", limits),
+              StatusIs(absl::StatusCode::kInvalidArgument, "over the limit of 128"));
+  // Within every limit the same parser accepts.
+  absl::StatusOr<NpyArray> small = ParseNpy(
+      NpyBytes("{'descr': '<f4', 'fortran_order': False, 'shape': (5,), }", FloatBytes({1, 2, 3, 4, 5})),
+      "inputs.npy", limits);
+  ASSERT_THAT(small, IsOk());
+  EXPECT_THAT(small->ToFloats(), ElementsAre(1, 2, 3, 4, 5));
+}
+
+// The fuzz corpus' seeds (tests/fuzz/make_npy_corpus.py: valid_* written by
+// NumPy in versions 1.0-3.0; invalid_* malformed) read as their names say.
+TEST(Npy, ReadsTheFuzzCorpusSeedsAsTheirNamesSay) {
+  int valid = 0, invalid = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(ATTNSERVE_NPY_CORPUS)) {
+    const std::string name = entry.path().filename().string();
+    absl::StatusOr<std::string> bytes = ReadFileBytes(entry.path().string());
+    ASSERT_THAT(bytes, IsOk());
+    SCOPED_TRACE(name);
+    if (name.rfind("valid_", 0) == 0) {
+      EXPECT_THAT(ParseNpy(*bytes, "inputs.npy"), IsOk());
+      ++valid;
+    } else if (name.rfind("invalid_", 0) == 0) {
+      EXPECT_THAT(ParseNpy(*bytes, "inputs.npy"),
+                  StatusIs(absl::StatusCode::kInvalidArgument, "inputs.npy: "));
+      ++invalid;
+    }
+  }
+  EXPECT_GE(valid, 8);
+  EXPECT_GE(invalid, 3);
 }
 
 TEST(FileIo, WritesAndReadsBytes) {
@@ -479,4 +541,4 @@ TEST(FileIo, WritesAndReadsBytes) {
 }
 
 }  // namespace
-}  // namespace attnserve::client
+}  // namespace attnserve::cli

@@ -1,4 +1,4 @@
-#include "client/file_io.h"
+#include "cli/file_io.h"
 
 #include <cerrno>
 #include <cstdio>
@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 
-namespace attnserve::client {
+namespace attnserve::cli {
 namespace {
 
 struct FileCloser {
@@ -43,4 +43,4 @@ absl::Status WriteFileBytes(const std::string& path, absl::string_view bytes) {
   return absl::OkStatus();
 }
 
-}  // namespace attnserve::client
+}  // namespace attnserve::cli

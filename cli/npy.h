@@ -1,8 +1,11 @@
-#ifndef ATTNSERVE_CLIENT_NPY_H_
-#define ATTNSERVE_CLIENT_NPY_H_
+#ifndef ATTNSERVE_CLI_NPY_H_
+#define ATTNSERVE_CLI_NPY_H_
 
-// Reading and writing NumPy's .npy files (format versions 1.0 and 2.0), the
-// subset attnctl needs. Written: C-order little-endian float32 ('<f4'). Read:
+// Reading and writing NumPy's .npy files (format versions 1.0, 2.0 and 3.0):
+// attnctl's input, mask and output files and the attention explorer's
+// uploads (untrusted bytes: every size is bounded by NpyLimits before
+// anything is allocated, and the parser is fuzzed). Written: C-order
+// little-endian float32 ('<f4'). Read:
 // float32 as it is; booleans ('|b1') and bytes ('|u1') as they are, for
 // masks; float64 (NumPy's default), float16, the other integers and
 // big-endian data converted to float32, and Fortran-order arrays to C order.
@@ -18,7 +21,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
-namespace attnserve::client {
+namespace attnserve::cli {
 
 enum class NpyDtype {
   kFloat32,  // '<f4'
@@ -46,18 +49,32 @@ struct NpyArray {
   std::vector<float> ToFloats() const;
 };
 
+// What one file may hold; the defaults bound nothing a real file needs.
+struct NpyLimits {
+  // The header (the dict literal after the length field).
+  int64_t max_header_bytes = int64_t{1} << 20;
+  // Dimensions of the shape (NumPy's own reader takes at most 32).
+  int max_dims = 32;
+  // Elements of the array.
+  int64_t max_elements = int64_t{1} << 40;
+};
+
 // Parses the bytes of a .npy file. '<f4', '|b1' and '|u1' are read as they
 // are; float16 and float64, signed and unsigned integers of 1 to 8 bytes and
 // big-endian data become float32 (rounded to nearest even, as NumPy's
 // astype('<f4')), and Fortran-order data C order; converted_from then says
 // from what. Every error names `name` (the file's path) and says what is
-// wrong. INVALID_ARGUMENT for: no magic string, a version other than 1.0/2.0,
-// a header that runs past the end or is not a dict with exactly 'descr',
+// wrong. INVALID_ARGUMENT for: no magic string, a version other than 1.0, 2.0
+// or 3.0, a header over limits.max_header_bytes, one that runs past the end or
+// is not a dict with exactly 'descr',
 // 'fortran_order' and 'shape', a dtype that cannot become float32 (complex,
 // strings, objects, dates, structured), a finite float64 value beyond
-// float32's range, a negative or overflowing shape, and a data size other
-// than product(shape) x item size (truncated or trailing).
-absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes, absl::string_view name);
+// float32's range, a negative or overflowing shape, a shape over
+// limits.max_dims or limits.max_elements, and a data size other than
+// product(shape) x item size (truncated or trailing). NaN and infinities are
+// read as they are (the caller decides whether they may be). Thread-safe.
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes, absl::string_view name,
+                                  const NpyLimits& limits = {});
 
 // Reads and parses the file at `path`. NOT_FOUND (or another errno-derived
 // code) when it cannot be read; ParseNpy's errors otherwise.
@@ -83,6 +100,6 @@ std::string EncodeNpyFloat32(absl::Span<const int64_t> shape, absl::Span<const f
 absl::Status WriteNpyFile(const std::string& path, absl::Span<const int64_t> shape,
                           absl::Span<const float> values);
 
-}  // namespace attnserve::client
+}  // namespace attnserve::cli
 
-#endif  // ATTNSERVE_CLIENT_NPY_H_
+#endif  // ATTNSERVE_CLI_NPY_H_

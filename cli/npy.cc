@@ -1,4 +1,4 @@
-#include "client/npy.h"
+#include "cli/npy.h"
 
 #include <algorithm>
 #include <bit>
@@ -16,17 +16,15 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/file_io.h"
+#include "cli/file_io.h"
 
-namespace attnserve::client {
+namespace attnserve::cli {
 namespace {
 
 // The raw bytes of '<f4' data are copied straight into floats.
 static_assert(std::endian::native == std::endian::little, "attnctl assumes a little-endian host");
 
 constexpr absl::string_view kMagic("\x93NUMPY", 6);
-// Matches NumPy's own reader: it needs at most 32 dimensions.
-constexpr int kMaxRank = 32;
 
 std::string ShapeText(absl::Span<const int64_t> shape) {
   if (shape.size() == 1) return absl::StrCat("(", shape[0], ",)");
@@ -45,7 +43,8 @@ struct Header {
 // It accepts exactly what NumPy writes (and any spacing), nothing more.
 class HeaderParser {
  public:
-  HeaderParser(absl::string_view text, absl::string_view name) : text_(text), name_(name) {}
+  HeaderParser(absl::string_view text, absl::string_view name, int max_dims)
+      : text_(text), name_(name), max_dims_(max_dims) {}
 
   absl::StatusOr<Header> Parse() {
     std::optional<std::string> descr;
@@ -159,8 +158,9 @@ class HeaderParser {
       }
       Consume('L');  // Python 2's long literals, in files NumPy wrote long ago
       shape.push_back(d);
-      if (shape.size() > kMaxRank)
-        return Error(absl::StrCat("more than ", kMaxRank, " dimensions"));
+      if (shape.size() > static_cast<size_t>(max_dims_)) {
+        return Error(absl::StrCat("more than ", max_dims_, " dimensions"));
+      }
       SkipSpace();
       if (Consume(',')) continue;
       SkipSpace();
@@ -173,6 +173,7 @@ class HeaderParser {
 
   absl::string_view text_;
   absl::string_view name_;
+  int max_dims_;
   size_t pos_ = 0;
 };
 
@@ -290,7 +291,8 @@ struct SplitFile {
   absl::string_view data;
 };
 
-absl::StatusOr<SplitFile> Split(absl::string_view bytes, absl::string_view name) {
+absl::StatusOr<SplitFile> Split(absl::string_view bytes, absl::string_view name,
+                                const NpyLimits& limits) {
   auto error = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": ", what));
   };
@@ -300,11 +302,12 @@ absl::StatusOr<SplitFile> Split(absl::string_view bytes, absl::string_view name)
   if (bytes.size() < kMagic.size() + 2) return error("truncated .npy file (no version)");
   const int major = static_cast<unsigned char>(bytes[6]);
   const int minor = static_cast<unsigned char>(bytes[7]);
-  if ((major != 1 && major != 2) || minor != 0) {
+  if (major < 1 || major > 3 || minor != 0) {
     return error(absl::StrCat(".npy format version ", major, ".", minor,
-                              " is not supported (1.0 and 2.0 are)"));
+                              " is not supported (1.0, 2.0 and 3.0 are)"));
   }
-  // Version 1.0 has a 2-byte little-endian header length, 2.0 a 4-byte one.
+  // Version 1.0 has a 2-byte little-endian header length, 2.0 and 3.0 (whose
+  // header may be UTF-8; ours takes ASCII, as NumPy writes it) a 4-byte one.
   const size_t length_bytes = major == 1 ? 2 : 4;
   const size_t prefix = kMagic.size() + 2 + length_bytes;
   if (bytes.size() < prefix) return error("truncated .npy file (no header length)");
@@ -312,12 +315,16 @@ absl::StatusOr<SplitFile> Split(absl::string_view bytes, absl::string_view name)
   for (size_t i = 0; i < length_bytes; ++i) {
     header_len |= uint64_t{static_cast<unsigned char>(bytes[8 + i])} << (8 * i);
   }
+  if (header_len > static_cast<uint64_t>(limits.max_header_bytes)) {
+    return error(absl::StrCat("bad .npy header: ", header_len, " bytes long, over the limit of ",
+                              limits.max_header_bytes));
+  }
   if (header_len > bytes.size() - prefix) {
     return error(absl::StrCat("truncated .npy file (the header says it is ", header_len,
                               " bytes; the file has ", bytes.size() - prefix,
                               " after the prefix)"));
   }
-  HeaderParser parser(bytes.substr(prefix, header_len), name);
+  HeaderParser parser(bytes.substr(prefix, header_len), name, limits.max_dims);
   absl::StatusOr<Header> header = parser.Parse();
   if (!header.ok()) return header.status();
   return SplitFile{.header = *std::move(header), .data = bytes.substr(prefix + header_len)};
@@ -325,7 +332,8 @@ absl::StatusOr<SplitFile> Split(absl::string_view bytes, absl::string_view name)
 
 // The array `split` describes: its dtype, shape and converted_from, and
 // unless `header_only` its data (converted, and checked against the shape).
-absl::StatusOr<NpyArray> Decode(const SplitFile& split, absl::string_view name, bool header_only) {
+absl::StatusOr<NpyArray> Decode(const SplitFile& split, absl::string_view name,
+                                const NpyLimits& limits, bool header_only) {
   auto error = [&](absl::string_view what) {
     return absl::InvalidArgumentError(absl::StrCat(name, ": ", what));
   };
@@ -360,14 +368,20 @@ absl::StatusOr<NpyArray> Decode(const SplitFile& split, absl::string_view name, 
     array.converted_from = absl::StrJoin(what, ", ");
   }
 
-  // product(shape) x item size, checked against int64 overflow.
-  int64_t expected = stored->size;
+  // product(shape), checked against int64 overflow and the limit before
+  // anything of that size is allocated.
+  int64_t elements = 1;
   for (int64_t d : array.shape) {
-    if (d != 0 && expected > std::numeric_limits<int64_t>::max() / d) {
+    if (d != 0 && elements > std::numeric_limits<int64_t>::max() / stored->size / d) {
       return error(absl::StrCat("shape ", ShapeText(array.shape), " is too large"));
     }
-    expected *= d;
+    elements *= d;
   }
+  if (elements > limits.max_elements) {
+    return error(absl::StrCat("shape ", ShapeText(array.shape), " has ", elements,
+                              " elements, over the limit of ", limits.max_elements));
+  }
+  const int64_t expected = elements * stored->size;
   if (header_only) return array;
   if (static_cast<uint64_t>(expected) != split.data.size()) {
     return error(absl::StrCat(
@@ -453,10 +467,11 @@ std::vector<float> NpyArray::ToFloats() const {
   return values;
 }
 
-absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes, absl::string_view name) {
-  absl::StatusOr<SplitFile> split = Split(bytes, name);
+absl::StatusOr<NpyArray> ParseNpy(absl::string_view bytes, absl::string_view name,
+                                  const NpyLimits& limits) {
+  absl::StatusOr<SplitFile> split = Split(bytes, name, limits);
   if (!split.ok()) return split.status();
-  return Decode(*split, name, /*header_only=*/false);
+  return Decode(*split, name, limits, /*header_only=*/false);
 }
 
 absl::StatusOr<NpyArray> ReadNpyFile(const std::string& path) {
@@ -466,7 +481,7 @@ absl::StatusOr<NpyArray> ReadNpyFile(const std::string& path) {
 }
 
 absl::StatusOr<NpyArray> ReadNpyHeader(const std::string& path) {
-  // Magic, version and a version 2.0 length: 12 bytes; then the header.
+  // Magic, version and a version 2.0/3.0 length: 12 bytes; then the header.
   absl::StatusOr<std::string> prefix = ReadFilePrefix(path, 12);
   if (!prefix.ok()) return prefix.status();
   uint64_t header_len = 0;
@@ -476,13 +491,13 @@ absl::StatusOr<NpyArray> ReadNpyHeader(const std::string& path) {
       header_len |= uint64_t{static_cast<unsigned char>((*prefix)[8 + i])} << (8 * i);
     }
   }
-  // A header is small; a huge length is reported by Split as truncated.
+  // A header is small; a longer one is refused by Split.
   absl::StatusOr<std::string> bytes =
-      ReadFilePrefix(path, 12 + std::min<uint64_t>(header_len, uint64_t{1} << 20));
+      ReadFilePrefix(path, 12 + std::min<uint64_t>(header_len, NpyLimits{}.max_header_bytes));
   if (!bytes.ok()) return bytes.status();
-  absl::StatusOr<SplitFile> split = Split(*bytes, path);
+  absl::StatusOr<SplitFile> split = Split(*bytes, path, NpyLimits{});
   if (!split.ok()) return split.status();
-  return Decode(*split, path, /*header_only=*/true);
+  return Decode(*split, path, NpyLimits{}, /*header_only=*/true);
 }
 
 std::string NpyConversionNote(const NpyArray& array) {
@@ -527,4 +542,4 @@ absl::Status WriteNpyFile(const std::string& path, absl::Span<const int64_t> sha
   return WriteFileBytes(path, EncodeNpyFloat32(shape, values));
 }
 
-}  // namespace attnserve::client
+}  // namespace attnserve::cli
