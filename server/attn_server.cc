@@ -318,8 +318,13 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
     std::vector<HttpRoute> routes = OpenInferenceRoutes(channel);
     ATTNSERVE_ASSIGN_OR_RETURN(
         std::vector<HttpRoute> explorer,
-        ExplorerRoutes(channel, {.web_dir = options.explorer_web_dir,
-                                 .max_body_bytes = options.http_max_body_bytes}));
+        ExplorerRoutes(channel,
+                       {.web_dir = options.explorer_web_dir,
+                        .max_body_bytes = options.http_max_body_bytes,
+                        .layer_limits = {.max_seq_len = options.limits.max_seq_len,
+                                         .max_attention_map_bytes =
+                                             options.limits.max_attention_map_bytes,
+                                         .max_weight_bytes = options.limits.max_adhoc_weight_bytes}}));
     for (HttpRoute& route : explorer) routes.push_back(std::move(route));
     absl::StatusOr<std::unique_ptr<HttpFront>> http =
         HttpFront::Create(std::move(http_options), std::move(routes));

@@ -15,11 +15,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "cli/npy.h"
+#include "core/head_config.h"
 #include "server/explorer/cell_mask.h"
 #include "server/explorer/max_pool_grid.h"
 #include "server/explorer/seeded_hidden_states.h"
@@ -48,6 +50,16 @@ HttpResponse FromGrpc(const grpc::Status& status) {
                               static_cast<int>(status.error_code())));
   }
   return Error(HttpStatusFor(status.error_code()), status.error_message());
+}
+
+// A gRPC error of an ad-hoc layer's call: core names the head configuration's
+// fields "layer.head_config.x"; the explorer's JSON has them as "layer.x".
+HttpResponse FromLayerGrpc(const grpc::Status& status) {
+  constexpr absl::string_view kWire = "layer.head_config.";
+  const std::string message = status.error_message();
+  if (!absl::StartsWith(message, kWire)) return FromGrpc(status);
+  return Error(HttpStatusFor(status.error_code()),
+               absl::StrCat("layer.", absl::string_view(message).substr(kWire.size())));
 }
 
 void PassCredentials(const HttpRequest& request, grpc::ClientContext& context) {
@@ -132,12 +144,17 @@ HttpResponse Internal(absl::string_view what) {
   return Error(500, absl::StrCat("internal: ", what));
 }
 
-// What one attend request asks for, validated against its model.
+// What one attend request asks for, validated against its model or ad-hoc
+// layer.
 struct AttendQuery {
-  std::string model;
+  std::string model;               // empty for an ad-hoc layer
+  std::optional<v1::LayerSpec> layer;
+  std::string source;              // for messages: "model 'x'" or "the ad-hoc layer"
   int64_t seq_len = 0;
   int64_t d_model = 0;
   int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t max_seq_len = 0;
   int64_t max_map_bytes = 0;
   std::vector<float> hidden_states;  // [seq_len, d_model]
   bool causal = false;               // as asked
@@ -154,8 +171,8 @@ struct AttendQuery {
   std::optional<int64_t> query_row;
 };
 
-absl::Status ParseInputs(const Json& body, const v1::ModelInfo& model, AttendQuery& query) {
-  const int64_t max_seq = model.limits().max_seq_len();
+absl::Status ParseInputs(const Json& body, AttendQuery& query) {
+  const int64_t max_seq = query.max_seq_len;
   const auto it = body.find("inputs");
   if (it == body.end() || !it->is_object()) {
     return Invalid("inputs", "required: {\"random\": {\"seed\", \"seq_len\"}} or {\"npy\": base64}");
@@ -171,6 +188,13 @@ absl::Status ParseInputs(const Json& body, const v1::ModelInfo& model, AttendQue
     absl::StatusOr<int64_t> seq_len =
         IntField(spec, "seq_len", "inputs.random.seq_len", 1, max_seq, std::nullopt);
     if (!seq_len.ok()) return seq_len.status();
+    // An ad-hoc layer's d_model is the caller's: its inputs are bounded as
+    // /explorer/api/inputs' are (a model's by its configuration).
+    if (query.layer && *seq_len > ExplorerApi::kMaxInputValues / query.d_model) {
+      return Invalid("inputs.random.seq_len",
+                     absl::StrCat(*seq_len, " x d_model ", query.d_model, " values is over the limit of ",
+                                  ExplorerApi::kMaxInputValues));
+    }
     query.seq_len = *seq_len;
     query.hidden_states = SeededHiddenStates(*seed, query.seq_len, query.d_model);
     return absl::OkStatus();
@@ -194,7 +218,7 @@ absl::Status ParseInputs(const Json& body, const v1::ModelInfo& model, AttendQue
     return Invalid("inputs.npy", absl::StrCat("shape: (", absl::StrJoin(array->shape, ", "),
                                               ") is not (seq_len, d_model) or (1, seq_len, "
                                               "d_model) with seq_len >= 1 and d_model ",
-                                              query.d_model, " (model '", query.model, "')"));
+                                              query.d_model, " (", query.source, ")"));
   }
   if (shape[0] > max_seq) {
     return Invalid("inputs.npy", absl::StrCat("shape: seq_len ", shape[0],
@@ -213,13 +237,104 @@ absl::Status ParseInputs(const Json& body, const v1::ModelInfo& model, AttendQue
   return absl::OkStatus();
 }
 
-absl::Status ParseAttend(const Json& body, const v1::ModelInfo& model, AttendQuery& query) {
+void QueryFromModel(const v1::ModelInfo& model, AttendQuery& query) {
+  query.model = model.name();
+  query.source = absl::StrCat("model '", model.name(), "'");
   query.d_model = model.head_config().d_model();
   query.num_heads = model.head_config().num_heads();
+  query.num_kv_heads = model.head_config().num_kv_heads();
+  query.max_seq_len = model.limits().max_seq_len();
   query.max_map_bytes = model.limits().max_attention_map_bytes();
   query.model_causal = model.causal();
   query.rotary = model.head_config().rotary().rotary_dim() > 0;
-  if (absl::Status status = ParseInputs(body, model, query); !status.ok()) return status;
+}
+
+// The ad-hoc layer of `body["layer"]` as the AttendRequest.layer it runs
+// (seeded weights), each size within the server's bounds. What the sizes
+// must satisfy together (num_kv_heads divides num_heads, ...) and the weight
+// bytes are Attend's to check.
+absl::Status ParseLayer(const Json& layer, const ExplorerLayerLimits& limits, AttendQuery& query) {
+  if (!layer.is_object()) {
+    return Invalid("layer", "expected {\"d_model\", \"num_heads\", \"num_kv_heads\", \"head_dim\", "
+                            "\"seed\", \"rotary\"}");
+  }
+  absl::StatusOr<int64_t> d_model =
+      IntField(layer, "d_model", "layer.d_model", 1, core::kMaxDModel, std::nullopt);
+  if (!d_model.ok()) return d_model.status();
+  absl::StatusOr<int64_t> num_heads =
+      IntField(layer, "num_heads", "layer.num_heads", 1, core::kMaxHeads, std::nullopt);
+  if (!num_heads.ok()) return num_heads.status();
+  absl::StatusOr<int64_t> num_kv_heads =
+      IntField(layer, "num_kv_heads", "layer.num_kv_heads", 1, core::kMaxHeads, *num_heads);
+  if (!num_kv_heads.ok()) return num_kv_heads.status();
+  // 0: d_model / num_heads (Attend refuses when it does not divide).
+  absl::StatusOr<int64_t> head_dim =
+      IntField(layer, "head_dim", "layer.head_dim", 1, core::kMaxHeadDim, 0);
+  if (!head_dim.ok()) return head_dim.status();
+  uint64_t seed = 0;
+  if (layer.contains("seed") && !layer["seed"].is_null()) {
+    absl::StatusOr<uint64_t> given = SeedField(layer, "layer.seed");
+    if (!given.ok()) return given.status();
+    seed = *given;
+  }
+  v1::LayerSpec spec;
+  v1::HeadConfig& config = *spec.mutable_head_config();
+  config.set_d_model(static_cast<int32_t>(*d_model));
+  config.set_num_heads(static_cast<int32_t>(*num_heads));
+  config.set_num_kv_heads(static_cast<int32_t>(*num_kv_heads));
+  config.set_head_dim(static_cast<int32_t>(*head_dim));
+  spec.set_seed(seed);
+  const auto it = layer.find("rotary");
+  const bool off = it == layer.end() || it->is_null() || (it->is_boolean() && !it->get<bool>());
+  if (!off) {
+    if (!it->is_object() && !it->is_boolean()) {
+      return Invalid("layer.rotary", "expected {\"theta\", \"rotary_dim\"} (each optional), true, "
+                                     "or null (no RoPE)");
+    }
+    const Json rotary = it->is_object() ? *it : Json::object();
+    const int64_t full = *head_dim > 0 ? *head_dim : *d_model / *num_heads;
+    absl::StatusOr<int64_t> rotary_dim =
+        IntField(rotary, "rotary_dim", "layer.rotary.rotary_dim", 1, core::kMaxHeadDim, full);
+    if (!rotary_dim.ok()) return rotary_dim.status();
+    config.mutable_rotary()->set_rotary_dim(static_cast<int32_t>(*rotary_dim));
+    if (auto theta = rotary.find("theta"); theta != rotary.end() && !theta->is_null()) {
+      if (!theta->is_number()) return Invalid("layer.rotary.theta", "expected a number");
+      config.mutable_rotary()->set_theta(theta->get<float>());
+    }
+    query.rotary = *rotary_dim > 0;
+  }
+  query.layer = std::move(spec);
+  query.source = "the ad-hoc layer";
+  query.d_model = *d_model;
+  query.num_heads = *num_heads;
+  query.num_kv_heads = *num_kv_heads;
+  query.max_seq_len = limits.max_seq_len;
+  query.max_map_bytes = limits.max_attention_map_bytes;
+  query.model_causal = false;
+  return absl::OkStatus();
+}
+
+// The layer that ran, as the answer echoes it: the request's head
+// configuration with Attend's defaults resolved.
+Json LayerEcho(const v1::LayerSpec& layer) {
+  const v1::HeadConfig& c = layer.head_config();
+  const int64_t head_dim = c.head_dim() > 0 ? c.head_dim() : c.d_model() / c.num_heads();
+  Json rotary = nullptr;
+  if (c.rotary().rotary_dim() > 0) {
+    rotary = {{"rotary_dim", c.rotary().rotary_dim()},
+              {"theta", c.rotary().theta() != 0.0f ? c.rotary().theta() : 10000.0f}};
+  }
+  return {{"d_model", c.d_model()},
+          {"num_heads", c.num_heads()},
+          {"num_kv_heads", c.num_kv_heads()},
+          {"head_dim", head_dim},
+          {"scale", 1.0 / std::sqrt(static_cast<double>(head_dim))},
+          {"seed", layer.seed()},
+          {"rotary", std::move(rotary)}};
+}
+
+absl::Status ParseAttend(const Json& body, AttendQuery& query) {
+  if (absl::Status status = ParseInputs(body, query); !status.ok()) return status;
   const int64_t s = query.seq_len;
   const int64_t h = query.num_heads;
   absl::StatusOr<bool> causal = BoolField(body, "causal", "causal");
@@ -346,8 +461,9 @@ double Norm(const std::vector<float>& values) {
 
 }  // namespace
 
-ExplorerApi::ExplorerApi(std::shared_ptr<grpc::Channel> channel, int64_t max_body_bytes)
-    : channel_(std::move(channel)), max_body_bytes_(max_body_bytes) {}
+ExplorerApi::ExplorerApi(std::shared_ptr<grpc::Channel> channel, int64_t max_body_bytes,
+                         const ExplorerLayerLimits& layer_limits)
+    : channel_(std::move(channel)), max_body_bytes_(max_body_bytes), layer_limits_(layer_limits) {}
 
 HttpResponse ExplorerApi::Models(const HttpRequest& request) const {
   std::unique_ptr<Stub> stub = v1::AttentionService::NewStub(channel_);
@@ -374,7 +490,15 @@ HttpResponse ExplorerApi::Models(const HttpRequest& request) const {
                {"limits",
                 {{"max_body_bytes", max_body_bytes_},
                  {"max_grid", kMaxGrid},
-                 {"max_region_cells", kMaxRegionCells}}}};
+                 {"max_region_cells", kMaxRegionCells},
+                 {"layer",
+                  {{"max_d_model", core::kMaxDModel},
+                   {"max_heads", core::kMaxHeads},
+                   {"max_head_dim", core::kMaxHeadDim},
+                   {"max_weight_bytes", layer_limits_.max_weight_bytes},
+                   {"max_seq_len", layer_limits_.max_seq_len},
+                   {"max_attention_map_bytes", layer_limits_.max_attention_map_bytes},
+                   {"max_input_values", kMaxInputValues}}}}}};
   return HttpResponse{.body = Dump(body)};
 }
 
@@ -404,29 +528,41 @@ HttpResponse ExplorerApi::Attend(const HttpRequest& request) const {
   absl::StatusOr<Json> body = ParseBody(request);
   if (!body.ok()) return BadRequest(body.status());
   const auto model_it = body->find("model");
-  if (model_it == body->end() || !model_it->is_string() ||
-      model_it->get_ref<const std::string&>().empty()) {
-    return BadRequest(Invalid("model", "required: a model's name (see /explorer/api/models)"));
+  const auto layer_it = body->find("layer");
+  const bool has_model = model_it != body->end() && !model_it->is_null();
+  const bool has_layer = layer_it != body->end() && !layer_it->is_null();
+  if (has_model && has_layer) {
+    return BadRequest(Invalid("model", "give a model or an ad-hoc layer, not both"));
+  }
+  if (!has_layer && (!has_model || !model_it->is_string() ||
+                     model_it->get_ref<const std::string&>().empty())) {
+    return BadRequest(Invalid("model", "required: a model's name (see /explorer/api/models), or "
+                                       "an ad-hoc \"layer\""));
   }
   std::unique_ptr<Stub> stub = v1::AttentionService::NewStub(channel_);
-  v1::ModelInfo model;
-  {
+  AttendQuery query;
+  if (has_model) {
+    v1::ModelInfo model;
     grpc::ClientContext context;
     PassCredentials(request, context);
     v1::GetModelRequest get;
     get.set_name(model_it->get<std::string>());
     grpc::Status status = stub->GetModel(&context, get, &model);
     if (!status.ok()) return FromGrpc(status);
-  }
-  if (model.state() != v1::MODEL_STATE_READY) {
-    return Error(503, absl::StrCat("model: '", model.name(), "' is not ready (",
-                                   v1::ModelState_Name(model.state()), ")"));
-  }
-  AttendQuery query;
-  query.model = model.name();
-  if (absl::Status status = ParseAttend(*body, model, query); !status.ok()) {
+    if (model.state() != v1::MODEL_STATE_READY) {
+      return Error(503, absl::StrCat("model: '", model.name(), "' is not ready (",
+                                     v1::ModelState_Name(model.state()), ")"));
+    }
+    QueryFromModel(model, query);
+  } else if (absl::Status status = ParseLayer(*layer_it, layer_limits_, query); !status.ok()) {
     return BadRequest(status);
   }
+  if (absl::Status status = ParseAttend(*body, query); !status.ok()) {
+    return BadRequest(status);
+  }
+  const auto from_grpc = [&query](const grpc::Status& status) {
+    return query.layer ? FromLayerGrpc(status) : FromGrpc(status);
+  };
   const int64_t s = query.seq_len;
   const int64_t h = query.num_heads;
 
@@ -441,7 +577,11 @@ HttpResponse ExplorerApi::Attend(const HttpRequest& request) const {
   // maps: its output is the one Attend gives, on the kernel path such a
   // request runs.
   v1::AttendRequest attend;
-  attend.set_model(query.model);
+  if (query.layer) {
+    *attend.mutable_layer() = *query.layer;
+  } else {
+    attend.set_model(query.model);
+  }
   SetStates(query.hidden_states, 0, s, d, *attend.mutable_hidden_states());
   attend.set_causal(query.causal);
   if (!query.key_mask.empty()) {
@@ -449,7 +589,7 @@ HttpResponse ExplorerApi::Attend(const HttpRequest& request) const {
   }
   for (float gate : query.head_mask) attend.add_head_mask(gate);
   v1::AttendResponse plain;
-  if (grpc::Status status = call(attend, plain); !status.ok()) return FromGrpc(status);
+  if (grpc::Status status = call(attend, plain); !status.ok()) return from_grpc(status);
   std::optional<std::vector<float>> output = Floats(plain.output(), s * d);
   if (!output) return Internal("Attend's output does not have the size asked for");
   Json output_json = {{"norm", Norm(*output)}};
@@ -483,8 +623,8 @@ HttpResponse ExplorerApi::Attend(const HttpRequest& request) const {
   if (rows_per_chunk < 1) {
     return Error(400, absl::StrCat(query.grid > 0 ? "grid" : (query.region ? "region" : "query_row"),
                                    ": one query row of ", h, " heads at seq_len ", s, " is ",
-                                   row_bytes, " bytes of maps, over the model's ",
-                                   "max_attention_map_bytes ", query.max_map_bytes,
+                                   row_bytes, " bytes of maps, over ", query.source,
+                                   "'s max_attention_map_bytes ", query.max_map_bytes,
                                    " (--max_attention_map_bytes)"));
   }
 
@@ -508,7 +648,11 @@ HttpResponse ExplorerApi::Attend(const HttpRequest& request) const {
 
   v1::AttendRequest chunk_request;
   if (cross) {
-    chunk_request.set_model(query.model);
+    if (query.layer) {
+      *chunk_request.mutable_layer() = *query.layer;
+    } else {
+      chunk_request.set_model(query.model);
+    }
     *chunk_request.mutable_context() = attend.hidden_states();
     for (float gate : query.head_mask) chunk_request.add_head_mask(gate);
   }
@@ -551,7 +695,7 @@ HttpResponse ExplorerApi::Attend(const HttpRequest& request) const {
       }
     }
     v1::AttendResponse response;
-    if (grpc::Status status = call(chunk, response); !status.ok()) return FromGrpc(status);
+    if (grpc::Status status = call(chunk, response); !status.ok()) return from_grpc(status);
 
     if (cross || !have_statistics) {
       const v1::HeadStatistics& statistics = response.head_statistics();
@@ -618,7 +762,7 @@ HttpResponse ExplorerApi::Attend(const HttpRequest& request) const {
     attend.clear_head_mask();
     attend.clear_attention_maps();
     v1::AttendResponse full;
-    if (grpc::Status status = call(attend, full); !status.ok()) return FromGrpc(status);
+    if (grpc::Status status = call(attend, full); !status.ok()) return from_grpc(status);
     std::optional<std::vector<float>> full_output = Floats(full.output(), s * d);
     if (!full_output) return Internal("Attend's output does not have the size asked for");
     double difference = 0;
@@ -632,15 +776,19 @@ HttpResponse ExplorerApi::Attend(const HttpRequest& request) const {
   }
   const v1::AttendResponse& first = plain;
 
-  Json answer = {{"model", query.model},
-                 {"seq_len", s},
+  Json answer = {{"seq_len", s},
                  {"num_heads", h},
-                 {"num_kv_heads", model.head_config().num_kv_heads()},
+                 {"num_kv_heads", query.num_kv_heads},
                  {"d_model", query.d_model},
                  {"causal", query.causal || query.model_causal},
                  {"kernel_path", first.kernel_path()},
                  {"stats", std::move(stats)},
                  {"output", std::move(output_json)}};
+  if (query.layer) {
+    answer["layer"] = LayerEcho(*query.layer);
+  } else {
+    answer["model"] = query.model;
+  }
   if (grid) {
     answer["grid"] = {{"pool", grid->pool()},
                       {"rows", grid->rows()},

@@ -30,7 +30,8 @@ absl::StatusOr<std::vector<HttpRoute>> ExplorerRoutes(std::shared_ptr<grpc::Chan
   absl::StatusOr<std::unique_ptr<ExplorerAssets>> created = ExplorerAssets::Create(options.web_dir);
   if (!created.ok()) return created.status();
   std::shared_ptr<const ExplorerAssets> assets = *std::move(created);
-  auto api = std::make_shared<const ExplorerApi>(std::move(channel), options.max_body_bytes);
+  auto api = std::make_shared<const ExplorerApi>(std::move(channel), options.max_body_bytes,
+                                                options.layer_limits);
   std::vector<HttpRoute> routes;
   routes.push_back({.method = "GET",
                     .pattern = "/explorer",

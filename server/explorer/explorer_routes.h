@@ -9,6 +9,7 @@
 #include <grpcpp/channel.h>
 
 #include "absl/status/statusor.h"
+#include "server/explorer/explorer_api.h"
 #include "server/http/http_front.h"
 
 namespace attnserve::server {
@@ -20,6 +21,8 @@ struct ExplorerOptions {
   std::string web_dir;
   // The HTTP front's body limit, reported to the page.
   int64_t max_body_bytes = int64_t{64} << 20;
+  // The server's limits on ad-hoc layers, reported to the page and kept to.
+  ExplorerLayerLimits layer_limits;
 };
 
 // The attention explorer's routes on the HTTP port (docs/explorer.md), all

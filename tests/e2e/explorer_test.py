@@ -17,6 +17,9 @@ the test's own computation from Attend's full maps and outputs:
     Attend calls, with and without the head mask): relative tolerance 1e-5.
 Many chunks run on model-repository Llama layouts (RoPE, grouped-query heads,
 causal and not) with a small --max_attention_map_bytes.
+An ad-hoc layer (grouped-query heads, RoPE, seeded weights; "layer" instead of
+"model") is checked the same way against Attend with the same LayerSpec, and
+its refusals name the layer's field.
 S=4096 on the built-in model (--max_seq_len=4096) answers a grid within the
 limits while the server's peak RSS (VmHWM) stays under 400 MB, half the size
 of the full maps (12 x 4096 x 4096 x 4 bytes = 805 MB).
@@ -46,6 +49,7 @@ ARGS, UNITTEST_ARGS = PARSER.parse_known_args()
 
 D_MODEL, NUM_HEADS = 768, 12  # the built-in model
 LONG_S = 4096
+ADHOC_WEIGHT_BYTES = 32 << 20  # --max_adhoc_weight_bytes, reported in limits.layer
 RSS_BOUND_MB = 400
 ALLOWED_HOST = "attn.example.org"
 TOKEN = "explorer-test-token-41f9"
@@ -99,7 +103,8 @@ class ExplorerServer(unittest.TestCase):
     def setUpClass(cls):
         import attnserve
         cls.server = harness.Server(ARGS.server, "--http_address=127.0.0.1:0", "--max_batch_tokens=0",
-                                    f"--max_seq_len={LONG_S}", f"--http_allowed_hosts={ALLOWED_HOST}")
+                                    f"--max_seq_len={LONG_S}", f"--http_allowed_hosts={ALLOWED_HOST}",
+                                    f"--max_adhoc_weight_bytes={ADHOC_WEIGHT_BYTES}")
         cls.server.wait_serving()
         assert cls.server.http_port, "attnserve did not log its HTTP port"
         cls.port = cls.server.http_port
@@ -116,13 +121,13 @@ class ExplorerServer(unittest.TestCase):
         status, headers, data = request(self.port, "GET" if body is None else "POST", path, body, **kwargs)
         return status, headers, json.loads(data)
 
-    def fresh_inputs(self, s):
-        """(seed, x [S, D] float32) from /explorer/api/inputs, for a fresh seed."""
+    def fresh_inputs(self, s, d_model=D_MODEL):
+        """(seed, x [S, d_model] float32) from /explorer/api/inputs, for a fresh seed."""
         seed = int(self.rng.integers(0, 1 << 53))
-        status, _, reply = self.api("/explorer/api/inputs", {"seed": seed, "seq_len": s, "d_model": D_MODEL})
+        status, _, reply = self.api("/explorer/api/inputs", {"seed": seed, "seq_len": s, "d_model": d_model})
         self.assertEqual(status, 200, reply)
         x = np.load(io.BytesIO(base64.b64decode(reply["npy"])))
-        self.assertEqual((x.dtype, x.shape), (np.dtype("<f4"), (s, D_MODEL)))
+        self.assertEqual((x.dtype, x.shape), (np.dtype("<f4"), (s, d_model)))
         return seed, x
 
     def test_the_page_and_its_files_are_served_with_the_security_headers(self):
@@ -164,6 +169,9 @@ class ExplorerServer(unittest.TestCase):
         self.assertLessEqual({"num_kv_heads", "head_dim", "max_attention_map_bytes", "description"},
                              set(default))
         self.assertEqual(models["limits"]["max_grid"], 512)
+        self.assertEqual(models["limits"]["layer"], {
+            "max_d_model": 65536, "max_heads": 1024, "max_head_dim": 4096, "max_weight_bytes": ADHOC_WEIGHT_BYTES,
+            "max_seq_len": LONG_S, "max_attention_map_bytes": 64 << 20, "max_input_values": 1 << 24})
         self.assertGreater(models["limits"]["max_region_cells"], 0)
         self.assertGreater(models["limits"]["max_body_bytes"], 0)
 
@@ -348,6 +356,94 @@ class ExplorerServer(unittest.TestCase):
         status, _, body = request(self.port, "POST", "/explorer/api/attend", b"{}",
                                   headers={"Content-Type": "text/plain"})
         self.assertEqual(status, 415)
+
+    def test_an_adhoc_gqa_layer_with_rope_gives_attends_maps(self):
+        from attnserve.v1 import attention_pb2 as pb
+        d, heads, kv_heads, head_dim, grid = 64, 8, 2, 8, 24
+        s = int(self.rng.integers(60, 120))
+        layer_seed = int(self.rng.integers(0, 1 << 53))
+        layer = {"d_model": d, "num_heads": heads, "num_kv_heads": kv_heads, "seed": layer_seed,
+                 "rotary": {"theta": 10000}}
+        spec = pb.LayerSpec(head_config=pb.HeadConfig(d_model=d, num_heads=heads, num_kv_heads=kv_heads,
+                                                      head_dim=head_dim,
+                                                      rotary=pb.RotaryConfig(rotary_dim=head_dim, theta=10000)),
+                            seed=layer_seed)
+        for causal in [False, True]:
+            with self.subTest(causal=causal):
+                seed, x = self.fresh_inputs(s, d)
+                key_mask = np.ones(s, dtype=bool)
+                key_mask[self.rng.choice(np.arange(1, s), size=s // 6, replace=False)] = False
+                region = {"head": 5, "q0": 7, "q1": 50, "k0": 2, "k1": 44}
+                query_row = int(self.rng.integers(0, s))
+                status, _, reply = self.api("/explorer/api/attend", {
+                    "layer": layer, "inputs": {"random": {"seed": seed, "seq_len": s}}, "causal": causal,
+                    "key_mask": key_mask.astype(int).tolist(), "grid": grid, "region": region,
+                    "query_row": query_row})
+                self.assertEqual(status, 200, reply)
+                self.assertNotIn("model", reply)
+                echo = dict(reply["layer"])
+                self.assertAlmostEqual(echo.pop("scale"), head_dim ** -0.5, delta=1e-7)
+                self.assertEqual(echo, {"d_model": d, "num_heads": heads, "num_kv_heads": kv_heads,
+                                        "head_dim": head_dim, "seed": layer_seed,
+                                        "rotary": {"rotary_dim": head_dim, "theta": 10000.0}})
+                self.assertEqual((reply["seq_len"], reply["num_heads"], reply["num_kv_heads"], reply["d_model"],
+                                  reply["causal"]), (s, heads, kv_heads, d, causal))
+
+                full = self.client.attend(x[None], layer=spec, causal=causal, mask=key_mask[None, None, :],
+                                          maps="per-head", stats=True)
+                maps = full.maps[0].astype(np.float64)  # [H, S, S]
+                q, k = np.meshgrid(np.arange(s), np.arange(s), indexing="ij")
+                masked = ((k > q) if causal else np.zeros((s, s), bool)) | ~key_mask[None, :]
+                expected, p = pooled_reference(maps, masked, grid)
+                g = reply["grid"]
+                self.assertEqual((g["pool"], g["rows"], g["cols"]), (p, expected.shape[1], expected.shape[2]))
+                np.testing.assert_allclose(f32(g["data"], expected.shape), expected, rtol=0, atol=1e-6)
+                want = np.where(masked, -1.0, maps[5])[7:50, 2:44]
+                np.testing.assert_allclose(f32(reply["region"]["data"], (1, 43, 42))[0], want, rtol=0, atol=1e-6)
+                want = np.where(masked[query_row][None, :], -1.0, maps[:, query_row, :])
+                np.testing.assert_allclose(f32(reply["row"]["data"], (heads, s)), want, rtol=0, atol=1e-6)
+                for name in ["entropy", "max_weight", "contribution"]:
+                    np.testing.assert_allclose(np.array(reply["stats"][name]),
+                                               getattr(full.stats, name)[0].astype(np.float64), rtol=1e-5,
+                                               atol=0, err_msg=name)
+                self.assertAlmostEqual(
+                    reply["output"]["norm"] / np.linalg.norm(full.output.astype(np.float64)), 1, delta=1e-5)
+                # The layer's RoPE and seed matter: without them Attend's maps differ.
+                for other in [pb.LayerSpec(head_config=pb.HeadConfig(d_model=d, num_heads=heads,
+                                                                     num_kv_heads=kv_heads), seed=layer_seed),
+                              pb.LayerSpec(head_config=spec.head_config, seed=layer_seed + 1)]:
+                    plain = self.client.attend(x[None], layer=other, causal=causal, mask=key_mask[None, None, :],
+                                               maps="per-head").maps[0].astype(np.float64)
+                    self.assertGreater(np.abs(plain - maps).max(), 1e-3)
+
+    def test_adhoc_layer_refusals_name_the_field(self):
+        inputs = {"random": {"seed": 5, "seq_len": 16}}
+        layer = {"d_model": 64, "num_heads": 8, "num_kv_heads": 2}
+        cases = [
+            ({"model": "default", "layer": layer}, 400, "model:"),
+            ({}, 400, "model: required"),
+            ({"layer": {**layer, "num_kv_heads": 3}}, 400, "layer.num_kv_heads: 3 does not divide num_heads 8"),
+            ({"layer": {**layer, "num_kv_heads": 0}}, 400, "layer.num_kv_heads: 0 is outside [1, 1024]"),
+            ({"layer": {**layer, "num_heads": "8"}}, 400, "layer.num_heads: expected an integer"),
+            ({"layer": {"num_heads": 8}}, 400, "layer.d_model: required"),
+            ({"layer": {**layer, "d_model": 60}}, 400, "layer.num_heads: 8 does not divide d_model 60"),
+            ({"layer": {**layer, "seed": -1}}, 400, "layer.seed"),
+            ({"layer": {**layer, "rotary": {"rotary_dim": 3}}}, 400, "layer.rotary.rotary_dim: must be even"),
+            ({"layer": {**layer, "rotary": {"theta": 0.5}}}, 400, "layer.rotary.theta"),
+            ({"layer": {**layer, "rotary": "yes"}}, 400, "layer.rotary"),
+            ({"layer": [64, 8]}, 400, "layer: expected"),
+            ({"layer": {"d_model": 2048, "num_heads": 16}}, 400, "layer (weight bytes as FP32)"),
+            ({"layer": {"d_model": 8192, "num_heads": 64},
+              "inputs": {"random": {"seed": 1, "seq_len": LONG_S}}}, 400, "inputs.random.seq_len"),
+            ({"layer": layer, "head_mask": [1] * 12}, 400, "head_mask"),
+        ]
+        for change, code, start in cases:
+            status, _, reply = self.api("/explorer/api/attend", {"inputs": inputs, **change})
+            self.assertEqual(status, code, f"{change}: {reply}")
+            self.assertTrue(reply["error"].startswith(start), f"{change}: {reply['error']}")
+        status, _, reply = self.api("/explorer/api/attend", {"inputs": inputs,
+                                                             "layer": {"d_model": 2048, "num_heads": 16}})
+        self.assertIn("max_adhoc_weight_bytes", reply["error"])
 
     def test_a_long_sequence_answers_a_grid_within_the_limits_and_memory(self):
         seed = int(self.rng.integers(0, 1 << 53))

@@ -20,7 +20,11 @@ fetched through /explorer/api/inputs, or a .npy the test wrote and uploaded):
   - S=4096 renders pooled, a region over limits.max_region_cells is refused
     by the page (no request) with a message, a smaller one is fetched at full
     resolution and its hover matches Attend's row;
-  - a file that is not a .npy gets a message naming the file and the problem.
+  - a file that is not a .npy gets a message naming the file and the problem;
+  - the model choice's ad-hoc layer (grouped-query heads, RoPE, seeded
+    weights): the server's refusal of a bad head configuration shows in the
+    page's error place, a good one renders, its hover and a head's removal
+    match Attend with the same LayerSpec.
 
 Screenshots of each view go to --screenshots (default: the build folder's
 tests/explorer/screenshots; build folders are ignored by git).
@@ -131,11 +135,12 @@ class ExplorerInBrowser(unittest.TestCase):
         with urllib.request.urlopen(request, timeout=WAIT) as response:
             return json.loads(response.read())
 
-    def seeded_inputs(self, seed, seq_len):
+    def seeded_inputs(self, seed, seq_len, d_model=None):
         """The hidden states the page's {"random": ...} runs on, [seq_len, d_model]."""
-        npy = self.api("inputs", {"seed": seed, "seq_len": seq_len, "d_model": self.model["d_model"]})["npy"]
+        d_model = d_model or self.model["d_model"]
+        npy = self.api("inputs", {"seed": seed, "seq_len": seq_len, "d_model": d_model})["npy"]
         x = np.load(io.BytesIO(base64.b64decode(npy)))
-        self.assertEqual(x.shape, (seq_len, self.model["d_model"]))
+        self.assertEqual(x.shape, (seq_len, d_model))
         return x
 
     # --- The browser ----------------------------------------------------------
@@ -500,6 +505,68 @@ class ExplorerInBrowser(unittest.TestCase):
         maps = self.client.attend(x[None], maps="per-head").maps[0]
         q, k, shown, _ = self.hover(7, 12)
         self.assertLessEqual(abs(float(shown) - maps[head, q, k]), significant_tolerance(float(maps[head, q, k])))
+
+    def test_an_adhoc_layer_runs_and_its_hover_matches_attend(self):
+        from attnserve.v1 import attention_pb2 as pb
+        from selenium.webdriver.support.ui import Select
+        self.open_page()
+        rng = np.random.default_rng()
+        d, heads, kv_heads, S = 64, 8, 2, 24
+        layer_seed, seed = int(rng.integers(0, 2**31)), int(rng.integers(0, 2**31))
+        select = Select(self.el("model"))
+        self.assertFalse(self.el("layer-fields").is_displayed())
+        select.select_by_index(len(select.options) - 1)
+        self.assertEqual(select.first_selected_option.get_attribute("id"), "model-adhoc")
+        self.assertTrue(self.el("layer-fields").is_displayed())
+        self.assertEqual(self.el("layer-heads").get_attribute("max"), str(self.limits["layer"]["max_heads"]))
+        self.assertIn("limits.layer.max_weight_bytes", self.el("layer-info").text)
+        for field, value in [("layer-d-model", d), ("layer-heads", heads), ("layer-kv-heads", 3),
+                             ("layer-seed", layer_seed), ("layer-theta", 10000)]:
+            self.set_field(field, str(value))
+        if not self.el("layer-rope").is_selected():
+            self.el("layer-rope").click()
+        # The server refuses 3 key/value heads for 8 heads; the page says so.
+        self.el("source-random").click()
+        self.set_field("seed", str(seed))
+        self.set_field("seq-len", str(S))
+        self.act("a bad head configuration", lambda: self.el("run").click(), expect="error")
+        self.assertIn("layer.num_kv_heads: 3 does not divide num_heads 8", self.el("error").text)
+
+        self.set_field("layer-kv-heads", str(kv_heads))
+        self.run_page(seed, S, causal=True)
+        self.assertIn(f"Ran the ad-hoc layer: d_model {d}, {heads} heads ({kv_heads} key/value heads), head_dim 8, "
+                      f"RoPE (theta 10000, 8 dims), weight seed {layer_seed}", self.el("model-info").text)
+        self.assertEqual(len(self.driver.find_elements("css selector", "#head-toggles input")), heads)
+        self.assertGreater(self.distinct_colours("grid-canvas"), 20)
+        self.assertGreater(self.distinct_colours("lines-canvas"), 5)
+
+        spec = pb.LayerSpec(head_config=pb.HeadConfig(d_model=d, num_heads=heads, num_kv_heads=kv_heads,
+                                                      rotary=pb.RotaryConfig(rotary_dim=d // heads, theta=10000)),
+                            seed=layer_seed)
+        x = self.seeded_inputs(seed, S, d)
+        maps = self.client.attend(x[None], layer=spec, causal=True, maps="per-head").maps[0]
+        head = int(rng.integers(0, heads))
+        self.click_tile(head)
+        for i, j in [(int(rng.integers(1, S)), 0), (S - 1, int(rng.integers(0, S))), (9, 4), (3, 7)]:
+            q, k, shown, text = self.hover(i, j)
+            if k > q:
+                self.assertEqual(shown, "masked", text)
+                continue
+            expected = float(maps[head, q, k])
+            self.assertLessEqual(abs(float(shown) - expected), significant_tolerance(expected),
+                                 f"ad-hoc head {head} query {q} key {k}: page {shown}, Attend {expected}")
+        # The head mask reruns the same layer: the output change two Attend calls give.
+        removed = (head + 3) % heads
+        self.act(f"ad-hoc head {removed} off", lambda: self.el(f"head-toggle-{removed}").click())
+        change = self.el("output-change")
+        full = self.client.attend(x[None], layer=spec, causal=True).output.astype(np.float64)
+        masked = self.client.attend(x[None], layer=spec, causal=True,
+                                    head_mask=[0.0 if h == removed else 1.0 for h in range(heads)])
+        expected = 100 * np.linalg.norm(masked.output.astype(np.float64) - full) / np.linalg.norm(full)
+        shown = float(change.get_attribute("data-percent"))
+        self.assertLessEqual(abs(shown - expected), significant_tolerance(expected) + 1e-4 * expected,
+                             f"ad-hoc head {removed} off: page {change.text!r}, Attend {expected:.6g}%")
+        self.screenshot("side", "adhoc_layer.png")
 
 
 if __name__ == "__main__":

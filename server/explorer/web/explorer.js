@@ -25,7 +25,8 @@
   const state = {
     models: [],
     limits: null,
-    base: null,  // the request's fixed part: model, inputs, causal, key_mask
+    base: null,  // the request's fixed part: model (or layer), inputs, causal, key_mask
+    sourceKey: "",  // which model or ad-hoc layer state.base runs
     uploadName: "",  // the uploaded file's name, for error messages
     inputsBytes: null,  // the uploaded .npy's bytes (export)
     response: null,  // the last /attend answer
@@ -239,12 +240,108 @@
     return state.models.find((m) => m.name === $("model").value) || null;
   }
 
+  // The model choice's last option is an ad-hoc layer (data-adhoc="1"):
+  // a head configuration of the user's, weights drawn from a seed.
+  function adHocChosen() {
+    const option = $("model").selectedOptions[0];
+    return Boolean(option && option.dataset.adhoc === "1");
+  }
+
+  function layerLimits() {
+    return state.limits && state.limits.layer ? state.limits.layer : {};
+  }
+
   function showModelInfo() {
+    const adhoc = adHocChosen();
+    $("layer-fields").hidden = !adhoc;
+    if (adhoc) {
+      $("model-info").textContent = "An attention layer of your own head configuration, its weights drawn from " +
+                                    "a seed (the server's seeded generator).";
+      showLayerInfo();
+      return;
+    }
     const m = currentModel();
     $("model-info").textContent = m
       ? `${m.num_heads} heads (${m.num_kv_heads} key/value heads), head_dim ${m.head_dim}, d_model ${m.d_model}, ` +
         `up to ${formatCount(m.max_seq_len)} tokens. ${m.description || ""}`
       : "";
+  }
+
+  // The ad-hoc layer's bounds (limits.layer) on its fields, and its weights'
+  // size against the server's limit.
+  function showLayerInfo() {
+    const l = layerLimits();
+    const bounds = {"layer-d-model": l.max_d_model, "layer-heads": l.max_heads, "layer-kv-heads": l.max_heads,
+                    "layer-head-dim": l.max_head_dim};
+    for (const [id, max] of Object.entries(bounds)) if (Number.isInteger(max)) $(id).max = String(max);
+    $("layer-theta").disabled = !$("layer-rope").checked;
+    const value = (id) => Number($(id).value.trim() === "" ? NaN : $(id).value);
+    const d = value("layer-d-model");
+    const h = value("layer-heads");
+    const kv = $("layer-kv-heads").value.trim() === "" ? h : value("layer-kv-heads");
+    const hd = $("layer-head-dim").value.trim() === "" ? d / h : value("layer-head-dim");
+    const parts = [];
+    if ([d, h, kv, hd].every((v) => Number.isInteger(v) && v > 0)) {
+      // As FP32: w_q, w_k, w_v, w_o and their biases.
+      const q = h * hd;
+      const kvw = kv * hd;
+      const bytes = 4 * (2 * d * q + 2 * d * kvw + q + 2 * kvw + d);
+      const max = l.max_weight_bytes;
+      parts.push(`weights ${formatBytes(bytes)}` +
+                 (Number.isFinite(max) ? ` of the server's ${formatBytes(max)} (limits.layer.max_weight_bytes)` : ""));
+    }
+    if (Number.isFinite(l.max_seq_len)) parts.push(`up to ${formatCount(l.max_seq_len)} tokens`);
+    $("layer-info").textContent = parts.join("; ");
+  }
+
+  // The ad-hoc layer's fields as the API's "layer"; each refusal names the
+  // field. What the sizes must satisfy together (KV heads divide heads, ...)
+  // the server checks.
+  function readLayer() {
+    const l = layerLimits();
+    const bound = (v) => (Number.isInteger(v) ? v : Number.MAX_SAFE_INTEGER);
+    const layer = {
+      d_model: readInteger("layer-d-model", "layer.d_model", 1, bound(l.max_d_model)),
+      num_heads: readInteger("layer-heads", "layer.num_heads", 1, bound(l.max_heads)),
+    };
+    layer.num_kv_heads = $("layer-kv-heads").value.trim() === ""
+      ? layer.num_heads : readInteger("layer-kv-heads", "layer.num_kv_heads", 1, bound(l.max_heads));
+    if ($("layer-head-dim").value.trim() !== "") {
+      layer.head_dim = readInteger("layer-head-dim", "layer.head_dim", 1, bound(l.max_head_dim));
+    }
+    layer.seed = readInteger("layer-seed", "layer.seed", 0, Number.MAX_SAFE_INTEGER);
+    if ($("layer-rope").checked) {
+      const text = $("layer-theta").value.trim();
+      const theta = Number(text);
+      if (text === "" || !Number.isFinite(theta) || !(theta > 1)) {
+        throw new UserError(`layer.rotary.theta: "${text}" is not a number greater than 1`);
+      }
+      layer.rotary = {theta};
+    }
+    return layer;
+  }
+
+  // What a request runs: a loaded model or the ad-hoc layer, with the
+  // figures the page needs before the answer.
+  function currentSource() {
+    if (adHocChosen()) {
+      const layer = readLayer();
+      const maxSeq = layerLimits().max_seq_len;
+      return {layer, d_model: layer.d_model, num_heads: layer.num_heads,
+              max_seq_len: Number.isInteger(maxSeq) ? maxSeq : Number.MAX_SAFE_INTEGER,
+              key: "layer:" + JSON.stringify(layer)};
+    }
+    const model = currentModel();
+    if (!model) throw new UserError("model: no model chosen (is the server reachable? try Reload models)");
+    return {model: model.name, d_model: model.d_model, num_heads: model.num_heads, max_seq_len: model.max_seq_len,
+            key: "model:" + model.name};
+  }
+
+  // What ran, from the answer's echo of an ad-hoc layer.
+  function describeLayer(l) {
+    const rope = l.rotary ? `RoPE (theta ${l.rotary.theta}, ${l.rotary.rotary_dim} dims)` : "no RoPE";
+    return `Ran the ad-hoc layer: d_model ${l.d_model}, ${l.num_heads} heads (${l.num_kv_heads} key/value heads), ` +
+           `head_dim ${l.head_dim}, ${rope}, weight seed ${l.seed}.`;
   }
 
   async function loadModels() {
@@ -254,6 +351,7 @@
       state.limits = answer.limits || null;
       const select = $("model");
       const previous = select.value;
+      const previousAdHoc = adHocChosen();
       select.textContent = "";
       for (const m of state.models) {
         const option = document.createElement("option");
@@ -261,9 +359,21 @@
         option.textContent = `${m.name} (${m.num_heads} heads, d_model ${m.d_model})`;
         select.appendChild(option);
       }
-      if (state.models.some((m) => m.name === previous)) select.value = previous;
+      if (state.limits && state.limits.layer) {
+        const option = document.createElement("option");
+        option.value = "";
+        option.dataset.adhoc = "1";
+        option.id = "model-adhoc";
+        option.textContent = "ad-hoc layer (your head configuration)";
+        select.appendChild(option);
+      }
+      if (previousAdHoc && select.lastElementChild && select.lastElementChild.dataset.adhoc === "1") {
+        select.selectedIndex = select.options.length - 1;
+      } else if (state.models.some((m) => m.name === previous)) {
+        select.value = previous;
+      }
       showModelInfo();
-      if (state.models.length === 0) throw new UserError("The server has no model loaded.");
+      if (select.options.length === 0) throw new UserError("The server has no model loaded.");
     });
   }
 
@@ -299,8 +409,7 @@
   }
 
   async function buildBase() {
-    const model = currentModel();
-    if (!model) throw new UserError("model: no model chosen (is the server reachable? try Reload models)");
+    const model = currentSource();
     let inputs;
     let S = null;
     state.uploadName = "";
@@ -325,7 +434,8 @@
       if (shape && (shape.length === 2 || shape.length === 3)) S = shape[shape.length - 2];
       inputs = {npy: bytesToBase64(bytes)};
     }
-    const base = {model: model.name, inputs, causal: $("causal").checked};
+    const base = model.layer ? {layer: model.layer} : {model: model.model};
+    Object.assign(base, {inputs, causal: $("causal").checked});
     const maskText = $("key-mask").value.trim();
     if (maskText !== "") {
       if (S === null) throw new UserError("key mask: the upload's length is unknown (its .npy header has no shape)");
@@ -355,11 +465,12 @@
     await busy("Computing the maps", async () => {
       showNotice("");
       const base = await buildBase();
-      const model = currentModel();
-      if (state.headMask.length !== model.num_heads || (state.base && state.base.model !== base.model)) {
+      const model = currentSource();
+      if (state.headMask.length !== model.num_heads || state.sourceKey !== model.key) {
         state.headMask = new Array(model.num_heads).fill(1);
       }
       state.base = base;
+      state.sourceKey = model.key;
       state.labels = parseLabels();
       state.largeHead = Math.min(state.largeHead, model.num_heads - 1);
       await attend();
@@ -370,6 +481,7 @@
   async function attend() {
     const answer = await api("api/attend", requestBody());
     state.response = answer;
+    if (answer.layer) $("model-info").textContent = describeLayer(answer.layer);
     state.S = answer.seq_len;
     state.H = answer.num_heads;
     if (!answer.grid) throw new Error("the answer has no grid");
@@ -991,7 +1103,9 @@
   }
 
   function fileStem() {
-    const model = state.base ? state.base.model : "model";
+    const l = state.base && state.base.layer;
+    const model = l ? `adhoc-d${l.d_model}-h${l.num_heads}-kv${l.num_kv_heads}-seed${l.seed}`
+      : (state.base ? state.base.model : "model");
     return `attnserve-${model.replace(/[^A-Za-z0-9_.-]/g, "_")}-S${state.S}`;
   }
 
@@ -1034,7 +1148,7 @@
         offerDownload(new Blob([state.inputsBytes], {type: "application/octet-stream"}), state.uploadName);
         return;
       }
-      const model = currentModel();
+      const model = currentSource();
       const answer = await api("api/inputs", {seed: base.inputs.random.seed, seq_len: base.inputs.random.seq_len,
                                               d_model: model.d_model});
       offerDownload(new Blob([base64ToBytes(answer.npy)], {type: "application/octet-stream"}),
@@ -1060,6 +1174,7 @@
     $("reload-models").addEventListener("click", loadModels);
     $("token").addEventListener("change", loadModels);
     $("model").addEventListener("change", showModelInfo);
+    $("layer-fields").addEventListener("input", showLayerInfo);
     $("npy-file").addEventListener("change", () => { $("source-npy").checked = true; });
     $("labels-file").addEventListener("change", onLabelsFile);
     $("head-toggles").addEventListener("change", onToggle);
