@@ -21,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "cli/npy.h"
+#include "core/attention_inputs.h"
 #include "core/head_config.h"
 #include "server/explorer/cell_mask.h"
 #include "server/explorer/max_pool_grid.h"
@@ -322,7 +323,7 @@ Json LayerEcho(const v1::LayerSpec& layer) {
   Json rotary = nullptr;
   if (c.rotary().rotary_dim() > 0) {
     rotary = {{"rotary_dim", c.rotary().rotary_dim()},
-              {"theta", c.rotary().theta() != 0.0f ? c.rotary().theta() : 10000.0f}};
+              {"theta", c.rotary().theta() != 0.0f ? c.rotary().theta() : core::RotaryConfig{}.theta}};
   }
   return {{"d_model", c.d_model()},
           {"num_heads", c.num_heads()},
