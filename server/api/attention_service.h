@@ -186,6 +186,13 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
                                          const v1::CloseSessionRequest* request,
                                          v1::CloseSessionResponse* response) override;
+  // SessionManager::LatestAttention, within --max_attention_map_bytes (and
+  // the response within --max_send_message_bytes). Computed on the gRPC
+  // thread, outside the manager's lock: one pass over the layer's keys
+  // (num_heads x length x head_dim), bounded by the map limit.
+  grpc::ServerUnaryReactor* GetLatestAttention(grpc::CallbackServerContext* context,
+                                               const v1::LatestAttentionRequest* request,
+                                               v1::LatestAttention* response) override;
 
  private:
   // Constant after construction.

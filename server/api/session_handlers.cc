@@ -1,7 +1,9 @@
 // AttentionServiceImpl's decode-session RPCs: OpenSession, Extend,
-// GetSession, ForkSession, TruncateSession, CloseSession. The sessions
+// GetSession, ForkSession, TruncateSession, CloseSession, GetLatestAttention. The sessions
 // themselves are SessionManager's (server/sessions/); Extend's steps are
 // planned and run by server/api/extend_runner.h.
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,6 +45,19 @@ void FinishWithSession(const absl::StatusOr<SessionInfo>& info, v1::Session* res
   if (info.ok()) ToProto(*info, response);
   reactor.FinishCall(ToGrpcStatus(info.status()));
 }
+
+// `values` as an FP32 tensor of `shape` (raw little-endian bytes).
+void SetFloats(const std::vector<float>& values, std::initializer_list<int64_t> shape,
+               v1::Tensor* tensor) {
+  tensor->set_dtype(v1::DATA_TYPE_FP32);
+  for (int64_t dim : shape) tensor->add_shape(dim);
+  tensor->set_raw_data(std::string(reinterpret_cast<const char*>(values.data()),
+                                   values.size() * sizeof(float)));
+}
+
+// Room a response leaves its framing and small fields under
+// --max_send_message_bytes.
+constexpr int64_t kResponseFramingBytes = int64_t{64} << 10;
 
 }  // namespace
 
@@ -249,6 +264,34 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(
   const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
   if (!owner) return reactor;
   reactor->FinishCall(ToGrpcStatus(sessions_->Close(request->session_id(), *owner)));
+  EndCall();
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetLatestAttention(
+    grpc::CallbackServerContext* context, const v1::LatestAttentionRequest* request,
+    v1::LatestAttention* response) {
+  auto* reactor = new ObservedReactor(context, RpcMethod::kGetLatestAttention, "", metrics_,
+                                      options_.access_log);
+  const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
+  if (!owner) return reactor;
+  const int64_t max_map_bytes =
+      std::min(options_.limits.max_attention_map_bytes,
+               options_.max_send_message_bytes - kResponseFramingBytes);
+  absl::StatusOr<LatestAttentionRead> read =
+      sessions_->LatestAttention(request->session_id(), *owner, request->layer(), max_map_bytes,
+                                 "--max_attention_map_bytes, --max_send_message_bytes");
+  if (read.ok()) {
+    response->set_session_id(request->session_id());
+    response->set_layer(request->layer());
+    response->set_length(read->length);
+    response->set_position(read->position);
+    SetFloats(read->maps, {read->num_heads, read->length}, response->mutable_maps());
+    v1::HeadStatistics* stats = response->mutable_head_statistics();
+    SetFloats(read->entropy, {read->num_heads}, stats->mutable_entropy());
+    SetFloats(read->max_weight, {read->num_heads}, stats->mutable_max_weight());
+  }
+  reactor->FinishCall(ToGrpcStatus(read.status()));
   EndCall();
   return reactor;
 }
