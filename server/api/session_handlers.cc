@@ -268,9 +268,78 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(
   return reactor;
 }
 
+// An admitted GetLatestAttention call waiting in the scheduler with its
+// layer's snapshot, then reading it alone on the compute executor.
+struct AttentionServiceImpl::LatestAttentionJob final : ScheduledWork {
+  LatestAttentionJob(AttentionServiceImpl* service, grpc::CallbackServerContext* context,
+                     const v1::LatestAttentionRequest* request, v1::LatestAttention* response,
+                     ObservedReactor* reactor, LatestSnapshot snapshot)
+      : service(service),
+        context(context),
+        request(request),
+        response(response),
+        reactor(reactor),
+        snapshot(std::move(snapshot)) {
+    tokens = 1;  // one query row
+    memory_bytes = this->snapshot.map_bytes;
+    deadline = DeadlineOf(*context);
+  }
+
+  bool IsCancelled() const override {
+    return context->IsCancelled() || service->cut_short_.load(std::memory_order_relaxed);
+  }
+  void Skip(absl::Status status) override {
+    reactor->observer().Dequeued(absl::Now() - enqueued);
+    service->metrics_->OnSkipped(absl::IsDeadlineExceeded(status)
+                                     ? Metrics::SkipReason::kDeadline
+                                     : Metrics::SkipReason::kCancelled);
+    Finish(std::move(status));
+  }
+  // Answers with `status` (the response filled when OK); the snapshot's
+  // blocks go back first.
+  void Finish(absl::Status status) {
+    snapshot.cache.reset();
+    if (!status.ok()) response->Clear();
+    reactor->FinishCall(ToGrpcStatus(status));
+    service->EndCall();
+  }
+
+  AttentionServiceImpl* const service;
+  grpc::CallbackServerContext* const context;
+  const v1::LatestAttentionRequest* const request;
+  v1::LatestAttention* const response;
+  ObservedReactor* const reactor;
+  LatestSnapshot snapshot;
+};
+
+bool AttentionServiceImpl::IsLatestAttentionJob(const ScheduledWork& work) {
+  return dynamic_cast<const LatestAttentionJob*>(&work) != nullptr;
+}
+
+void AttentionServiceImpl::RunLatestAttentionJob(std::unique_ptr<ScheduledWork> work) {
+  auto& job = static_cast<LatestAttentionJob&>(*work);
+  const absl::Time start = absl::Now();
+  job.reactor->observer().Dequeued(start - job.enqueued);
+  const absl::StatusOr<LatestAttentionRead> read = SessionManager::ReadLatest(job.snapshot);
+  if (read.ok()) {
+    v1::LatestAttention* response = job.response;
+    response->set_session_id(job.request->session_id());
+    response->set_layer(job.request->layer());
+    response->set_length(read->length);
+    response->set_position(read->position);
+    SetFloats(read->maps, {read->num_heads, read->length}, response->mutable_maps());
+    v1::HeadStatistics* stats = response->mutable_head_statistics();
+    SetFloats(read->entropy, {read->num_heads}, stats->mutable_entropy());
+    SetFloats(read->max_weight, {read->num_heads}, stats->mutable_max_weight());
+    job.reactor->observer().set_compute(absl::Now() - start);
+  }
+  job.Finish(read.status());
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetLatestAttention(
     grpc::CallbackServerContext* context, const v1::LatestAttentionRequest* request,
     v1::LatestAttention* response) {
+  NoteArrival();
   auto* reactor = new ObservedReactor(context, RpcMethod::kGetLatestAttention, "", metrics_,
                                       options_.access_log);
   const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
@@ -278,21 +347,22 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetLatestAttention(
   const int64_t max_map_bytes =
       std::min(options_.limits.max_attention_map_bytes,
                options_.max_send_message_bytes - kResponseFramingBytes);
-  absl::StatusOr<LatestAttentionRead> read =
-      sessions_->LatestAttention(request->session_id(), *owner, request->layer(), max_map_bytes,
-                                 "--max_attention_map_bytes, --max_send_message_bytes");
-  if (read.ok()) {
-    response->set_session_id(request->session_id());
-    response->set_layer(request->layer());
-    response->set_length(read->length);
-    response->set_position(read->position);
-    SetFloats(read->maps, {read->num_heads, read->length}, response->mutable_maps());
-    v1::HeadStatistics* stats = response->mutable_head_statistics();
-    SetFloats(read->entropy, {read->num_heads}, stats->mutable_entropy());
-    SetFloats(read->max_weight, {read->num_heads}, stats->mutable_max_weight());
+  absl::StatusOr<LatestSnapshot> snapshot =
+      sessions_->SnapshotLatest(request->session_id(), *owner, request->layer(), max_map_bytes,
+                                "--max_attention_map_bytes, --max_send_message_bytes");
+  if (!snapshot.ok()) {
+    reactor->FinishCall(ToGrpcStatus(snapshot.status()));
+    EndCall();
+    return reactor;
   }
-  reactor->FinishCall(ToGrpcStatus(read.status()));
-  EndCall();
+  metrics_->OnQueued();
+  absl::Status submitted = scheduler_->Submit(std::make_unique<LatestAttentionJob>(
+      this, context, request, response, reactor, *std::move(snapshot)));
+  if (!submitted.ok()) {  // the refused job was destroyed in Submit, unanswered
+    metrics_->OnQueueRefused();
+    reactor->FinishCall(ToGrpcStatus(submitted));
+    EndCall();
+  }
   return reactor;
 }
 

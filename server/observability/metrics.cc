@@ -127,14 +127,11 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
       return {StatusCode::kOk,      StatusCode::kInvalidArgument, StatusCode::kNotFound,
               StatusCode::kAborted, StatusCode::kUnavailable,     StatusCode::kUnauthenticated};
     case RpcMethod::kGetLatestAttention:
-      return {StatusCode::kOk,
-              StatusCode::kInvalidArgument,
-              StatusCode::kNotFound,
-              StatusCode::kAborted,
-              StatusCode::kFailedPrecondition,
-              StatusCode::kResourceExhausted,
-              StatusCode::kUnavailable,
-              StatusCode::kUnauthenticated};
+      return {StatusCode::kOk,           StatusCode::kInvalidArgument,
+              StatusCode::kNotFound,     StatusCode::kAborted,
+              StatusCode::kFailedPrecondition, StatusCode::kResourceExhausted,
+              StatusCode::kUnavailable,  StatusCode::kDeadlineExceeded,
+              StatusCode::kCancelled,    StatusCode::kUnauthenticated};
   }
   return {};
 }

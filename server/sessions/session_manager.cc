@@ -479,56 +479,61 @@ absl::StatusOr<std::shared_ptr<const Model>> SessionManager::LayerModel(absl::st
   return session.layers[static_cast<size_t>(layer)].model;
 }
 
-absl::StatusOr<LatestAttentionRead> SessionManager::LatestAttention(
-    absl::string_view id, absl::string_view owner, int layer, int64_t max_map_bytes,
-    absl::string_view limit_flags) {
-  std::unique_ptr<core::LayerKvCache> snapshot;
-  std::shared_ptr<const Model> model;
-  LatestAttentionRead read;
-  {
-    absl::MutexLock lock(&mu_);
-    absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
-    if (!found.ok()) return found.status();
-    const Session& session = **found;
-    if (layer < 0 || layer >= static_cast<int>(session.layers.size())) {
-      return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is outside [0, ",
-                                                     session.layers.size(), ")"));
-    }
-    const SessionLayer& target = session.layers[static_cast<size_t>(layer)];
-    if (target.step_in_flight) {
-      return absl::AbortedError(absl::StrCat("session ", session.id, ": a step on layer ", layer,
-                                             " is in flight; read between steps"));
-    }
-    if (target.length == 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "session ", session.id, ": layer ", layer,
-          " holds no tokens, so it has no latest token; extend it by a token first"));
-    }
-    if (target.cache->latest_query().empty()) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "session ", session.id, ": layer ", layer,
-          " was truncated since its last step, so its latest token's query is not kept; "
-          "extend it by a token first"));
-    }
-    model = target.model;
-    read.num_heads = static_cast<int>(model->layer->config().num_heads);
-    read.length = target.length;
-    read.position = session.first_position + target.length - 1;
-    // num_heads <= kMaxHeads and length <= 2^30: no overflow.
-    const int64_t bytes = int64_t{read.num_heads} * read.length * 4;
-    if (bytes > max_map_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "session ", session.id, ": layer ", layer, "'s maps (", read.num_heads, " heads x ",
-          read.length, " tokens x 4 bytes = ", bytes, " bytes) would pass this server's limit of ",
-          max_map_bytes, " bytes (", limit_flags, ")"));
-    }
-    snapshot = target.cache->Fork();
+absl::StatusOr<LatestSnapshot> SessionManager::SnapshotLatest(absl::string_view id,
+                                                              absl::string_view owner, int layer,
+                                                              int64_t max_map_bytes,
+                                                              absl::string_view limit_flags) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
+  if (!found.ok()) return found.status();
+  const Session& session = **found;
+  if (layer < 0 || layer >= static_cast<int>(session.layers.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is outside [0, ",
+                                                   session.layers.size(), ")"));
   }
-  const core::HeadConfig& config = model->layer->config();
+  const SessionLayer& target = session.layers[static_cast<size_t>(layer)];
+  if (target.step_in_flight) {
+    return absl::AbortedError(absl::StrCat("session ", session.id, ": a step on layer ", layer,
+                                           " is in flight; read between steps"));
+  }
+  if (target.length == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", session.id, ": layer ", layer,
+        " holds no tokens, so it has no latest token; extend it by a token first"));
+  }
+  if (target.cache->latest_query().empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", session.id, ": layer ", layer,
+        " was truncated since its last step, so its latest token's query is not kept; "
+        "extend it by a token first"));
+  }
+  const int64_t heads = target.model->layer->config().num_heads;
+  // heads <= kMaxHeads and length <= 2^30: no overflow.
+  const int64_t bytes = heads * target.length * 4;
+  if (bytes > max_map_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", session.id, ": layer ", layer, "'s maps (", heads, " heads x ", target.length,
+        " tokens x 4 bytes = ", bytes, " bytes) would pass this server's limit of ", max_map_bytes,
+        " bytes (", limit_flags, ")"));
+  }
+  LatestSnapshot snapshot;
+  snapshot.cache = target.cache->Fork();
+  snapshot.model = target.model;
+  snapshot.position = session.first_position + target.length - 1;
+  snapshot.map_bytes = bytes;
+  return snapshot;
+}
+
+absl::StatusOr<LatestAttentionRead> SessionManager::ReadLatest(const LatestSnapshot& snapshot) {
+  const core::HeadConfig& config = snapshot.model->layer->config();
+  LatestAttentionRead read;
+  read.num_heads = static_cast<int>(config.num_heads);
+  read.length = snapshot.cache->length();
+  read.position = snapshot.position;
   read.maps.resize(static_cast<size_t>(read.num_heads * read.length));
   read.entropy.resize(static_cast<size_t>(read.num_heads));
   read.max_weight.resize(static_cast<size_t>(read.num_heads));
-  if (absl::Status status = core::LatestAttention(*snapshot, read.num_heads, config.scale,
+  if (absl::Status status = core::LatestAttention(*snapshot.cache, read.num_heads, config.scale,
                                                   absl::MakeSpan(read.maps),
                                                   absl::MakeSpan(read.entropy),
                                                   absl::MakeSpan(read.max_weight));
@@ -537,6 +542,15 @@ absl::StatusOr<LatestAttentionRead> SessionManager::LatestAttention(
         absl::StrCat("the latest attention refused a checked layer: ", status.message()));
   }
   return read;
+}
+
+absl::StatusOr<LatestAttentionRead> SessionManager::LatestAttention(
+    absl::string_view id, absl::string_view owner, int layer, int64_t max_map_bytes,
+    absl::string_view limit_flags) {
+  absl::StatusOr<LatestSnapshot> snapshot =
+      SnapshotLatest(id, owner, layer, max_map_bytes, limit_flags);
+  if (!snapshot.ok()) return snapshot.status();
+  return ReadLatest(*snapshot);
 }
 
 absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::string_view owner,

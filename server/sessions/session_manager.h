@@ -65,6 +65,14 @@ struct LatestAttentionRead {
   std::vector<float> max_weight;  // [num_heads]
 };
 
+// A layer's latest token taken for a read (SessionManager::SnapshotLatest).
+struct LatestSnapshot {
+  std::unique_ptr<core::LayerKvCache> cache;  // sharing the layer's blocks
+  std::shared_ptr<const Model> model;
+  int64_t position = 0;  // the latest token's RoPE position
+  int64_t map_bytes = 0;  // of the read's maps
+};
+
 // What the KV cache and the sessions hold, read together (for metrics).
 struct SessionStats {
   int64_t sessions = 0;
@@ -190,17 +198,26 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<const Model>> LayerModel(absl::string_view id,
                                                           absl::string_view owner, int layer);
 
-  // What layer `layer`'s latest token attends to: its query, kept from the
-  // step that appended it, against every key the layer holds, per head
-  // (core::LatestAttention); the session is not extended, nor its idle time
-  // renewed. The layer is read from a copy-on-write snapshot of its blocks
-  // taken under the lock, and computed outside it: a step that begins
-  // meanwhile runs as usual. NOT_FOUND as above; INVALID_ARGUMENT naming
-  // "layer"; ABORTED while a step on the layer is in flight (as a second
-  // step would be); FAILED_PRECONDITION when the layer holds no tokens or
-  // was truncated since its last step (extend it by a token first);
-  // RESOURCE_EXHAUSTED when the maps (num_heads x length x 4 bytes) would
-  // pass `max_map_bytes` (named `limit_flags` in the message).
+  // Takes layer `layer`'s latest token for a read of what it attends to
+  // (ReadLatest), without extending the session or renewing its idle time:
+  // a copy-on-write snapshot of the layer's cache (its blocks shared, so a
+  // step that begins meanwhile runs as usual), taken under the lock.
+  // NOT_FOUND as above; INVALID_ARGUMENT naming "layer"; ABORTED while a
+  // step on the layer is in flight (as a second step would be);
+  // FAILED_PRECONDITION when the layer holds no tokens or was truncated
+  // since its last step (extend it by a token first); RESOURCE_EXHAUSTED
+  // when the maps (num_heads x length x 4 bytes) would pass `max_map_bytes`
+  // (`limit_flags` named in the message). The snapshot must go before the
+  // manager does.
+  absl::StatusOr<LatestSnapshot> SnapshotLatest(absl::string_view id, absl::string_view owner,
+                                                int layer, int64_t max_map_bytes,
+                                                absl::string_view limit_flags);
+  // What a snapshot's latest token attends to: its query, kept from the step
+  // that appended it, against every key the layer holds, per head
+  // (core::LatestAttention). Thread-safe, without the manager's lock: the
+  // compute executor's part. INTERNAL only for a broken invariant.
+  static absl::StatusOr<LatestAttentionRead> ReadLatest(const LatestSnapshot& snapshot);
+  // SnapshotLatest then ReadLatest, on the calling thread.
   absl::StatusOr<LatestAttentionRead> LatestAttention(absl::string_view id,
                                                       absl::string_view owner, int layer,
                                                       int64_t max_map_bytes,
