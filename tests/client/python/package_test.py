@@ -30,7 +30,8 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "e2e"))
-from harness import (Server, machine_runs_bf16, reference_attention, rel_error,  # noqa: E402
+from harness import (Server, machine_runs_bf16, metric, parse_exposition, reference_attention, rel_error,  # noqa: E402
+                     wait_until,
                      seeded_weights, write_safetensors)
 
 import attnserve  # noqa: E402
@@ -548,7 +549,8 @@ class LatestAttention(unittest.TestCase):
         tokens = os.path.join(repo, "tokens.txt")
         with open(tokens, "w") as f:
             f.write(f"{cls.TOKEN}\n{cls.OTHER}\n")
-        cls.server = Server(ARGS.server, f"--model_repository={repo}", f"--auth_tokens_file={tokens}")
+        cls.server = Server(ARGS.server, f"--model_repository={repo}", f"--auth_tokens_file={tokens}",
+                            "--access_log", f"--replica_name={REPLICA}")
         cls.client = attnserve.Client(cls.server.target, token=cls.TOKEN, timeout=120)
         cls.client.wait_until_serving(timeout=120)
         cls.rng = rng
@@ -629,6 +631,23 @@ class LatestAttention(unittest.TestCase):
                         with self.assertRaises(attnserve.InvalidArgumentError) as caught:
                             s.latest_attention(layer=1)
                         self.assertEqual(caught.exception.field, "layer")
+
+    def test_the_read_is_observed_as_the_other_session_calls(self):
+        with self.client.open_session("gqa_rope") as s:
+            s.extend(self.rng.standard_normal((2, self.D)).astype(np.float32))
+            request = attnserve.v1.attention_pb2.LatestAttentionRequest(session_id=s.id, layer=0)
+            response, call = self.client.stub.GetLatestAttention.with_call(
+                request, metadata=[("authorization", f"Bearer {self.TOKEN}")], timeout=60)
+            self.assertEqual(response.length, 2)
+            self.assertIn(("attnserve-replica", REPLICA), call.initial_metadata())
+            with self.assertRaises(grpc.RpcError) as caught:  # no token
+                self.client.stub.GetLatestAttention(request, timeout=60)
+            self.assertEqual(caught.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+        wait_until("the read's access log line", lambda: any(
+            '"method":"GetLatestAttention"' in line and '"code":"OK"' in line for line in list(self.server.log)), 60)
+        wait_until("the read's request counter", lambda: metric(
+            parse_exposition(self.server.scrape_text()), "attnserve_requests_total", method="GetLatestAttention",
+            code="UNAUTHENTICATED") == 1, 60)
 
     def test_another_token_gets_not_found(self):
         with self.client.open_session("mha") as s:

@@ -3,7 +3,8 @@
 // double-precision reference layer run causally over the whole sequence so
 // far (FP32 KV within 1e-5, BF16 KV within 2e-2, relative Frobenius); a
 // micro-batch answers each step on its own; retries replay; forks diverge;
-// truncation rewinds; tokens own their sessions; the metrics show them.
+// truncation rewinds; tokens own their sessions; the metrics show them;
+// GetLatestAttention reads the last row of the latest step's maps.
 // ExtendStream answers each message as Extend does (the same bits), in
 // order; a bad step is refused by its code while the stream goes on; a
 // message that fails as a whole ends the stream with its status;
