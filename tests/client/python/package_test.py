@@ -400,14 +400,15 @@ class AgainstServer(unittest.TestCase):
                     await client.attend(x, model="no-such-model")
                 async with await client.open_session(routing_key="key-1") as session:
                     self.assertEqual((session.routing_key, session.replica), ("key-1", REPLICA))
-                    step = await session.extend(prompt)
+                    step = await session.extend(prompt, maps=True)
                     info = await session.info()
+                    latest = await session.latest_attention()
                     fork = await session.fork()
                     self.assertEqual((fork.routing_key, fork.replica), ("key-1", REPLICA))
                     await fork.close()
-                return results, streamed, caught.exception, step, info
+                return results, streamed, caught.exception, step, info, latest
 
-        results, streamed, error, step, info = asyncio.run(main())
+        results, streamed, error, step, info, latest = asyncio.run(main())
         ref_out, ref_maps = self.reference(x)
         for i, r in enumerate(results):
             self.assertLessEqual(rel_error(r.output[0], ref_out[i]), 1e-5)
@@ -416,6 +417,8 @@ class AgainstServer(unittest.TestCase):
         self.assertEqual(error.field, "model")
         self.assertLessEqual(rel_error(step.output, self.reference_rows(prompt, 0, 5)), 1e-5)
         self.assertEqual(info.layer_lengths, (5,))
+        self.assertEqual((latest.length, latest.position), (5, 4))
+        np.testing.assert_allclose(latest.maps, step.maps[:, -1, :], rtol=0, atol=1e-6)
 
 
 class WithTokens(unittest.TestCase):
