@@ -238,7 +238,9 @@ class AttentionServiceServicer(object):
         holds no tokens or was truncated since its last step (its latest token's
         query is not kept: extend it by a token first); ABORTED while a step
         runs on the layer; RESOURCE_EXHAUSTED when the maps would pass
-        --max_attention_map_bytes.
+        --max_attention_map_bytes (or the response --max_send_message_bytes),
+        or the queue is full. It runs on the compute executor, as Extend does:
+        the call's deadline and cancellation apply while it waits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
