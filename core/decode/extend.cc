@@ -13,6 +13,7 @@
 //                       cache (FP32 heads; BF16: converted from kContextHeads)
 //  6. out [R, d_model]  = context W_o + b_o, one matmul (Impl::ProjectContext)
 //                       into kOutputs, then scattered to the items' outputs
+//  7. each item's last new row's Q [Hq, hd] kept in its cache (latest_query)
 //
 // should_stop is polled between the stages; a call that fails after step 4
 // truncates every cache it appended to back to its length (AppendRollback).
@@ -308,6 +309,20 @@ void ScatterOutputs(const HeadConfig& config, const ExtendStep& step, WorkspaceS
   }
 }
 
+// Each item's last new row's query (kQStage, [Hq, hd] FP32 after RoPE) kept
+// in its cache, for a later read of that token's attention. Last, when
+// nothing can fail any more: a failed call keeps the caches' earlier queries.
+void KeepLatestQueries(const HeadConfig& config, const ExtendStep& step,
+                       WorkspaceState& workspace) {
+  const float* const q = workspace.data<float>(Scratch::kQStage);
+  const int64_t q_width = config.q_width();
+  for (const ExtendStep::Item& item : step.items) {
+    if (!item.appended) continue;
+    item.item->cache->SetLatestQuery(
+        absl::MakeConstSpan(q + (item.row + item.n - 1) * q_width, static_cast<size_t>(q_width)));
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<ForwardInfo> AttentionLayer::Impl::Extend(absl::Span<ExtendItem> items,
@@ -352,6 +367,7 @@ absl::Status AttentionLayer::Impl::ExtendOn(ExtendStep& step, const ExtendOption
                                            workspace.data<float>(Scratch::kOutputs)));
   workspace.stream.wait();
   ScatterOutputs(config_, step, workspace);
+  KeepLatestQueries(config_, step, workspace);
   rollback.Commit();
   return absl::OkStatus();
 }

@@ -92,7 +92,17 @@ absl::Status LayerKvCache::Truncate(int64_t length) {
   pool_->Release(absl::MakeConstSpan(blocks_).subspan(keep));
   blocks_.resize(keep);
   length_ = length;
+  if (length < latest_query_length_) {
+    latest_query_.clear();
+    latest_query_length_ = 0;
+  }
   return absl::OkStatus();
+}
+
+void LayerKvCache::SetLatestQuery(absl::Span<const float> query) {
+  if (query.empty() || length_ == 0) return;
+  latest_query_.assign(query.begin(), query.end());
+  latest_query_length_ = length_;
 }
 
 std::unique_ptr<LayerKvCache> LayerKvCache::Fork() const {
@@ -100,6 +110,8 @@ std::unique_ptr<LayerKvCache> LayerKvCache::Fork() const {
   std::unique_ptr<LayerKvCache> child(new LayerKvCache(pool_, layout_));
   child->blocks_ = blocks_;
   child->length_ = length_;
+  child->latest_query_ = latest_query_;
+  child->latest_query_length_ = latest_query_length_;
   return child;
 }
 

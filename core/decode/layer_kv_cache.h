@@ -44,14 +44,31 @@ class LayerKvCache {
   // blocks; the cache is unchanged on either.
   absl::Status Append(absl::Span<const float> k, absl::Span<const float> v, int64_t n);
 
-  // Keeps the first `length` tokens and releases the blocks past them.
+  // Keeps the first `length` tokens and releases the blocks past them; the
+  // latest query goes when the token it belongs to does (length below it).
   // INVALID_ARGUMENT (nothing changed) unless 0 <= length <= length().
   absl::Status Truncate(int64_t length);
 
-  // A new cache with the same tokens, sharing every block (reference counts
-  // incremented, nothing copied); either may then append without changing the
-  // other's rows. Cannot fail.
+  // A new cache with the same tokens (and latest query), sharing every block
+  // (reference counts incremented, nothing copied); either may then append
+  // without changing the other's rows. Cannot fail.
   std::unique_ptr<LayerKvCache> Fork() const;
+
+  // The query of the cache's last token as its step's attention used it
+  // (Extend keeps it: [num_heads, head_dim] FP32, RoPE applied), for a read
+  // of what that token attends to (core/decode/latest_attention.h). Empty
+  // when the last token's query is not kept: no step kept one, the cache was
+  // truncated below its token, or tokens were appended after it without one.
+  absl::Span<const float> latest_query() const {
+    return latest_query_length_ == length_ ? absl::MakeConstSpan(latest_query_)
+                                           : absl::Span<const float>();
+  }
+  // Keeps `query` as the last token's (length() >= 1; a no-op when empty).
+  void SetLatestQuery(absl::Span<const float> query);
+  // Bytes the kept query takes (also while a later append hides it).
+  int64_t latest_query_bytes() const {
+    return static_cast<int64_t>(latest_query_.size() * sizeof(float));
+  }
 
   int64_t length() const { return length_; }
   const KvLayout& layout() const { return layout_; }
@@ -93,6 +110,10 @@ class LayerKvCache {
 
   std::vector<KvBlockHandle> blocks_;
   int64_t length_ = 0;
+  // The latest query and the length the cache had when it was kept (0:
+  // none); it is the last token's while that length is length_.
+  std::vector<float> latest_query_;
+  int64_t latest_query_length_ = 0;
 };
 
 }  // namespace attnserve::core

@@ -120,6 +120,10 @@ void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> 
     RunExtendJob(std::move(batch.front()));
     return;
   }
+  if (IsLatestAttentionJob(*batch.front())) {  // alone too (batch_key 0)
+    RunLatestAttentionJob(std::move(batch.front()));
+    return;
+  }
   const absl::Time start = absl::Now();
   std::vector<AttendJob*> jobs;
   for (const auto& work : batch) {

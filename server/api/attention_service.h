@@ -186,6 +186,14 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* context,
                                          const v1::CloseSessionRequest* request,
                                          v1::CloseSessionResponse* response) override;
+  // SessionManager::SnapshotLatest on the gRPC thread (the maps within
+  // --max_attention_map_bytes and the response within
+  // --max_send_message_bytes), then ReadLatest on the compute executor, alone
+  // (a job of the scheduler: the queue's limits, deadlines and cancellation
+  // apply as to Extend's).
+  grpc::ServerUnaryReactor* GetLatestAttention(grpc::CallbackServerContext* context,
+                                               const v1::LatestAttentionRequest* request,
+                                               v1::LatestAttention* response) override;
 
  private:
   // Constant after construction.
@@ -213,6 +221,10 @@ class AttentionServiceImpl final
   struct ExtendJob;
   static bool IsExtendJob(const ScheduledWork& work);
   void RunExtendJob(std::unique_ptr<ScheduledWork> work);
+  // An admitted GetLatestAttention call (session_handlers.cc): always alone.
+  struct LatestAttentionJob;
+  static bool IsLatestAttentionJob(const ScheduledWork& work);
+  void RunLatestAttentionJob(std::unique_ptr<ScheduledWork> work);
   // After a batch, on the executor: keeps the workspace's scratch for the
   // next batch up to kRetainedWorkspaceBytes, and marks it for
   // ReleaseComputeMemory.

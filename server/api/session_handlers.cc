@@ -1,7 +1,9 @@
 // AttentionServiceImpl's decode-session RPCs: OpenSession, Extend,
-// GetSession, ForkSession, TruncateSession, CloseSession. The sessions
+// GetSession, ForkSession, TruncateSession, CloseSession, GetLatestAttention. The sessions
 // themselves are SessionManager's (server/sessions/); Extend's steps are
 // planned and run by server/api/extend_runner.h.
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -43,6 +45,19 @@ void FinishWithSession(const absl::StatusOr<SessionInfo>& info, v1::Session* res
   if (info.ok()) ToProto(*info, response);
   reactor.FinishCall(ToGrpcStatus(info.status()));
 }
+
+// `values` as an FP32 tensor of `shape` (raw little-endian bytes).
+void SetFloats(const std::vector<float>& values, std::initializer_list<int64_t> shape,
+               v1::Tensor* tensor) {
+  tensor->set_dtype(v1::DATA_TYPE_FP32);
+  for (int64_t dim : shape) tensor->add_shape(dim);
+  tensor->set_raw_data(std::string(reinterpret_cast<const char*>(values.data()),
+                                   values.size() * sizeof(float)));
+}
+
+// Room a response leaves its framing and small fields under
+// --max_send_message_bytes.
+constexpr int64_t kResponseFramingBytes = int64_t{64} << 10;
 
 }  // namespace
 
@@ -250,6 +265,104 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CloseSession(
   if (!owner) return reactor;
   reactor->FinishCall(ToGrpcStatus(sessions_->Close(request->session_id(), *owner)));
   EndCall();
+  return reactor;
+}
+
+// An admitted GetLatestAttention call waiting in the scheduler with its
+// layer's snapshot, then reading it alone on the compute executor.
+struct AttentionServiceImpl::LatestAttentionJob final : ScheduledWork {
+  LatestAttentionJob(AttentionServiceImpl* service, grpc::CallbackServerContext* context,
+                     const v1::LatestAttentionRequest* request, v1::LatestAttention* response,
+                     ObservedReactor* reactor, LatestSnapshot snapshot)
+      : service(service),
+        context(context),
+        request(request),
+        response(response),
+        reactor(reactor),
+        snapshot(std::move(snapshot)) {
+    tokens = 1;  // one query row
+    memory_bytes = this->snapshot.map_bytes;
+    deadline = DeadlineOf(*context);
+  }
+
+  bool IsCancelled() const override {
+    return context->IsCancelled() || service->cut_short_.load(std::memory_order_relaxed);
+  }
+  void Skip(absl::Status status) override {
+    reactor->observer().Dequeued(absl::Now() - enqueued);
+    service->metrics_->OnSkipped(absl::IsDeadlineExceeded(status)
+                                     ? Metrics::SkipReason::kDeadline
+                                     : Metrics::SkipReason::kCancelled);
+    Finish(std::move(status));
+  }
+  // Answers with `status` (the response filled when OK); the snapshot's
+  // blocks go back first.
+  void Finish(absl::Status status) {
+    snapshot.cache.reset();
+    if (!status.ok()) response->Clear();
+    reactor->FinishCall(ToGrpcStatus(status));
+    service->EndCall();
+  }
+
+  AttentionServiceImpl* const service;
+  grpc::CallbackServerContext* const context;
+  const v1::LatestAttentionRequest* const request;
+  v1::LatestAttention* const response;
+  ObservedReactor* const reactor;
+  LatestSnapshot snapshot;
+};
+
+bool AttentionServiceImpl::IsLatestAttentionJob(const ScheduledWork& work) {
+  return dynamic_cast<const LatestAttentionJob*>(&work) != nullptr;
+}
+
+void AttentionServiceImpl::RunLatestAttentionJob(std::unique_ptr<ScheduledWork> work) {
+  auto& job = static_cast<LatestAttentionJob&>(*work);
+  const absl::Time start = absl::Now();
+  job.reactor->observer().Dequeued(start - job.enqueued);
+  const absl::StatusOr<LatestAttentionRead> read = SessionManager::ReadLatest(job.snapshot);
+  if (read.ok()) {
+    v1::LatestAttention* response = job.response;
+    response->set_session_id(job.request->session_id());
+    response->set_layer(job.request->layer());
+    response->set_length(read->length);
+    response->set_position(read->position);
+    SetFloats(read->maps, {read->num_heads, read->length}, response->mutable_maps());
+    v1::HeadStatistics* stats = response->mutable_head_statistics();
+    SetFloats(read->entropy, {read->num_heads}, stats->mutable_entropy());
+    SetFloats(read->max_weight, {read->num_heads}, stats->mutable_max_weight());
+    job.reactor->observer().set_compute(absl::Now() - start);
+  }
+  job.Finish(read.status());
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetLatestAttention(
+    grpc::CallbackServerContext* context, const v1::LatestAttentionRequest* request,
+    v1::LatestAttention* response) {
+  NoteArrival();
+  auto* reactor = new ObservedReactor(context, RpcMethod::kGetLatestAttention, "", metrics_,
+                                      options_.access_log);
+  const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
+  if (!owner) return reactor;
+  const int64_t max_map_bytes =
+      std::min(options_.limits.max_attention_map_bytes,
+               options_.max_send_message_bytes - kResponseFramingBytes);
+  absl::StatusOr<LatestSnapshot> snapshot =
+      sessions_->SnapshotLatest(request->session_id(), *owner, request->layer(), max_map_bytes,
+                                "--max_attention_map_bytes, --max_send_message_bytes");
+  if (!snapshot.ok()) {
+    reactor->FinishCall(ToGrpcStatus(snapshot.status()));
+    EndCall();
+    return reactor;
+  }
+  metrics_->OnQueued();
+  absl::Status submitted = scheduler_->Submit(std::make_unique<LatestAttentionJob>(
+      this, context, request, response, reactor, *std::move(snapshot)));
+  if (!submitted.ok()) {  // the refused job was destroyed in Submit, unanswered
+    metrics_->OnQueueRefused();
+    reactor->FinishCall(ToGrpcStatus(submitted));
+    EndCall();
+  }
   return reactor;
 }
 

@@ -65,8 +65,8 @@ constexpr RpcMethod kMethods[] = {
     RpcMethod::kGetModel,     RpcMethod::kLoadModel,       RpcMethod::kUnloadModel,
     RpcMethod::kOpenSession,  RpcMethod::kExtend,          RpcMethod::kExtendStream,
     RpcMethod::kGetSession,   RpcMethod::kForkSession,     RpcMethod::kTruncateSession,
-    RpcMethod::kCloseSession, RpcMethod::kModelInfer,      RpcMethod::kModelReady,
-    RpcMethod::kModelMetadata, RpcMethod::kServerMetadata};
+    RpcMethod::kCloseSession, RpcMethod::kGetLatestAttention, RpcMethod::kModelInfer,
+    RpcMethod::kModelReady,   RpcMethod::kModelMetadata,   RpcMethod::kServerMetadata};
 
 // The codes each method can answer with today; their request counters exist
 // from the start, so error ratios are defined before the first error.
@@ -126,6 +126,12 @@ std::vector<absl::StatusCode> ExpectedCodes(RpcMethod method) {
     case RpcMethod::kCloseSession:
       return {StatusCode::kOk,      StatusCode::kInvalidArgument, StatusCode::kNotFound,
               StatusCode::kAborted, StatusCode::kUnavailable,     StatusCode::kUnauthenticated};
+    case RpcMethod::kGetLatestAttention:
+      return {StatusCode::kOk,           StatusCode::kInvalidArgument,
+              StatusCode::kNotFound,     StatusCode::kAborted,
+              StatusCode::kFailedPrecondition, StatusCode::kResourceExhausted,
+              StatusCode::kUnavailable,  StatusCode::kDeadlineExceeded,
+              StatusCode::kCancelled,    StatusCode::kUnauthenticated};
   }
   return {};
 }
@@ -191,6 +197,8 @@ absl::string_view RpcMethodName(RpcMethod method) {
       return "TruncateSession";
     case RpcMethod::kCloseSession:
       return "CloseSession";
+    case RpcMethod::kGetLatestAttention:
+      return "GetLatestAttention";
     case RpcMethod::kModelInfer:
       return "ModelInfer";
     case RpcMethod::kModelReady:
@@ -391,7 +399,8 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
   for (RpcMethod method :
        {RpcMethod::kListModels, RpcMethod::kOpenSession, RpcMethod::kExtend,
         RpcMethod::kExtendStream, RpcMethod::kGetSession, RpcMethod::kForkSession,
-        RpcMethod::kTruncateSession, RpcMethod::kCloseSession, RpcMethod::kServerMetadata}) {
+        RpcMethod::kTruncateSession, RpcMethod::kCloseSession, RpcMethod::kGetLatestAttention,
+        RpcMethod::kServerMetadata}) {
     for (absl::StatusCode code : ExpectedCodes(method)) {
       m->request_duration_->Add({{"method", std::string(RpcMethodName(method))},
                                  {"model", ""},

@@ -45,6 +45,7 @@ enum class RpcMethod {
   kForkSession,
   kTruncateSession,
   kCloseSession,
+  kGetLatestAttention,
   kModelInfer,  // the Open Inference Protocol's inference call (inference.GRPCInferenceService)
   kModelReady,  // and its metadata calls (its probes, ServerLive/ServerReady, are not counted)
   kModelMetadata,

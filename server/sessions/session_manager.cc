@@ -11,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/decode/latest_attention.h"
 #include "core/validation.h"
 
 namespace attnserve::server {
@@ -32,6 +33,8 @@ struct SessionLayer {
   int64_t last_tokens = 0;
   uint64_t last_fingerprint = 0;
   std::string last_output;
+  // The cache's latest query's bytes (counted with the stored answers).
+  int64_t query_bytes = 0;
 };
 
 // A session. Its fields are guarded by the manager's mutex (but the caches
@@ -73,11 +76,11 @@ absl::StatusOr<std::string> NewSessionId() {
       absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
 }
 
-// Bytes of the answers a session keeps for retries.
+// Bytes of the answers a session keeps for retries and of its latest queries.
 int64_t StoredBytes(const Session& session) {
   int64_t bytes = 0;
   for (const SessionLayer& layer : session.layers) {
-    bytes += static_cast<int64_t>(layer.last_output.size());
+    bytes += static_cast<int64_t>(layer.last_output.size()) + layer.query_bytes;
   }
   return bytes;
 }
@@ -415,6 +418,8 @@ absl::StatusOr<SessionInfo> SessionManager::Fork(absl::string_view id, absl::str
     to.block_bytes = from.block_bytes;
     to.length = from.length;
     to.blocks = from.blocks;
+    to.query_bytes = from.query_bytes;
+    stored_bytes_ += to.query_bytes;
   }
   parent->last_used = child->last_used;
   return InfoLocked(*child);
@@ -453,6 +458,8 @@ absl::StatusOr<SessionInfo> SessionManager::Truncate(absl::string_view id,
     s.last_expected = -1;
     stored_bytes_ -= static_cast<int64_t>(s.last_output.size());
     s.last_output.clear();
+    stored_bytes_ += s.cache->latest_query_bytes() - s.query_bytes;
+    s.query_bytes = s.cache->latest_query_bytes();
   }
   session.last_used = clock_();
   return InfoLocked(session);
@@ -470,6 +477,80 @@ absl::StatusOr<std::shared_ptr<const Model>> SessionManager::LayerModel(absl::st
                                                    session.layers.size(), ")"));
   }
   return session.layers[static_cast<size_t>(layer)].model;
+}
+
+absl::StatusOr<LatestSnapshot> SessionManager::SnapshotLatest(absl::string_view id,
+                                                              absl::string_view owner, int layer,
+                                                              int64_t max_map_bytes,
+                                                              absl::string_view limit_flags) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
+  if (!found.ok()) return found.status();
+  const Session& session = **found;
+  if (layer < 0 || layer >= static_cast<int>(session.layers.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is outside [0, ",
+                                                   session.layers.size(), ")"));
+  }
+  const SessionLayer& target = session.layers[static_cast<size_t>(layer)];
+  if (target.step_in_flight) {
+    return absl::AbortedError(absl::StrCat("session ", session.id, ": a step on layer ", layer,
+                                           " is in flight; read between steps"));
+  }
+  if (target.length == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", session.id, ": layer ", layer,
+        " holds no tokens, so it has no latest token; extend it by a token first"));
+  }
+  if (target.cache->latest_query().empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session ", session.id, ": layer ", layer,
+        " was truncated since its last step, so its latest token's query is not kept; "
+        "extend it by a token first"));
+  }
+  const int64_t heads = target.model->layer->config().num_heads;
+  // heads <= kMaxHeads and length <= 2^30: no overflow.
+  const int64_t bytes = heads * target.length * 4;
+  if (bytes > max_map_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", session.id, ": layer ", layer, "'s maps (", heads, " heads x ", target.length,
+        " tokens x 4 bytes = ", bytes, " bytes) would pass this server's limit of ", max_map_bytes,
+        " bytes (", limit_flags, ")"));
+  }
+  LatestSnapshot snapshot;
+  snapshot.cache = target.cache->Fork();
+  snapshot.model = target.model;
+  snapshot.position = session.first_position + target.length - 1;
+  snapshot.map_bytes = bytes;
+  return snapshot;
+}
+
+absl::StatusOr<LatestAttentionRead> SessionManager::ReadLatest(const LatestSnapshot& snapshot) {
+  const core::HeadConfig& config = snapshot.model->layer->config();
+  LatestAttentionRead read;
+  read.num_heads = static_cast<int>(config.num_heads);
+  read.length = snapshot.cache->length();
+  read.position = snapshot.position;
+  read.maps.resize(static_cast<size_t>(read.num_heads * read.length));
+  read.entropy.resize(static_cast<size_t>(read.num_heads));
+  read.max_weight.resize(static_cast<size_t>(read.num_heads));
+  if (absl::Status status = core::LatestAttention(*snapshot.cache, read.num_heads, config.scale,
+                                                  absl::MakeSpan(read.maps),
+                                                  absl::MakeSpan(read.entropy),
+                                                  absl::MakeSpan(read.max_weight));
+      !status.ok()) {
+    return absl::InternalError(
+        absl::StrCat("the latest attention refused a checked layer: ", status.message()));
+  }
+  return read;
+}
+
+absl::StatusOr<LatestAttentionRead> SessionManager::LatestAttention(
+    absl::string_view id, absl::string_view owner, int layer, int64_t max_map_bytes,
+    absl::string_view limit_flags) {
+  absl::StatusOr<LatestSnapshot> snapshot =
+      SnapshotLatest(id, owner, layer, max_map_bytes, limit_flags);
+  if (!snapshot.ok()) return snapshot.status();
+  return ReadLatest(*snapshot);
 }
 
 absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::string_view owner,
@@ -520,7 +601,9 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
     const int64_t kv_bytes = blocks * target.block_bytes;
     // And room for the answer kept for a retry.
     const int64_t answer = new_tokens * target.model->layer->config().d_model * 4;
-    const int64_t bytes = kv_bytes + (answer <= kMaxStoredOutputBytes ? answer : 0);
+    // And for the latest query it keeps.
+    const int64_t query = target.model->layer->config().q_width() * 4;
+    const int64_t bytes = kv_bytes + (answer <= kMaxStoredOutputBytes ? answer : 0) + query;
     if (limits_.max_kv_bytes_per_owner > 0 &&
         OwnerBytesLocked(owner) + kv_bytes > limits_.max_kv_bytes_per_owner) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -576,6 +659,10 @@ void SessionManager::EndStepOf(StepLease& lease, const absl::Status& status, std
   const bool removed = live == sessions_.end() || live->second.get() != &session;
   layer.length = layer.cache->length();
   layer.blocks = static_cast<int64_t>(layer.cache->blocks().size());
+  if (!removed) {  // a removed session's stored bytes went with it
+    stored_bytes_ += layer.cache->latest_query_bytes() - layer.query_bytes;
+    layer.query_bytes = layer.cache->latest_query_bytes();
+  }
   if (status.ok() && !removed) {  // a closed session keeps no answer
     stored_bytes_ -= static_cast<int64_t>(layer.last_output.size());
     layer.last_expected = lease.expected_length_;

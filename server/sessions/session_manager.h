@@ -55,13 +55,31 @@ struct SessionInfo {
   absl::Time last_used;
 };
 
+// What a layer's latest token attends to (SessionManager::LatestAttention).
+struct LatestAttentionRead {
+  int64_t length = 0;    // tokens the layer holds
+  int64_t position = 0;  // the latest token's RoPE position
+  int num_heads = 0;
+  std::vector<float> maps;        // [num_heads, length]
+  std::vector<float> entropy;     // [num_heads]
+  std::vector<float> max_weight;  // [num_heads]
+};
+
+// A layer's latest token taken for a read (SessionManager::SnapshotLatest).
+struct LatestSnapshot {
+  std::unique_ptr<core::LayerKvCache> cache;  // sharing the layer's blocks
+  std::shared_ptr<const Model> model;
+  int64_t position = 0;  // the latest token's RoPE position
+  int64_t map_bytes = 0;  // of the read's maps
+};
+
 // What the KV cache and the sessions hold, read together (for metrics).
 struct SessionStats {
   int64_t sessions = 0;
   core::KvBlockPoolStats pool;
   int64_t kv_budget_bytes = 0;
   int64_t reserved_bytes = 0;  // promised to steps in flight
-  int64_t stored_bytes = 0;    // answers kept for retries
+  int64_t stored_bytes = 0;    // answers kept for retries, latest queries
   int64_t evictions_for_memory = 0;
   int64_t evictions_for_sessions = 0;
   int64_t expiries = 0;
@@ -180,6 +198,31 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<const Model>> LayerModel(absl::string_view id,
                                                           absl::string_view owner, int layer);
 
+  // Takes layer `layer`'s latest token for a read of what it attends to
+  // (ReadLatest), without extending the session or renewing its idle time:
+  // a copy-on-write snapshot of the layer's cache (its blocks shared, so a
+  // step that begins meanwhile runs as usual), taken under the lock.
+  // NOT_FOUND as above; INVALID_ARGUMENT naming "layer"; ABORTED while a
+  // step on the layer is in flight (as a second step would be);
+  // FAILED_PRECONDITION when the layer holds no tokens or was truncated
+  // since its last step (extend it by a token first); RESOURCE_EXHAUSTED
+  // when the maps (num_heads x length x 4 bytes) would pass `max_map_bytes`
+  // (`limit_flags` named in the message). The snapshot must go before the
+  // manager does.
+  absl::StatusOr<LatestSnapshot> SnapshotLatest(absl::string_view id, absl::string_view owner,
+                                                int layer, int64_t max_map_bytes,
+                                                absl::string_view limit_flags);
+  // What a snapshot's latest token attends to: its query, kept from the step
+  // that appended it, against every key the layer holds, per head
+  // (core::LatestAttention). Thread-safe, without the manager's lock: the
+  // compute executor's part. INTERNAL only for a broken invariant.
+  static absl::StatusOr<LatestAttentionRead> ReadLatest(const LatestSnapshot& snapshot);
+  // SnapshotLatest then ReadLatest, on the calling thread.
+  absl::StatusOr<LatestAttentionRead> LatestAttention(absl::string_view id,
+                                                      absl::string_view owner, int layer,
+                                                      int64_t max_map_bytes,
+                                                      absl::string_view limit_flags);
+
   // Admits a step of `new_tokens` (>= 1) tokens on layer `layer` that
   // expects the layer to hold `expected_length` tokens; `fingerprint` is
   // what the step's inputs and options hash to. A retry of the layer's last
@@ -259,7 +302,8 @@ class SessionManager {
   std::deque<std::string> gone_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Gone> gone_index_ ABSL_GUARDED_BY(mu_);
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  // The answers kept for retries, every session's (within the KV budget).
+  // The answers kept for retries and the layers' latest queries, every
+  // session's (within the KV budget).
   int64_t stored_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t evictions_for_memory_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t evictions_for_sessions_ ABSL_GUARDED_BY(mu_) = 0;

@@ -74,7 +74,7 @@ class EndToEnd(unittest.TestCase):
         self.assertEqual(methods, {"Attend", "AttendStream", "ListModels", "GetModel", "LoadModel",
                                    "UnloadModel", "OpenSession", "Extend", "ExtendStream",
                                    "GetSession",
-                                   "ForkSession", "TruncateSession", "CloseSession"})
+                                   "ForkSession", "TruncateSession", "CloseSession", "GetLatestAttention"})
 
     def test_list_models_reports_the_builtin_head_configuration(self):
         models = self.stub.ListModels(self.pb.ListModelsRequest(), timeout=60).models

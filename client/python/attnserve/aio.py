@@ -196,6 +196,12 @@ class Session(SessionState):
         self.lengths = list(info.layer_lengths)
         return info
 
+    async def latest_attention(self, layer=0, *, timeout=None) -> messages.LatestAttention:
+        """attnserve.Session.latest_attention, awaited."""
+        request = pb.LatestAttentionRequest(session_id=self.id, layer=int(layer))
+        return messages.LatestAttention.from_message(
+            await self._call(self._client._stub.GetLatestAttention, request, timeout))
+
     async def close(self, *, timeout=None):
         """attnserve.Session.close, awaited."""
         await self._call(self._client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id), timeout)

@@ -317,6 +317,16 @@ class Session(SessionState):
         self.lengths = list(info.layer_lengths)
         return info
 
+    def latest_attention(self, layer=0, *, timeout=None) -> messages.LatestAttention:
+        """What `layer`'s latest token attends to, per head, over everything
+        the layer holds (GetLatestAttention), without extending the session:
+        a LatestAttention (maps float32 [heads, length], length, position,
+        entropy, max_weight). FailedPreconditionError when the layer holds no
+        tokens or was truncated since its last step (extend it first)."""
+        request = pb.LatestAttentionRequest(session_id=self.id, layer=int(layer))
+        return messages.LatestAttention.from_message(
+            self._call(self._client._stub.GetLatestAttention, request, timeout))
+
     def close(self, *, timeout=None):
         """Ends the session (its memory goes back to the server's KV cache)."""
         self._call(self._client._stub.CloseSession, pb.CloseSessionRequest(session_id=self.id), timeout)

@@ -11,7 +11,7 @@ from . import tensors
 from .errors import error_for_status
 from .v1 import attention_pb2 as pb
 
-__all__ = ["AttendResult", "HeadStatistics", "Timing", "ModelInfo", "SessionInfo", "StepResult",
+__all__ = ["AttendResult", "HeadStatistics", "Timing", "ModelInfo", "SessionInfo", "StepResult", "LatestAttention",
            "build_attend_request", "read_attend_response", "MapAssembler"]
 
 _MAP_MODES = {None: pb.ATTENTION_MAP_MODE_NONE, False: pb.ATTENTION_MAP_MODE_NONE,
@@ -311,6 +311,29 @@ class StepResult:
     @property
     def ok(self):
         return self.error is None
+
+
+@dataclasses.dataclass(frozen=True)
+class LatestAttention:
+    """What a session layer's latest token attends to (GetLatestAttention):
+    maps float32 [heads, length], each head's softmax weights over every key
+    the layer holds (its own last), before any head mask; length (tokens the
+    layer holds); position (the latest token's RoPE position); entropy and
+    max_weight, float32 [heads] each (per row of maps)."""
+    session_id: str
+    layer: int
+    length: int
+    position: int
+    maps: np.ndarray
+    entropy: np.ndarray
+    max_weight: np.ndarray
+
+    @classmethod
+    def from_message(cls, m):
+        stats = m.head_statistics
+        return cls(session_id=m.session_id, layer=m.layer, length=m.length, position=m.position,
+                   maps=tensors.decode(m.maps), entropy=tensors.decode(stats.entropy),
+                   max_weight=tensors.decode(stats.max_weight))
 
 
 def build_extend_request(steps, precision=None, input_dtype=None, output_dtype=None):

@@ -30,7 +30,8 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "e2e"))
-from harness import (Server, machine_runs_bf16, reference_attention, rel_error,  # noqa: E402
+from harness import (Server, machine_runs_bf16, metric, parse_exposition, reference_attention, rel_error,  # noqa: E402
+                     wait_until,
                      seeded_weights, write_safetensors)
 
 import attnserve  # noqa: E402
@@ -399,14 +400,15 @@ class AgainstServer(unittest.TestCase):
                     await client.attend(x, model="no-such-model")
                 async with await client.open_session(routing_key="key-1") as session:
                     self.assertEqual((session.routing_key, session.replica), ("key-1", REPLICA))
-                    step = await session.extend(prompt)
+                    step = await session.extend(prompt, maps=True)
                     info = await session.info()
+                    latest = await session.latest_attention()
                     fork = await session.fork()
                     self.assertEqual((fork.routing_key, fork.replica), ("key-1", REPLICA))
                     await fork.close()
-                return results, streamed, caught.exception, step, info
+                return results, streamed, caught.exception, step, info, latest
 
-        results, streamed, error, step, info = asyncio.run(main())
+        results, streamed, error, step, info, latest = asyncio.run(main())
         ref_out, ref_maps = self.reference(x)
         for i, r in enumerate(results):
             self.assertLessEqual(rel_error(r.output[0], ref_out[i]), 1e-5)
@@ -415,6 +417,8 @@ class AgainstServer(unittest.TestCase):
         self.assertEqual(error.field, "model")
         self.assertLessEqual(rel_error(step.output, self.reference_rows(prompt, 0, 5)), 1e-5)
         self.assertEqual(info.layer_lengths, (5,))
+        self.assertEqual((latest.length, latest.position), (5, 4))
+        np.testing.assert_allclose(latest.maps, step.maps[:, -1, :], rtol=0, atol=1e-6)
 
 
 class WithTokens(unittest.TestCase):
@@ -477,6 +481,186 @@ class WithModelRepository(unittest.TestCase):
                     self.assertEqual(r.model, "small")
             finally:
                 server.stop()
+
+
+def rope_half(t, positions, theta=10000.0):
+    """Llama RoPE (rotate-half, over all of head_dim) on t [heads, seq, hd], float64."""
+    hd = t.shape[-1]
+    half = hd // 2
+    inv_freq = 1.0 / theta ** (np.arange(half, dtype=np.float64) * 2 / hd)
+    angles = np.asarray(positions, np.float64)[:, None] * inv_freq  # [seq, half]
+    cos, sin = np.cos(angles), np.sin(angles)
+    x1, x2 = t[..., :half], t[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def nearest_bf16(values):
+    """float64 values rounded through float32 to the nearest bfloat16 (ties
+    to even), by integer rounding of the float32 bits (finite values)."""
+    bits = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+class LatestAttention(unittest.TestCase):
+    """Session.latest_attention (GetLatestAttention) against the real server:
+    after a prefill and each of 3 decode steps, the maps equal the last row
+    of that step's Extend maps (to 1e-6) and a float64 reference of the
+    latest token's query over every cached key, from the hidden states and
+    the models' weights (RoPE at the session's positions, GQA): within 1e-5
+    with FP32 KV, and 1e-3 with BF16 KV (the reference's keys rounded to
+    BF16 as the cache stores them; the server's keys may round the other way
+    where its FP32 projection differs from float64 in the last bit; measured:
+    1.2e-7 against Extend's maps and 5.5e-7 against the reference, both KV
+    precisions). Two
+    models from a repository: Llama-layout with GQA (4 query heads, 2 KV
+    heads) and RoPE, and a torch MultiheadAttention one (MHA, no RoPE).
+    Forks read as their parent; a truncate makes the read
+    FAILED_PRECONDITION until the next step; another token gets NOT_FOUND."""
+    D = 64
+    TOKEN, OTHER = "latest-token-0123456789abcdef", "other-token-0123456789abcdef"
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        repo = cls.tmp.name
+        rng = np.random.default_rng()
+        d, g = cls.D, lambda *shape: (rng.standard_normal(shape) * 0.25).astype(np.float32)  # noqa: E731
+        # Llama: q/k/v/o_proj [out, in], no biases; 4 heads of 16, 2 KV heads, RoPE over head_dim.
+        q, k, v, o = g(64, d), g(32, d), g(32, d), g(d, 64)
+        p = "model.layers.0.self_attn."
+        os.makedirs(os.path.join(repo, "gqa_rope"))
+        with open(os.path.join(repo, "gqa_rope", "config.json"), "w") as f:
+            json.dump({"layout": "llama", "prefix": p, "d_model": d, "num_heads": 4, "num_kv_heads": 2,
+                       "rotary": {"dim": 16, "theta": 10000.0}}, f)
+        write_safetensors(os.path.join(repo, "gqa_rope", "model.safetensors"),
+                          {p + "q_proj.weight": (q, "F32"), p + "k_proj.weight": (k, "F32"),
+                           p + "v_proj.weight": (v, "F32"), p + "o_proj.weight": (o, "F32")})
+        # torch nn.MultiheadAttention: 8 heads of 8, biases, no RoPE.
+        w_in, b_in, w_out, b_out = g(3 * d, d), g(3 * d), g(d, d), g(d)
+        os.makedirs(os.path.join(repo, "mha"))
+        with open(os.path.join(repo, "mha", "config.json"), "w") as f:
+            json.dump({"layout": "torch_mha", "d_model": d, "num_heads": 8}, f)
+        write_safetensors(os.path.join(repo, "mha", "model.safetensors"),
+                          {"in_proj_weight": (w_in, "F32"), "in_proj_bias": (b_in, "F32"),
+                           "out_proj.weight": (w_out, "F32"), "out_proj.bias": (b_out, "F32")})
+        # name: (w_q [d, q], b_q, w_k [d, kv], b_k, heads, kv_heads, rope)
+        cls.models = {
+            "gqa_rope": (q.T, np.zeros(64), k.T, np.zeros(32), 4, 2, True),
+            "mha": (w_in[:d].T, b_in[:d], w_in[d:2 * d].T, b_in[d:2 * d], 8, 8, False),
+        }
+        tokens = os.path.join(repo, "tokens.txt")
+        with open(tokens, "w") as f:
+            f.write(f"{cls.TOKEN}\n{cls.OTHER}\n")
+        cls.server = Server(ARGS.server, f"--model_repository={repo}", f"--auth_tokens_file={tokens}",
+                            "--access_log", f"--replica_name={REPLICA}")
+        cls.client = attnserve.Client(cls.server.target, token=cls.TOKEN, timeout=120)
+        cls.client.wait_until_serving(timeout=120)
+        cls.rng = rng
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        cls.server.stop()
+        cls.tmp.cleanup()
+
+    def reference(self, model, xs, first_position, bf16_kv):
+        """float64 softmax of the last token's query over every key, [heads, L]."""
+        w_q, b_q, w_k, b_k, heads, kv_heads, rope = self.models[model]
+        x = np.asarray(xs, np.float64)
+        hd = w_q.shape[1] // heads
+        q = (x[-1:] @ w_q.astype(np.float64) + b_q).reshape(1, heads, hd).transpose(1, 0, 2)
+        k = (x @ w_k.astype(np.float64) + b_k).reshape(len(x), kv_heads, hd).transpose(1, 0, 2)
+        if rope:
+            positions = first_position + np.arange(len(x))
+            q, k = rope_half(q, positions[-1:]), rope_half(k, positions)
+        if bf16_kv:
+            k = nearest_bf16(k)
+        k = np.repeat(k, heads // kv_heads, axis=0)
+        scores = (q @ k.transpose(0, 2, 1))[:, 0, :] / np.sqrt(hd)
+        p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        return p / p.sum(axis=-1, keepdims=True)
+
+    def check(self, session, model, xs, step, first_position, bf16_kv):
+        read = session.latest_attention()
+        heads = self.models[model][4]
+        self.assertEqual((read.length, read.position, read.layer), (len(xs), first_position + len(xs) - 1, 0))
+        self.assertEqual(read.maps.shape, (heads, len(xs)))
+        self.assertEqual((read.entropy.shape, read.max_weight.shape), ((heads,), (heads,)))
+        np.testing.assert_allclose(read.maps, step.maps[:, -1, :], rtol=0, atol=1e-6)
+        ref = self.reference(model, xs, first_position, bf16_kv)
+        np.testing.assert_allclose(read.maps, ref, rtol=0, atol=1e-3 if bf16_kv else 1e-5)
+        np.testing.assert_allclose(read.maps.sum(axis=-1), 1.0, atol=1e-5)
+        np.testing.assert_allclose(read.max_weight, ref.max(axis=-1), atol=1e-3 if bf16_kv else 1e-5)
+        ref_entropy = -(ref * np.log(np.maximum(ref, 1e-300))).sum(axis=-1)
+        np.testing.assert_allclose(read.entropy, ref_entropy, atol=1e-2 if bf16_kv else 1e-4)
+        return read
+
+    def test_reads_the_latest_tokens_attention_after_every_step(self):
+        for model in self.models:
+            for kv_dtype in ("fp32", "bf16"):
+                with self.subTest(model=model, kv_dtype=kv_dtype):
+                    bf16_kv = kv_dtype == "bf16"
+                    first_position = int(self.rng.integers(0, 50))
+                    with self.client.open_session(model, kv_dtype=kv_dtype, first_position=first_position) as s:
+                        with self.assertRaises(attnserve.FailedPreconditionError):  # no tokens yet
+                            s.latest_attention()
+                        xs = self.rng.standard_normal((7, self.D)).astype(np.float32)
+                        step = s.extend(xs, maps=True)
+                        self.check(s, model, xs, step, first_position, bf16_kv)
+                        for _ in range(3):
+                            x = self.rng.standard_normal((1, self.D)).astype(np.float32)
+                            xs = np.concatenate([xs, x])
+                            step = s.extend(x, maps=True)
+                            read = self.check(s, model, xs, step, first_position, bf16_kv)
+
+                        # A fork reads as its parent, also after the parent moves on.
+                        with s.fork() as fork:
+                            np.testing.assert_array_equal(fork.latest_attention().maps, read.maps)
+                            s.extend(self.rng.standard_normal((1, self.D)).astype(np.float32))
+                            np.testing.assert_array_equal(fork.latest_attention().maps, read.maps)
+                        s.truncate(len(xs))  # drop the token the fork did not see
+
+                        # Truncated below the latest token: FAILED_PRECONDITION until a step.
+                        s.truncate(len(xs) - 1)
+                        with self.assertRaises(attnserve.FailedPreconditionError) as caught:
+                            s.latest_attention()
+                        self.assertIn("extend it by a token first", str(caught.exception))
+                        x = self.rng.standard_normal((1, self.D)).astype(np.float32)
+                        xs = np.concatenate([xs[:-1], x])
+                        step = s.extend(x, maps=True)
+                        self.check(s, model, xs, step, first_position, bf16_kv)
+
+                        with self.assertRaises(attnserve.InvalidArgumentError) as caught:
+                            s.latest_attention(layer=1)
+                        self.assertEqual(caught.exception.field, "layer")
+
+    def test_the_read_is_observed_as_the_other_session_calls(self):
+        with self.client.open_session("gqa_rope") as s:
+            s.extend(self.rng.standard_normal((2, self.D)).astype(np.float32))
+            request = attnserve.v1.attention_pb2.LatestAttentionRequest(session_id=s.id, layer=0)
+            response, call = self.client.stub.GetLatestAttention.with_call(
+                request, metadata=[("authorization", f"Bearer {self.TOKEN}")], timeout=60)
+            self.assertEqual(response.length, 2)
+            self.assertIn(("attnserve-replica", REPLICA), call.initial_metadata())
+            with self.assertRaises(grpc.RpcError) as caught:  # no token
+                self.client.stub.GetLatestAttention(request, timeout=60)
+            self.assertEqual(caught.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+        wait_until("the read's access log line", lambda: any(
+            '"method":"GetLatestAttention"' in line and '"code":"OK"' in line for line in list(self.server.log)), 60)
+        wait_until("the read's request counter", lambda: metric(
+            parse_exposition(self.server.scrape_text()), "attnserve_requests_total", method="GetLatestAttention",
+            code="UNAUTHENTICATED") == 1, 60)
+
+    def test_another_token_gets_not_found(self):
+        with self.client.open_session("mha") as s:
+            s.extend(self.rng.standard_normal((3, self.D)).astype(np.float32))
+            self.assertEqual(s.latest_attention().length, 3)
+            with attnserve.Client(self.server.target, token=self.OTHER, timeout=120) as other:
+                theirs = attnserve.Session(other, s.info())
+                with self.assertRaises(attnserve.NotFoundError) as caught:
+                    theirs.latest_attention()
+                self.assertIn("unknown session", str(caught.exception))
 
 
 class WithTls(unittest.TestCase):

@@ -33,6 +33,7 @@
 #include "core/decode/extend.h"
 #include "core/decode/kv_block_pool.h"
 #include "core/decode/kv_layout.h"
+#include "core/decode/latest_attention.h"
 #include "core/decode/layer_kv_cache.h"
 #include "core/head_config.h"
 #include "core/route.h"
@@ -249,6 +250,65 @@ TEST_P(ExtendShapes, EveryStepMatchesTheFullCausalLayerSoFar) {
     StepAll(layer, {&session}, {});
     if (HasFatalFailure()) return;
     session.ExpectMatchesReference(layer);
+    if (HasFailure()) return;
+  }
+}
+
+// The read of the latest token's attention (LatestAttention over the query
+// Extend keeps) after every step: the last row of each head's map of that
+// step (1e-6 absolute: the same scores and exponential) and of the full
+// layer's (the step's map tolerance); a fork reads the same.
+TEST_P(ExtendShapes, LatestAttentionIsTheLastMapRowOfEveryStep) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  const Shape& shape = GetParam();
+  const TestLayer layer = MakeLayer(shape.config, rng);
+  std::unique_ptr<KvBlockPool> pool = MakePool(shape.block_tokens);
+  Session session(pool.get(), layer.config, shape.precision,
+                  std::uniform_int_distribution<int64_t>(1, 5000)(rng));
+  const int64_t heads = layer.config.num_heads;
+  EXPECT_TRUE(session.cache->latest_query().empty());
+  std::bernoulli_distribution decode_step(0.7);
+  std::uniform_int_distribution<int64_t> chunk(2, 24);
+  while (session.length() < 60) {
+    session.Draw(decode_step(rng) ? 1 : chunk(rng), /*with_map=*/true, rng);
+    StepAll(layer, {&session}, {});
+    if (HasFatalFailure()) return;
+    const int64_t length = session.length(), n = session.n;
+    SCOPED_TRACE(absl::StrCat("length ", length, ", new ", n));
+    ASSERT_EQ(session.cache->latest_query().size(), static_cast<size_t>(layer.config.q_width()));
+    std::vector<float> maps(static_cast<size_t>(heads * length), kUnwritten);
+    std::vector<float> entropy(static_cast<size_t>(heads)), max_weight(entropy.size());
+    ASSERT_THAT(LatestAttention(*session.cache, static_cast<int>(heads), layer.config.scale,
+                                absl::MakeSpan(maps), absl::MakeSpan(entropy),
+                                absl::MakeSpan(max_weight)),
+                IsOk());
+    const ReferenceResult expected = session.Reference(layer, {});
+    std::vector<double> reference_rows;
+    for (int64_t h = 0; h < heads; ++h) {
+      double h_entropy = 0.0;
+      float h_max = 0.0f;
+      for (int64_t j = 0; j < length; ++j) {
+        const float p = maps[static_cast<size_t>(h * length + j)];
+        EXPECT_NEAR(p, session.map[static_cast<size_t>((h * n + n - 1) * length + j)], 1e-6)
+            << "head " << h << " key " << j;
+        reference_rows.push_back(
+            expected.per_head_maps[static_cast<size_t>((h * length + length - 1) * length + j)]);
+        if (p > 0.0f) h_entropy -= p * std::log(double{p});
+        h_max = std::max(h_max, p);
+      }
+      EXPECT_NEAR(entropy[static_cast<size_t>(h)], h_entropy, 1e-5);
+      EXPECT_EQ(max_weight[static_cast<size_t>(h)], h_max);
+    }
+    EXPECT_LE(MaxAbsErrorRelative(maps, reference_rows),
+              session.bf16_kv() ? kBf16Tolerance : kFp32KvTolerance);
+    Session fork(Session::ForkOf{session});
+    std::vector<float> forked(maps.size());
+    ASSERT_THAT(LatestAttention(*fork.cache, static_cast<int>(heads), layer.config.scale,
+                                absl::MakeSpan(forked), {}, {}),
+                IsOk());
+    EXPECT_EQ(forked, maps);
     if (HasFailure()) return;
   }
 }
@@ -504,6 +564,35 @@ TEST(Extend, ShouldStopCancelsAndLeavesEveryCacheAsItWas) {
     ASSERT_LT(stop_at, 20) << "should_stop polled without end";
   }
   EXPECT_EQ(cancelled, 4);  // before the projections, the appends, the attention, the output
+}
+
+// A call that stops part-way keeps each cache's latest query, the one of the
+// step before (the truncate that rolls the call back does not drop it).
+TEST(Extend, AStoppedStepKeepsTheLatestQueryOfTheStepBefore) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  const TestLayer layer = MakeLayer(Config(64, 4, 2, 0, 16), rng);
+  std::unique_ptr<KvBlockPool> pool = MakePool(8);
+  Session a(pool.get(), layer.config, KvPrecision::kFp32, 3);
+  a.Draw(5, false, rng);
+  StepAll(layer, {&a}, {});
+  ASSERT_FALSE(HasFatalFailure());
+  const std::vector<float> before(a.cache->latest_query().begin(), a.cache->latest_query().end());
+  ASSERT_EQ(before.size(), 64u);
+  for (int stop_at = 1; stop_at <= 4; ++stop_at) {
+    a.Draw(1, false, rng);
+    int polls = 0;
+    ExtendOptions options;
+    options.should_stop = [&] { return ++polls == stop_at; };
+    std::vector<ExtendItem> items = {a.Item()};
+    EXPECT_THAT(layer.layer->Extend(absl::MakeSpan(items), options),
+                StatusIs(absl::StatusCode::kCancelled, "should_stop"));
+    EXPECT_EQ(a.cache->length(), 5);
+    EXPECT_EQ(std::vector<float>(a.cache->latest_query().begin(), a.cache->latest_query().end()),
+              before)
+        << "stopped at poll " << stop_at;
+  }
 }
 
 // Errors of the call itself: every item gets the error, no cache changes.

@@ -270,6 +270,37 @@ TEST(LayerKvCache, TruncatedForkCopiesTheSharedBlockItWritesInto) {
   EXPECT_EQ(pool->stats().blocks_in_use, 4);
 }
 
+// The latest query belongs to the token that was last when it was kept:
+// forks copy it, appends without one hide it (a truncate back shows it
+// again), a truncate below its token drops it.
+TEST(LayerKvCache, TheLatestQueryFollowsItsToken) {
+  std::unique_ptr<KvBlockPool> pool =
+      KvBlockPool::Create(KvBlockPoolOptions{int64_t{1} << 20, 4}).value();
+  std::unique_ptr<LayerKvCache> cache =
+      LayerKvCache::Create(pool.get(), KvLayout{2, 8, KvPrecision::kFp32}).value();
+  const std::vector<float> rows(2 * 2 * 8, 0.25f), query = {1, 2, 3, 4};
+  cache->SetLatestQuery(query);  // no token yet: nothing kept
+  EXPECT_TRUE(cache->latest_query().empty());
+  ASSERT_TRUE(cache->Append(rows, rows, 2).ok());
+  cache->SetLatestQuery(query);
+  EXPECT_EQ(std::vector<float>(cache->latest_query().begin(), cache->latest_query().end()), query);
+  EXPECT_EQ(cache->latest_query_bytes(), 16);
+  std::unique_ptr<LayerKvCache> fork = cache->Fork();
+  EXPECT_EQ(std::vector<float>(fork->latest_query().begin(), fork->latest_query().end()), query);
+  ASSERT_TRUE(cache->Append(rows, rows, 2).ok());
+  EXPECT_TRUE(cache->latest_query().empty());
+  EXPECT_EQ(fork->latest_query().size(), 4u);
+  ASSERT_TRUE(cache->Truncate(2).ok());
+  EXPECT_EQ(cache->latest_query().size(), 4u);
+  ASSERT_TRUE(cache->Truncate(1).ok());
+  EXPECT_TRUE(cache->latest_query().empty());
+  EXPECT_EQ(cache->latest_query_bytes(), 0);
+  const std::vector<float> row(2 * 8, 0.5f);
+  ASSERT_TRUE(cache->Append(row, row, 1).ok());
+  EXPECT_TRUE(cache->latest_query().empty());  // not the token it was kept for
+  EXPECT_EQ(fork->latest_query().size(), 4u);
+}
+
 TEST(LayerKvCache, DestructorReleasesItsBlocks) {
   std::mt19937_64 rng(FreshSeed());
   std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 8);

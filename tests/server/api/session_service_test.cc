@@ -3,7 +3,8 @@
 // double-precision reference layer run causally over the whole sequence so
 // far (FP32 KV within 1e-5, BF16 KV within 2e-2, relative Frobenius); a
 // micro-batch answers each step on its own; retries replay; forks diverge;
-// truncation rewinds; tokens own their sessions; the metrics show them.
+// truncation rewinds; tokens own their sessions; the metrics show them;
+// GetLatestAttention reads the last row of the latest step's maps.
 // ExtendStream answers each message as Extend does (the same bits), in
 // order; a bad step is refused by its code while the stream goes on; a
 // message that fails as a whole ends the stream with its status;
@@ -68,8 +69,11 @@ class SessionServiceTest : public ::testing::Test {
  protected:
   void SetUp() override { Start(""); }
 
-  void Start(const std::string& tokens_file) {
+  void Start(const std::string& tokens_file, int64_t max_attention_map_bytes = 0) {
     ServerOptions options;
+    if (max_attention_map_bytes > 0) {
+      options.limits.max_attention_map_bytes = max_attention_map_bytes;
+    }
     options.listen_address = "127.0.0.1:0";
     options.builtin_model_seed = kSeed;
     options.lame_duck_seconds = 0;
@@ -338,6 +342,108 @@ TEST_F(SessionServiceTest, ASessionBelongsToTheTokenThatOpenedIt) {
   EXPECT_TRUE(absl::StrContains(bob.error_message(), "unknown session")) << bob.error_message();
   grpc::Status none = Call(&v1::AttentionService::Stub::GetSession, get, &session);
   EXPECT_EQ(none.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+}
+
+// GetLatestAttention after each step: the last row of that step's maps (the
+// same weights to 1e-6 absolute, FP32 and BF16 KV) and of the reference's
+// (FP32 KV within 1e-5, BF16 within 2e-2, relative Frobenius); the session's
+// owner alone; the codes; its own metrics method.
+TEST_F(SessionServiceTest, GetLatestAttentionReadsTheLastRowOfTheLatestStepsMaps) {
+  const std::string dir = ::testing::TempDir();
+  const std::string tokens = dir + "/latest_tokens";
+  std::ofstream(tokens) << "alice-token\nbob-token\n";
+  // Room for the prefill's maps (12 heads x 7 x 7 x 4 bytes = 2352) and
+  // reads of up to 50 tokens (12 x 50 x 4 = 2400 bytes).
+  Start(tokens, 2400);
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(absl::StrCat("input seed ", seed));
+  std::mt19937_64 rng(seed);
+  const auto latest = [this](const std::string& id, int layer, v1::LatestAttention* response,
+                             const std::string& token = "alice-token") {
+    v1::LatestAttentionRequest request;
+    request.set_session_id(id);
+    request.set_layer(layer);
+    return Call(&v1::AttentionService::Stub::GetLatestAttention, request, response, token);
+  };
+  int reads = 0;
+  for (v1::DataType kv : {v1::DATA_TYPE_FP32, v1::DATA_TYPE_BF16}) {
+    SCOPED_TRACE(v1::DataType_Name(kv));
+    const double tolerance = kv == v1::DATA_TYPE_BF16 ? 2e-2 : 1e-5;
+    const std::string id = Open(kv, "alice-token");
+    v1::LatestAttention read;
+    EXPECT_EQ(latest(id, 0, &read).error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    std::vector<float> sequence;
+    for (int64_t n : {7, 1, 1, 1}) {
+      const std::vector<float> rows = RandomRows(n, rng);
+      const int64_t before = static_cast<int64_t>(sequence.size()) / kDModel;
+      sequence.insert(sequence.end(), rows.begin(), rows.end());
+      const int64_t length = before + n;
+      v1::ExtendRequest request;
+      *request.add_steps() = Step(id, before, rows);
+      request.mutable_steps(0)->set_attention_maps(true);
+      const v1::ExtendResponse response = Extend(request, "alice-token");
+      ASSERT_EQ(response.results(0).code(), 0) << response.results(0).message();
+      grpc::Status status = latest(id, 0, &read);
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      ++reads;
+      EXPECT_EQ(read.session_id(), id);
+      EXPECT_EQ(read.length(), length);
+      EXPECT_EQ(read.position(), length - 1);
+      ASSERT_EQ(read.maps().dtype(), v1::DATA_TYPE_FP32);
+      ASSERT_EQ(read.maps().shape_size(), 2);
+      EXPECT_EQ(read.maps().shape(0), 12);
+      EXPECT_EQ(read.maps().shape(1), length);
+      const std::vector<float> maps = Floats(read.maps());
+      const std::vector<float> step_maps = Floats(response.results(0).attention_maps());
+      const testing::ReferenceResult reference = Reference(sequence);
+      std::vector<double> expected;
+      for (int64_t h = 0; h < 12; ++h) {
+        for (int64_t j = 0; j < length; ++j) {
+          EXPECT_NEAR(maps[static_cast<size_t>(h * length + j)],
+                      step_maps[static_cast<size_t>((h * n + n - 1) * length + j)], 1e-6);
+          expected.push_back(
+              reference.per_head_maps[static_cast<size_t>((h * length + length - 1) * length + j)]);
+        }
+      }
+      EXPECT_LT(testing::RelativeFrobeniusError(maps, expected), tolerance);
+      EXPECT_EQ(Floats(read.head_statistics().entropy()).size(), 12u);
+      EXPECT_EQ(Floats(read.head_statistics().max_weight()).size(), 12u);
+    }
+    // Another token: NOT_FOUND, as for an unknown id.
+    grpc::Status bob = latest(id, 0, &read, "bob-token");
+    EXPECT_EQ(bob.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_TRUE(absl::StrContains(bob.error_message(), "unknown session")) << bob.error_message();
+    grpc::Status layer = latest(id, 1, &read);
+    EXPECT_EQ(layer.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_TRUE(absl::StartsWith(layer.error_message(), "layer:")) << layer.error_message();
+    // 51 tokens: maps over --max_attention_map_bytes.
+    v1::ExtendRequest more;
+    *more.add_steps() = Step(id, 10, RandomRows(41, rng));
+    ASSERT_EQ(Extend(more, "alice-token").results(0).code(), 0);
+    grpc::Status over = latest(id, 0, &read);
+    EXPECT_EQ(over.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+    EXPECT_TRUE(absl::StrContains(over.error_message(), "--max_attention_map_bytes"))
+        << over.error_message();
+    // Truncated below the latest token: FAILED_PRECONDITION.
+    v1::TruncateSessionRequest truncate;
+    truncate.set_session_id(id);
+    truncate.set_length(9);
+    v1::Session session;
+    ASSERT_TRUE(
+        Call(&v1::AttentionService::Stub::TruncateSession, truncate, &session, "alice-token").ok());
+    grpc::Status truncated = latest(id, 0, &read);
+    EXPECT_EQ(truncated.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_TRUE(absl::StrContains(truncated.error_message(), "extend it by a token first"))
+        << truncated.error_message();
+  }
+  const auto scrape = [this] { return server_->MetricsText(); };
+  // Counted when each call is done: wait for the last.
+  EXPECT_TRUE(testing::WaitForSample(
+      scrape, "attnserve_requests_total{code=\"OK\",method=\"GetLatestAttention\"}", reads));
+  EXPECT_TRUE(testing::WaitForSample(scrape,
+                                     "attnserve_requests_total{code=\"FAILED_PRECONDITION\","
+                                     "method=\"GetLatestAttention\"}",
+                                     4));
 }
 
 TEST_F(SessionServiceTest, TheMetricsShowTheSessionsAndTheirKvCache) {

@@ -6,7 +6,9 @@
 // threads churning over one pool (label tsan).
 #include "server/sessions/session_manager.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -446,6 +448,160 @@ TEST(SessionManagerUpkeep, ExpiresIdleSessionsOnItsOwnAndReportsTheStats) {
       +[](std::vector<SessionStats>* seen) { return !seen->empty() && seen->back().expiries == 1; },
       &looks));
   EXPECT_EQ(looks.back().sessions, 0);
+}
+
+// The latest token's query and the K rows a test's steps append, with the
+// float64 reference of what the query attends to.
+struct LatestRows {
+  std::mt19937 random{42};
+  std::vector<float> keys;  // [L, 2 KV heads, 16], every step's
+  // A step of n tokens: random K (and V) rows and a random query [4, 16]
+  // for its last token, kept in the lease's cache as Extend keeps it.
+  void Step(SessionManager& manager, StepLease lease, int64_t n) {
+    std::normal_distribution<float> normal;
+    std::vector<float> k(static_cast<size_t>(n * 2 * 16)), q(4 * 16);
+    for (float& x : k) x = normal(random);
+    for (float& x : q) x = normal(random);
+    ASSERT_NE(lease.cache(), nullptr);
+    ASSERT_TRUE(lease.cache()->Append(k, k, n).ok());
+    lease.cache()->SetLatestQuery(q);
+    keys.insert(keys.end(), k.begin(), k.end());
+    query = q;
+    manager.EndStep(std::move(lease), absl::OkStatus(), "out");
+  }
+  // softmax(q_h . K_g[j] / sqrt(16)) over the first `length` tokens, g = h / 2.
+  std::vector<double> Reference(int64_t length) const {
+    std::vector<double> maps(static_cast<size_t>(4 * length));
+    for (int h = 0; h < 4; ++h) {
+      std::vector<double> s(static_cast<size_t>(length));
+      double m = -1e300, sum = 0;
+      for (int64_t j = 0; j < length; ++j) {
+        double dot = 0;
+        for (int d = 0; d < 16; ++d) {
+          dot += double{query[static_cast<size_t>(h * 16 + d)]} *
+                 keys[static_cast<size_t>((j * 2 + h / 2) * 16 + d)];
+        }
+        s[static_cast<size_t>(j)] = dot / 4.0;
+        m = std::max(m, s[static_cast<size_t>(j)]);
+      }
+      for (double& x : s) sum += (x = std::exp(x - m));
+      for (int64_t j = 0; j < length; ++j) {
+        maps[static_cast<size_t>(h * length + j)] = s[static_cast<size_t>(j)] / sum;
+      }
+    }
+    return maps;
+  }
+  std::vector<float> query;
+};
+
+constexpr int64_t kNoMapLimit = int64_t{1} << 30;
+constexpr char kFlags[] = "--max_attention_map_bytes";
+
+TEST_F(SessionManagerTest, LatestAttentionIsTheKeptQueryOverEveryCachedKey) {
+  auto manager = Make();
+  SessionSpec spec = Spec(2);
+  spec.first_position = 5;
+  const std::string id = manager->Open(spec, "alice")->id;
+  LatestRows rows;
+  // Layer 0: a prefill of 6 (two blocks), then a decode step.
+  rows.Step(*manager, *manager->BeginStep(id, "alice", 0, 0, 6, 1), 6);
+  for (int64_t length : {6, 7}) {
+    if (length == 7) rows.Step(*manager, *manager->BeginStep(id, "alice", 0, 6, 1, 2), 1);
+    absl::StatusOr<LatestAttentionRead> read =
+        manager->LatestAttention(id, "alice", 0, kNoMapLimit, kFlags);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(read->length, length);
+    EXPECT_EQ(read->position, 5 + length - 1);
+    ASSERT_EQ(read->num_heads, 4);
+    ASSERT_EQ(read->maps.size(), static_cast<size_t>(4 * length));
+    const std::vector<double> reference = rows.Reference(length);
+    for (size_t i = 0; i < reference.size(); ++i) {
+      EXPECT_NEAR(read->maps[i], reference[i], 1e-6) << "at " << i;
+    }
+    for (int h = 0; h < 4; ++h) {
+      double entropy = 0, max_weight = 0;
+      for (int64_t j = 0; j < length; ++j) {
+        const double p = reference[static_cast<size_t>(h * length + j)];
+        entropy -= p * std::log(p);
+        max_weight = std::max(max_weight, p);
+      }
+      EXPECT_NEAR(read->entropy[static_cast<size_t>(h)], entropy, 1e-5);
+      EXPECT_NEAR(read->max_weight[static_cast<size_t>(h)], max_weight, 1e-6);
+    }
+  }
+  // The query counts with the stored answers: 4 heads x 16 floats.
+  EXPECT_EQ(manager->stats().stored_bytes, 4 * 16 * 4 + 3);
+  // Layer 1 has no tokens; a layer out of range; another owner; the limit.
+  absl::Status empty = manager->LatestAttention(id, "alice", 1, kNoMapLimit, kFlags).status();
+  EXPECT_EQ(empty.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(empty.message(), "holds no tokens")) << empty;
+  EXPECT_TRUE(absl::StrContains(empty.message(), "extend it by a token first")) << empty;
+  absl::Status bad = manager->LatestAttention(id, "alice", 2, kNoMapLimit, kFlags).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(bad.message(), "layer:")) << bad;
+  EXPECT_EQ(manager->LatestAttention(id, "alice", -1, kNoMapLimit, kFlags).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::Status other = manager->LatestAttention(id, "mallory", 0, kNoMapLimit, kFlags).status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(other.message(), "unknown session")) << other;
+  // 4 heads x 7 tokens x 4 bytes = 112 bytes.
+  EXPECT_TRUE(manager->LatestAttention(id, "alice", 0, 112, kFlags).ok());
+  absl::Status over = manager->LatestAttention(id, "alice", 0, 111, kFlags).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(over.message(), kFlags)) << over;
+}
+
+TEST_F(SessionManagerTest, LatestAttentionFollowsForksRetriesTruncatesAndSteps) {
+  auto manager = Make();
+  const std::string id = manager->Open(Spec(1), "")->id;
+  LatestRows rows;
+  rows.Step(*manager, *manager->BeginStep(id, "", 0, 0, 5, 1), 5);
+  rows.Step(*manager, *manager->BeginStep(id, "", 0, 5, 1, 2), 1);
+  const std::vector<float> before = manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags)->maps;
+
+  // A fork reads the same; the parent's next step does not change the fork's.
+  const std::string fork = manager->Fork(id, "")->id;
+  EXPECT_EQ(manager->LatestAttention(fork, "", 0, kNoMapLimit, kFlags)->maps, before);
+  EXPECT_EQ(manager->stats().stored_bytes, 2 * 4 * 16 * 4 + 3);
+
+  // A retry of the last step replays: nothing changes.
+  absl::StatusOr<StepLease> retry = manager->BeginStep(id, "", 0, 5, 1, 2);
+  ASSERT_TRUE(retry.ok() && retry->replay()) << retry.status();
+  // While a step is in flight on the layer: ABORTED, as a second step.
+  absl::Status racing = manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags).status();
+  EXPECT_EQ(racing.code(), absl::StatusCode::kAborted) << racing;
+  manager->EndStep(*std::move(retry), absl::OkStatus(), "out");
+  EXPECT_EQ(manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags)->maps, before);
+
+  // A failed step leaves the cache and its query as they were.
+  manager->EndStep(*manager->BeginStep(id, "", 0, 6, 1, 3), absl::InternalError("compute"), "");
+  EXPECT_EQ(manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags)->maps, before);
+
+  rows.Step(*manager, *manager->BeginStep(id, "", 0, 6, 1, 4), 1);
+  EXPECT_EQ(manager->LatestAttention(fork, "", 0, kNoMapLimit, kFlags)->maps, before);
+  EXPECT_EQ(manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags)->length, 7);
+
+  // Truncating to the same length keeps the query; shorter drops it.
+  ASSERT_TRUE(manager->Truncate(id, "", 0, 7).ok());
+  EXPECT_TRUE(manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags).ok());
+  ASSERT_TRUE(manager->Truncate(id, "", 0, 4).ok());
+  absl::Status dropped = manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags).status();
+  EXPECT_EQ(dropped.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(dropped.message(), "truncated since its last step")) << dropped;
+  EXPECT_TRUE(absl::StrContains(dropped.message(), "extend it by a token first")) << dropped;
+  EXPECT_EQ(manager->stats().stored_bytes, 4 * 16 * 4);  // the fork's query only
+  // One more step and the read works again, over the 5 tokens.
+  rows.keys.resize(4 * 2 * 16);
+  rows.Step(*manager, *manager->BeginStep(id, "", 0, 4, 1, 5), 1);
+  absl::StatusOr<LatestAttentionRead> again =
+      manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags);
+  ASSERT_TRUE(again.ok()) << again.status();
+  const std::vector<double> reference = rows.Reference(5);
+  ASSERT_EQ(again->maps.size(), reference.size());
+  for (size_t i = 0; i < reference.size(); ++i) EXPECT_NEAR(again->maps[i], reference[i], 1e-6);
+  ASSERT_TRUE(manager->Close(fork, "").ok());
+  ASSERT_TRUE(manager->Close(id, "").ok());
+  EXPECT_EQ(manager->stats().stored_bytes, 0);
 }
 
 }  // namespace

@@ -227,6 +227,30 @@ class HeadStatistics(_message.Message):
     max_weight: Tensor
     def __init__(self, entropy: _Optional[_Union[Tensor, _Mapping]] = ..., max_weight: _Optional[_Union[Tensor, _Mapping]] = ..., contribution: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
+class LatestAttention(_message.Message):
+    __slots__ = ["head_statistics", "layer", "length", "maps", "position", "session_id"]
+    HEAD_STATISTICS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAPS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    head_statistics: HeadStatistics
+    layer: int
+    length: int
+    maps: Tensor
+    position: int
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ..., layer: _Optional[int] = ..., length: _Optional[int] = ..., position: _Optional[int] = ..., maps: _Optional[_Union[Tensor, _Mapping]] = ..., head_statistics: _Optional[_Union[HeadStatistics, _Mapping]] = ...) -> None: ...
+
+class LatestAttentionRequest(_message.Message):
+    __slots__ = ["layer", "session_id"]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ..., layer: _Optional[int] = ...) -> None: ...
+
 class LayerSpec(_message.Message):
     __slots__ = ["head_config", "inline_weights", "seed"]
     HEAD_CONFIG_FIELD_NUMBER: _ClassVar[int]

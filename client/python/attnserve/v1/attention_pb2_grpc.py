@@ -86,6 +86,11 @@ class AttentionServiceStub(object):
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=attnserve_dot_v1_dot_attention__pb2.CloseSessionResponse.FromString,
                 )
+        self.GetLatestAttention = channel.unary_unary(
+                '/attnserve.v1.AttentionService/GetLatestAttention',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.LatestAttentionRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.LatestAttention.FromString,
+                )
 
 
 class AttentionServiceServicer(object):
@@ -224,6 +229,23 @@ class AttentionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLatestAttention(self, request, context):
+        """What a layer's latest token attends to, per head, over everything the
+        layer holds, without extending the session: the softmax weights of that
+        token's query (kept from the step that appended it) over every cached
+        key. NOT_FOUND as GetSession (another token's session included);
+        INVALID_ARGUMENT naming `layer`; FAILED_PRECONDITION when the layer
+        holds no tokens or was truncated since its last step (its latest token's
+        query is not kept: extend it by a token first); ABORTED while a step
+        runs on the layer; RESOURCE_EXHAUSTED when the maps would pass
+        --max_attention_map_bytes (or the response --max_send_message_bytes),
+        or the queue is full. It runs on the compute executor, as Extend does:
+        the call's deadline and cancellation apply while it waits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -291,6 +313,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=attnserve_dot_v1_dot_attention__pb2.CloseSessionRequest.FromString,
                     response_serializer=attnserve_dot_v1_dot_attention__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'GetLatestAttention': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLatestAttention,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.LatestAttentionRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.LatestAttention.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,5 +554,22 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/CloseSession',
             attnserve_dot_v1_dot_attention__pb2.CloseSessionRequest.SerializeToString,
             attnserve_dot_v1_dot_attention__pb2.CloseSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def GetLatestAttention(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/GetLatestAttention',
+            attnserve_dot_v1_dot_attention__pb2.LatestAttentionRequest.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.LatestAttention.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
