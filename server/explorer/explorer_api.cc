@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -806,6 +807,97 @@ HttpResponse ExplorerApi::Attend(const HttpRequest& request) const {
   }
   if (query.query_row) {
     answer["row"] = {{"query", *query.query_row}, {"data", Base64OfFloats(row)}};
+  }
+  answer["seconds"] = absl::ToDoubleSeconds(absl::Now() - start);
+  return HttpResponse{.body = Dump(answer)};
+}
+
+HttpResponse ExplorerApi::Session(const HttpRequest& request) const {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<Json> body = ParseBody(request);
+  if (!body.ok()) return BadRequest(body.status());
+  const auto id = body->find("session_id");
+  if (id == body->end() || !id->is_string() || id->get_ref<const std::string&>().empty()) {
+    return BadRequest(Invalid("session_id", "required: the id OpenSession returned"));
+  }
+  absl::StatusOr<int64_t> layer =
+      IntField(*body, "layer", "layer", 0, std::numeric_limits<int32_t>::max(), 0);
+  if (!layer.ok()) return BadRequest(layer.status());
+  absl::StatusOr<int64_t> cols = IntField(*body, "cols", "cols", 1, kMaxSessionCols, kDefaultSessionCols);
+  if (!cols.ok()) return BadRequest(cols.status());
+  // A range of keys at full resolution: {"k0", "k1"}, checked against the
+  // layer's length once it is known.
+  std::optional<std::pair<int64_t, int64_t>> keys;
+  if (const auto it = body->find("keys"); it != body->end() && !it->is_null()) {
+    if (!it->is_object()) return BadRequest(Invalid("keys", "expected {\"k0\", \"k1\"}"));
+    absl::StatusOr<int64_t> k0 =
+        IntField(*it, "k0", "keys.k0", 0, std::numeric_limits<int64_t>::max() - 1, std::nullopt);
+    if (!k0.ok()) return BadRequest(k0.status());
+    absl::StatusOr<int64_t> k1 =
+        IntField(*it, "k1", "keys.k1", *k0 + 1, std::numeric_limits<int64_t>::max(), std::nullopt);
+    if (!k1.ok()) return BadRequest(k1.status());
+    keys.emplace(*k0, *k1);
+  }
+
+  std::unique_ptr<Stub> stub = v1::AttentionService::NewStub(channel_);
+  grpc::ClientContext context;
+  PassCredentials(request, context);
+  v1::LatestAttentionRequest read;
+  read.set_session_id(id->get<std::string>());
+  read.set_layer(static_cast<int32_t>(*layer));
+  v1::LatestAttention latest;
+  if (grpc::Status status = stub->GetLatestAttention(&context, read, &latest); !status.ok()) {
+    return FromGrpc(status);
+  }
+  const v1::Tensor& maps = latest.maps();
+  if (maps.shape_size() != 2 || maps.shape(1) != latest.length() || maps.shape(0) < 1) {
+    return Internal("GetLatestAttention's maps are not [num_heads, length]");
+  }
+  const int64_t h = maps.shape(0);
+  const int64_t length = latest.length();
+  std::optional<std::vector<float>> weights = Floats(maps, h * length);
+  if (!weights) return Internal("GetLatestAttention's maps do not have their shape's size");
+  if (keys && keys->second > length) {
+    return BadRequest(Invalid("keys.k1", absl::StrCat(keys->second, " is past the layer's length ", length)));
+  }
+  if (keys && h * (keys->second - keys->first) > kMaxRegionCells) {
+    return BadRequest(Invalid("keys", absl::StrCat(h, " heads x ", keys->second - keys->first,
+                                                   " keys is over the limit of ", kMaxRegionCells,
+                                                   " cells (limits.max_region_cells)")));
+  }
+
+  // Max-pooled over keys (no peak disappears): column c holds keys
+  // [c pool, (c + 1) pool).
+  const int64_t pool = (length + *cols - 1) / *cols;
+  const int64_t pooled_cols = (length + pool - 1) / pool;
+  std::vector<float> pooled(static_cast<size_t>(h * pooled_cols), 0.0f);
+  for (int64_t head = 0; head < h; ++head) {
+    for (int64_t k = 0; k < length; ++k) {
+      float& cell = pooled[head * pooled_cols + k / pool];
+      cell = std::max(cell, (*weights)[head * length + k]);
+    }
+  }
+  std::optional<std::vector<float>> entropy = Floats(latest.head_statistics().entropy(), h);
+  std::optional<std::vector<float>> max_weight = Floats(latest.head_statistics().max_weight(), h);
+  if (!entropy || !max_weight) return Internal("GetLatestAttention's statistics are not [num_heads]");
+  Json stats = {{"entropy", *entropy}, {"max_weight", *max_weight}};
+  Json answer = {{"session_id", latest.session_id()},
+                 {"layer", latest.layer()},
+                 {"length", length},
+                 {"position", latest.position()},
+                 {"num_heads", h},
+                 {"pool", pool},
+                 {"cols", pooled_cols},
+                 {"data", Base64OfFloats(pooled)},
+                 {"stats", std::move(stats)}};
+  if (keys) {
+    std::vector<float> range;
+    range.reserve(static_cast<size_t>(h * (keys->second - keys->first)));
+    for (int64_t head = 0; head < h; ++head) {
+      range.insert(range.end(), weights->begin() + head * length + keys->first,
+                   weights->begin() + head * length + keys->second);
+    }
+    answer["keys"] = {{"k0", keys->first}, {"k1", keys->second}, {"data", Base64OfFloats(range)}};
   }
   answer["seconds"] = absl::ToDoubleSeconds(absl::Now() - start);
   return HttpResponse{.body = Dump(answer)};

@@ -34,7 +34,12 @@ struct ExplorerLayerLimits {
 //           full resolution. The maps come through Attend in chunks of query
 //           rows (AttentionMapRequest.query_rows), each within the model's
 //           max_attention_map_bytes and kMaxChunkMapBytes, and are pooled as
-//           they come (MaxPoolGrid): the full maps are never held. The
+//           they come (MaxPoolGrid): the full maps are never held.
+//   Session (POST /explorer/api/session): what a decode session layer's
+//           latest token attends to, per head, over the layer's whole cache
+//           (GetLatestAttention: a read that does not extend the session,
+//           for the token that opened it), max-pooled over keys to at most
+//           "cols" columns, and a range of keys at full resolution. The
 //           request names a loaded "model" or carries an ad-hoc "layer" (a
 //           head configuration with seeded weights, AttendRequest.layer).
 // Errors: 400 {"error": "<field>: ..."} for a bad request (fields as in the
@@ -58,6 +63,9 @@ class ExplorerApi {
   static constexpr int64_t kMaxChunkMapBytes = int64_t{16} << 20;
   // The most values /explorer/api/inputs makes (64 MiB of float32).
   static constexpr int64_t kMaxInputValues = int64_t{16} << 20;
+  // The most pooled key columns a session answer has, and the default.
+  static constexpr int64_t kMaxSessionCols = 4096;
+  static constexpr int64_t kDefaultSessionCols = 1024;
 
   // `max_body_bytes`: the HTTP front's limit, reported in Models' limits;
   // `layer_limits`: the server's limits on ad-hoc layers.
@@ -69,6 +77,7 @@ class ExplorerApi {
   HttpResponse Models(const HttpRequest& request) const;
   HttpResponse Inputs(const HttpRequest& request) const;
   HttpResponse Attend(const HttpRequest& request) const;
+  HttpResponse Session(const HttpRequest& request) const;
 
  private:
   const std::shared_ptr<grpc::Channel> channel_;

@@ -68,6 +68,12 @@ absl::StatusOr<std::vector<HttpRoute>> ExplorerRoutes(std::shared_ptr<grpc::Chan
                     .takes_body = true,
                     .browser_facing = true,
                     .handler = [api](const HttpRequest& request) { return api->Attend(request); }});
+  routes.push_back({.method = "POST",
+                    .pattern = "/explorer/api/session",
+                    .needs_token = true,
+                    .takes_body = true,
+                    .browser_facing = true,
+                    .handler = [api](const HttpRequest& request) { return api->Session(request); }});
   return routes;
 }
 

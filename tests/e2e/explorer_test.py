@@ -271,6 +271,50 @@ class ExplorerServer(unittest.TestCase):
             np.testing.assert_allclose(f32(again["grid"]["data"], expected.shape), got, rtol=0, atol=1e-6)
             np.testing.assert_allclose(again["stats"]["entropy"], reply["stats"]["entropy"], rtol=1e-6)
 
+    def test_a_sessions_latest_token_pooled_and_at_full_resolution(self):
+        n = int(self.rng.integers(200, 400))
+        with self.client.open_session("default") as session:
+            session.extend(self.rng.standard_normal((n, D_MODEL)).astype(np.float32))
+            step = session.extend(self.rng.standard_normal((1, D_MODEL)).astype(np.float32), maps=True)
+            length = n + 1
+            latest = session.latest_attention(0)
+            weights = latest.maps.astype(np.float64)  # [H, length]
+            self.assertEqual(weights.shape, (NUM_HEADS, length))
+            # The read is the last step's row (the session's own check: Extend's maps).
+            np.testing.assert_allclose(weights, step.maps[:, 0, :], rtol=0, atol=1e-6)
+
+            cols = int(self.rng.integers(16, 100))
+            status, _, reply = self.api("/explorer/api/session", {
+                "session_id": session.id, "layer": 0, "cols": cols, "keys": {"k0": 7, "k1": 71}})
+            self.assertEqual(status, 200, reply)
+            p = -(-length // cols)
+            c = -(-length // p)
+            self.assertEqual((reply["length"], reply["pool"], reply["cols"], reply["num_heads"]),
+                             (length, p, c, NUM_HEADS))
+            self.assertEqual(reply["position"], length - 1)
+            padded = np.zeros((NUM_HEADS, c * p))
+            padded[:, :length] = weights
+            np.testing.assert_array_equal(f32(reply["data"], (NUM_HEADS, c)),
+                                          padded.reshape(NUM_HEADS, c, p).max(axis=2))
+            np.testing.assert_array_equal(f32(reply["keys"]["data"], (NUM_HEADS, 64)), weights[:, 7:71])
+            np.testing.assert_allclose(reply["stats"]["entropy"], latest.entropy, rtol=1e-6)
+            np.testing.assert_allclose(reply["stats"]["max_weight"], weights.max(axis=1), rtol=1e-6)
+            # Reading never extends the session.
+            self.assertEqual(session.info().layer_lengths[0], length)
+
+            cases = [
+                ({}, 400, "session_id"),
+                ({"session_id": "0" * 32}, 404, ""),
+                ({"session_id": session.id, "layer": 1}, 400, "layer"),
+                ({"session_id": session.id, "cols": 0}, 400, "cols"),
+                ({"session_id": session.id, "keys": {"k0": 0, "k1": length + 1}}, 400, "keys.k1"),
+                ({"session_id": session.id, "keys": {"k0": 5, "k1": 5}}, 400, "keys.k1"),
+            ]
+            for body, code, field in cases:
+                status, _, reply = self.api("/explorer/api/session", body)
+                self.assertEqual(status, code, f"{body}: {reply}")
+                self.assertTrue(reply["error"].startswith(field), f"{body}: {reply['error']}")
+
     def test_a_region_of_every_head_alone_without_grid(self):
         s = 64
         seed, x = self.fresh_inputs(s)

@@ -24,7 +24,11 @@ fetched through /explorer/api/inputs, or a .npy the test wrote and uploaded):
   - the model choice's ad-hoc layer (grouped-query heads, RoPE, seeded
     weights): the server's refusal of a bad head configuration shows in the
     page's error place, a good one renders, its hover and a head's removal
-    match Attend with the same LayerSpec.
+    match Attend with the same LayerSpec;
+  - a decode session's view (what its latest token attends to): its hover
+    shows the weights the session's last Extend step returned for that
+    token, its .npy export holds them, reading does not extend the session,
+    and another caller's token gets the server's refusal in the page.
 
 Screenshots of each view go to --screenshots (default: the build folder's
 tests/explorer/screenshots; build folders are ignored by git).
@@ -63,6 +67,7 @@ PARSER.add_argument("--chromedriver", default="/usr/bin/chromedriver")
 ARGS, UNITTEST_ARGS = PARSER.parse_known_args()
 
 TOKEN = "explorer-browser-test-4f1e"
+OTHER_TOKEN = "explorer-browser-test-other-9c2d"  # a second caller: may not read TOKEN's sessions
 WINDOW = (1700, 1150)
 LONG_S = 4096  # the long sequence (--max_seq_len)
 WAIT = 300  # seconds: an S=4096 request on a busy 2-core machine
@@ -87,7 +92,7 @@ class ExplorerInBrowser(unittest.TestCase):
         cls.tmp = tempfile.TemporaryDirectory()
         tokens = os.path.join(cls.tmp.name, "tokens")
         with open(tokens, "w") as f:
-            f.write(TOKEN + "\n")
+            f.write(TOKEN + "\n" + OTHER_TOKEN + "\n")
         # No dynamic batching: the page's requests and the test's gRPC calls
         # compute the same bits for the same inputs.
         cls.server = harness.Server(ARGS.server, "--http_address=127.0.0.1:0", "--max_batch_tokens=0",
@@ -567,6 +572,57 @@ class ExplorerInBrowser(unittest.TestCase):
         self.assertLessEqual(abs(shown - expected), significant_tolerance(expected) + 1e-4 * expected,
                              f"ad-hoc head {removed} off: page {change.text!r}, Attend {expected:.6g}%")
         self.screenshot("side", "adhoc_layer.png")
+
+    def test_a_decode_sessions_latest_token_view_matches_its_last_step(self):
+        self.open_page()
+        rng = np.random.default_rng()
+        d, H = self.model["d_model"], self.model["num_heads"]
+        n = int(rng.integers(12, 40))
+        with self.client.open_session("default") as session:
+            session.extend(rng.standard_normal((n, d)).astype(np.float32))
+            step = session.extend(rng.standard_normal((1, d)).astype(np.float32), maps=True)
+            length = n + 1
+            expected = step.maps[:, 0, :]  # [H, length]: the latest token's weights
+            self.assertEqual(expected.shape, (H, length))
+            self.set_field("session-id", session.id)
+            self.set_field("session-layer", "0")
+            self.driver.execute_script("document.getElementById('labels').value = arguments[0]",
+                                       "\n".join(f"t{i}" for i in range(length)))
+            canvas = self.el("session-canvas")
+            self.act("the session view", lambda: self.el("show-session").click())
+            self.assertGreater(self.distinct_colours("session-canvas"), 10)
+            self.assertIn(f"{length} tokens", self.el("session-caption").text)
+            readout = self.el("session-readout")
+            self.center(canvas)
+            g = {k: int(canvas.get_attribute(f"data-{k}")) for k in ("plot-x", "plot-y", "plot-w", "row")}
+            for head, key in [(int(rng.integers(0, H)), int(rng.integers(0, length))), (0, length - 1),
+                              (H - 1, 0), (int(rng.integers(0, H)), length // 2)]:
+                self.move_to(canvas, g["plot-x"] + (key + 0.5) * g["plot-w"] / length,
+                             g["plot-y"] + (head + 0.5) * g["row"])
+                self.wait(f"the session readout of head {head} key {key}",
+                          lambda: readout.get_attribute("data-head") == str(head) and
+                          readout.get_attribute("data-key") == str(key))
+                shown = float(readout.get_attribute("data-weight"))
+                want = float(expected[head, key])
+                self.assertLessEqual(abs(shown - want), significant_tolerance(want),
+                                     f"head {head} key {key}: page {shown}, Extend {want}")
+                self.assertIn(f'"t{key}"', readout.text)
+            exported = np.load(io.BytesIO(self.download('[data-export-npy="session"]', ".npy")))
+            np.testing.assert_allclose(exported, expected, rtol=0, atol=1e-6)
+            self.screenshot("session-section", "session.png")
+            # Reading did not extend the session.
+            self.assertEqual(session.info().layer_lengths[0], length)
+
+            # Another caller's token: the server's refusal (as for an unknown id) shows in the page.
+            from selenium.webdriver.common.keys import Keys
+            self.set_field("token", OTHER_TOKEN)
+            self.act("the models with the other token", lambda: self.el("token").send_keys(Keys.TAB))
+            self.act("the session view with another token", lambda: self.el("show-session").click(),
+                     expect="error")
+            self.assertIn("404", self.el("error").text)
+            self.assertIn("session", self.el("error").text)
+            self.set_field("token", TOKEN)
+            self.act("the models with the token", lambda: self.el("token").send_keys(Keys.TAB))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@
     drag: null,
     sort: {key: "head", dir: 1},
     downloadUrl: null,
+    session: null,  // the last /session answer: {..., data: Float32Array [H, cols], vmax}
+    sessionGeometry: null,
   };
 
   // --- Small helpers ---------------------------------------------------------
@@ -565,14 +567,15 @@
     return lut;
   })();
 
-  function scaled(v) {
-    const t = Math.min(1, v / state.vmax);
+  function scaled(v, vmax) {
+    const t = Math.min(1, v / vmax);
     return $("scale").value === "sqrt" ? Math.sqrt(t) : t;
   }
 
   // Paints map cells [rows, cols] (values at data[offset...]) into a w x h
-  // pixel box at (x0, y0); masked cells (-1) are hatched grey.
-  function paintMap(ctx, x0, y0, w, h, data, offset, rows, cols) {
+  // pixel box at (x0, y0), on the colour scale whose top is vmax; masked
+  // cells (-1) are hatched grey.
+  function paintMap(ctx, x0, y0, w, h, data, offset, rows, cols, vmax = state.vmax) {
     const image = ctx.createImageData(w, h);
     const px = image.data;
     const colOf = new Int32Array(w);
@@ -588,7 +591,7 @@
           px[p + 1] = g;
           px[p + 2] = g;
         } else {
-          const i = 3 * Math.round(255 * scaled(v));
+          const i = 3 * Math.round(255 * scaled(v, vmax));
           px[p] = LUT[i];
           px[p + 1] = LUT[i + 1];
           px[p + 2] = LUT[i + 2];
@@ -1109,6 +1112,93 @@
     return `attnserve-${model.replace(/[^A-Za-z0-9_.-]/g, "_")}-S${state.S}`;
   }
 
+  // --- Decode session: what its latest token attends to ------------------------
+
+  const SESSION_COLS = 860;  // pooled key columns asked for: one per pixel
+  const SESSION_LEFT = 64;
+  const SESSION_TOP = 8;
+  const SESSION_ROW = 18;  // pixels per head
+  const SESSION_AXIS = 30;
+
+  async function showSession() {
+    await busy("Reading the session", async () => {
+      const id = $("session-id").value.trim();
+      if (!/^[0-9A-Za-z]{1,128}$/.test(id)) {
+        throw new UserError(`session id: "${shorten(id, 40)}" is not the id OpenSession returned (hex digits)`);
+      }
+      const layer = readInteger("session-layer", "layer", 0, 2147483647);
+      const answer = await api("api/session", {session_id: id, layer, cols: SESSION_COLS});
+      const data = base64ToF32(answer.data, "data");
+      if (data.length !== answer.num_heads * answer.cols) {
+        throw new Error(`data has ${data.length} values, not ${answer.num_heads} x ${answer.cols}`);
+      }
+      let vmax = 0;
+      for (const v of data) if (v > vmax) vmax = v;
+      state.session = Object.assign({}, answer, {data, vmax: vmax > 0 ? vmax : 1});
+      state.labels = parseLabels();
+      renderSession();
+    });
+  }
+
+  function renderSession() {
+    const s = state.session;
+    const canvas = $("session-canvas");
+    if (!s) return;
+    const plotW = Math.max(s.cols, Math.min(SESSION_COLS, s.cols * Math.floor(SESSION_COLS / s.cols)));
+    canvas.width = SESSION_LEFT + plotW + 16;
+    canvas.height = SESSION_TOP + s.num_heads * SESSION_ROW + SESSION_AXIS;
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "#fff";
+    ctx.fillRect(0, 0, canvas.width, canvas.height);
+    for (let h = 0; h < s.num_heads; h++) {
+      paintMap(ctx, SESSION_LEFT, SESSION_TOP + h * SESSION_ROW, plotW, SESSION_ROW - 2, s.data, h * s.cols, 1,
+               s.cols, s.vmax);
+    }
+    ctx.fillStyle = "#222";
+    ctx.font = "11px sans-serif";
+    ctx.textAlign = "right";
+    ctx.textBaseline = "middle";
+    for (let h = 0; h < s.num_heads; h++) {
+      ctx.fillText(`head ${h}`, SESSION_LEFT - 6, SESSION_TOP + h * SESSION_ROW + (SESSION_ROW - 2) / 2);
+    }
+    ctx.textAlign = "left";
+    ctx.textBaseline = "top";
+    const axisY = SESSION_TOP + s.num_heads * SESSION_ROW + 4;
+    ctx.fillText("key 0", SESSION_LEFT, axisY);
+    ctx.textAlign = "right";
+    ctx.fillText(`key ${s.length - 1} (the latest token, position ${s.position})`, SESSION_LEFT + plotW, axisY);
+    state.sessionGeometry = {plotW};
+    Object.assign(canvas.dataset, {plotX: String(SESSION_LEFT), plotY: String(SESSION_TOP), plotW: String(plotW),
+                                   row: String(SESSION_ROW), cols: String(s.cols), pool: String(s.pool)});
+    $("session-caption").textContent =
+      `session ${shorten(s.session_id, 12)}, layer ${s.layer}: ${formatCount(s.length)} tokens, ` +
+      `${s.num_heads} heads` + (s.pool > 1 ? `, each column the maximum of ${s.pool} keys` : "") +
+      `; colour top ${formatWeight(s.vmax)}`;
+    $("session-readout").textContent = "Hover over the rows.";
+    bump(canvas, "rendered");
+  }
+
+  function onSessionMove(event) {
+    const s = state.session;
+    const g = state.sessionGeometry;
+    if (!s || !g) return;
+    const p = canvasPoint(event);
+    const x = p.x - SESSION_LEFT;
+    const y = p.y - SESSION_TOP;
+    const head = Math.floor(y / SESSION_ROW);
+    if (x < 0 || x >= g.plotW || y < 0 || head >= s.num_heads) return;
+    const col = Math.min(s.cols - 1, Math.floor((x * s.cols) / g.plotW));
+    const k0 = col * s.pool;
+    const k1 = Math.min(s.length, k0 + s.pool);
+    const weight = formatWeight(s.data[head * s.cols + col]);
+    const readout = $("session-readout");
+    readout.dataset.head = String(head);
+    readout.dataset.key = String(k0);
+    readout.dataset.weight = weight;
+    const keys = k1 - k0 === 1 ? `key ${describePosition(k0)}` : `keys ${k0}-${k1 - 1} (maximum)`;
+    readout.textContent = `head ${head} \u00b7 ${keys} \u00b7 weight ${weight}`;
+  }
+
   function exportPng(canvasId) {
     const canvas = canvasId === "stats-canvas" ? renderStatsCanvas() : $(canvasId);
     canvas.toBlob((blob) => {
@@ -1117,6 +1207,15 @@
   }
 
   function exportNpy(view) {
+    if (view === "session") {
+      const s = state.session;
+      if (!s) return;
+      // Full resolution when the answer was not pooled; else the pooled maxima.
+      offerDownload(new Blob([npyBytes(s.data, [s.num_heads, s.cols])], {type: "application/octet-stream"}),
+                    `attnserve-session-${s.session_id.slice(0, 8)}-layer${s.layer}-len${s.length}` +
+                    `${s.pool > 1 ? `-pool${s.pool}` : ""}.npy`);
+      return;
+    }
     if (!state.response) return;
     let values;
     let shape;
@@ -1192,6 +1291,14 @@
       renderLarge();
     });
     $("show-query").addEventListener("click", showQuery);
+    $("show-session").addEventListener("click", showSession);
+    $("session-id").addEventListener("keydown", (event) => {
+      if (event.key === "Enter") {
+        event.preventDefault();
+        showSession();
+      }
+    });
+    $("session-canvas").addEventListener("mousemove", onSessionMove);
     $("query").addEventListener("keydown", (event) => {
       if (event.key !== "Enter") return;
       event.preventDefault();
@@ -1199,6 +1306,7 @@
     });
     $("stats-table").tHead.addEventListener("click", onSort);
     $("scale").addEventListener("change", () => {
+      renderSession();
       if (!state.grid) return;
       renderLegend();
       renderGrid();
