@@ -91,6 +91,16 @@ bool LooksLikeSessionId(absl::string_view id) {
          });
 }
 
+// OK when `layer` is one of the session's layers; else INVALID_ARGUMENT naming
+// the field.
+absl::Status CheckLayerIndex(const Session& session, int layer) {
+  if (layer < 0 || layer >= static_cast<int>(session.layers.size())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: ", layer, " is outside [0, ", session.layers.size(), ")"));
+  }
+  return absl::OkStatus();
+}
+
 // Blocks a layer of `length` tokens takes.
 int64_t BlocksFor(int64_t length, int block_tokens) {
   return (length + block_tokens - 1) / block_tokens;
@@ -472,10 +482,7 @@ absl::StatusOr<std::shared_ptr<const Model>> SessionManager::LayerModel(absl::st
   absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
   if (!found.ok()) return found.status();
   const Session& session = **found;
-  if (layer < 0 || layer >= static_cast<int>(session.layers.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is outside [0, ",
-                                                   session.layers.size(), ")"));
-  }
+  if (absl::Status status = CheckLayerIndex(session, layer); !status.ok()) return status;
   return session.layers[static_cast<size_t>(layer)].model;
 }
 
@@ -487,10 +494,7 @@ absl::StatusOr<LatestSnapshot> SessionManager::SnapshotLatest(absl::string_view 
   absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
   if (!found.ok()) return found.status();
   const Session& session = **found;
-  if (layer < 0 || layer >= static_cast<int>(session.layers.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is outside [0, ",
-                                                   session.layers.size(), ")"));
-  }
+  if (absl::Status status = CheckLayerIndex(session, layer); !status.ok()) return status;
   const SessionLayer& target = session.layers[static_cast<size_t>(layer)];
   if (target.step_in_flight) {
     return absl::AbortedError(absl::StrCat("session ", session.id, ": a step on layer ", layer,
@@ -560,10 +564,7 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
   absl::StatusOr<std::shared_ptr<Session>> found = FindLocked(id, owner);
   if (!found.ok()) return found.status();
   std::shared_ptr<Session> session = *found;
-  if (layer < 0 || layer >= static_cast<int>(session->layers.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is outside [0, ",
-                                                   session->layers.size(), ")"));
-  }
+  if (absl::Status status = CheckLayerIndex(*session, layer); !status.ok()) return status;
   if (new_tokens < 1) {
     return absl::InvalidArgumentError("hidden_states: at least one new token");
   }
