@@ -458,7 +458,8 @@ std::vector<float> NpyArray::ToFloats() const {
   const int64_t n = num_elements();
   std::vector<float> values(n);
   if (dtype == NpyDtype::kFloat32) {
-    std::memcpy(values.data(), data.data(), n * sizeof(float));
+    // An empty array's vector has no buffer: memcpy may not be given it.
+    if (n > 0) std::memcpy(values.data(), data.data(), n * sizeof(float));
   } else if (dtype == NpyDtype::kBool) {
     for (int64_t i = 0; i < n; ++i) values[i] = data[i] != 0 ? 1.0f : 0.0f;
   } else {

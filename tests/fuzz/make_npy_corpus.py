@@ -56,6 +56,9 @@ def main():
                                           (1, 0))
     seeds["valid_v1_bool"] = npy(rng.standard_normal((2, 3)) > 0, (1, 0))
     seeds["valid_v1_nan"] = npy(np.array([[1.0, np.nan]], dtype="<f4"), (1, 0))
+    # Found by libFuzzer: no elements, although the first two dimensions pass the limit.
+    seeds["valid_v1_zero_dim_after_large"] = by_hand(
+        "{'descr': '<f4', 'fortran_order': False, 'shape': (42949672, 32, 0), }")
     seeds["invalid_complex"] = npy(np.ones((2,), dtype="<c8"), (1, 0))
     seeds["invalid_version_4"] = by_hand("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }",
                                          b"\0\0\0\0", version=(4, 0))

@@ -41,10 +41,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     return 0;
   }
   if (array->shape.size() > static_cast<size_t>(limits.max_dims)) __builtin_trap();
+  // The element count, from the shape: 0 when a dimension is 0, else the
+  // product, which must stay within the limit at every step.
   int64_t elements = 1;
   for (int64_t d : array->shape) {
-    if (d < 0 || (d != 0 && elements > limits.max_elements / d)) __builtin_trap();
-    elements *= d;
+    if (d < 0) __builtin_trap();
+    if (d == 0) elements = 0;
+  }
+  if (elements != 0) {
+    for (int64_t d : array->shape) {
+      if (elements > limits.max_elements / d) __builtin_trap();
+      elements *= d;
+    }
   }
   if (elements != array->num_elements() || elements > limits.max_elements) __builtin_trap();
   const int64_t item = array->dtype == attnserve::cli::NpyDtype::kFloat32 ? 4 : 1;
