@@ -12,8 +12,8 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "cli/file_io.h"
@@ -202,7 +202,9 @@ std::optional<StoredType> ParseStoredType(absl::string_view descr) {
   if (order != '<' && order != '>' && order != '|' && order != '=') return std::nullopt;
   t.big_endian = order == '>' || (order == '=' && std::endian::native == std::endian::big);
   t.kind = descr[1];
-  if (!absl::SimpleAtoi(descr.substr(2), &t.size)) return std::nullopt;
+  // One plain digit, as NumPy writes the sizes it stores (1, 2, 4, 8).
+  if (descr.size() != 3 || !absl::ascii_isdigit(descr[2])) return std::nullopt;
+  t.size = descr[2] - '0';
   switch (t.kind) {
     case 'f':
       if (t.size != 2 && t.size != 4 && t.size != 8) return std::nullopt;
@@ -264,26 +266,38 @@ float ElementToFloat(const char* p, const StoredType& t) {
   }
 }
 
-// Row-major index of every element of a Fortran-order (column-major) array
-// of `shape`: result[c] is the Fortran position of the element whose C
-// position is c.
-std::vector<int64_t> FortranPositions(const std::vector<int64_t>& shape, int64_t n) {
-  std::vector<int64_t> positions(n);
-  std::vector<int64_t> index(shape.size(), 0);
-  for (int64_t c = 0; c < n; ++c) {
-    int64_t f = 0, stride = 1;
+// Walks a Fortran-order (column-major) array of `shape` in C (row-major)
+// order: position() is the Fortran position of the element at the current C
+// position, Next() moves to the next C position. Memory of the rank only (an
+// upload's elements are not matched by a table of positions).
+class FortranWalk {
+ public:
+  explicit FortranWalk(const std::vector<int64_t>& shape)
+      : shape_(shape), index_(shape.size(), 0), strides_(shape.size()) {
+    int64_t stride = 1;
     for (size_t d = 0; d < shape.size(); ++d) {
-      f += index[d] * stride;
+      strides_[d] = stride;
       stride *= shape[d];
     }
-    positions[c] = f;
-    for (size_t d = shape.size(); d-- > 0;) {
-      if (++index[d] < shape[d]) break;
-      index[d] = 0;
+  }
+
+  int64_t position() const { return position_; }
+
+  void Next() {
+    for (size_t d = shape_.size(); d-- > 0;) {
+      position_ += strides_[d];
+      if (++index_[d] < shape_[d]) return;
+      position_ -= strides_[d] * shape_[d];
+      index_[d] = 0;
     }
   }
-  return positions;
-}
+
+ private:
+  const std::vector<int64_t>& shape_;
+  std::vector<int64_t> index_;
+  std::vector<int64_t> strides_;
+  int64_t position_ = 0;
+};
 
 // A .npy file's header (parsed) and data (not checked).
 struct SplitFile {
@@ -396,15 +410,19 @@ absl::StatusOr<NpyArray> Decode(const SplitFile& split, absl::string_view name,
   }
 
   const int64_t n = array.num_elements();
-  std::vector<int64_t> positions;
-  if (header.fortran_order) positions = FortranPositions(array.shape, n);
+  std::optional<FortranWalk> walk;
+  if (header.fortran_order) walk.emplace(array.shape);
+  // The stored element at C position c (the walk is at c).
   auto source = [&](int64_t c) {
-    return split.data.data() + (header.fortran_order ? positions[c] : c) * stored->size;
+    return split.data.data() + (walk ? walk->position() : c) * stored->size;
   };
   if (array.dtype != NpyDtype::kFloat32) {
     // Bytes or booleans, only reordered.
     array.data.resize(n);
-    for (int64_t c = 0; c < n; ++c) array.data[c] = *source(c);
+    for (int64_t c = 0; c < n; ++c) {
+      array.data[c] = *source(c);
+      if (walk) walk->Next();
+    }
     return array;
   }
   array.data.resize(n * sizeof(float));
@@ -417,6 +435,7 @@ absl::StatusOr<NpyArray> Decode(const SplitFile& split, absl::string_view name,
           ") is outside float32's range; float64 data is converted to float32"));
     }
     std::memcpy(array.data.data() + c * sizeof(float), &value, sizeof(float));
+    if (walk) walk->Next();
   }
   return array;
 }

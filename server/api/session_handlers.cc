@@ -281,7 +281,8 @@ struct AttentionServiceImpl::LatestAttentionJob final : ScheduledWork {
         reactor(reactor),
         snapshot(std::move(snapshot)) {
     tokens = 1;  // one query row
-    memory_bytes = this->snapshot.map_bytes;
+    // The maps as computed, and their copy in the response.
+    memory_bytes = 2 * this->snapshot.map_bytes;
     deadline = DeadlineOf(*context);
   }
 
@@ -344,9 +345,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetLatestAttention(
                                       options_.access_log);
   const std::optional<std::string> owner = BeginSessionCall(*context, *reactor);
   if (!owner) return reactor;
+  // A --max_send_message_bytes below the framing leaves no room: every read
+  // is then refused, naming both flags.
   const int64_t max_map_bytes =
-      std::min(options_.limits.max_attention_map_bytes,
-               options_.max_send_message_bytes - kResponseFramingBytes);
+      std::max<int64_t>(0, std::min(options_.limits.max_attention_map_bytes,
+                                    options_.max_send_message_bytes - kResponseFramingBytes));
   absl::StatusOr<LatestSnapshot> snapshot =
       sessions_->SnapshotLatest(request->session_id(), *owner, request->layer(), max_map_bytes,
                                 "--max_attention_map_bytes, --max_send_message_bytes");

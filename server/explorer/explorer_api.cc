@@ -211,7 +211,7 @@ absl::Status ParseInputs(const Json& body, AttendQuery& query) {
   cli::NpyLimits limits;
   limits.max_header_bytes = 64 * 1024;
   limits.max_dims = 3;
-  limits.max_elements = max_seq * query.d_model;
+  limits.max_elements = std::min(max_seq * query.d_model, ExplorerApi::kMaxInputValues);
   absl::StatusOr<cli::NpyArray> array = cli::ParseNpy(bytes, "inputs.npy", limits);
   if (!array.ok()) return array.status();
   std::vector<int64_t> shape = array->shape;
@@ -300,8 +300,12 @@ absl::Status ParseLayer(const Json& layer, const ExplorerLayerLimits& limits, At
     if (!rotary_dim.ok()) return rotary_dim.status();
     config.mutable_rotary()->set_rotary_dim(static_cast<int32_t>(*rotary_dim));
     if (auto theta = rotary.find("theta"); theta != rotary.end() && !theta->is_null()) {
-      if (!theta->is_number()) return Invalid("layer.rotary.theta", "expected a number");
-      config.mutable_rotary()->set_theta(theta->get<float>());
+      const double value = theta->is_number() ? theta->get<double>() : 0.0;
+      if (!theta->is_number() || !std::isfinite(value) || value <= 1.0 ||
+          value > std::numeric_limits<float>::max()) {
+        return Invalid("layer.rotary.theta", "expected a number > 1 (and within float32's range)");
+      }
+      config.mutable_rotary()->set_theta(static_cast<float>(value));
     }
     query.rotary = *rotary_dim > 0;
   }
@@ -850,13 +854,22 @@ HttpResponse ExplorerApi::Session(const HttpRequest& request) const {
     return FromGrpc(status);
   }
   const v1::Tensor& maps = latest.maps();
-  if (maps.shape_size() != 2 || maps.shape(1) != latest.length() || maps.shape(0) < 1) {
-    return Internal("GetLatestAttention's maps are not [num_heads, length]");
+  if (maps.shape_size() != 2 || latest.length() < 1 || maps.shape(1) != latest.length() ||
+      maps.shape(0) < 1) {
+    return Internal("GetLatestAttention's maps are not [num_heads, length >= 1]");
   }
   const int64_t h = maps.shape(0);
   const int64_t length = latest.length();
-  std::optional<std::vector<float>> weights = Floats(maps, h * length);
-  if (!weights) return Internal("GetLatestAttention's maps do not have their shape's size");
+  // Read in place (the answer may be up to --max_attention_map_bytes).
+  if (static_cast<int64_t>(maps.raw_data().size()) != h * length * 4) {
+    return Internal("GetLatestAttention's maps are not FP32 raw_data of their shape's size");
+  }
+  const char* const raw = maps.raw_data().data();
+  auto weight = [raw, length](int64_t head, int64_t k) {
+    float v;
+    std::memcpy(&v, raw + 4 * (head * length + k), sizeof v);
+    return v;
+  };
   if (keys && keys->second > length) {
     return BadRequest(Invalid("keys.k1", absl::StrCat(keys->second, " is past the layer's length ", length)));
   }
@@ -874,7 +887,7 @@ HttpResponse ExplorerApi::Session(const HttpRequest& request) const {
   for (int64_t head = 0; head < h; ++head) {
     for (int64_t k = 0; k < length; ++k) {
       float& cell = pooled[head * pooled_cols + k / pool];
-      cell = std::max(cell, (*weights)[head * length + k]);
+      cell = std::max(cell, weight(head, k));
     }
   }
   std::optional<std::vector<float>> entropy = Floats(latest.head_statistics().entropy(), h);
@@ -894,8 +907,7 @@ HttpResponse ExplorerApi::Session(const HttpRequest& request) const {
     std::vector<float> range;
     range.reserve(static_cast<size_t>(h * (keys->second - keys->first)));
     for (int64_t head = 0; head < h; ++head) {
-      range.insert(range.end(), weights->begin() + head * length + keys->first,
-                   weights->begin() + head * length + keys->second);
+      for (int64_t k = keys->first; k < keys->second; ++k) range.push_back(weight(head, k));
     }
     answer["keys"] = {{"k0", keys->first}, {"k1", keys->second}, {"data", Base64OfFloats(range)}};
   }

@@ -34,14 +34,14 @@ struct ExplorerLayerLimits {
 //           full resolution. The maps come through Attend in chunks of query
 //           rows (AttentionMapRequest.query_rows), each within the model's
 //           max_attention_map_bytes and kMaxChunkMapBytes, and are pooled as
-//           they come (MaxPoolGrid): the full maps are never held.
+//           they come (MaxPoolGrid): the full maps are never held. The
+//           request names a loaded "model" or carries an ad-hoc "layer" (a
+//           head configuration with seeded weights, AttendRequest.layer).
 //   Session (POST /explorer/api/session): what a decode session layer's
 //           latest token attends to, per head, over the layer's whole cache
 //           (GetLatestAttention: a read that does not extend the session,
 //           for the token that opened it), max-pooled over keys to at most
-//           "cols" columns, and a range of keys at full resolution. The
-//           request names a loaded "model" or carries an ad-hoc "layer" (a
-//           head configuration with seeded weights, AttendRequest.layer).
+//           "cols" columns, and a range of keys at full resolution.
 // Errors: 400 {"error": "<field>: ..."} for a bad request (fields as in the
 // JSON: "inputs.npy: ...", "region.q1: ...", "head_mask: ...",
 // "layer.num_heads: ..."); a gRPC error as HttpStatusFor(its code) with its

@@ -474,6 +474,9 @@ class ExplorerServer(unittest.TestCase):
             ({"layer": {**layer, "seed": -1}}, 400, "layer.seed"),
             ({"layer": {**layer, "rotary": {"rotary_dim": 3}}}, 400, "layer.rotary.rotary_dim: must be even"),
             ({"layer": {**layer, "rotary": {"theta": 0.5}}}, 400, "layer.rotary.theta"),
+            # Too small for float32 and zero: refused, not taken as the default.
+            ({"layer": {**layer, "rotary": {"theta": 1e-50}}}, 400, "layer.rotary.theta: expected a number > 1"),
+            ({"layer": {**layer, "rotary": {"theta": 0}}}, 400, "layer.rotary.theta: expected a number > 1"),
             ({"layer": {**layer, "rotary": "yes"}}, 400, "layer.rotary"),
             ({"layer": [64, 8]}, 400, "layer: expected"),
             ({"layer": {"d_model": 2048, "num_heads": 16}}, 400, "layer (weight bytes as FP32)"),

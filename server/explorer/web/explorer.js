@@ -1186,7 +1186,8 @@
     const x = p.x - SESSION_LEFT;
     const y = p.y - SESSION_TOP;
     const head = Math.floor(y / SESSION_ROW);
-    if (x < 0 || x >= g.plotW || y < 0 || head >= s.num_heads) return;
+    // The 2-pixel gap under each row belongs to no head.
+    if (x < 0 || x >= g.plotW || y < 0 || head >= s.num_heads || y % SESSION_ROW >= SESSION_ROW - 2) return;
     const col = Math.min(s.cols - 1, Math.floor((x * s.cols) / g.plotW));
     const k0 = col * s.pool;
     const k1 = Math.min(s.length, k0 + s.pool);
@@ -1199,10 +1200,20 @@
     readout.textContent = `head ${head} \u00b7 ${keys} \u00b7 weight ${weight}`;
   }
 
+  // The session view's file name (without extension).
+  function sessionStem() {
+    const s = state.session;
+    return `attnserve-session-${s.session_id.slice(0, 8)}-layer${s.layer}-len${s.length}` +
+           `${s.pool > 1 ? `-pool${s.pool}` : ""}`;
+  }
+
   function exportPng(canvasId) {
+    if (canvasId === "session-canvas" && !state.session) return;
     const canvas = canvasId === "stats-canvas" ? renderStatsCanvas() : $(canvasId);
+    const name = canvasId === "session-canvas" ? `${sessionStem()}.png`
+      : `${fileStem()}-${canvasId.replace("-canvas", "")}.png`;
     canvas.toBlob((blob) => {
-      if (blob) offerDownload(blob, `${fileStem()}-${canvasId.replace("-canvas", "")}.png`);
+      if (blob) offerDownload(blob, name);
     }, "image/png");
   }
 
@@ -1212,8 +1223,7 @@
       if (!s) return;
       // Full resolution when the answer was not pooled; else the pooled maxima.
       offerDownload(new Blob([npyBytes(s.data, [s.num_heads, s.cols])], {type: "application/octet-stream"}),
-                    `attnserve-session-${s.session_id.slice(0, 8)}-layer${s.layer}-len${s.length}` +
-                    `${s.pool > 1 ? `-pool${s.pool}` : ""}.npy`);
+                    `${sessionStem()}.npy`);
       return;
     }
     if (!state.response) return;
