@@ -13,6 +13,7 @@
 #include "core/decode/kv_layout.h"
 #include "core/decode/layer_kv_cache.h"
 #include "core/kernels/online_softmax.h"
+#include "core/kernels/row_statistics.h"
 
 namespace attnserve::core {
 
@@ -77,15 +78,10 @@ absl::Status LatestAttention(const LayerKvCache& cache, int num_heads, float sca
       sum += row[j];
     }
     const double inv = 1.0 / sum;
-    double h_entropy = 0.0;
-    float h_max = 0.0f;
-    for (int64_t j = 0; j < length; ++j) {
-      row[j] = static_cast<float>(row[j] * inv);
-      if (row[j] > 0.0f) h_entropy -= row[j] * std::log(static_cast<double>(row[j]));
-      h_max = std::max(h_max, row[j]);
-    }
-    if (!entropy.empty()) entropy[h] = static_cast<float>(h_entropy);
-    if (!max_weight.empty()) max_weight[h] = h_max;
+    for (int64_t j = 0; j < length; ++j) row[j] = static_cast<float>(row[j] * inv);
+    const internal::RowStatistics stats = internal::StatisticsOfRow(absl::MakeConstSpan(row, length));
+    if (!entropy.empty()) entropy[h] = static_cast<float>(stats.entropy);
+    if (!max_weight.empty()) max_weight[h] = stats.max_weight;
   }
   return absl::OkStatus();
 }

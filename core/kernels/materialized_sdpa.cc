@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "core/kernels/primitives.h"
+#include "core/kernels/row_statistics.h"
 #include "core/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -142,15 +143,10 @@ void FinishProbabilities(const HeadConfig& config, const SdpaCall& call, int64_t
         for (int64_t j = 0; j < t; ++j) row[j] *= weight;
       }
       if (call.statistics) {
-        double entropy = 0.0;
-        float max_weight = 0.0f;
-        for (int64_t j = 0; j < kv_length; ++j) {  // masked keys are 0
-          const float p = row[j];
-          if (p > 0.0f) entropy -= static_cast<double>(p) * std::log(static_cast<double>(p));
-          max_weight = std::max(max_weight, p);
-        }
-        entropy_sum += entropy;
-        max_sum += max_weight;
+        // Masked keys are 0 and add nothing.
+        const RowStatistics row_stats = StatisticsOfRow(absl::MakeConstSpan(row, kv_length));
+        entropy_sum += row_stats.entropy;
+        max_sum += row_stats.max_weight;
       }
     }
     if (call.statistics) {
