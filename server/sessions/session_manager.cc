@@ -101,6 +101,13 @@ absl::Status CheckLayerIndex(const Session& session, int layer) {
   return absl::OkStatus();
 }
 
+// Brings `layer.query_bytes`, and with it `stored_bytes` (the manager's
+// total), to the latest query its cache keeps now.
+void FollowLatestQueryBytes(SessionLayer& layer, int64_t& stored_bytes) {
+  stored_bytes += layer.cache->latest_query_bytes() - layer.query_bytes;
+  layer.query_bytes = layer.cache->latest_query_bytes();
+}
+
 // Blocks a layer of `length` tokens takes.
 int64_t BlocksFor(int64_t length, int block_tokens) {
   return (length + block_tokens - 1) / block_tokens;
@@ -468,8 +475,7 @@ absl::StatusOr<SessionInfo> SessionManager::Truncate(absl::string_view id,
     s.last_expected = -1;
     stored_bytes_ -= static_cast<int64_t>(s.last_output.size());
     s.last_output.clear();
-    stored_bytes_ += s.cache->latest_query_bytes() - s.query_bytes;
-    s.query_bytes = s.cache->latest_query_bytes();
+    FollowLatestQueryBytes(s, stored_bytes_);
   }
   session.last_used = clock_();
   return InfoLocked(session);
@@ -546,15 +552,6 @@ absl::StatusOr<LatestAttentionRead> SessionManager::ReadLatest(const LatestSnaps
         absl::StrCat("the latest attention refused a checked layer: ", status.message()));
   }
   return read;
-}
-
-absl::StatusOr<LatestAttentionRead> SessionManager::LatestAttention(
-    absl::string_view id, absl::string_view owner, int layer, int64_t max_map_bytes,
-    absl::string_view limit_flags) {
-  absl::StatusOr<LatestSnapshot> snapshot =
-      SnapshotLatest(id, owner, layer, max_map_bytes, limit_flags);
-  if (!snapshot.ok()) return snapshot.status();
-  return ReadLatest(*snapshot);
 }
 
 absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::string_view owner,
@@ -660,10 +657,7 @@ void SessionManager::EndStepOf(StepLease& lease, const absl::Status& status, std
   const bool removed = live == sessions_.end() || live->second.get() != &session;
   layer.length = layer.cache->length();
   layer.blocks = static_cast<int64_t>(layer.cache->blocks().size());
-  if (!removed) {  // a removed session's stored bytes went with it
-    stored_bytes_ += layer.cache->latest_query_bytes() - layer.query_bytes;
-    layer.query_bytes = layer.cache->latest_query_bytes();
-  }
+  if (!removed) FollowLatestQueryBytes(layer, stored_bytes_);  // a removed session's went with it
   if (status.ok() && !removed) {  // a closed session keeps no answer
     stored_bytes_ -= static_cast<int64_t>(layer.last_output.size());
     layer.last_expected = lease.expected_length_;

@@ -217,11 +217,6 @@ class SessionManager {
   // (core::LatestAttention). Thread-safe, without the manager's lock: the
   // compute executor's part. INTERNAL only for a broken invariant.
   static absl::StatusOr<LatestAttentionRead> ReadLatest(const LatestSnapshot& snapshot);
-  // SnapshotLatest then ReadLatest, on the calling thread.
-  absl::StatusOr<LatestAttentionRead> LatestAttention(absl::string_view id,
-                                                      absl::string_view owner, int layer,
-                                                      int64_t max_map_bytes,
-                                                      absl::string_view limit_flags);
 
   // Admits a step of `new_tokens` (>= 1) tokens on layer `layer` that
   // expects the layer to hold `expected_length` tokens; `fingerprint` is

@@ -497,6 +497,18 @@ struct LatestRows {
 constexpr int64_t kNoMapLimit = int64_t{1} << 30;
 constexpr char kFlags[] = "--max_attention_map_bytes";
 
+// GetLatestAttention's two parts as the service runs them: the snapshot under
+// the manager's lock, then the read without it.
+absl::StatusOr<LatestAttentionRead> ReadLatestAttention(SessionManager& manager,
+                                                        absl::string_view id,
+                                                        absl::string_view owner, int layer,
+                                                        int64_t max_map_bytes) {
+  absl::StatusOr<LatestSnapshot> snapshot =
+      manager.SnapshotLatest(id, owner, layer, max_map_bytes, kFlags);
+  if (!snapshot.ok()) return snapshot.status();
+  return SessionManager::ReadLatest(*snapshot);
+}
+
 TEST_F(SessionManagerTest, LatestAttentionIsTheKeptQueryOverEveryCachedKey) {
   auto manager = Make();
   SessionSpec spec = Spec(2);
@@ -508,7 +520,7 @@ TEST_F(SessionManagerTest, LatestAttentionIsTheKeptQueryOverEveryCachedKey) {
   for (int64_t length : {6, 7}) {
     if (length == 7) rows.Step(*manager, *manager->BeginStep(id, "alice", 0, 6, 1, 2), 1);
     absl::StatusOr<LatestAttentionRead> read =
-        manager->LatestAttention(id, "alice", 0, kNoMapLimit, kFlags);
+        ReadLatestAttention(*manager, id, "alice", 0, kNoMapLimit);
     ASSERT_TRUE(read.ok()) << read.status();
     EXPECT_EQ(read->length, length);
     EXPECT_EQ(read->position, 5 + length - 1);
@@ -532,21 +544,21 @@ TEST_F(SessionManagerTest, LatestAttentionIsTheKeptQueryOverEveryCachedKey) {
   // The query counts with the stored answers: 4 heads x 16 floats.
   EXPECT_EQ(manager->stats().stored_bytes, 4 * 16 * 4 + 3);
   // Layer 1 has no tokens; a layer out of range; another owner; the limit.
-  absl::Status empty = manager->LatestAttention(id, "alice", 1, kNoMapLimit, kFlags).status();
+  absl::Status empty = ReadLatestAttention(*manager, id, "alice", 1, kNoMapLimit).status();
   EXPECT_EQ(empty.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(empty.message(), "holds no tokens")) << empty;
   EXPECT_TRUE(absl::StrContains(empty.message(), "extend it by a token first")) << empty;
-  absl::Status bad = manager->LatestAttention(id, "alice", 2, kNoMapLimit, kFlags).status();
+  absl::Status bad = ReadLatestAttention(*manager, id, "alice", 2, kNoMapLimit).status();
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(absl::StartsWith(bad.message(), "layer:")) << bad;
-  EXPECT_EQ(manager->LatestAttention(id, "alice", -1, kNoMapLimit, kFlags).status().code(),
+  EXPECT_EQ(ReadLatestAttention(*manager, id, "alice", -1, kNoMapLimit).status().code(),
             absl::StatusCode::kInvalidArgument);
-  absl::Status other = manager->LatestAttention(id, "mallory", 0, kNoMapLimit, kFlags).status();
+  absl::Status other = ReadLatestAttention(*manager, id, "mallory", 0, kNoMapLimit).status();
   EXPECT_EQ(other.code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(absl::StrContains(other.message(), "unknown session")) << other;
   // 4 heads x 7 tokens x 4 bytes = 112 bytes.
-  EXPECT_TRUE(manager->LatestAttention(id, "alice", 0, 112, kFlags).ok());
-  absl::Status over = manager->LatestAttention(id, "alice", 0, 111, kFlags).status();
+  EXPECT_TRUE(ReadLatestAttention(*manager, id, "alice", 0, 112).ok());
+  absl::Status over = ReadLatestAttention(*manager, id, "alice", 0, 111).status();
   EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(over.message(), kFlags)) << over;
 }
@@ -557,35 +569,35 @@ TEST_F(SessionManagerTest, LatestAttentionFollowsForksRetriesTruncatesAndSteps) 
   LatestRows rows;
   rows.Step(*manager, *manager->BeginStep(id, "", 0, 0, 5, 1), 5);
   rows.Step(*manager, *manager->BeginStep(id, "", 0, 5, 1, 2), 1);
-  const std::vector<float> before = manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags)->maps;
+  const std::vector<float> before = ReadLatestAttention(*manager, id, "", 0, kNoMapLimit)->maps;
 
   // A fork reads the same; the parent's next step does not change the fork's.
   const std::string fork = manager->Fork(id, "")->id;
-  EXPECT_EQ(manager->LatestAttention(fork, "", 0, kNoMapLimit, kFlags)->maps, before);
+  EXPECT_EQ(ReadLatestAttention(*manager, fork, "", 0, kNoMapLimit)->maps, before);
   EXPECT_EQ(manager->stats().stored_bytes, 2 * 4 * 16 * 4 + 3);
 
   // A retry of the last step replays: nothing changes.
   absl::StatusOr<StepLease> retry = manager->BeginStep(id, "", 0, 5, 1, 2);
   ASSERT_TRUE(retry.ok() && retry->replay()) << retry.status();
   // While a step is in flight on the layer: ABORTED, as a second step.
-  absl::Status racing = manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags).status();
+  absl::Status racing = ReadLatestAttention(*manager, id, "", 0, kNoMapLimit).status();
   EXPECT_EQ(racing.code(), absl::StatusCode::kAborted) << racing;
   manager->EndStep(*std::move(retry), absl::OkStatus(), "out");
-  EXPECT_EQ(manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags)->maps, before);
+  EXPECT_EQ(ReadLatestAttention(*manager, id, "", 0, kNoMapLimit)->maps, before);
 
   // A failed step leaves the cache and its query as they were.
   manager->EndStep(*manager->BeginStep(id, "", 0, 6, 1, 3), absl::InternalError("compute"), "");
-  EXPECT_EQ(manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags)->maps, before);
+  EXPECT_EQ(ReadLatestAttention(*manager, id, "", 0, kNoMapLimit)->maps, before);
 
   rows.Step(*manager, *manager->BeginStep(id, "", 0, 6, 1, 4), 1);
-  EXPECT_EQ(manager->LatestAttention(fork, "", 0, kNoMapLimit, kFlags)->maps, before);
-  EXPECT_EQ(manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags)->length, 7);
+  EXPECT_EQ(ReadLatestAttention(*manager, fork, "", 0, kNoMapLimit)->maps, before);
+  EXPECT_EQ(ReadLatestAttention(*manager, id, "", 0, kNoMapLimit)->length, 7);
 
   // Truncating to the same length keeps the query; shorter drops it.
   ASSERT_TRUE(manager->Truncate(id, "", 0, 7).ok());
-  EXPECT_TRUE(manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags).ok());
+  EXPECT_TRUE(ReadLatestAttention(*manager, id, "", 0, kNoMapLimit).ok());
   ASSERT_TRUE(manager->Truncate(id, "", 0, 4).ok());
-  absl::Status dropped = manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags).status();
+  absl::Status dropped = ReadLatestAttention(*manager, id, "", 0, kNoMapLimit).status();
   EXPECT_EQ(dropped.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(dropped.message(), "truncated since its last step")) << dropped;
   EXPECT_TRUE(absl::StrContains(dropped.message(), "extend it by a token first")) << dropped;
@@ -594,7 +606,7 @@ TEST_F(SessionManagerTest, LatestAttentionFollowsForksRetriesTruncatesAndSteps) 
   rows.keys.resize(4 * 2 * 16);
   rows.Step(*manager, *manager->BeginStep(id, "", 0, 4, 1, 5), 1);
   absl::StatusOr<LatestAttentionRead> again =
-      manager->LatestAttention(id, "", 0, kNoMapLimit, kFlags);
+      ReadLatestAttention(*manager, id, "", 0, kNoMapLimit);
   ASSERT_TRUE(again.ok()) << again.status();
   const std::vector<double> reference = rows.Reference(5);
   ASSERT_EQ(again->maps.size(), reference.size());
