@@ -25,8 +25,24 @@
 // oversize_threshold:0 turns off jemalloc's arena for allocations over 8 MiB,
 // which frees their pages at once: a response's output and maps (up to
 // --max_attention_map_bytes) would be fresh pages on every call.
+//
+// attnctl (ATTNSERVE_ALLOCATOR_CLIENT) adds lg_extent_max_active_fit:30: a
+// freed extent may serve a request of any smaller size (jemalloc's default
+// refuses one over 64 times the request). Receiving a 50 MB map response,
+// gRPC's and protobuf's buffers of many sizes otherwise left the last call's
+// extents unused: `attnctl attend --repeat=20` of B=4 S=512 per-head maps
+// faulted 300,000 pages and grew to 1.2 GB; with it 71,000 (most in the first
+// call) and 300 MB, and the transport's median fell from 820 to 80 ms
+// (docs/measurements.md, "attnctl's large responses"). The server keeps the
+// default: there the same setting raised the faults of one-message map
+// responses (its keeper returns the cache between calls anyway).
 extern "C" {
 // NOLINTNEXTLINE: the name is jemalloc's.
 extern const char* malloc_conf;
+#ifdef ATTNSERVE_ALLOCATOR_CLIENT
+const char* malloc_conf =
+    "narenas:1,dirty_decay_ms:-1,muzzy_decay_ms:0,oversize_threshold:0,lg_extent_max_active_fit:30";
+#else
 const char* malloc_conf = "narenas:1,dirty_decay_ms:-1,muzzy_decay_ms:0,oversize_threshold:0";
+#endif
 }
