@@ -80,8 +80,7 @@ absl::StatusOr<std::string> StepStatisticsText(const v1::ExtendResult& result) {
   const int64_t shown = std::min(n, kShownRows);
   std::string text = absl::StrCat("head statistics of the new rows (entropy nats / max weight",
                                   n > shown ? absl::StrCat(", first ", shown, " of ", n) : "",
-                                  "):
-");
+                                  "):\n");
   for (int64_t h = 0; h < heads; ++h) {
     absl::StrAppendFormat(&text, "  head %2d:", h);
     for (int64_t i = 0; i < shown; ++i) {
