@@ -337,6 +337,10 @@ int RunModel(const AttentionClient& client) {
 int RunLoad(const AttentionClient& client) {
   absl::StatusOr<v1::LoadModelResponse> loaded = client.LoadModel(absl::GetFlag(FLAGS_model));
   if (!loaded.ok()) return Fail(loaded.status());
+  if (loaded->layers_size() > 0) {  // a folder of layers: each layer's model
+    for (const v1::ModelInfo& layer : loaded->layers()) PrintModel(layer);
+    return 0;
+  }
   PrintModel(loaded->model());
   return 0;
 }

@@ -105,10 +105,10 @@ class Client:
         return messages.ModelInfo.from_message(
             await self._call(self._stub.GetModel, pb.GetModelRequest(name=name), timeout))
 
-    async def load(self, name, *, timeout=None) -> messages.ModelInfo:
+    async def load(self, name, *, timeout=None):
         """attnserve.Client.load, awaited."""
-        return messages.ModelInfo.from_message(
-            (await self._call(self._stub.LoadModel, pb.LoadModelRequest(name=name), timeout)).model)
+        return messages.loaded_models(
+            await self._call(self._stub.LoadModel, pb.LoadModelRequest(name=name), timeout))
 
     async def unload(self, name, *, timeout=None):
         """attnserve.Client.unload, awaited."""

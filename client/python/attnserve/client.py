@@ -198,13 +198,15 @@ class Client:
         return messages.ModelInfo.from_message(self._call(self._stub.GetModel, pb.GetModelRequest(name=name),
                                                           timeout))
 
-    def load(self, name, *, timeout=None) -> messages.ModelInfo:
+    def load(self, name, *, timeout=None):
         """Admin: loads (or retries) a folder of the server's --model_repository
         and answers once it is READY (FailedPreconditionError with the reason
-        when it cannot be loaded). Loading may take longer than the default
+        when it cannot be loaded) with its ModelInfo; a folder of layers
+        (config.json's "layers") with a list of its layers' ModelInfo, in order
+        (models "<folder>.0", ...). Loading may take longer than the default
         timeout: give one."""
-        return messages.ModelInfo.from_message(
-            self._call(self._stub.LoadModel, pb.LoadModelRequest(name=name), timeout).model)
+        return messages.loaded_models(
+            self._call(self._stub.LoadModel, pb.LoadModelRequest(name=name), timeout))
 
     def unload(self, name, *, timeout=None):
         """Admin: removes a model (calls running on it finish)."""

@@ -342,6 +342,14 @@ class LatestAttention:
                    max_weight=tensors.decode(stats.max_weight))
 
 
+def loaded_models(response):
+    """What a LoadModelResponse loaded: the folder's ModelInfo, or for a folder
+    of layers a list of its layers' ModelInfo, in order."""
+    if response.layers:
+        return [ModelInfo.from_message(m) for m in response.layers]
+    return ModelInfo.from_message(response.model)
+
+
 def build_extend_request(steps, precision=None, input_dtype=None, output_dtype=None):
     """An ExtendRequest from (session_id, layer, expected_length, x, maps,
     head_mask[, stats]) tuples."""

@@ -513,6 +513,57 @@ class WithModelRepository(unittest.TestCase):
             finally:
                 server.stop()
 
+    def test_a_folder_of_layers_is_one_model_per_layer_and_a_session_runs_them_in_order(self):
+        """config.json's "layers": one GPT-2 checkpoint holding 3 layers with different
+        weights loads as the models net.0..net.2; a session opened over "net" runs each
+        layer as its own weights' causal layer (float64 reference, FP32 1e-5), layer i
+        fed layer i-1's output; load and unload take the folder."""
+        d, heads, count = 32, 4, 3
+        rng = np.random.default_rng()
+        tensors, layers = {}, []
+        for i in range(count):
+            g = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
+            c_attn, c_attn_b, c_proj, c_proj_b = g(d, 3 * d), g(3 * d), g(d, d), g(d)
+            p = f"h.{i}.attn."
+            tensors.update({p + "c_attn.weight": (c_attn, "F32"), p + "c_attn.bias": (c_attn_b, "F32"),
+                            p + "c_proj.weight": (c_proj, "F32"), p + "c_proj.bias": (c_proj_b, "F32")})
+            q, k, v = np.split(c_attn, 3, axis=1)  # Conv1D: [in, out], x W
+            bq, bk, bv = np.split(c_attn_b, 3)
+            layers.append([q, bq, k, bk, v, bv, c_proj, c_proj_b])
+        with tempfile.TemporaryDirectory() as repo:
+            os.makedirs(os.path.join(repo, "net"))
+            with open(os.path.join(repo, "net", "config.json"), "w") as f:
+                json.dump({"layout": "gpt2", "d_model": d, "num_heads": heads,
+                           "layers": {"count": count, "prefix": "h.{layer}.attn."}}, f)
+            write_safetensors(os.path.join(repo, "net", "model.safetensors"), tensors)
+            server = Server(ARGS.server, f"--model_repository={repo}")
+            try:
+                with attnserve.Client(server.target, timeout=120) as client:
+                    client.wait_until_serving(timeout=120)
+                    self.assertEqual([m.name for m in client.models()], ["net.0", "net.1", "net.2"])
+                    with client.open_session("net") as session:
+                        self.assertEqual(list(session.models), ["net.0", "net.1", "net.2"])
+                        inputs = [np.zeros((0, d), np.float32) for _ in range(count)]
+                        for n in (4, 1, 2):
+                            x = rng.standard_normal((n, d)).astype(np.float32)
+                            for i in range(count):
+                                before = len(inputs[i])
+                                inputs[i] = np.concatenate([inputs[i], x])
+                                step = session.extend(x, layer=i)
+                                ref, _ = reference_attention(inputs[i][None], layers[i], heads, heads, d // heads,
+                                                             (d // heads) ** -0.5, causal=True)
+                                self.assertLessEqual(rel_error(step.output, ref[0, before:]), 1e-5, f"layer {i}")
+                                x = step.output  # the next layer's input
+                    with self.assertRaises(attnserve.FailedPreconditionError):
+                        client.unload("net.1")
+                    client.unload("net")
+                    self.assertEqual(client.models(), [])
+                    loaded = client.load("net")
+                    self.assertEqual([m.name for m in loaded], ["net.0", "net.1", "net.2"])
+                    self.assertEqual({m.state for m in loaded}, {"READY"})
+            finally:
+                server.stop()
+
 
 def rope_half(t, positions, theta=10000.0):
     """Llama RoPE (rotate-half, over all of head_dim) on t [heads, seq, hd], float64."""

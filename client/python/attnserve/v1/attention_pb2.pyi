@@ -302,10 +302,12 @@ class LoadModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
-    __slots__ = ["model"]
+    __slots__ = ["layers", "model"]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     model: ModelInfo
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ["causal", "description", "failure_reason", "head_config", "input_dtypes", "limits", "name", "state"]
