@@ -140,7 +140,8 @@ ABSL_FLAG(bool, stream_maps, false,
           "together here (maps larger than one message; the server's --max_attention_map_bytes "
           "still bounds them)");
 ABSL_FLAG(bool, stats, false,
-          "attend: per-head statistics (entropy, max weight, contribution), printed as a table");
+          "attend: per-head statistics (entropy, max weight, contribution), printed as a table; "
+          "session extend: each new row's entropy and max weight per head");
 ABSL_FLAG(std::string, save_output, "", "attend: write the output to this .npy file ('<f4')");
 ABSL_FLAG(std::string, save_maps, "", "attend: write the maps to this .npy file ('<f4')");
 ABSL_FLAG(std::string, maps_png, "",
@@ -217,8 +218,10 @@ Commands:
                           prints its id on the first line
   session extend --session_id=ID (--tokens=N | --input=X.npy) [--layer=L]
           [--expected_length=E] [--head_mask=..] [--precision=..] [--save_output=O.npy]
+          [--stats]
                           append N random tokens (or X's rows [n, d_model]) to a layer
                           and print the new length and the output's first values
+                          (--stats: each new row's entropy and max weight per head)
   session get|fork|close --session_id=ID
                           describe the session; fork it (prints the new one); end it
   session truncate --session_id=ID --length=N [--layer=L]
@@ -334,6 +337,10 @@ int RunModel(const AttentionClient& client) {
 int RunLoad(const AttentionClient& client) {
   absl::StatusOr<v1::LoadModelResponse> loaded = client.LoadModel(absl::GetFlag(FLAGS_model));
   if (!loaded.ok()) return Fail(loaded.status());
+  if (loaded->layers_size() > 0) {  // a folder of layers: each layer's model
+    for (const v1::ModelInfo& layer : loaded->layers()) PrintModel(layer);
+    return 0;
+  }
   PrintModel(loaded->model());
   return 0;
 }
@@ -518,6 +525,7 @@ int RunSessionCommandLine(const AttentionClient& client, const std::string& verb
   command.seed = absl::GetFlag(FLAGS_seed);
   command.expected_length = absl::GetFlag(FLAGS_expected_length);
   command.head_mask = absl::GetFlag(FLAGS_head_mask).values;
+  command.stats = absl::GetFlag(FLAGS_stats);
   command.precision = absl::GetFlag(FLAGS_precision);
   command.save_output = absl::GetFlag(FLAGS_save_output);
   command.length = absl::GetFlag(FLAGS_length);

@@ -56,6 +56,41 @@ absl::StatusOr<std::string> Print(const google::protobuf::Message& message, bool
   return absl::StrCat(*line, "\n");
 }
 
+// The step's head statistics, [heads, n] each, as one line per head: the
+// entropy (nats) and max weight of each new row (the first kShownRows).
+absl::StatusOr<std::string> StepStatisticsText(const v1::ExtendResult& result) {
+  constexpr int64_t kShownRows = 8;
+  const v1::HeadStatistics& stats = result.head_statistics();
+  if (stats.entropy().shape_size() != 2 ||
+      stats.max_weight().shape().size() != stats.entropy().shape().size() ||
+      stats.max_weight().shape(0) != stats.entropy().shape(0) ||
+      stats.max_weight().shape(1) != stats.entropy().shape(1)) {
+    return absl::InternalError(
+        "the server's head_statistics are not two [heads, n] tensors (not in the answer?)");
+  }
+  absl::StatusOr<std::vector<float>> entropy = TensorValues(stats.entropy());
+  if (!entropy.ok()) return entropy.status();
+  absl::StatusOr<std::vector<float>> max_weight = TensorValues(stats.max_weight());
+  if (!max_weight.ok()) return max_weight.status();
+  const int64_t heads = stats.entropy().shape(0), n = stats.entropy().shape(1);
+  if (static_cast<int64_t>(entropy->size()) != heads * n ||
+      static_cast<int64_t>(max_weight->size()) != heads * n) {
+    return absl::InternalError("the server's head_statistics do not fill their shapes");
+  }
+  const int64_t shown = std::min(n, kShownRows);
+  std::string text = absl::StrCat("head statistics of the new rows (entropy nats / max weight",
+                                  n > shown ? absl::StrCat(", first ", shown, " of ", n) : "",
+                                  "):\n");
+  for (int64_t h = 0; h < heads; ++h) {
+    absl::StrAppendFormat(&text, "  head %2d:", h);
+    for (int64_t i = 0; i < shown; ++i) {
+      absl::StrAppendFormat(&text, " %.4f/%.4f", (*entropy)[h * n + i], (*max_weight)[h * n + i]);
+    }
+    absl::StrAppend(&text, "\n");
+  }
+  return text;
+}
+
 // The extend step's hidden states [n, d_model] as an FP32 tensor: --input's
 // rows, or `tokens` random ones.
 absl::StatusOr<v1::Tensor> StepStates(const AttentionClient& client, const SessionCommand& c,
@@ -99,6 +134,7 @@ absl::StatusOr<std::string> RunExtend(const AttentionClient& client, const Sessi
                                                    : session->layer_lengths(layer));
   *step->mutable_hidden_states() = *std::move(states);
   for (float gate : c.head_mask) step->add_head_mask(gate);
+  step->set_head_statistics(c.stats);
   absl::StatusOr<v1::ExtendResponse> response = client.Extend(request);
   if (!response.ok()) return response.status();
   if (response->results_size() != 1) {
@@ -127,6 +163,11 @@ absl::StatusOr<std::string> RunExtend(const AttentionClient& client, const Sessi
   const size_t shown = std::min<size_t>(output->size(), 6);
   for (size_t i = 0; i < shown; ++i) absl::StrAppendFormat(&text, "%s%.6g", i ? " " : "", (*output)[i]);
   absl::StrAppend(&text, output->size() > shown ? " ...\n" : "\n");
+  if (c.stats) {
+    absl::StatusOr<std::string> stats = StepStatisticsText(result);
+    if (!stats.ok()) return stats.status();
+    absl::StrAppend(&text, *stats);
+  }
   absl::StrAppend(&text, "server: ", response->kernel_path(), ", compute ",
                   DurationText(response->timing().compute()),
                   "\n", files);
@@ -165,6 +206,7 @@ absl::Status ValidateSessionCommand(const SessionCommand& c) {
        {only(c.tokens != 0, "--tokens", {"extend"}), only(!c.input.empty(), "--input", {"extend"}),
         only(c.expected_length >= 0, "--expected_length", {"extend"}),
         only(!c.head_mask.empty(), "--head_mask", {"extend"}),
+        only(c.stats, "--stats", {"extend"}),
         only(!c.save_output.empty(), "--save_output", {"extend"}),
         only(c.layer >= 0, "--layer", {"extend", "truncate"}),
         only(c.length >= 0, "--length", {"truncate"}),

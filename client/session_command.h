@@ -36,6 +36,7 @@ struct SessionCommand {
   // extend: the layer's length the step expects (-1: as GetSession says).
   int64_t expected_length = -1;
   std::vector<float> head_mask;     // extend
+  bool stats = false;               // extend: the new rows' per-head statistics (--stats)
   std::string precision = "fp32";   // extend: fp32 or bf16
   std::string save_output;          // extend: write the output [n, d_model] as .npy
   int64_t length = -1;              // truncate: tokens to keep (required)
@@ -56,7 +57,8 @@ absl::Status ValidateSessionCommand(const SessionCommand& command);
 // Runs a valid `command` and returns what to print (lines ending in a newline;
 // with `json`, the server's answer as one JSON line): open prints the new
 // session's id alone on its first line; extend the step's length, the
-// output's shape and first values (and the file written with save_output);
+// output's shape and first values (and the file written with save_output;
+// with stats, each head's entropy and max weight of each new row);
 // get, fork and truncate the session (fork: the new one); close "closed ID".
 // Errors: the calls' statuses as the server gave them; an extend step the
 // server refused, with its code and message; the --input or --save_output

@@ -11,7 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "core/checked_math.h"
 #include "core/status_macros.h"
 
@@ -49,6 +51,87 @@ absl::StatusOr<int64_t> IntField(const Json& object, const char* field,
     return ConfigError(display_name, field, "out of range");
   }
   return value;
+}
+
+// config.json's "layers" object: {count, prefix} (prefix holding
+// kLayerPlaceholder) or {prefixes}; one prefix per layer into *prefixes.
+absl::Status ParseLayers(const Json& layers, absl::string_view display_name,
+                         std::vector<std::string>* prefixes) {
+  const std::string kShape = "must be {\"count\": N, \"prefix\": \"h.{layer}.attn.\"} or "
+                             "{\"prefixes\": [\"...\", ...]}";
+  if (!layers.is_object()) return ConfigError(display_name, "layers", kShape);
+  for (const auto& [key, unused] : layers.items()) {
+    if (key != "count" && key != "prefix" && key != "prefixes") {
+      return ConfigError(display_name, absl::StrCat("layers.", key.substr(0, 64)),
+                         "unknown field (known: count, prefix, prefixes)");
+    }
+  }
+  const bool listed = layers.contains("prefixes");
+  if (listed && (layers.contains("count") || layers.contains("prefix"))) {
+    return ConfigError(display_name, "layers",
+                       "give count and prefix, or prefixes, not both");
+  }
+  if (listed) {
+    const Json& list = layers["prefixes"];
+    if (!list.is_array() || list.empty() ||
+        list.size() > static_cast<size_t>(kMaxCheckpointLayers)) {
+      return ConfigError(display_name, "layers.prefixes",
+                         absl::StrCat("must be a list of 1 to ", kMaxCheckpointLayers,
+                                      " prefixes (strings), one per layer in order"));
+    }
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::string field = absl::StrCat("layers.prefixes[", i, "]");
+      if (!list[i].is_string()) return ConfigError(display_name, field, "must be a string");
+      std::string prefix = list[i].get<std::string>();
+      if (prefix.size() > kMaxTensorPrefixBytes) {
+        return ConfigError(display_name, field,
+                           absl::StrCat("longer than ", kMaxTensorPrefixBytes, " bytes"));
+      }
+      for (size_t j = 0; j < prefixes->size(); ++j) {
+        if ((*prefixes)[j] == prefix) {
+          return ConfigError(display_name, field,
+                             absl::StrCat("the same as layers.prefixes[", j,
+                                          "] (each layer has its own tensors)"));
+        }
+      }
+      prefixes->push_back(std::move(prefix));
+    }
+    return absl::OkStatus();
+  }
+  if (!layers.contains("count")) return ConfigError(display_name, "layers.count", "required");
+  if (!layers.contains("prefix")) {
+    return ConfigError(display_name, "layers.prefix",
+                       absl::StrCat("required with layers.count, holding ", kLayerPlaceholder,
+                                    " (e.g. \"h.", kLayerPlaceholder, ".attn.\")"));
+  }
+  const Json& count = layers["count"];
+  if (!count.is_number_integer() || count.get<int64_t>() < 1 ||
+      (count.is_number_unsigned() && count.get<uint64_t>() > uint64_t{kMaxCheckpointLayers}) ||
+      count.get<int64_t>() > kMaxCheckpointLayers) {
+    return ConfigError(display_name, "layers.count",
+                       absl::StrCat("must be an integer in [1, ", kMaxCheckpointLayers, "], got ",
+                                    count.dump().substr(0, 64)));
+  }
+  const Json& pattern = layers["prefix"];
+  if (!pattern.is_string()) return ConfigError(display_name, "layers.prefix", "must be a string");
+  const std::string& text = pattern.get_ref<const std::string&>();
+  if (!absl::StrContains(text, kLayerPlaceholder)) {
+    return ConfigError(display_name, "layers.prefix",
+                       absl::StrCat("'", text.substr(0, 64), "' does not hold ", kLayerPlaceholder,
+                                    " (where each layer's index goes, e.g. \"h.",
+                                    kLayerPlaceholder, ".attn.\")"));
+  }
+  const int64_t n = count.get<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    std::string prefix = absl::StrReplaceAll(text, {{kLayerPlaceholder, absl::StrCat(i)}});
+    if (prefix.size() > kMaxTensorPrefixBytes) {
+      return ConfigError(display_name, "layers.prefix",
+                         absl::StrCat("layer ", i, "'s prefix is longer than ",
+                                      kMaxTensorPrefixBytes, " bytes"));
+    }
+    prefixes->push_back(std::move(prefix));
+  }
+  return absl::OkStatus();
 }
 
 // The stored shape of `tensor` as "[a, b]".
@@ -264,9 +347,9 @@ absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
   if (!root.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(display_name, ": not a JSON object"));
   }
-  static const char* const kFields[] = {"layout", "weights",     "prefix",     "d_model",
-                                        "num_heads", "num_kv_heads", "head_dim", "scale",
-                                        "rotary", "causal",      "description"};
+  static const char* const kFields[] = {"layout",  "weights",      "prefix",   "layers",
+                                        "d_model", "num_heads",    "num_kv_heads", "head_dim",
+                                        "scale",   "rotary",       "causal",   "description"};
   for (const auto& [key, unused] : root.items()) {
     bool known = false;
     for (const char* field : kFields) known = known || key == field;
@@ -299,12 +382,23 @@ absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
     if (it == root.end()) return absl::OkStatus();
     if (!it->is_string()) return ConfigError(display_name, field, "must be a string");
     *out = it->get<std::string>();
-    if (out->size() > 1024) return ConfigError(display_name, field, "longer than 1024 bytes");
+    if (out->size() > kMaxTensorPrefixBytes) {
+      return ConfigError(display_name, field,
+                         absl::StrCat("longer than ", kMaxTensorPrefixBytes, " bytes"));
+    }
     return absl::OkStatus();
   };
   ATTNSERVE_RETURN_IF_ERROR(string_field("weights", &config.weights));
   ATTNSERVE_RETURN_IF_ERROR(string_field("prefix", &config.prefix));
   ATTNSERVE_RETURN_IF_ERROR(string_field("description", &config.description));
+  if (const auto it = root.find("layers"); it != root.end()) {
+    if (root.contains("prefix")) {
+      return ConfigError(display_name, "prefix",
+                         "not with layers: each layer's prefix comes from layers.prefix (or "
+                         "layers.prefixes)");
+    }
+    ATTNSERVE_RETURN_IF_ERROR(ParseLayers(*it, display_name, &config.layer_prefixes));
+  }
   if (!IsPlainFileName(config.weights)) {
     return ConfigError(display_name, "weights",
                        "must be a plain file name in the model's folder ([A-Za-z0-9._-], not "
@@ -351,8 +445,20 @@ absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
   return config;
 }
 
+CheckpointConfig LayerOfCheckpoint(const CheckpointConfig& config, size_t layer) {
+  CheckpointConfig one = config;
+  one.layer_prefixes.clear();
+  if (layer < config.layer_prefixes.size()) one.prefix = config.layer_prefixes[layer];
+  return one;
+}
+
 absl::StatusOr<int64_t> CheckpointWeightBytes(const SafetensorsFile& file,
                                               const CheckpointConfig& config) {
+  if (!config.layer_prefixes.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.display_name(), ": the config describes ", config.layer_prefixes.size(),
+        " layers; each is read on its own (LayerOfCheckpoint)"));
+  }
   if (config.layout == WeightLayout::kTorchMha || config.layout == WeightLayout::kGpt2) {
     ATTNSERVE_RETURN_IF_ERROR(NeedSquareHeads(config, file.display_name()));
   }

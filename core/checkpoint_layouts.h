@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -43,6 +44,12 @@ struct CheckpointConfig {
   // Prepended to every tensor name: selects one layer of a whole checkpoint,
   // e.g. "encoder.layer.3.attention.".
   std::string prefix;
+  // config.json's "layers": the folder describes several layers of one
+  // checkpoint, layer i's tensors under layer_prefixes[i] (every other field
+  // is shared). Empty: the folder is one layer, under `prefix`.
+  //   "layers": {"count": 12, "prefix": "h.{layer}.attn."}  ({layer} -> 0..11)
+  //   "layers": {"prefixes": ["encoder.0.attn.", "decoder.0.attn."]}
+  std::vector<std::string> layer_prefixes;
   HeadConfig head_config;  // resolved by ParseCheckpointConfig
   // The model's attention is causal (decoder) for every request. Default:
   // true for gpt2 and llama, false otherwise.
@@ -52,13 +59,27 @@ struct CheckpointConfig {
 
 // The largest config.json accepted.
 inline constexpr int64_t kMaxCheckpointConfigBytes = 64 << 10;
+// The most layers one config.json's "layers" describes.
+inline constexpr int64_t kMaxCheckpointLayers = 1024;
+// The longest tensor-name prefix (prefix, and each layer's).
+inline constexpr size_t kMaxTensorPrefixBytes = 1024;
+// Where each layer's index (0, 1, ...) goes in layers.prefix.
+inline constexpr absl::string_view kLayerPlaceholder = "{layer}";
 
 // Parses config.json's text. Fields: layout (required), d_model and num_heads
 // (required), num_kv_heads, head_dim, scale, rotary {dim, theta}, causal,
-// weights, prefix, description; an unknown field is an error (it catches
-// typos). INVALID_ARGUMENT naming `display_name` and the field.
+// weights, prefix or layers ({count, prefix} with kLayerPlaceholder in the
+// prefix, or {prefixes}), description; an unknown field is an error (it
+// catches typos). INVALID_ARGUMENT naming `display_name` and the field
+// ("layers.count", "layers.prefixes[3]", ...).
 absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
                                                        absl::string_view display_name);
+
+// Layer `layer` of a config with layer_prefixes: the same config with that
+// layer's prefix and no layer_prefixes (what CheckpointWeightBytes and
+// LoadCheckpointWeights read). A config without layer_prefixes (or a layer
+// past them) comes back unchanged but for layer_prefixes. Thread-safe.
+CheckpointConfig LayerOfCheckpoint(const CheckpointConfig& config, size_t layer);
 
 // The bytes the layer `config` describes takes once loaded: every tensor its
 // layout reads from `file` as FP32 (what LoadCheckpointWeights allocates for

@@ -379,12 +379,21 @@ absl::Status AttnServer::LoadModelsAndServe() {
         auto has_room = [&]() { return started - finished < kStartupLoadsInFlight; };
         mu.Await(absl::Condition(&has_room));
       }
-      absl::Status queued = loader_->Load(name, [&, name](absl::StatusOr<ModelStatus> loaded) {
-        LogLine(loaded.ok()
-                    ? absl::StrCat("model '", name, "' loaded and warm after ",
-                                   absl::FormatDuration(absl::Now() - start), ": ",
-                                   loaded->model->description)
-                    : absl::StrCat("model '", name, "' not loaded: ", loaded.status().ToString()));
+      absl::Status queued = loader_->Load(name, [&, name](
+                                                    absl::StatusOr<std::vector<ModelStatus>> loaded) {
+        if (!loaded.ok() || loaded->empty()) {
+          LogLine(absl::StrCat("model '", name, "' not loaded: ", loaded.status().ToString()));
+        } else if (loaded->size() == 1 && (*loaded)[0].name == name) {
+          LogLine(absl::StrCat("model '", name, "' loaded and warm after ",
+                               absl::FormatDuration(absl::Now() - start), ": ",
+                               (*loaded)[0].model->description));
+        } else {
+          LogLine(absl::StrCat("model folder '", name, "' loaded and warm after ",
+                               absl::FormatDuration(absl::Now() - start), ": ", loaded->size(),
+                               " layers, models ", loaded->front().name, " to ",
+                               loaded->back().name, " (", loaded->front().model->description,
+                               ", ...)"));
+        }
         absl::MutexLock lock(&mu);
         ++finished;
       });

@@ -13,6 +13,8 @@
 //                       cache (FP32 heads; BF16: converted from kContextHeads)
 //  6. out [R, d_model]  = context W_o + b_o, one matmul (Impl::ProjectContext)
 //                       into kOutputs, then scattered to the items' outputs
+//     and each item's head statistics from its map rows (a scratch map
+//     when the item asks for statistics and no map)
 //  7. each item's last new row's Q [Hq, hd] kept in its cache (latest_query)
 //
 // should_stop is polled between the stages; a call that fails after step 4
@@ -44,6 +46,7 @@
 #include "core/head_config.h"
 #include "core/head_staging.h"
 #include "core/kernels/primitives.h"
+#include "core/kernels/row_statistics.h"
 #include "core/kernels/workspace_state.h"
 #include "core/route.h"
 #include "core/status_macros.h"
@@ -164,6 +167,22 @@ absl::Status ValidateExtendItem(const HeadConfig& config, absl::Span<const Exten
         absl::StrCat(field, "attention_map"), item.attention_map.size(),
         {{"num_heads", config.num_heads}, {"n", *n}, {"L", item.cache->length() + *n}}));
   }
+  if (!item.head_entropy.empty() || !item.head_max_weight.empty()) {
+    ATTNSERVE_RETURN_IF_ERROR(CheckSize(absl::StrCat(field, "head_entropy"),
+                                        item.head_entropy.size(),
+                                        {{"num_heads", config.num_heads}, {"n", *n}}));
+    ATTNSERVE_RETURN_IF_ERROR(CheckSize(absl::StrCat(field, "head_max_weight"),
+                                        item.head_max_weight.size(),
+                                        {{"num_heads", config.num_heads}, {"n", *n}}));
+    // The scratch map the statistics are computed from.
+    const std::optional<int64_t> map =
+        CheckedProduct({config.num_heads, *n, item.cache->length() + *n});
+    if (!map || *map > kMaxElements) {
+      return InvalidField(absl::StrCat(field, "head_entropy"),
+                          "the new rows' attention maps, which the statistics are computed "
+                          "from, are too large");
+    }
+  }
   if (config.rotary.rotary_dim > 0) {
     ATTNSERVE_RETURN_IF_ERROR(
         ValidatePosition(item.first_position, absl::StrCat(field, "first_position")));
@@ -261,6 +280,19 @@ absl::Status AppendNewTokens(const HeadConfig& config, ExtendStep& step,
   return absl::OkStatus();
 }
 
+// The head statistics of each of the item's rows of `map` [heads, n, L]
+// (after the head mask; entries past a row's position are 0 and add nothing)
+// into its head_entropy and head_max_weight [heads, n].
+void WriteRowStatistics(int64_t heads, int64_t n, int64_t length, absl::Span<const float> map,
+                        ExtendItem& item) {
+  for (int64_t r = 0; r < heads * n; ++r) {
+    const internal::RowStatistics stats = internal::StatisticsOfRow(
+        map.subspan(static_cast<size_t>(r * length), static_cast<size_t>(length)));
+    item.head_entropy[static_cast<size_t>(r)] = static_cast<float>(stats.entropy);
+    item.head_max_weight[static_cast<size_t>(r)] = stats.max_weight;
+  }
+}
+
 // The new rows' attention over their caches (PagedAttention, with the head
 // mask) into the context rows [R, Hq hd]: kContextTokens directly (FP32), or
 // FP32 heads in kContextHeads converted into it (BF16). The rows of items
@@ -274,6 +306,13 @@ absl::Status AttendNewTokens(const HeadConfig& config, const ExtendStep& step,
       workspace.data<float>(bf16 ? Scratch::kContextHeads : Scratch::kContextTokens);
   std::vector<PagedAttentionItem> attention;
   attention.reserve(step.items.size());
+  // Maps of items that ask for statistics and no map: the paged attention's
+  // online softmax keeps no per-key weights, so the rows are materialized
+  // here for the statistics and dropped after the call.
+  std::vector<std::vector<float>> scratch_maps;
+  scratch_maps.reserve(step.items.size());
+  std::vector<const ExtendStep::Item*> ran;  // attention[k] is ran[k]'s
+  ran.reserve(step.items.size());
   for (const ExtendStep::Item& item : step.items) {
     const int64_t offset = item.row * q_width;
     const size_t size = static_cast<size_t>(item.n * q_width);
@@ -281,15 +320,28 @@ absl::Status AttendNewTokens(const HeadConfig& config, const ExtendStep& step,
       std::fill_n(heads + offset, size, 0.0f);
       continue;
     }
+    absl::Span<float> map = item.item->attention_map;
+    if (map.empty() && !item.item->head_entropy.empty()) {
+      scratch_maps.emplace_back(
+          static_cast<size_t>(config.num_heads * item.n * item.item->cache->length()));
+      map = absl::MakeSpan(scratch_maps.back());
+    }
     attention.push_back(PagedAttentionItem{
         item.item->cache, static_cast<int>(config.num_heads), item.n, config.scale,
-        absl::MakeConstSpan(q + offset, size), absl::MakeSpan(heads + offset, size),
-        item.item->attention_map, head_mask});
+        absl::MakeConstSpan(q + offset, size), absl::MakeSpan(heads + offset, size), map,
+        head_mask});
+    ran.push_back(&item);
   }
   const absl::Status attended = PagedAttention(attention);
   if (!attended.ok()) {
     return absl::InternalError(
         absl::StrCat("the paged attention refused a validated step: ", attended.message()));
+  }
+  for (size_t k = 0; k < attention.size(); ++k) {
+    ExtendItem& item = *ran[k]->item;
+    if (item.head_entropy.empty()) continue;
+    WriteRowStatistics(config.num_heads, ran[k]->n, attention[k].cache->length(),
+                       attention[k].attention_map, item);
   }
   if (bf16) {
     internal::ConvertToBf16(heads, step.rows * q_width,

@@ -36,6 +36,14 @@ struct ExtendItem {
   // Empty, or [num_heads, n, L] row-major: the new rows' attention maps
   // (after head_mask; entries past a row's own position are 0).
   absl::Span<float> attention_map;
+  // Both empty, or both [num_heads, n] row-major: each new row's head
+  // statistics from its attention weights after head_mask (as
+  // internal::StatisticsOfRow, the definition Forward's statistics average):
+  // entropy -sum_j p_j ln p_j (nats) and max_j p_j. Computed from the row's
+  // map: when attention_map is empty, the map is computed into a scratch
+  // buffer of [num_heads, n, L] floats for the call (callers budget it).
+  absl::Span<float> head_entropy;
+  absl::Span<float> head_max_weight;
   // Set by Extend: OK when the item ran; otherwise why it did not --
   // INVALID_ARGUMENT naming "items[i].<field>" (validation, before anything
   // ran), RESOURCE_EXHAUSTED when the pool refused its blocks (nothing was

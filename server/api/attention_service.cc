@@ -525,8 +525,18 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadModel(grpc::CallbackServerCo
   // the call when the load is over.
   const RequestLimits limits = options_.limits;
   absl::Status queued = loader_->Load(
-      request->name(), [reactor, response, limits](absl::StatusOr<ModelStatus> loaded) {
-        if (loaded.ok()) FillModelStatus(*loaded, limits, response->mutable_model());
+      request->name(), [reactor, response, limits, name = request->name()](
+                           absl::StatusOr<std::vector<ModelStatus>> loaded) {
+        if (loaded.ok()) {
+          // One model named as the folder, or the folder's layers.
+          if (loaded->size() == 1 && (*loaded)[0].name == name) {
+            FillModelStatus((*loaded)[0], limits, response->mutable_model());
+          } else {
+            for (const ModelStatus& layer : *loaded) {
+              FillModelStatus(layer, limits, response->add_layers());
+            }
+          }
+        }
         reactor->FinishCall(ToGrpcStatus(loaded.status()));
       });
   if (!queued.ok()) {

@@ -120,9 +120,9 @@ uint64_t StepFingerprint(const v1::ExtendRequest& request, const v1::ExtendStep&
                               static_cast<size_t>(states.float_data_size()) * sizeof(float));
   const absl::string_view mask(reinterpret_cast<const char*>(step.head_mask().data()),
                                static_cast<size_t>(step.head_mask_size()) * sizeof(float));
-  return absl::Hash<std::tuple<absl::string_view, int, absl::string_view, bool, int, int>>{}(
+  return absl::Hash<std::tuple<absl::string_view, int, absl::string_view, bool, bool, int, int>>{}(
       std::make_tuple(values, static_cast<int>(states.dtype()), mask, step.attention_maps(),
-                      static_cast<int>(request.precision()),
+                      step.head_statistics(), static_cast<int>(request.precision()),
                       static_cast<int>(request.output_dtype())));
 }
 
@@ -141,6 +141,7 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
   const int64_t value_bytes = DataTypeSize(plan.output_dtype);
   plan.steps.resize(static_cast<size_t>(request.steps_size()));
   int64_t map_bytes = 0, response_bytes = 0;
+  int64_t scratch_bytes = 0;  // the statistics' scratch maps of the steps that compute
   std::map<const Model*, int64_t> tokens_per_model;
   for (int i = 0; i < request.steps_size(); ++i) {
     const v1::ExtendStep& step = request.steps(i);
@@ -155,11 +156,21 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
     const core::HeadConfig& config = checked->model->layer->config();
     const int64_t maps =
         step.attention_maps() ? config.num_heads * n * (step.expected_length() + n) : 0;
-    const int64_t bytes = (n * config.d_model + maps) * value_bytes + kResultFramingBytes;
-    if (map_bytes + maps * value_bytes > limits.max_attention_map_bytes ||
+    // Statistics travel as FP32 [num_heads, n] twice; without maps they are
+    // computed from FP32 maps in scratch, held to the same map limit.
+    const int64_t statistics = step.head_statistics() ? 2 * config.num_heads * n : 0;
+    const int64_t scratch_map_bytes =
+        step.head_statistics() && !step.attention_maps()
+            ? config.num_heads * n * (step.expected_length() + n) * int64_t{sizeof(float)}
+            : 0;
+    const int64_t bytes = (n * config.d_model + maps) * value_bytes +
+                          statistics * int64_t{sizeof(float)} + kResultFramingBytes;
+    if (map_bytes + maps * value_bytes + scratch_map_bytes > limits.max_attention_map_bytes ||
         response_bytes + bytes > max_response_bytes) {
       planned.status = core::InvalidField(
-          absl::StrCat(field, ".attention_maps"),
+          absl::StrCat(field, step.attention_maps() || !step.head_statistics()
+                                  ? ".attention_maps"
+                                  : ".head_statistics"),
           absl::StrCat("the response's maps or bytes would pass this server's limits "
                        "(--max_attention_map_bytes ",
                        limits.max_attention_map_bytes, ", --max_send_message_bytes ",
@@ -174,14 +185,16 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
       continue;
     }
     const Model& model_ref = lease->model();
-    map_bytes += maps * value_bytes;
+    map_bytes += maps * value_bytes + scratch_map_bytes;
     response_bytes += bytes;
     const int64_t map_elements = lease->replay() ? 0 : maps;
     planned.hidden_states = std::move(checked->hidden_states);
     planned.tokens = n;
     planned.map_elements = map_elements;
+    planned.head_statistics = step.head_statistics() && !lease->replay();
     planned.head_mask.assign(step.head_mask().begin(), step.head_mask().end());
     if (!lease->replay()) {
+      scratch_bytes += scratch_map_bytes;
       plan.tokens += n;
       tokens_per_model[&model_ref] += n;
     }
@@ -189,7 +202,8 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
   }
   // Memory while it runs: the inputs as FP32, outputs and maps (BF16 ones
   // computed in FP32 first), and each model's route scratch for its tokens.
-  double memory = static_cast<double>(response_bytes) * (value_bytes == 2 ? 3.0 : 1.0);
+  double memory = static_cast<double>(response_bytes) * (value_bytes == 2 ? 3.0 : 1.0) +
+                  static_cast<double>(scratch_bytes);
   for (const auto& [model, tokens] : tokens_per_model) {
     absl::StatusOr<core::Route> route =
         core::MakeExtendRoute(model->layer->config(), tokens, plan.precision);
@@ -242,7 +256,7 @@ absl::Status RunGroup(const v1::ExtendRequest& request, const StepGroup& group, 
                       std::vector<ExtendComputed>* computed) {
   const core::HeadConfig& config = group.model->layer->config();
   std::vector<std::unique_ptr<FloatValues>> inputs;
-  std::vector<std::unique_ptr<OutputTensor>> outputs, maps;
+  std::vector<std::unique_ptr<OutputTensor>> outputs, maps, statistics;
   std::vector<core::ExtendItem> items(group.steps.size());
   for (size_t k = 0; k < group.steps.size(); ++k) {
     const int i = group.steps[k];
@@ -265,6 +279,16 @@ absl::Status RunGroup(const v1::ExtendRequest& request, const StepGroup& group, 
           std::vector<int64_t>{config.num_heads, n, length}, plan.output_dtype, false,
           result->mutable_attention_maps(), nullptr));
       item.attention_map = maps.back()->values();
+    }
+    if (step.head_statistics) {
+      v1::HeadStatistics* stats = result->mutable_head_statistics();
+      const std::vector<int64_t> shape = {config.num_heads, n};
+      statistics.push_back(std::make_unique<OutputTensor>(shape, v1::DATA_TYPE_FP32, false,
+                                                          stats->mutable_entropy(), nullptr));
+      item.head_entropy = statistics.back()->values();
+      statistics.push_back(std::make_unique<OutputTensor>(shape, v1::DATA_TYPE_FP32, false,
+                                                          stats->mutable_max_weight(), nullptr));
+      item.head_max_weight = statistics.back()->values();
     }
   }
   core::ExtendOptions options;
@@ -289,6 +313,7 @@ absl::Status RunGroup(const v1::ExtendRequest& request, const StepGroup& group, 
   }
   for (auto& tensor : outputs) tensor->Commit();
   for (auto& tensor : maps) tensor->Commit();
+  for (auto& tensor : statistics) tensor->Commit();
   for (size_t k = 0; k < group.steps.size(); ++k) {
     const int i = group.steps[k];
     ExtendStepPlan& step = plan.steps[static_cast<size_t>(i)];
@@ -301,6 +326,7 @@ absl::Status RunGroup(const v1::ExtendRequest& request, const StepGroup& group, 
     } else {
       result->clear_output();
       result->clear_attention_maps();
+      result->clear_head_statistics();
       SetStatus(ForStep(i, status), result);
     }
     sessions.EndStep(*std::move(step.lease), status, std::move(stored));

@@ -30,6 +30,7 @@ struct ExtendStepPlan {
   TensorSpec hidden_states;  // [n, d_model], when admitted
   int64_t tokens = 0;        // n
   int64_t map_elements = 0;  // num_heads x n x length after the step, when maps are asked
+  bool head_statistics = false;  // asked for, and the step computes (not a replay)
   std::vector<float> head_mask;
 };
 
@@ -45,7 +46,9 @@ struct ExtendPlan {
 // Validates `request` and begins its steps on `sessions` for `owner`. Returns
 // INVALID_ARGUMENT (naming the field) for a request that is malformed as a
 // whole: no steps or more than kMaxExtendSteps, an unknown precision or
-// output dtype, maps or a response over the server's limits. A step that
+// output dtype, maps or a response over the server's limits (head
+// statistics count in the response, and the FP32 maps they are computed from
+// count against --max_attention_map_bytes when the maps are not asked for). A step that
 // fails on its own gets its status in the plan and no lease:
 // INVALID_ARGUMENT naming "steps[i].<field>", or SessionManager::BeginStep's
 // NOT_FOUND, ABORTED, OUT_OF_RANGE, RESOURCE_EXHAUSTED. The leases end in
@@ -68,8 +71,8 @@ struct ExtendComputed {
 // Runs the admitted steps (on the compute executor: one AttentionLayer::Extend
 // per model and head mask over its steps), ends every lease, appends what
 // each Extend computed to `computed` (when given), and fills `response`: one
-// result per request step (output, maps, the layer's length, or the step's
-// status), the kernel path and precision. A replayed step gets its stored
+// result per request step (output, maps, head statistics, the layer's
+// length, or the step's status), the kernel path and precision. A replayed step gets its stored
 // output without computing. Returns the call's own error (CANCELLED by
 // `compute.should_stop`, INTERNAL): the steps of the Extend that failed keep
 // their layers as before the call; the caller then answers the whole call

@@ -188,12 +188,20 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::OpenSession(
   const absl::StatusOr<SessionInfo> opened = [&]() -> absl::StatusOr<SessionInfo> {
     SessionSpec spec;
     for (int i = 0; i < request->models_size(); ++i) {
-      absl::StatusOr<std::shared_ptr<const Model>> model = registry_->Find(request->models(i));
-      if (!model.ok()) {
-        return absl::Status(model.status().code(),
-                            absl::StrCat("models[", i, "]: ", model.status().message()));
+      // A folder of layers stands for its layers' models, in order.
+      absl::StatusOr<std::vector<std::shared_ptr<const Model>>> models =
+          registry_->FindLayers(request->models(i));
+      if (!models.ok()) {
+        return absl::Status(models.status().code(),
+                            absl::StrCat("models[", i, "]: ", models.status().message()));
       }
-      spec.layers.push_back(*std::move(model));
+      // Bounded as it grows: a long list of folder names cannot hold much.
+      if (spec.layers.size() + models->size() > kMaxSessionLayers) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "models: more than ", kMaxSessionLayers,
+            " layers (a folder of layers counts each of its layers)"));
+      }
+      for (std::shared_ptr<const Model>& model : *models) spec.layers.push_back(std::move(model));
     }
     switch (request->kv_dtype()) {
       case v1::DATA_TYPE_UNSPECIFIED:

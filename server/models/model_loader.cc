@@ -31,8 +31,11 @@ absl::Status ModelLoader::Load(absl::string_view name, Done done) {
 }
 
 absl::Status ModelLoader::Unload(absl::string_view name) {
-  if (absl::Status removed = registry_->Remove(name); !removed.ok()) return removed;
-  if (options_.on_unloaded) options_.on_unloaded(name);
+  std::vector<std::string> names;
+  if (absl::Status removed = registry_->Remove(name, &names); !removed.ok()) return removed;
+  if (options_.on_unloaded) {
+    for (const std::string& removed_name : names) options_.on_unloaded(removed_name);
+  }
   return absl::OkStatus();
 }
 
@@ -54,7 +57,7 @@ void ModelLoader::Shutdown() {
   }
 }
 
-absl::StatusOr<std::shared_ptr<const Model>> ModelLoader::LoadAndWarmUp(
+absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelLoader::LoadAndWarmUp(
     const std::string& name) const {
   // The repository catches running out of memory while reading; this catch
   // covers the warm-up and anything else of this one model's load, so the
@@ -65,13 +68,18 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelLoader::LoadAndWarmUp(
                      "); a later attempt, with more memory free, may pass"));
   };
   try {
-    absl::StatusOr<std::shared_ptr<const Model>> model = repository_->LoadModel(name);
-    if (model.ok() && options_.warm_up) {
-      if (absl::Status warm = options_.warm_up(**model); !warm.ok()) {
-        return absl::FailedPreconditionError(absl::StrCat("warm-up failed: ", warm.message()));
+    absl::StatusOr<std::vector<std::shared_ptr<const Model>>> models =
+        repository_->LoadFolder(name);
+    if (models.ok() && options_.warm_up) {
+      for (const std::shared_ptr<const Model>& model : *models) {
+        if (absl::Status warm = options_.warm_up(*model); !warm.ok()) {
+          return absl::FailedPreconditionError(
+              absl::StrCat(models->size() > 1 ? absl::StrCat("model '", model->name, "': ") : "",
+                           "warm-up failed: ", warm.message()));
+        }
       }
     }
-    return model;
+    return models;
   } catch (const std::bad_alloc&) {
     return out_of_memory("std::bad_alloc");
   } catch (const std::length_error&) {
@@ -92,11 +100,14 @@ void ModelLoader::Run() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
-    absl::StatusOr<std::shared_ptr<const Model>> model = LoadAndWarmUp(job.name);
-    const std::shared_ptr<const Model> loaded = model.ok() ? *model : nullptr;
-    const absl::Status loaded_status = model.status();
-    absl::Status settled = registry_->FinishLoading(job.name, job.ticket, std::move(model));
-    if (settled.ok() && loaded != nullptr && options_.on_ready) options_.on_ready(*loaded);
+    absl::StatusOr<std::vector<std::shared_ptr<const Model>>> models = LoadAndWarmUp(job.name);
+    const std::vector<std::shared_ptr<const Model>> loaded =
+        models.ok() ? *models : std::vector<std::shared_ptr<const Model>>{};
+    const absl::Status loaded_status = models.status();
+    absl::Status settled = registry_->FinishLoadingFolder(job.name, job.ticket, std::move(models));
+    if (settled.ok() && options_.on_ready) {
+      for (const std::shared_ptr<const Model>& model : loaded) options_.on_ready(*model);
+    }
     if (!job.done) continue;
     if (!settled.ok()) {
       job.done(settled);
@@ -112,10 +123,14 @@ void ModelLoader::Run() {
                                          "' failed to load: ", loaded_status.message())));
     } else {
       // The status as it was settled (an Unload may already have removed it).
-      ModelStatus ready;
-      ready.name = job.name;
-      ready.state = ModelState::kReady;
-      ready.model = loaded;
+      std::vector<ModelStatus> ready;
+      for (const std::shared_ptr<const Model>& model : loaded) {
+        ModelStatus status;
+        status.name = model->name;
+        status.state = ModelState::kReady;
+        status.model = model;
+        ready.push_back(std::move(status));
+      }
       job.done(std::move(ready));
     }
   }

@@ -20,9 +20,11 @@ namespace attnserve::server {
 
 struct ModelLoaderOptions {
   // Runs a new model once before it turns READY (the server runs a small
-  // forward pass on the compute executor). Empty: no warm-up.
+  // forward pass on the compute executor); each layer of a folder of layers.
+  // Empty: no warm-up.
   std::function<absl::Status(const Model&)> warm_up;
-  // Called once a model turns READY, and when one is unloaded (metrics).
+  // Called once a model turns READY, and when one is unloaded (metrics); for
+  // a folder of layers, once per layer model.
   std::function<void(const Model&)> on_ready;
   std::function<void(absl::string_view)> on_unloaded;
   // Loads waiting for the loader thread; more are refused (RESOURCE_EXHAUSTED).
@@ -35,7 +37,9 @@ struct ModelLoaderOptions {
 // Thread-safe. `repository` and `registry` must outlive the loader.
 class ModelLoader {
  public:
-  using Done = std::function<void(absl::StatusOr<ModelStatus>)>;
+  // A load's answer: the READY status of the folder's model, or of each of
+  // its layers' models in order (a config.json with "layers").
+  using Done = std::function<void(absl::StatusOr<std::vector<ModelStatus>>)>;
 
   ModelLoader(const ModelRepository* repository, ModelRegistry* registry,
               ModelLoaderOptions options);
@@ -44,7 +48,9 @@ class ModelLoader {
   ModelLoader& operator=(const ModelLoader&) = delete;
 
   // Marks `name` LOADING and queues its load. When the load is over, `done`
-  // runs on the loader thread with the model's READY status, or: NOT_FOUND
+  // runs on the loader thread with the model's READY status (a folder of
+  // layers: its layers', READY together; ALREADY_EXISTS when a layer's name
+  // is another model's), or: NOT_FOUND
   // (no such folder; the name is forgotten), FAILED_PRECONDITION with the
   // reason (the model stays FAILED; among the reasons, weights over
   // --max_model_bytes), RESOURCE_EXHAUSTED (memory ran out while loading: the
@@ -58,7 +64,8 @@ class ModelLoader {
   absl::Status Load(absl::string_view name, Done done);
 
   // Removes `name` from the registry (calls in flight finish on it; a load in
-  // progress is dropped when it ends). NOT_FOUND when unknown.
+  // progress is dropped when it ends); a folder of layers, all its layers.
+  // NOT_FOUND when unknown; FAILED_PRECONDITION for one layer of a folder.
   absl::Status Unload(absl::string_view name);
 
   // Finishes the load in progress, answers the queued ones UNAVAILABLE and
@@ -72,8 +79,10 @@ class ModelLoader {
     Done done;
   };
   void Run();
-  // Loads and warms up model `name`; RESOURCE_EXHAUSTED when memory runs out.
-  absl::StatusOr<std::shared_ptr<const Model>> LoadAndWarmUp(const std::string& name) const;
+  // Loads and warms up folder `name`'s model(s); RESOURCE_EXHAUSTED when
+  // memory runs out.
+  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> LoadAndWarmUp(
+      const std::string& name) const;
 
   // Constant after construction.
   const ModelRepository* const repository_;

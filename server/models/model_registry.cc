@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 #include "server/common/message_text.h"
 
@@ -35,8 +36,33 @@ absl::string_view ModelStateName(ModelState state) {
   return "?";
 }
 
+namespace {
+
+// "a.0, a.1, ... a.11" (the first two and the last of long lists).
+std::string LayerList(const std::vector<std::string>& names) {
+  if (names.size() <= 3) return absl::StrJoin(names, ", ");
+  return absl::StrCat(names[0], ", ", names[1], ", ... ", names.back());
+}
+
+}  // namespace
+
+absl::Status ModelRegistry::NotFound(absl::string_view name) const {
+  if (auto folder = folders_.find(name); folder != folders_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "'", Abbreviate(name), "' is a model folder of ", folder->second.size(),
+        " layers, each its own model: ", LayerList(folder->second),
+        " (OpenSession takes the folder's name for all of them, in order)"));
+  }
+  return absl::NotFoundError(absl::StrCat("no model named '", Abbreviate(name),
+                                          "' is loaded (ListModels shows the loaded models)"));
+}
+
 absl::Status ModelRegistry::Add(std::shared_ptr<const Model> model) {
   absl::MutexLock lock(&mu_);
+  if (folders_.contains(model->name)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("'", Abbreviate(model->name), "' is a loaded folder of layers"));
+  }
   Entry entry;
   entry.status.name = model->name;
   entry.status.state = ModelState::kReady;
@@ -51,6 +77,12 @@ absl::Status ModelRegistry::Add(std::shared_ptr<const Model> model) {
 
 absl::StatusOr<uint64_t> ModelRegistry::BeginLoading(absl::string_view name) {
   absl::MutexLock lock(&mu_);
+  if (auto folder = folders_.find(name); folder != folders_.end()) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "model folder '", Abbreviate(name), "' is already loaded as its ",
+        folder->second.size(), " layers ", LayerList(folder->second),
+        " (UnloadModel it first to reload it)"));
+  }
   auto it = models_.find(name);
   if (it != models_.end() && it->second.status.state != ModelState::kFailed) {
     return absl::AlreadyExistsError(
@@ -89,25 +121,104 @@ absl::Status ModelRegistry::FinishLoading(absl::string_view name, uint64_t ticke
   return absl::OkStatus();
 }
 
-absl::Status ModelRegistry::Remove(absl::string_view name) {
-  std::shared_ptr<const Model> removed;  // freed (if no call holds it) after the lock
+absl::Status ModelRegistry::FinishLoadingFolder(
+    absl::string_view name, uint64_t ticket,
+    absl::StatusOr<std::vector<std::shared_ptr<const Model>>> result) {
+  if (!result.ok()) return FinishLoading(name, ticket, result.status());
+  if (result->size() == 1 && (*result)[0]->name == name) {
+    return FinishLoading(name, ticket, std::move((*result)[0]));
+  }
+  std::vector<std::shared_ptr<const Model>> dropped;  // freed after the lock is released
   absl::MutexLock lock(&mu_);
+  auto it = models_.find(name);
+  if (it == models_.end() || it->second.ticket != ticket) {
+    dropped = *std::move(result);
+    return absl::AbortedError(
+        absl::StrCat("model '", Abbreviate(name), "' was unloaded while it was loading"));
+  }
+  for (const std::shared_ptr<const Model>& layer : *result) {
+    if (!models_.contains(layer->name) && !folders_.contains(layer->name)) continue;
+    const absl::Status taken = absl::AlreadyExistsError(absl::StrCat(
+        "layer model name '", Abbreviate(layer->name),
+        "' is taken by another model (a folder of that name?); rename one of them"));
+    it->second.status.state = ModelState::kFailed;
+    it->second.status.failure = taken;
+    dropped = *std::move(result);
+    return taken;
+  }
+  models_.erase(it);
+  std::vector<std::string>& names = folders_[std::string(name)];
+  for (std::shared_ptr<const Model>& layer : *result) {
+    Entry entry;
+    entry.status.name = layer->name;
+    entry.status.state = ModelState::kReady;
+    entry.status.model = std::move(layer);
+    entry.ticket = next_ticket_++;
+    entry.folder = std::string(name);
+    names.push_back(entry.status.name);
+    models_.emplace(entry.status.name, std::move(entry));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelRegistry::Remove(absl::string_view name, std::vector<std::string>* removed) {
+  std::vector<std::shared_ptr<const Model>> freed;  // freed (if no call holds them) after the lock
+  absl::MutexLock lock(&mu_);
+  if (removed != nullptr) removed->clear();
+  if (auto folder = folders_.find(name); folder != folders_.end()) {
+    for (const std::string& layer : folder->second) {
+      auto entry = models_.find(layer);
+      if (entry == models_.end()) continue;
+      freed.push_back(std::move(entry->second.status.model));
+      models_.erase(entry);
+      if (removed != nullptr) removed->push_back(layer);
+    }
+    folders_.erase(folder);
+    return absl::OkStatus();
+  }
   auto it = models_.find(name);
   if (it == models_.end()) {
     return absl::NotFoundError(absl::StrCat("no model named '", Abbreviate(name), "' is loaded"));
   }
-  removed = std::move(it->second.status.model);
+  if (!it->second.folder.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model '", Abbreviate(name), "' is a layer of model folder '",
+        Abbreviate(it->second.folder),
+        "', whose layers load and unload together: unload '", Abbreviate(it->second.folder),
+        "'"));
+  }
+  freed.push_back(std::move(it->second.status.model));
   models_.erase(it);
+  if (removed != nullptr) removed->push_back(std::string(name));
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRegistry::FindLayers(
+    absl::string_view name) const {
+  {
+    absl::MutexLock lock(&mu_);
+    if (auto folder = folders_.find(name); folder != folders_.end()) {
+      std::vector<std::shared_ptr<const Model>> layers;
+      for (const std::string& layer : folder->second) {
+        auto it = models_.find(layer);
+        if (it == models_.end() || it->second.status.model == nullptr) {
+          return absl::InternalError(absl::StrCat("layer '", Abbreviate(layer), "' of folder '",
+                                                  Abbreviate(name), "' is not READY"));
+        }
+        layers.push_back(it->second.status.model);
+      }
+      return layers;
+    }
+  }
+  absl::StatusOr<std::shared_ptr<const Model>> model = Find(name);
+  if (!model.ok()) return model.status();
+  return std::vector<std::shared_ptr<const Model>>{*std::move(model)};
 }
 
 absl::StatusOr<std::shared_ptr<const Model>> ModelRegistry::Find(absl::string_view name) const {
   absl::MutexLock lock(&mu_);
   auto it = models_.find(name);
-  if (it == models_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("no model named '", Abbreviate(name), "' is loaded (ListModels shows the loaded models)"));
-  }
+  if (it == models_.end()) return NotFound(name);
   const ModelStatus& status = it->second.status;
   switch (status.state) {
     case ModelState::kReady:
@@ -125,10 +236,7 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRegistry::Find(absl::string_vi
 absl::StatusOr<ModelStatus> ModelRegistry::Get(absl::string_view name) const {
   absl::MutexLock lock(&mu_);
   auto it = models_.find(name);
-  if (it == models_.end()) {
-    return absl::NotFoundError(
-        absl::StrCat("no model named '", Abbreviate(name), "' is loaded (ListModels shows the loaded models)"));
-  }
+  if (it == models_.end()) return NotFound(name);
   return it->second.status;
 }
 

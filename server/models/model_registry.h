@@ -55,6 +55,12 @@ absl::StatusOr<std::shared_ptr<const Model>> MakeBuiltinModel(uint64_t seed);
 // one that ticket opened (an Unload in between wins, and the loaded model is
 // dropped).
 //
+// A repository folder whose config.json has "layers" loads as one model per
+// layer, named "<folder>.<i>" (ModelRepository::LayerModelName): the folder
+// is LOADING (or FAILED) under its own name until its layers are READY
+// together under theirs; then the folder's name stands for the list of its
+// layers (FindLayers), which unload together (Remove of the folder).
+//
 // Thread-safe.
 class ModelRegistry {
  public:
@@ -62,11 +68,13 @@ class ModelRegistry {
   ModelRegistry(const ModelRegistry&) = delete;
   ModelRegistry& operator=(const ModelRegistry&) = delete;
 
-  // Registers a ready model. ALREADY_EXISTS when the name is registered.
+  // Registers a ready model. ALREADY_EXISTS when the name is registered (a
+  // model's or a folder of layers').
   absl::Status Add(std::shared_ptr<const Model> model);
 
   // Marks `name` LOADING and returns its ticket. ALREADY_EXISTS when it is
-  // loading or ready; a FAILED entry is replaced (a retry).
+  // loading or ready, or a folder whose layers are loaded; a FAILED entry is
+  // replaced (a retry).
   absl::StatusOr<uint64_t> BeginLoading(absl::string_view name);
   // Settles the load of `ticket`: `result` OK makes the entry READY, an error
   // makes it FAILED with that reason, except NOT_FOUND (nothing to load),
@@ -74,15 +82,32 @@ class ModelRegistry {
   // since BeginLoading; the registry is then left as it is.
   absl::Status FinishLoading(absl::string_view name, uint64_t ticket,
                              absl::StatusOr<std::shared_ptr<const Model>> result);
+  // FinishLoading with what folder `name` held: one model named `name` (as
+  // above), or its layers' models, in order, named "<name>.<i>": these turn
+  // READY together and `name` becomes their folder (its LOADING entry goes).
+  // ALREADY_EXISTS naming the layer when a layer's name is taken by another
+  // entry (a folder of that name, say): `name` is then FAILED with that
+  // reason and no layer is added. ABORTED as above.
+  absl::Status FinishLoadingFolder(absl::string_view name, uint64_t ticket,
+                                   absl::StatusOr<std::vector<std::shared_ptr<const Model>>> result);
 
-  // Removes `name` in any state (calls in flight keep their model). NOT_FOUND
-  // when it is not registered.
-  absl::Status Remove(absl::string_view name);
+  // Removes `name` in any state (calls in flight keep their model); a folder
+  // of layers removes all its layers. Sets *removed (when given) to the model
+  // names removed. NOT_FOUND when it is not registered; FAILED_PRECONDITION
+  // for one layer of a folder (its layers unload together: naming the
+  // folder).
+  absl::Status Remove(absl::string_view name, std::vector<std::string>* removed = nullptr);
 
-  // The ready model. NOT_FOUND naming it when unknown, UNAVAILABLE while it
-  // loads, FAILED_PRECONDITION with the reason when its load failed.
+  // The ready model. NOT_FOUND naming it when unknown (for a folder of
+  // layers: naming its layers' models), UNAVAILABLE while it loads,
+  // FAILED_PRECONDITION with the reason when its load failed.
   absl::StatusOr<std::shared_ptr<const Model>> Find(absl::string_view name) const;
-  // The entry of `name`, or NOT_FOUND.
+  // The models `name` stands for, in order: a folder of layers' layer models,
+  // or the one model Find(name) gives (and its errors).
+  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> FindLayers(
+      absl::string_view name) const;
+  // The entry of `name`, or NOT_FOUND (for a folder of layers: naming its
+  // layers' models).
   absl::StatusOr<ModelStatus> Get(absl::string_view name) const;
   // Every entry, ordered by name.
   std::vector<ModelStatus> List() const;
@@ -91,9 +116,16 @@ class ModelRegistry {
   struct Entry {
     ModelStatus status;
     uint64_t ticket = 0;
+    std::string folder;  // a layer of that folder; empty otherwise
   };
+  // NOT_FOUND for `name`, naming its layers when it is a folder of them.
+  absl::Status NotFound(absl::string_view name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable absl::Mutex mu_;
   std::map<std::string, Entry, std::less<>> models_ ABSL_GUARDED_BY(mu_);
+  // Folders loaded as layers: the folder's name -> its layers' model names,
+  // in order (each READY in models_).
+  std::map<std::string, std::vector<std::string>, std::less<>> folders_ ABSL_GUARDED_BY(mu_);
   uint64_t next_ticket_ ABSL_GUARDED_BY(mu_) = 1;
 };
 

@@ -196,7 +196,23 @@ absl::StatusOr<std::string> ModelRepository::ReadSmallFile(const std::string& re
   return text;
 }
 
+std::string ModelRepository::LayerModelName(absl::string_view folder, int64_t layer) {
+  return absl::StrCat(folder, ".", layer);
+}
+
 absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
+    absl::string_view name) const {
+  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> models = LoadFolder(name);
+  if (!models.ok()) return models.status();
+  if (models->size() != 1 || (*models)[0]->name != name) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name, ": the folder holds ", models->size(),
+                     " layers (config.json's layers); load it with LoadFolder"));
+  }
+  return std::move((*models)[0]);
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadFolder(
     absl::string_view name) const {
   ATTNSERVE_RETURN_IF_ERROR(ValidateModelName(name));
   const std::string folder(name);
@@ -208,7 +224,7 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
                      "); a later attempt, with more memory free, may pass"));
   };
   try {
-    return LoadModelOrThrow(folder);
+    return LoadFolderOrThrow(folder);
   } catch (const std::bad_alloc&) {
     return out_of_memory("std::bad_alloc");
   } catch (const std::length_error&) {
@@ -216,7 +232,7 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
   }
 }
 
-absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModelOrThrow(
+absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadFolderOrThrow(
     const std::string& folder) const {
   {
     // The folder itself: NOT_FOUND when absent (nothing to load), refused
@@ -224,8 +240,17 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModelOrThrow(
     absl::StatusOr<int> dir = OpenBeneath(folder, O_RDONLY | O_DIRECTORY);
     if (!dir.ok()) {
       if (absl::IsNotFound(dir.status())) {
-        return absl::NotFoundError(absl::StrCat("the model repository has no folder '", folder,
-                                                "'"));
+        // "gpt2.3" may be meant as a layer of folder "gpt2": say how those load.
+        const size_t dot = folder.rfind('.');
+        const bool layer_like = dot != std::string::npos && dot > 0 && dot + 1 < folder.size() &&
+                                std::all_of(folder.begin() + dot + 1, folder.end(),
+                                            [](char c) { return c >= '0' && c <= '9'; });
+        return absl::NotFoundError(absl::StrCat(
+            "the model repository has no folder '", folder, "'",
+            layer_like ? absl::StrCat(" (the layers of a folder of layers load with their "
+                                      "folder: load '",
+                                      folder.substr(0, dot), "')")
+                       : ""));
       }
       return dir.status();
     }
@@ -239,6 +264,20 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModelOrThrow(
   absl::StatusOr<core::CheckpointConfig> config =
       core::ParseCheckpointConfig(*config_text, config_path);
   if (!config.ok()) return InModel(config.status());
+  // Every model's name first: a layer's over the limit fails before any
+  // file is read.
+  const size_t layers = config->layer_prefixes.size();
+  std::vector<std::string> names;
+  if (layers == 0) names.push_back(folder);
+  for (size_t i = 0; i < layers; ++i) {
+    names.push_back(LayerModelName(folder, static_cast<int64_t>(i)));
+    if (!ValidateModelName(names.back()).ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          config_path, ": layers: layer ", i, "'s model name '", folder, ".", i,
+          "' is longer than ", kMaxModelNameBytes,
+          " bytes (a layer's model is named <folder>.<layer>); shorten the folder's name"));
+    }
+  }
 
   const std::string weights_path = absl::StrCat(folder, "/", config->weights);
   absl::StatusOr<int> weights_fd = OpenBeneath(weights_path, O_RDONLY | O_NONBLOCK);
@@ -246,28 +285,63 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModelOrThrow(
   absl::StatusOr<core::SafetensorsFile> file =
       core::SafetensorsFile::FromFd(*weights_fd, weights_path);  // owns the fd
   if (!file.ok()) return InModel(file.status());
-  // The budget is checked from the header before any tensor is read.
-  absl::StatusOr<core::AttentionWeights> weights = core::LoadCheckpointWeights(
-      *file, *config,
-      {.max_weight_bytes = options_.max_model_bytes, .budget_name = "--max_model_bytes"});
-  if (!weights.ok()) return InModel(weights.status());
 
-  auto model = std::make_shared<Model>();
-  model->name = folder;
-  model->causal = config->causal;
-  model->description =
-      config->description.empty()
-          ? absl::StrCat(core::WeightLayoutName(config->layout), " checkpoint ", config->weights,
-                         config->prefix.empty() ? "" : absl::StrCat(" (", config->prefix, "*)"))
-          : config->description;
-  absl::StatusOr<std::unique_ptr<core::AttentionLayer>> layer =
-      core::AttentionLayer::Create(config->head_config, *std::move(weights));
-  if (!layer.ok()) {
-    return InModel(absl::Status(layer.status().code(),
-                                absl::StrCat(weights_path, ": ", layer.status().message())));
+  // A layer's reason says which layer (its model and prefix) before the
+  // file's and tensor's names.
+  auto of_layer = [&](size_t i, const absl::Status& status) {
+    if (layers == 0) return status;
+    return absl::Status(status.code(),
+                        absl::StrCat("layer ", i, " of ", layers, " (model '", names[i],
+                                     "', prefix '", config->layer_prefixes[i],
+                                     "'): ", status.message()));
+  };
+  const core::CheckpointLoadOptions budget = {.max_weight_bytes = options_.max_model_bytes,
+                                              .budget_name = "--max_model_bytes"};
+  // Every layer's tensors (presence, shapes, dtypes) and bytes against the
+  // budget, from the header, before any tensor of any layer is read.
+  for (size_t i = 0; layers > 0 && i < layers; ++i) {
+    const core::CheckpointConfig one = core::LayerOfCheckpoint(*config, i);
+    absl::StatusOr<int64_t> bytes = core::CheckpointWeightBytes(*file, one);
+    if (!bytes.ok()) return InModel(of_layer(i, bytes.status()));
+    if (*bytes > options_.max_model_bytes) {
+      // Refused from the header (no tensor read), with the loader's message.
+      return InModel(of_layer(i, core::LoadCheckpointWeights(*file, one, budget).status()));
+    }
   }
-  model->layer = *std::move(layer);
-  return model;
+
+  std::vector<std::shared_ptr<const Model>> models;
+  for (size_t i = 0; i < names.size(); ++i) {
+    const core::CheckpointConfig one =
+        layers == 0 ? *config : core::LayerOfCheckpoint(*config, i);
+    auto of_layer_i = [&](const absl::Status& status) { return of_layer(i, status); };
+    // The budget is checked from the header before any tensor is read (for
+    // each layer on its own).
+    absl::StatusOr<core::AttentionWeights> weights =
+        core::LoadCheckpointWeights(*file, one, budget);
+    if (!weights.ok()) return InModel(of_layer_i(weights.status()));
+
+    auto model = std::make_shared<Model>();
+    model->name = names[i];
+    model->causal = one.causal;
+    const std::string which =
+        layers == 0 ? "" : absl::StrCat("layer ", i, " of ", layers, " of ");
+    model->description =
+        one.description.empty()
+            ? absl::StrCat(which, core::WeightLayoutName(one.layout), " checkpoint ", one.weights,
+                           one.prefix.empty() ? "" : absl::StrCat(" (", one.prefix, "*)"))
+            : (layers == 0 ? one.description
+                           : absl::StrCat(one.description, " (layer ", i, " of ", layers, ", ",
+                                          one.prefix, "*)"));
+    absl::StatusOr<std::unique_ptr<core::AttentionLayer>> layer =
+        core::AttentionLayer::Create(one.head_config, *std::move(weights));
+    if (!layer.ok()) {
+      return InModel(of_layer_i(absl::Status(
+          layer.status().code(), absl::StrCat(weights_path, ": ", layer.status().message()))));
+    }
+    model->layer = *std::move(layer);
+    models.push_back(std::move(model));
+  }
+  return models;
 }
 
 }  // namespace attnserve::server

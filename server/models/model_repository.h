@@ -35,10 +35,15 @@ struct ModelRepositoryOptions {
 // O_NONBLOCK and must be regular files (a FIFO or device is refused, never
 // read).
 //
+// A folder whose config.json has "layers" holds several layers of one
+// checkpoint: it loads as one model per layer, named "<folder>.<i>"
+// (LayerModelName), all read from one open of the weights file.
+//
 // A model's weights are sized from its checkpoint's header before any tensor
 // is read (core::CheckpointWeightBytes); a model over max_model_bytes fails
-// with that reason, and running out of memory while loading fails the one
-// model (std::bad_alloc is caught), never the process.
+// with that reason (for a folder of layers, the limit holds for each layer),
+// and running out of memory while loading fails the one folder
+// (std::bad_alloc is caught), never the process.
 //
 // Thread-safe (the directory descriptor is only read).
 class ModelRepository {
@@ -55,6 +60,10 @@ class ModelRepository {
   // OK for a valid model name; INVALID_ARGUMENT saying why otherwise.
   static absl::Status ValidateModelName(absl::string_view name);
 
+  // The model name of layer `layer` of a folder of layers: "<folder>.<layer>"
+  // (e.g. "gpt2.3"), a valid model name when it is at most 128 bytes.
+  static std::string LayerModelName(absl::string_view folder, int64_t layer);
+
   // The names of the repository's subfolders (and symlinks) with valid model
   // names, sorted. Hidden entries and other names are skipped.
   absl::StatusOr<std::vector<std::string>> ListModelNames() const;
@@ -68,7 +77,21 @@ class ModelRepository {
   // names --max_model_bytes, the bytes needed and the limit; nothing is read
   // from the tensors); RESOURCE_EXHAUSTED when memory runs out while loading
   // (a later attempt may pass).
+  // A folder of layers is FAILED_PRECONDITION here (naming LoadFolder).
   absl::StatusOr<std::shared_ptr<const Model>> LoadModel(absl::string_view name) const;
+
+  // Reads folder `name`: one model named `name`, or for a config.json with
+  // "layers", one model per layer in order, named LayerModelName(name, i).
+  // The weights file is opened and its header parsed once, each tensor read
+  // once; every layer's tensors and bytes (--max_model_bytes holds for each
+  // layer) are checked from the header before any tensor is read. Errors as
+  // LoadModel; a
+  // layer's reason names the layer, its model and its prefix ("layer 3 of 12
+  // (model 'gpt2.3', prefix 'h.3.attn.'): ..."), and a layer model name over
+  // 128 bytes is FAILED_PRECONDITION naming config.json's layers before any
+  // tensor is read.
+  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> LoadFolder(
+      absl::string_view name) const;
 
   const std::string& root() const { return root_; }
   const ModelRepositoryOptions& options() const { return options_; }
@@ -76,8 +99,9 @@ class ModelRepository {
  private:
   ModelRepository(std::string root, int root_fd, const ModelRepositoryOptions& options)
       : root_(std::move(root)), root_fd_(root_fd), options_(options) {}
-  // LoadModel without its catch of std::bad_alloc.
-  absl::StatusOr<std::shared_ptr<const Model>> LoadModelOrThrow(const std::string& folder) const;
+  // LoadFolder without its catch of std::bad_alloc.
+  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> LoadFolderOrThrow(
+      const std::string& folder) const;
   // Opens `relative` (below the root) read-only with `flags` added; the fd, or
   // an errno-derived status naming the path.
   absl::StatusOr<int> OpenBeneath(const std::string& relative, int flags) const;

@@ -55,8 +55,6 @@ namespace {
 
 // Ids of removed sessions remembered for their NOT_FOUND.
 constexpr size_t kRemembered = 16384;
-// Layers a session may have.
-constexpr size_t kMaxLayers = 1024;
 
 // 128 bits from the kernel's CSPRNG, as 32 hex digits; INTERNAL when the
 // kernel gives none.
@@ -332,9 +330,9 @@ int64_t SessionManager::OwnerBytesLocked(absl::string_view owner) const {
 
 absl::StatusOr<SessionInfo> SessionManager::Open(const SessionSpec& spec,
                                                  absl::string_view owner) {
-  if (spec.layers.empty() || spec.layers.size() > kMaxLayers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("models: between 1 and ", kMaxLayers, " models (the layers, in order)"));
+  if (spec.layers.empty() || spec.layers.size() > kMaxSessionLayers) {
+    return absl::InvalidArgumentError(absl::StrCat("models: between 1 and ", kMaxSessionLayers,
+                                                   " models (the layers, in order)"));
   }
   for (size_t i = 0; i < spec.layers.size(); ++i) {
     const core::HeadConfig& config = spec.layers[i]->layer->config();

@@ -25,6 +25,9 @@
 
 namespace attnserve::server {
 
+// Layers (models) a session may have.
+inline constexpr size_t kMaxSessionLayers = 1024;
+
 // What OpenSession asks for.
 struct SessionSpec {
   // The layers, in order (one model: a session of one layer). Each a ready

@@ -49,14 +49,12 @@ inline std::vector<float> ConcatColumns(const std::vector<std::vector<float>>& p
   return out;
 }
 
-// Writes `w` as `layout` stores it under `prefix`, with an unrelated tensor
-// beside it (other layers of the checkpoint).
-inline SafetensorsWriter WriteLayout(const LayoutCase& c, const core::HeadConfig& h, const core::AttentionWeights& w) {
+// Adds `w`'s tensors to `out` as `c.layout` stores them under `c.prefix`.
+inline void AddLayout(const LayoutCase& c, const core::HeadConfig& h, const core::AttentionWeights& w,
+                      SafetensorsWriter& out) {
   const int64_t d = h.d_model, q = h.q_width(), kv = h.kv_width();
-  SafetensorsWriter out;
   const std::string& p = c.prefix;
   const std::string& t = c.dtype;
-  out.Add("other.layer.weight", {2, 2}, {1, 2, 3, 4}, t);
   if (c.layout == "torch_mha") {
     out.Add(p + "in_proj_weight", {3 * d, d},
             Concat({LinearOf(w.w_q, d, q), LinearOf(w.w_k, d, kv), LinearOf(w.w_v, d, kv)}), t);
@@ -83,6 +81,30 @@ inline SafetensorsWriter WriteLayout(const LayoutCase& c, const core::HeadConfig
     out.Add(p + "c_attn.bias", {3 * d}, Concat({w.b_q, w.b_k, w.b_v}), t);
     out.Add(p + "c_proj.weight", {d, d}, w.w_o, t);
     out.Add(p + "c_proj.bias", {d}, w.b_o, t);
+  }
+}
+
+// Writes `w` as `layout` stores it under `prefix`, with an unrelated tensor
+// beside it (other layers of the checkpoint).
+inline SafetensorsWriter WriteLayout(const LayoutCase& c, const core::HeadConfig& h, const core::AttentionWeights& w) {
+  SafetensorsWriter out;
+  out.Add("other.layer.weight", {2, 2}, {1, 2, 3, 4}, c.dtype);
+  AddLayout(c, h, w, out);
+  return out;
+}
+
+// Writes several layers of one network into one checkpoint: layer i's
+// weights `w[i]` under `prefixes[i]` (c.prefix is ignored), with an unrelated
+// tensor beside them.
+inline SafetensorsWriter WriteLayers(const LayoutCase& c, const core::HeadConfig& h,
+                                     const std::vector<core::AttentionWeights>& w,
+                                     const std::vector<std::string>& prefixes) {
+  SafetensorsWriter out;
+  out.Add("wte.weight", {2, 2}, {1, 2, 3, 4}, c.dtype);
+  for (size_t i = 0; i < w.size(); ++i) {
+    LayoutCase layer = c;
+    layer.prefix = prefixes[i];
+    AddLayout(layer, h, w[i], out);
   }
   return out;
 }

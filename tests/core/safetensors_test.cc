@@ -350,12 +350,123 @@ TEST(CheckpointLayouts, ConfigMistakesNameTheField) {
        "layout gpt2 needs num_heads x head_dim = num_kv_heads x head_dim = d_model"},
       {"{\"layout\":\"llama\",\"d_model\":8,\"num_heads\":2,\"rotary\":{\"dim\":3}}",
        "rotary_dim: must be even"},
+      // layers: one model per layer of one checkpoint.
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":3})", "layers: must be {"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":0,"prefix":"h.{layer}."}})",
+       "layers.count: must be an integer in [1, 1024], got 0"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":-2,"prefix":"h.{layer}."}})",
+       "layers.count: must be an integer in [1, 1024], got -2"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":1025,"prefix":"h.{layer}."}})",
+       "layers.count: must be an integer in [1, 1024], got 1025"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":99999999999999999999,"prefix":"h.{layer}."}})",
+       "layers.count: must be an integer"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":2.5,"prefix":"h.{layer}."}})",
+       "layers.count: must be an integer"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":"12","prefix":"h.{layer}."}})",
+       "layers.count: must be an integer"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"prefix":"h.{layer}."}})",
+       "layers.count: required"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":2}})",
+       "layers.prefix: required with layers.count, holding {layer}"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":2,"prefix":"h.0.attn."}})",
+       "layers.prefix: 'h.0.attn.' does not hold {layer}"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":2,"prefix":"h.{Layer}."}})",
+       "layers.prefix: 'h.{Layer}.' does not hold {layer}"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":2,"prefix":7}})",
+       "layers.prefix: must be a string"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":2,"prefix":"h.{layer}.","first":1}})",
+       "layers.first: unknown field (known: count, prefix, prefixes)"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":2,"prefixes":["a.","b."]}})",
+       "layers: give count and prefix, or prefixes, not both"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"prefixes":[]}})",
+       "layers.prefixes: must be a list of 1 to 1024"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"prefixes":["a.",3]}})",
+       "layers.prefixes[1]: must be a string"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"prefixes":["a.","b.","a."]}})",
+       "layers.prefixes[2]: the same as layers.prefixes[0]"},
+      {R"({"layout":"gpt2","d_model":8,"num_heads":2,"prefix":"h.0.","layers":{"count":2,"prefix":"h.{layer}."}})",
+       "prefix: not with layers"},
+      // Layers 0..9 take 1024 bytes, layer 10 one more.
+      {absl::StrCat(R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":11,"prefix":")",
+                    std::string(1023, 'x'), R"({layer}"}})"),
+       "layers.prefix: layer 10's prefix is longer than 1024 bytes"},
+      {absl::StrCat(R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"prefixes":["a.",")",
+                    std::string(1025, 'x'), R"("]}})"),
+       "layers.prefixes[1]: longer than 1024 bytes"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.json);
     EXPECT_THAT(ParseCheckpointConfig(c.json, "m/config.json"),
                 StatusIs(absl::StatusCode::kInvalidArgument, c.reason));
   }
+}
+
+// "layers": {count, prefix} gives one prefix per layer, {layer} replaced by
+// 0..count-1 (everywhere it appears); {prefixes} lists them. Every other field
+// is shared; LayerOfCheckpoint picks one layer's config.
+TEST(CheckpointLayouts, LayersGiveEachLayerItsOwnPrefix) {
+  absl::StatusOr<CheckpointConfig> counted = ParseCheckpointConfig(
+      R"({"layout":"gpt2","d_model":8,"num_heads":2,"weights":"w.safetensors",
+          "layers":{"count":12,"prefix":"transformer.h.{layer}.attn."}})",
+      "gpt2/config.json");
+  ASSERT_THAT(counted, IsOk());
+  ASSERT_EQ(counted->layer_prefixes.size(), 12u);
+  EXPECT_EQ(counted->layer_prefixes[0], "transformer.h.0.attn.");
+  EXPECT_EQ(counted->layer_prefixes[11], "transformer.h.11.attn.");
+  EXPECT_EQ(counted->prefix, "");
+  const CheckpointConfig layer7 = LayerOfCheckpoint(*counted, 7);
+  EXPECT_EQ(layer7.prefix, "transformer.h.7.attn.");
+  EXPECT_TRUE(layer7.layer_prefixes.empty());
+  EXPECT_EQ(layer7.weights, "w.safetensors");
+  EXPECT_EQ(layer7.head_config.d_model, 8);
+  EXPECT_TRUE(layer7.causal);
+
+  absl::StatusOr<CheckpointConfig> twice = ParseCheckpointConfig(
+      R"({"layout":"bert","d_model":8,"num_heads":2,
+          "layers":{"count":2,"prefix":"l{layer}.x{layer}."}})",
+      "c");
+  ASSERT_THAT(twice, IsOk());
+  EXPECT_EQ(twice->layer_prefixes, (std::vector<std::string>{"l0.x0.", "l1.x1."}));
+
+  absl::StatusOr<CheckpointConfig> listed = ParseCheckpointConfig(
+      R"({"layout":"bert","d_model":8,"num_heads":2,
+          "layers":{"prefixes":["encoder.layer.0.attention.","decoder.layer.0.attention.",""]}})",
+      "c");
+  ASSERT_THAT(listed, IsOk());
+  EXPECT_EQ(listed->layer_prefixes,
+            (std::vector<std::string>{"encoder.layer.0.attention.", "decoder.layer.0.attention.",
+                                      ""}));
+
+  absl::StatusOr<CheckpointConfig> single =
+      ParseCheckpointConfig(R"({"layout":"bert","d_model":8,"num_heads":2,"prefix":"a."})", "c");
+  ASSERT_THAT(single, IsOk());
+  EXPECT_TRUE(single->layer_prefixes.empty());
+}
+
+// A config of several layers is read one layer at a time: the whole config
+// is refused by the readers (it has no one prefix).
+TEST(CheckpointLayouts, AConfigOfSeveralLayersIsReadOneLayerAtATime) {
+  LayoutCase c{"gpt2", {}, "h.1.attn.", "F32"};
+  c.head.d_model = 8;
+  c.head.num_heads = 2;
+  const HeadConfig h = *ResolveHeadConfig(c.head);
+  const AttentionWeights w = SeededWeights(h, 3);
+  const std::string path = TempPath("layers.safetensors");
+  WriteLayout(c, h, w).Write(path);
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(path);
+  ASSERT_THAT(file, IsOk());
+  absl::StatusOr<CheckpointConfig> config = ParseCheckpointConfig(
+      R"({"layout":"gpt2","d_model":8,"num_heads":2,"layers":{"count":2,"prefix":"h.{layer}.attn."}})",
+      "c");
+  ASSERT_THAT(config, IsOk());
+  EXPECT_THAT(LoadCheckpointWeights(*file, *config),
+              StatusIs(absl::StatusCode::kInvalidArgument, "describes 2 layers"));
+  EXPECT_THAT(LoadCheckpointWeights(*file, LayerOfCheckpoint(*config, 0)),
+              StatusIs(absl::StatusCode::kNotFound, "h.0.attn.c_attn.weight"));
+  absl::StatusOr<AttentionWeights> one = LoadCheckpointWeights(*file, LayerOfCheckpoint(*config, 1));
+  ASSERT_THAT(one, IsOk());
+  EXPECT_EQ(one->w_q, w.w_q);
+  EXPECT_EQ(one->b_o, w.b_o);
 }
 
 }  // namespace

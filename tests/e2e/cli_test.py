@@ -161,6 +161,7 @@ class UsageErrors(unittest.TestCase):
                            (["session", "get", "--session_id=ab", "--max_tokens=5"], "--max_tokens"),
                            (["session", "fork", "--session_id=ab", "--kv_dtype=bf16"], "--kv_dtype"),
                            (["session", "close", "--session_id=ab", "--precision=bf16"], "--precision"),
+                           (["session", "get", "--session_id=ab", "--stats"], "--stats"),
                            (["session", "open", "--model="], "--model"),
                            (["session", "open", "--kv_dtype=fp8"], "--kv_dtype")]:
             self.check_usage_error(ARGS.attnctl, [*args, target], flag)
@@ -384,6 +385,32 @@ class WithServer(unittest.TestCase):
                                       "--tokens=4")
         self.assertEqual(code, 0, err)
         self.assertIn("4 tokens appended, length now 4", out)
+        # --stats: each head's entropy / max weight of each new row, printed (the
+        # values are checked against the float64 reference in session_service_test
+        # and the package test; here the answer's shape and the printed table).
+        code, out, err = self.attnctl("session", "extend", f"--session_id={session}",
+                                      "--tokens=2", "--stats", "--json")
+        self.assertEqual(code, 0, err)
+        stats = json.loads(out)["results"][0]["head_statistics"]
+        self.assertEqual(stats["entropy"]["shape"], ["12", "2"])
+        code, out, err = self.attnctl("session", "truncate", f"--session_id={session}",
+                                      "--length=4")
+        self.assertEqual(code, 0, err)
+        code, out, err = self.attnctl("session", "extend", f"--session_id={session}",
+                                      "--tokens=2", "--stats")
+        self.assertEqual(code, 0, err)
+        self.assertIn("head statistics of the new rows (entropy nats / max weight):", out)
+        rows = [line for line in out.splitlines() if line.startswith("  head ")]
+        self.assertEqual(len(rows), 12)
+        for line in rows:  # two rows each: entropy in [0, ln 6], max weight in (0, 1]
+            pairs = [tuple(map(float, p.split("/"))) for p in line.split(":")[1].split()]
+            self.assertEqual(len(pairs), 2, line)
+            for entropy, max_weight in pairs:
+                self.assertTrue(0.0 <= entropy <= np.log(6) + 1e-4, line)
+                self.assertTrue(0.0 < max_weight <= 1.0, line)
+        code, out, err = self.attnctl("session", "truncate", f"--session_id={session}",
+                                      "--length=4")
+        self.assertEqual(code, 0, err)
         rows = np.random.default_rng().standard_normal((3, 768))  # float64: converted
         path = os.path.join(self.tmp.name, "rows.npy")
         saved = os.path.join(self.tmp.name, "out.npy")

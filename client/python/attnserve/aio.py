@@ -105,10 +105,10 @@ class Client:
         return messages.ModelInfo.from_message(
             await self._call(self._stub.GetModel, pb.GetModelRequest(name=name), timeout))
 
-    async def load(self, name, *, timeout=None) -> messages.ModelInfo:
+    async def load(self, name, *, timeout=None):
         """attnserve.Client.load, awaited."""
-        return messages.ModelInfo.from_message(
-            (await self._call(self._stub.LoadModel, pb.LoadModelRequest(name=name), timeout)).model)
+        return messages.loaded_models(
+            await self._call(self._stub.LoadModel, pb.LoadModelRequest(name=name), timeout))
 
     async def unload(self, name, *, timeout=None):
         """attnserve.Client.unload, awaited."""
@@ -161,14 +161,16 @@ class Session(SessionState):
     async def _call(self, method, request, timeout):
         return await self._client._call(method, request, timeout, self.routing_key)
 
-    def step(self, x, *, layer=0, maps=False, head_mask=None) -> Step:
+    def step(self, x, *, layer=0, maps=False, head_mask=None, stats=False) -> Step:
         """A Step of this session, for Client.extend's micro-batches."""
-        return Step(self, x, layer, maps, head_mask)
+        return Step(self, x, layer, maps, head_mask, stats)
 
-    async def extend(self, x, *, layer=0, maps=False, head_mask=None, precision=None, input_dtype=None,
-                     output_dtype=None, bf16_words=False, timeout=None) -> messages.StepResult:
+    async def extend(self, x, *, layer=0, maps=False, head_mask=None, stats=False, precision=None,
+                     input_dtype=None, output_dtype=None, bf16_words=False,
+                     timeout=None) -> messages.StepResult:
         """attnserve.Session.extend, awaited."""
-        result = (await self._client.extend([self.step(x, layer=layer, maps=maps, head_mask=head_mask)],
+        result = (await self._client.extend([self.step(x, layer=layer, maps=maps, head_mask=head_mask,
+                                                       stats=stats)],
                                             precision=precision, input_dtype=input_dtype,
                                             output_dtype=output_dtype, bf16_words=bf16_words,
                                             timeout=timeout))[0]

@@ -16,12 +16,14 @@ __all__ = ["Client", "Session", "Step"]
 class Step:
     """One step of a micro-batch (Client.extend): new tokens `x` [n, d_model]
     for `layer` of `session`; maps: return the new rows' per-head maps;
-    head_mask: one gate per query head."""
+    head_mask: one gate per query head; stats: return the new rows' per-head
+    entropy and max weight (StepResult.stats)."""
     session: Any
     x: Any
     layer: int = 0
     maps: bool = False
     head_mask: Optional[Sequence[float]] = None
+    stats: bool = False
 
 
 class SessionState:
@@ -44,8 +46,9 @@ class SessionState:
 
 
 def step_tuples(steps):
-    """(session_id, layer, expected_length, x, maps, head_mask) of each Step."""
-    return [(s.session.id, s.layer, s.session.lengths[s.layer], s.x, s.maps, s.head_mask) for s in steps]
+    """(session_id, layer, expected_length, x, maps, head_mask, stats) of each Step."""
+    return [(s.session.id, s.layer, s.session.lengths[s.layer], s.x, s.maps, s.head_mask, s.stats)
+            for s in steps]
 
 
 def steps_routing_key(steps):
@@ -195,13 +198,15 @@ class Client:
         return messages.ModelInfo.from_message(self._call(self._stub.GetModel, pb.GetModelRequest(name=name),
                                                           timeout))
 
-    def load(self, name, *, timeout=None) -> messages.ModelInfo:
+    def load(self, name, *, timeout=None):
         """Admin: loads (or retries) a folder of the server's --model_repository
         and answers once it is READY (FailedPreconditionError with the reason
-        when it cannot be loaded). Loading may take longer than the default
+        when it cannot be loaded) with its ModelInfo; a folder of layers
+        (config.json's "layers") with a list of its layers' ModelInfo, in order
+        (models "<folder>.0", ...). Loading may take longer than the default
         timeout: give one."""
-        return messages.ModelInfo.from_message(
-            self._call(self._stub.LoadModel, pb.LoadModelRequest(name=name), timeout).model)
+        return messages.loaded_models(
+            self._call(self._stub.LoadModel, pb.LoadModelRequest(name=name), timeout))
 
     def unload(self, name, *, timeout=None):
         """Admin: removes a model (calls running on it finish)."""
@@ -275,21 +280,22 @@ class Session(SessionState):
         super().__init__(info, routing_key, replica)
         self._client = client
 
-    def step(self, x, *, layer=0, maps=False, head_mask=None) -> Step:
+    def step(self, x, *, layer=0, maps=False, head_mask=None, stats=False) -> Step:
         """A Step of this session, for Client.extend's micro-batches."""
-        return Step(self, x, layer, maps, head_mask)
+        return Step(self, x, layer, maps, head_mask, stats)
 
     def _call(self, method, request, timeout):
         return self._client._call(method, request, timeout, self.routing_key)
 
-    def extend(self, x, *, layer=0, maps=False, head_mask=None, precision=None, input_dtype=None,
+    def extend(self, x, *, layer=0, maps=False, head_mask=None, stats=False, precision=None, input_dtype=None,
                output_dtype=None, bf16_words=False, timeout=None) -> messages.StepResult:
         """Appends new tokens x [n, d_model] to `layer` and returns their
-        StepResult (output [n, d_model]; maps [heads, n, length] with maps=True);
+        StepResult (output [n, d_model]; maps [heads, n, length] with maps=True;
+        stats.entropy and stats.max_weight [heads, n] with stats=True);
         raises the step's error. New token i attends to every cached token
         and to new tokens 0..i. After a failed call, calling again with the same
         x replays the answer if the server had appended it."""
-        result = self._client.extend([self.step(x, layer=layer, maps=maps, head_mask=head_mask)],
+        result = self._client.extend([self.step(x, layer=layer, maps=maps, head_mask=head_mask, stats=stats)],
                                      precision=precision, input_dtype=input_dtype, output_dtype=output_dtype,
                                      bf16_words=bf16_words, timeout=timeout)[0]
         if result.error is not None:

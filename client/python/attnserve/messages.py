@@ -60,9 +60,11 @@ class Timing:
 
 @dataclasses.dataclass(frozen=True)
 class HeadStatistics:
-    """Per-head statistics, float32 [batch, heads] each: mean entropy of the
-    attention weights (nats), mean max weight, and each head's contribution to
-    the output (None for projected requests)."""
+    """Per-head statistics: from Attend, float32 [batch, heads] each: mean
+    entropy of the attention weights (nats), mean max weight, and each head's
+    contribution to the output (None for projected requests). From a session
+    step (StepResult.stats), float32 [heads, n] each: the entropy and max
+    weight of each new row; contribution None."""
     entropy: np.ndarray
     max_weight: np.ndarray
     contribution: Optional[np.ndarray]
@@ -292,7 +294,10 @@ class StepResult:
       below are then empty.
     output: float32 [n, d_model], the layer's output for the new tokens (FP32 a
       read-only view, BF16 widened). maps: float32 [heads, n, length] when
-      asked for (not on a replay). length: the layer's length after the step.
+      asked for (not on a replay). stats: HeadStatistics with entropy and
+      max_weight float32 [heads, n], each new row's, after head_mask, when
+      asked for (not on a replay); None otherwise. length: the layer's
+      length after the step.
     replayed: the step repeated one whose answer was lost; nothing was appended.
     timing, kernel_path, precision: the whole micro-batch's.
     output_words, maps_words: the raw BF16 words, with bf16_words=True.
@@ -307,6 +312,7 @@ class StepResult:
     precision: str
     output_words: Optional[np.ndarray] = None
     maps_words: Optional[np.ndarray] = None
+    stats: Optional[HeadStatistics] = None
 
     @property
     def ok(self):
@@ -336,15 +342,24 @@ class LatestAttention:
                    max_weight=tensors.decode(stats.max_weight))
 
 
+def loaded_models(response):
+    """What a LoadModelResponse loaded: the folder's ModelInfo, or for a folder
+    of layers a list of its layers' ModelInfo, in order."""
+    if response.layers:
+        return [ModelInfo.from_message(m) for m in response.layers]
+    return ModelInfo.from_message(response.model)
+
+
 def build_extend_request(steps, precision=None, input_dtype=None, output_dtype=None):
     """An ExtendRequest from (session_id, layer, expected_length, x, maps,
-    head_mask) tuples."""
+    head_mask[, stats]) tuples."""
     request = pb.ExtendRequest(precision=precision_enum(precision),
                                output_dtype=_output_dtype(output_dtype))
-    for i, (session_id, layer, expected_length, x, maps, head_mask) in enumerate(steps):
+    for i, (session_id, layer, expected_length, x, maps, head_mask, *stats) in enumerate(steps):
         request.steps.add(session_id=session_id, layer=int(layer), expected_length=int(expected_length),
                           hidden_states=tensors.encode(x, input_dtype, f"steps[{i}].x"),
-                          attention_maps=bool(maps), head_mask=_list(head_mask, "head_mask", float))
+                          attention_maps=bool(maps), head_mask=_list(head_mask, "head_mask", float),
+                          head_statistics=bool(stats and stats[0]))
     return request
 
 
@@ -359,7 +374,10 @@ def read_extend_response(response, bf16_words=False) -> List[StepResult]:
             error=error, output=tensors.decode(r.output), maps=tensors.decode(r.attention_maps),
             length=r.length, replayed=r.replayed, timing=timing, kernel_path=response.kernel_path,
             precision=precision, output_words=tensors.decode_words(r.output) if bf16_words else None,
-            maps_words=tensors.decode_words(r.attention_maps) if bf16_words else None))
+            maps_words=tensors.decode_words(r.attention_maps) if bf16_words else None,
+            stats=HeadStatistics(tensors.decode(r.head_statistics.entropy),
+                                 tensors.decode(r.head_statistics.max_weight), None)
+            if r.HasField("head_statistics") else None))
     return results
 
 

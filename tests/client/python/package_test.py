@@ -368,6 +368,37 @@ class AgainstServer(unittest.TestCase):
         with self.assertRaises(attnserve.NotFoundError):  # closed by the with block
             session.info()
 
+    def test_a_steps_head_statistics_are_each_new_rows_under_a_head_mask(self):
+        """stats=True: entropy and max weight of each new row of each head,
+        float32 [heads, n], of the weights after head_mask, against the float64
+        reference's gated rows (FP32 KV 1e-5, BF16 KV 2e-2); the maps are not sent
+        unless asked for."""
+        gates = np.ones(HEADS)
+        gates[[2, 5, 7]] = (0.0, 0.5, 1.5)
+        for kv_dtype, tolerance in (("fp32", 1e-5), ("bf16", 2e-2)):
+            with self.client.open_session(kv_dtype=kv_dtype) as session:
+                sequence = np.zeros((0, D_MODEL), np.float32)
+                for n, maps in ((7, False), (1, False), (3, True)):
+                    x = self.rng.standard_normal((n, D_MODEL)).astype(np.float32)
+                    before = len(sequence)
+                    sequence = np.concatenate([sequence, x])
+                    step = session.extend(x, head_mask=gates, stats=True, maps=maps)
+                    self.assertEqual(step.stats.entropy.shape, (HEADS, n))
+                    self.assertEqual(step.stats.max_weight.shape, (HEADS, n))
+                    self.assertIsNone(step.stats.contribution)
+                    self.assertEqual(step.maps is not None, maps)
+                    p = self.reference(sequence[None], causal=True)[1][0, :, before:]  # [heads, n, L]
+                    gated = p * gates[:, None, None]
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        terms = np.where(gated > 0, -gated * np.log(gated), 0.0)
+                    self.assertLessEqual(rel_error(step.stats.entropy, terms.sum(axis=-1)), tolerance)
+                    self.assertLessEqual(rel_error(step.stats.max_weight, gated.max(axis=-1)), tolerance)
+                    np.testing.assert_array_equal(step.stats.entropy[2], 0.0)
+                    if maps:
+                        self.assertLessEqual(rel_error(step.maps, gated), tolerance)
+                # Without stats=True, none come back.
+                self.assertIsNone(session.extend(self.rng.standard_normal((1, D_MODEL)).astype(np.float32)).stats)
+
     def test_a_micro_batch_reports_each_steps_own_error(self):
         sessions = [self.client.open_session(kv_dtype="bf16") for _ in range(3)]
         xs = [self.rng.standard_normal((n, D_MODEL)).astype(np.float32) for n in (2, 3, 4)]
@@ -479,6 +510,57 @@ class WithModelRepository(unittest.TestCase):
                     self.assertLessEqual(rel_error(r.output, ref_out), 1e-5)
                     self.assertLessEqual(rel_error(r.maps, ref_maps), 1e-5)
                     self.assertEqual(r.model, "small")
+            finally:
+                server.stop()
+
+    def test_a_folder_of_layers_is_one_model_per_layer_and_a_session_runs_them_in_order(self):
+        """config.json's "layers": one GPT-2 checkpoint holding 3 layers with different
+        weights loads as the models net.0..net.2; a session opened over "net" runs each
+        layer as its own weights' causal layer (float64 reference, FP32 1e-5), layer i
+        fed layer i-1's output; load and unload take the folder."""
+        d, heads, count = 32, 4, 3
+        rng = np.random.default_rng()
+        tensors, layers = {}, []
+        for i in range(count):
+            g = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # noqa: E731
+            c_attn, c_attn_b, c_proj, c_proj_b = g(d, 3 * d), g(3 * d), g(d, d), g(d)
+            p = f"h.{i}.attn."
+            tensors.update({p + "c_attn.weight": (c_attn, "F32"), p + "c_attn.bias": (c_attn_b, "F32"),
+                            p + "c_proj.weight": (c_proj, "F32"), p + "c_proj.bias": (c_proj_b, "F32")})
+            q, k, v = np.split(c_attn, 3, axis=1)  # Conv1D: [in, out], x W
+            bq, bk, bv = np.split(c_attn_b, 3)
+            layers.append([q, bq, k, bk, v, bv, c_proj, c_proj_b])
+        with tempfile.TemporaryDirectory() as repo:
+            os.makedirs(os.path.join(repo, "net"))
+            with open(os.path.join(repo, "net", "config.json"), "w") as f:
+                json.dump({"layout": "gpt2", "d_model": d, "num_heads": heads,
+                           "layers": {"count": count, "prefix": "h.{layer}.attn."}}, f)
+            write_safetensors(os.path.join(repo, "net", "model.safetensors"), tensors)
+            server = Server(ARGS.server, f"--model_repository={repo}")
+            try:
+                with attnserve.Client(server.target, timeout=120) as client:
+                    client.wait_until_serving(timeout=120)
+                    self.assertEqual([m.name for m in client.models()], ["net.0", "net.1", "net.2"])
+                    with client.open_session("net") as session:
+                        self.assertEqual(list(session.models), ["net.0", "net.1", "net.2"])
+                        inputs = [np.zeros((0, d), np.float32) for _ in range(count)]
+                        for n in (4, 1, 2):
+                            x = rng.standard_normal((n, d)).astype(np.float32)
+                            for i in range(count):
+                                before = len(inputs[i])
+                                inputs[i] = np.concatenate([inputs[i], x])
+                                step = session.extend(x, layer=i)
+                                ref, _ = reference_attention(inputs[i][None], layers[i], heads, heads, d // heads,
+                                                             (d // heads) ** -0.5, causal=True)
+                                self.assertLessEqual(rel_error(step.output, ref[0, before:]), 1e-5, f"layer {i}")
+                                x = step.output  # the next layer's input
+                    with self.assertRaises(attnserve.FailedPreconditionError):
+                        client.unload("net.1")
+                    client.unload("net")
+                    self.assertEqual(client.models(), [])
+                    loaded = client.load("net")
+                    self.assertEqual([m.name for m in loaded], ["net.0", "net.1", "net.2"])
+                    self.assertEqual({m.state for m in loaded}, {"READY"})
             finally:
                 server.stop()
 

@@ -372,6 +372,79 @@ TEST(Extend, HeadMaskGatesEachHeadsWeightsAndMaps) {
   }
 }
 
+// Each new row's head statistics (entropy and max weight of its gated
+// weights, [num_heads, n]) are those of the reference's map rows, in double:
+// with the map asked for too, and without it (the map then lives in scratch
+// for the call); FP32 KV within 1e-5, BF16 KV within kBf16Tolerance.
+TEST(Extend, HeadStatisticsOfTheNewRowsMatchTheReferenceWithOrWithoutMaps) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  const TestLayer layer = MakeLayer(Config(96, 6, 2, 0, 16), rng);
+  const std::vector<float> head_mask = {1.0f, 0.5f, 0.0f, 2.0f, 1.0f, 0.25f};
+  const int64_t heads = layer.config.num_heads;
+  std::unique_ptr<KvBlockPool> pool = MakePool(16);
+  for (KvPrecision precision : {KvPrecision::kFp32, KvPrecision::kBf16}) {
+    for (bool masked : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(precision == KvPrecision::kBf16 ? "BF16" : "FP32", " KV, ",
+                                masked ? "head mask" : "no head mask"));
+      ExtendOptions options;
+      if (masked) options.head_mask = head_mask;
+      const absl::Span<const float> mask = options.head_mask;
+      Session with_map(pool.get(), layer.config, precision, 3);
+      Session without_map(pool.get(), layer.config, precision, 0);
+      for (int64_t n : {9, 1, 4, 1}) {
+        with_map.Draw(n, /*with_map=*/true, rng);
+        without_map.Draw(n + 1, /*with_map=*/false, rng);
+        std::vector<ExtendItem> items = {with_map.Item(), without_map.Item()};
+        std::vector<std::vector<float>> entropy, max_weight;
+        for (const Session* s : {&with_map, &without_map}) {
+          entropy.emplace_back(static_cast<size_t>(heads * s->n), kUnwritten);
+          max_weight.emplace_back(static_cast<size_t>(heads * s->n), kUnwritten);
+        }
+        for (size_t k = 0; k < items.size(); ++k) {
+          items[k].head_entropy = absl::MakeSpan(entropy[k]);
+          items[k].head_max_weight = absl::MakeSpan(max_weight[k]);
+        }
+        ASSERT_THAT(layer.layer->Extend(absl::MakeSpan(items), options), IsOk());
+        Session* const sessions[] = {&with_map, &without_map};
+        for (size_t k = 0; k < items.size(); ++k) {
+          ASSERT_THAT(items[k].status, IsOk());
+          Session& s = *sessions[k];
+          s.Commit();
+          s.ExpectMatchesReference(layer, mask);
+          const ReferenceResult expected = s.Reference(layer, mask);
+          const int64_t length = s.length();
+          std::vector<double> want_entropy, want_max;
+          for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t i = length - s.n; i < length; ++i) {
+              double e = 0.0, m = 0.0;
+              for (int64_t j = 0; j < length; ++j) {
+                const double p = expected.per_head_maps[(h * length + i) * length + j];
+                if (p > 0.0) e -= p * std::log(p);
+                m = std::max(m, p);
+              }
+              want_entropy.push_back(e);
+              want_max.push_back(m);
+            }
+          }
+          const double tolerance =
+              precision == KvPrecision::kBf16 ? kBf16Tolerance : kFp32KvTolerance;
+          EXPECT_LE(MaxAbsErrorRelative(entropy[k], want_entropy), tolerance) << "entropy " << k;
+          EXPECT_LE(MaxAbsErrorRelative(max_weight[k], want_max), tolerance) << "max " << k;
+          if (masked) {  // head 2 is removed: its weights are all 0
+            for (int64_t i = 0; i < s.n; ++i) {
+              EXPECT_EQ(entropy[k][2 * s.n + i], 0.0f);
+              EXPECT_EQ(max_weight[k][2 * s.n + i], 0.0f);
+            }
+          }
+        }
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
 // The bytes of block `b` of a cache.
 std::vector<std::byte> BlockBytes(const LayerKvCache& cache, size_t b) {
   const std::byte* data = cache.blocks()[b].data;
@@ -481,6 +554,7 @@ TEST(Extend, MalformedItemIsRefusedByNameWhileTheOthersRun) {
   std::unique_ptr<LayerKvCache> other_shape =
       LayerKvCache::Create(pool.get(), KvLayout{4, 16, KvPrecision::kFp32}).value();
   std::vector<float> short_span(7), nan_states;
+  std::vector<float> stats_span(static_cast<size_t>(layer.config.num_heads * 2));
   struct Defect {
     std::string field;
     std::function<void(std::vector<ExtendItem>&)> apply;
@@ -495,6 +569,16 @@ TEST(Extend, MalformedItemIsRefusedByNameWhileTheOthersRun) {
       {"items[1].output", [&](auto& items) { items[1].output = absl::MakeSpan(short_span); }},
       {"items[1].attention_map",
        [&](auto& items) { items[1].attention_map = absl::MakeSpan(short_span); }},
+      {"items[1].head_entropy",
+       [&](auto& items) {
+         items[1].head_entropy = absl::MakeSpan(short_span);
+         items[1].head_max_weight = absl::MakeSpan(short_span);
+       }},
+      {"items[1].head_max_weight",
+       [&](auto& items) {
+         items[1].head_entropy = absl::MakeSpan(stats_span);
+         items[1].head_max_weight = {};
+       }},
       {"items[1].first_position", [](auto& items) { items[1].first_position = -1; }},
       {"items[1].first_position",
        [](auto& items) { items[1].first_position = kMaxPositionOffset + 1; }},

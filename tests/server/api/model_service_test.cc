@@ -8,6 +8,7 @@
 #include <fstream>
 #include <limits>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -114,6 +115,101 @@ TEST_F(ModelServiceTest, AdminRpcsNeedAnAdminToken) {
   EXPECT_EQ(AttendCode(*Client(kUserToken), "small", 16), absl::StatusCode::kOk);
   // Health stays open.
   EXPECT_EQ(*Client("")->CheckHealth(""), HealthCheckResponse::SERVING);
+}
+
+// A folder whose config.json has "layers": one model per layer (<folder>.<i>)
+// in ListModels; OpenSession over the folder's name opens a session over its
+// layers in order, and each layer's Extend output is its own weights' causal
+// layer (the double reference, FP32 KV within 1e-5, relative Frobenius),
+// layer i's input being layer i-1's output; the folder unloads and loads as
+// one, a layer alone does not.
+TEST_F(ModelServiceTest, ASessionOverAFolderOfLayersRunsEachLayersOwnWeights) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  LayoutCase c{"gpt2", {}, "unused.", "F32"};
+  c.head.d_model = 32;
+  c.head.num_heads = 4;
+  const core::HeadConfig h = *core::ResolveHeadConfig(c.head);
+  std::vector<core::AttentionWeights> weights;
+  for (uint64_t i = 0; i < 3; ++i) weights.push_back(core::SeededWeights(h, seed + i));
+  repo_.AddLayers("net", c, weights, R"({"count": 3, "prefix": "h.{layer}.attn."})");
+  StartServer(false);
+  auto client = Client("");
+  absl::StatusOr<v1::ListModelsResponse> models = client->ListModels();
+  ASSERT_THAT(models, IsOk());
+  std::vector<std::string> names;
+  for (const v1::ModelInfo& m : models->models()) {
+    names.push_back(m.name());
+    EXPECT_EQ(m.state(), v1::MODEL_STATE_READY) << m.name();
+    EXPECT_TRUE(m.causal()) << m.name();
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"net.0", "net.1", "net.2"}));
+  EXPECT_THAT(client->GetModel("net"), StatusIs(absl::StatusCode::kNotFound, "net.0, net.1, net.2"));
+
+  v1::OpenSessionRequest open;
+  open.add_models("net");
+  absl::StatusOr<v1::Session> session = client->OpenSession(open);
+  ASSERT_THAT(session, IsOk());
+  EXPECT_THAT(session->models(), ::testing::ElementsAre("net.0", "net.1", "net.2"));
+  // A folder counts each of its layers against a session's 1024.
+  v1::OpenSessionRequest too_many;
+  for (int i = 0; i < 342; ++i) too_many.add_models("net");  // 1026 layers
+  EXPECT_THAT(client->OpenSession(too_many),
+              StatusIs(absl::StatusCode::kInvalidArgument, "models: more than 1024 layers"));
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<std::vector<float>> inputs(3);  // each layer's tokens so far
+  for (int64_t n : {5, 1, 2}) {
+    std::vector<float> x(static_cast<size_t>(n * 32));
+    for (float& v : x) v = normal(rng);
+    for (int layer = 0; layer < 3; ++layer) {
+      SCOPED_TRACE(absl::StrCat("layer ", layer, ", ", n, " new tokens"));
+      const int64_t before = static_cast<int64_t>(inputs[layer].size()) / 32;
+      v1::ExtendRequest request;
+      v1::ExtendStep* step = request.add_steps();
+      step->set_session_id(session->session_id());
+      step->set_layer(layer);
+      step->set_expected_length(before);
+      v1::Tensor* states = step->mutable_hidden_states();
+      states->set_dtype(v1::DATA_TYPE_FP32);
+      states->add_shape(n);
+      states->add_shape(32);
+      states->set_raw_data(x.data(), x.size() * sizeof(float));
+      absl::StatusOr<v1::ExtendResponse> response = client->Extend(request);
+      ASSERT_THAT(response, IsOk());
+      const v1::ExtendResult& result = response->results(0);
+      ASSERT_EQ(result.code(), 0) << result.message();
+      inputs[layer].insert(inputs[layer].end(), x.begin(), x.end());
+      core::LayerInputs reference_inputs;
+      reference_inputs.hidden_states = inputs[layer];
+      reference_inputs.layout = *core::SequenceLayout::Padded(1, before + n);
+      reference_inputs.causal = true;
+      const testing::ReferenceResult reference =
+          testing::ReferenceLayer(h, weights[layer], reference_inputs);
+      const std::vector<float> output = *client::TensorValues(result.output());
+      EXPECT_LE(testing::RelativeFrobeniusError(
+                    output, std::vector<double>(reference.output.begin() + before * 32,
+                                                reference.output.end())),
+                1e-5);
+      x = output;  // the next layer's input
+    }
+  }
+
+  auto admin = Client("");
+  EXPECT_THAT(admin->UnloadModel("net.1"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "unload 'net'"));
+  EXPECT_THAT(admin->LoadModel("net"),
+              StatusIs(absl::StatusCode::kAlreadyExists, "already loaded as its 3 layers"));
+  ASSERT_THAT(admin->UnloadModel("net"), IsOk());
+  EXPECT_EQ(client->ListModels()->models_size(), 0);
+  EXPECT_THAT(admin->LoadModel("net.1"), StatusIs(absl::StatusCode::kNotFound, "load 'net'"));
+  absl::StatusOr<v1::LoadModelResponse> loaded = admin->LoadModel("net");
+  ASSERT_THAT(loaded, IsOk());
+  EXPECT_FALSE(loaded->has_model());
+  ASSERT_EQ(loaded->layers_size(), 3);
+  EXPECT_EQ(loaded->layers(2).name(), "net.2");
+  EXPECT_EQ(loaded->layers(2).head_config().d_model(), 32);
+  EXPECT_EQ(client->ListModels()->models_size(), 3);
 }
 
 TEST_F(ModelServiceTest, LoadedModelsMatchTheReferenceAndCausalModelsAreCausal) {

@@ -13,6 +13,7 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/sync_stream.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -30,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/attention_weights.h"
 #include "gtest/gtest.h"
@@ -120,9 +122,11 @@ class SessionServiceTest : public ::testing::Test {
 
   // The reference's output rows [from, from + n) of the causal layer over
   // `sequence` (all the tokens so far).
-  testing::ReferenceResult Reference(const std::vector<float>& sequence) const {
+  testing::ReferenceResult Reference(const std::vector<float>& sequence,
+                                     absl::Span<const float> head_mask = {}) const {
     core::LayerInputs inputs;
     inputs.hidden_states = sequence;
+    inputs.head_mask = head_mask;
     inputs.layout = *core::SequenceLayout::Padded(1, static_cast<int64_t>(sequence.size()) / kDModel);
     inputs.causal = true;
     return testing::ReferenceLayer(config_, weights_, inputs);
@@ -179,6 +183,104 @@ TEST_F(SessionServiceTest, PrefillAndDecodeStepsMatchTheCausalReferenceOverTheWh
                 tolerance);
     }
   }
+}
+
+// ExtendStep.head_statistics: entropy and max weight of each new row of each
+// head ([heads, n] FP32), after the head mask, equal those of the double
+// reference's gated map rows (FP32 KV within 1e-5, BF16 KV within 2e-2,
+// relative Frobenius); with the maps asked for too and without them; a
+// removed head's are 0.
+TEST_F(SessionServiceTest, ExtendReturnsTheHeadStatisticsOfEachNewRowUnderAHeadMask) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(absl::StrCat("input seed ", seed));
+  std::mt19937_64 rng(seed);
+  std::vector<float> head_mask(12, 1.0f);
+  head_mask[1] = 0.5f;
+  head_mask[4] = 0.0f;
+  head_mask[9] = 1.5f;
+  for (v1::DataType kv : {v1::DATA_TYPE_FP32, v1::DATA_TYPE_BF16}) {
+    for (bool with_maps : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(v1::DataType_Name(kv), with_maps ? ", with maps" : ""));
+      const double tolerance = kv == v1::DATA_TYPE_BF16 ? 2e-2 : 1e-5;
+      const std::string id = Open(kv);
+      std::vector<float> sequence;
+      for (int64_t n : {6, 1, 3}) {
+        const std::vector<float> rows = RandomRows(n, rng);
+        const int64_t before = static_cast<int64_t>(sequence.size()) / kDModel;
+        sequence.insert(sequence.end(), rows.begin(), rows.end());
+        v1::ExtendRequest request;
+        v1::ExtendStep* step = request.add_steps();
+        *step = Step(id, before, rows);
+        step->set_head_statistics(true);
+        step->set_attention_maps(with_maps);
+        for (float g : head_mask) step->add_head_mask(g);
+        const v1::ExtendResponse response = Extend(request);
+        ASSERT_EQ(response.results_size(), 1);
+        const v1::ExtendResult& result = response.results(0);
+        ASSERT_EQ(result.code(), 0) << result.message();
+        EXPECT_EQ(result.has_attention_maps(), with_maps);
+        const v1::HeadStatistics& stats = result.head_statistics();
+        ASSERT_EQ(stats.entropy().shape_size(), 2);
+        EXPECT_EQ(stats.entropy().shape(0), 12);
+        EXPECT_EQ(stats.entropy().shape(1), n);
+        EXPECT_EQ(stats.entropy().dtype(), v1::DATA_TYPE_FP32);
+        EXPECT_EQ(stats.max_weight().shape(1), n);
+        EXPECT_FALSE(stats.has_contribution());
+        const testing::ReferenceResult reference = Reference(sequence, head_mask);
+        EXPECT_LT(testing::RelativeFrobeniusError(Floats(result.output()),
+                                                  Rows(reference.output, before, n, kDModel)),
+                  tolerance);
+        const int64_t length = before + n;
+        std::vector<double> entropy, max_weight;
+        for (int64_t h = 0; h < 12; ++h) {
+          for (int64_t i = before; i < length; ++i) {
+            double e = 0.0, m = 0.0;
+            for (int64_t j = 0; j < length; ++j) {
+              const double p = reference.per_head_maps[(h * length + i) * length + j];
+              if (p > 0.0) e -= p * std::log(p);
+              m = std::max(m, p);
+            }
+            entropy.push_back(e);
+            max_weight.push_back(m);
+          }
+        }
+        const std::vector<float> got_entropy = Floats(stats.entropy());
+        const std::vector<float> got_max = Floats(stats.max_weight());
+        EXPECT_LT(testing::RelativeFrobeniusError(got_entropy, entropy), tolerance);
+        EXPECT_LT(testing::RelativeFrobeniusError(got_max, max_weight), tolerance);
+        for (int64_t i = 0; i < n; ++i) {  // head 4 is removed
+          EXPECT_EQ(got_entropy[static_cast<size_t>(4 * n + i)], 0.0f);
+          EXPECT_EQ(got_max[static_cast<size_t>(4 * n + i)], 0.0f);
+        }
+      }
+    }
+  }
+}
+
+// The maps that head statistics are computed from (when the maps themselves
+// are not asked for) count against --max_attention_map_bytes: a step over it
+// is refused naming steps[i].head_statistics and its layer stays as it was.
+TEST_F(SessionServiceTest, HeadStatisticsOverTheMapLimitAreRefusedNamingTheField) {
+  // 12 heads x 8 rows x 8 keys x 4 bytes = 3072 bytes of maps.
+  Start("", /*max_attention_map_bytes=*/3000);
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string id = Open();
+  v1::ExtendRequest request;
+  *request.add_steps() = Step(id, 0, RandomRows(8, rng));
+  request.mutable_steps(0)->set_head_statistics(true);
+  v1::ExtendResponse response = Extend(request);
+  ASSERT_EQ(response.results_size(), 1);
+  EXPECT_EQ(response.results(0).code(), static_cast<int>(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_TRUE(absl::StrContains(response.results(0).message(), "steps[0].head_statistics"))
+      << response.results(0).message();
+  // Fewer rows fit, and the layer grows from 0.
+  v1::ExtendRequest smaller;
+  *smaller.add_steps() = Step(id, 0, RandomRows(7, rng));
+  smaller.mutable_steps(0)->set_head_statistics(true);
+  response = Extend(smaller);
+  ASSERT_EQ(response.results(0).code(), 0) << response.results(0).message();
+  EXPECT_EQ(response.results(0).length(), 7);
+  EXPECT_EQ(response.results(0).head_statistics().entropy().shape(1), 7);
 }
 
 TEST_F(SessionServiceTest, AMicroBatchAnswersEachStepOnItsOwn) {

@@ -167,7 +167,7 @@ TEST(ModelBudget, TheLoaderTurnsBadAllocIntoThatModelsFailureAndKeepsLoading) {
   auto load = [&](const std::string& name) {
     absl::Notification done;
     absl::Status result;
-    absl::Status queued = loader.Load(name, [&](absl::StatusOr<ModelStatus> s) {
+    absl::Status queued = loader.Load(name, [&](absl::StatusOr<std::vector<ModelStatus>> s) {
       result = s.status();
       done.Notify();
     });

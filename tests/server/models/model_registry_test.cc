@@ -76,6 +76,74 @@ TEST(ModelRegistry, LoadingReadyFailedAndUnloadedAreEachVisible) {
   EXPECT_TRUE(registry.List().empty());
 }
 
+// A folder of layers: LOADING under its own name, then its layers READY
+// under theirs, together; the folder's name stands for the list of them
+// (FindLayers, in order), unloads them all, and cannot load twice; one layer
+// alone cannot be unloaded; a layer name taken by another model fails the
+// folder naming it.
+TEST(ModelRegistry, AFolderOfLayersIsReadyUnloadedAndFoundAsOne) {
+  ModelRegistry registry;
+  absl::StatusOr<uint64_t> ticket = registry.BeginLoading("gpt2");
+  ASSERT_THAT(ticket, IsOk());
+  std::vector<std::shared_ptr<const Model>> layers;
+  for (int i = 0; i < 12; ++i) layers.push_back(SmallModel(absl::StrCat("gpt2.", i)));
+  ASSERT_THAT(registry.FinishLoadingFolder("gpt2", *ticket, layers), IsOk());
+  std::vector<std::string> listed;
+  for (const ModelStatus& s : registry.List()) {
+    EXPECT_EQ(s.state, ModelState::kReady) << s.name;
+    listed.push_back(s.name);
+  }
+  EXPECT_EQ(listed.size(), 12u);
+  EXPECT_THAT(listed, ::testing::Not(::testing::Contains("gpt2")));
+  EXPECT_EQ(*registry.Find("gpt2.11"), layers[11]);
+  EXPECT_THAT(registry.Find("gpt2"),
+              StatusIs(absl::StatusCode::kNotFound,
+                       "'gpt2' is a model folder of 12 layers, each its own model: gpt2.0, "
+                       "gpt2.1, ... gpt2.11"));
+  EXPECT_THAT(registry.Get("gpt2"), StatusIs(absl::StatusCode::kNotFound, "model folder"));
+  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> found = registry.FindLayers("gpt2");
+  ASSERT_THAT(found, IsOk());
+  EXPECT_EQ(*found, layers);
+  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> one = registry.FindLayers("gpt2.3");
+  ASSERT_THAT(one, IsOk());
+  EXPECT_EQ(*one, std::vector<std::shared_ptr<const Model>>{layers[3]});
+  EXPECT_THAT(registry.FindLayers("gpt3"), StatusIs(absl::StatusCode::kNotFound, "'gpt3'"));
+  EXPECT_THAT(registry.BeginLoading("gpt2"),
+              StatusIs(absl::StatusCode::kAlreadyExists, "already loaded as its 12 layers"));
+  EXPECT_THAT(registry.BeginLoading("gpt2.3"),
+              StatusIs(absl::StatusCode::kAlreadyExists, "already loaded"));
+  EXPECT_THAT(registry.Remove("gpt2.3"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "'gpt2.3' is a layer of model folder 'gpt2', whose layers load and unload "
+                       "together: unload 'gpt2'"));
+  std::vector<std::string> removed;
+  ASSERT_THAT(registry.Remove("gpt2", &removed), IsOk());
+  EXPECT_EQ(removed.size(), 12u);
+  EXPECT_EQ(removed.front(), "gpt2.0");
+  EXPECT_TRUE(registry.List().empty());
+  EXPECT_THAT(registry.FindLayers("gpt2"), StatusIs(absl::StatusCode::kNotFound, "no model"));
+
+  // A layer's name taken by another model: the folder is FAILED naming it.
+  ASSERT_THAT(registry.Add(SmallModel("net.1")), IsOk());
+  ticket = registry.BeginLoading("net");
+  ASSERT_THAT(ticket, IsOk());
+  EXPECT_THAT(registry.FinishLoadingFolder("net", *ticket,
+                                           std::vector<std::shared_ptr<const Model>>{
+                                               SmallModel("net.0"), SmallModel("net.1")}),
+              StatusIs(absl::StatusCode::kAlreadyExists, "layer model name 'net.1' is taken"));
+  EXPECT_EQ(registry.Get("net")->state, ModelState::kFailed);
+  EXPECT_THAT(registry.Find("net.0"), StatusIs(absl::StatusCode::kNotFound, ""));
+  // An unload while the folder loads wins, as for one model.
+  ASSERT_THAT(registry.Remove("net.1"), IsOk());
+  ticket = registry.BeginLoading("net");
+  ASSERT_THAT(registry.Remove("net"), IsOk());
+  EXPECT_THAT(registry.FinishLoadingFolder("net", *ticket,
+                                           std::vector<std::shared_ptr<const Model>>{
+                                               SmallModel("net.0"), SmallModel("net.1")}),
+              StatusIs(absl::StatusCode::kAborted, "unloaded while it was loading"));
+  EXPECT_TRUE(registry.List().empty());
+}
+
 // The churn test's input: one sequence of kTokens tokens of a d_model 16 model.
 constexpr int64_t kTokens = 4;
 
@@ -152,7 +220,7 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
   ModelLoader loader(repository->get(), &registry, options);
 
   absl::Notification stable_loaded;
-  ASSERT_THAT(loader.Load("stable", [&](absl::StatusOr<ModelStatus> s) {
+  ASSERT_THAT(loader.Load("stable", [&](absl::StatusOr<std::vector<ModelStatus>> s) {
     EXPECT_THAT(s, IsOk());
     stable_loaded.Notify();
   }), IsOk());
@@ -176,7 +244,7 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
       for (int i = 0; i < 40; ++i) {
         const std::string name = absl::StrCat("m", (t + i) % kChurnModels);
         auto done = std::make_shared<absl::Notification>();
-        absl::Status queued = loader.Load(name, [&, done](absl::StatusOr<ModelStatus> s) {
+        absl::Status queued = loader.Load(name, [&, done](absl::StatusOr<std::vector<ModelStatus>> s) {
           if (s.ok()) {
             ++loads;
           } else if (!absl::IsAborted(s.status())) {
@@ -223,7 +291,7 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
     const std::string name = absl::StrCat("m", i);
     if (registry.Find(name).ok()) continue;
     absl::Notification loaded;
-    ASSERT_THAT(loader.Load(name, [&](absl::StatusOr<ModelStatus> s) {
+    ASSERT_THAT(loader.Load(name, [&](absl::StatusOr<std::vector<ModelStatus>> s) {
       EXPECT_THAT(s, IsOk()) << name;
       loaded.Notify();
     }), IsOk());

@@ -9,8 +9,17 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <memory>
+#include <random>
 #include <string>
 #include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
+#include "core/attention_inputs.h"
+#include "core/attention_weights.h"
+#include "core/head_config.h"
+#include "tests/core/reference_attention.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -22,6 +31,7 @@ namespace attnserve::server {
 namespace {
 
 using ::attnserve::testing::IsOk;
+using ::attnserve::testing::LayoutCase;
 using ::attnserve::testing::SafetensorsWriter;
 using ::attnserve::testing::StatusIs;
 using ::attnserve::testing::TestRepository;
@@ -175,6 +185,154 @@ TEST(ModelRepository, EachDefectFailsTheModelWithItsReason) {
                 StatusIs(absl::StatusCode::kFailedPrecondition, c.name + "/"));
   }
   EXPECT_THAT((*repository)->LoadModel("good"), IsOk());
+}
+
+// The output of `model` on `x` [1, tokens, d_model] (not causal).
+std::vector<float> OutputOf(const Model& model, const std::vector<float>& x) {
+  const int64_t d = model.layer->config().d_model;
+  core::LayerInputs inputs;
+  inputs.hidden_states = x;
+  inputs.layout = *core::SequenceLayout::Padded(1, static_cast<int64_t>(x.size()) / d);
+  std::vector<float> output(x.size());
+  core::ForwardOutputs outputs;
+  outputs.output = absl::MakeSpan(output);
+  EXPECT_THAT(model.layer->Forward(inputs, {}, outputs), IsOk());
+  return output;
+}
+
+// A folder whose config.json has "layers" loads one model per layer, named
+// <folder>.<i>, from one checkpoint holding different weights per layer:
+// each is the model a one-layer folder with that layer's prefix loads (the
+// same output bits), and each computes its own weights' layer (the double
+// reference, 1e-5).
+TEST(ModelRepository, AFolderOfLayersLoadsEachLayerAsItsOwnModel) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(absl::StrCat("seed ", seed));
+  TestRepository repo;
+  LayoutCase c{"gpt2", {}, "unused.", "BF16"};
+  c.head.d_model = 16;
+  c.head.num_heads = 4;
+  const core::HeadConfig h = *core::ResolveHeadConfig(c.head);
+  std::vector<core::AttentionWeights> weights;
+  for (uint64_t i = 0; i < 3; ++i) weights.push_back(core::SeededWeights(h, seed + i));
+  const std::string checkpoint =
+      repo.AddLayers("net", c, weights, R"({"count": 3, "prefix": "h.{layer}.attn."})");
+  // One-layer folders over the same file.
+  for (int i = 0; i < 3; ++i) {
+    const std::string folder = absl::StrCat(repo.root(), "/single", i);
+    std::filesystem::create_directories(folder);
+    std::filesystem::copy(checkpoint, folder + "/model.safetensors");
+    LayoutCase one = c;
+    one.prefix = absl::StrCat("h.", i, ".attn.");
+    TestRepository::WriteText(folder + "/config.json", testing::ConfigJson(one));
+  }
+  auto repository = ModelRepository::Create(repo.root());
+  ASSERT_THAT(repository, IsOk());
+  EXPECT_EQ(*(*repository)->ListModelNames(),
+            (std::vector<std::string>{"net", "single0", "single1", "single2"}));
+  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> layers =
+      (*repository)->LoadFolder("net");
+  ASSERT_THAT(layers, IsOk());
+  ASSERT_EQ(layers->size(), 3u);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> x(5 * 16);
+  for (float& v : x) v = normal(rng);
+  std::vector<std::vector<float>> outputs;
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(absl::StrCat("layer ", i));
+    const Model& layer = *(*layers)[static_cast<size_t>(i)];
+    EXPECT_EQ(layer.name, absl::StrCat("net.", i));
+    EXPECT_THAT(ModelRepository::ValidateModelName(layer.name), IsOk());
+    EXPECT_TRUE(layer.causal);
+    EXPECT_THAT(layer.description, ::testing::HasSubstr(absl::StrCat("layer ", i, " of 3")));
+    EXPECT_THAT(layer.description, ::testing::HasSubstr(absl::StrCat("h.", i, ".attn.")));
+    absl::StatusOr<std::shared_ptr<const Model>> single =
+        (*repository)->LoadModel(absl::StrCat("single", i));
+    ASSERT_THAT(single, IsOk());
+    outputs.push_back(OutputOf(layer, x));
+    EXPECT_EQ(outputs.back(), OutputOf(**single, x));
+    // The weights as stored (BF16) are the reference's.
+    core::AttentionWeights stored = weights[static_cast<size_t>(i)];
+    for (std::vector<float>* w : {&stored.w_q, &stored.w_k, &stored.w_v, &stored.w_o, &stored.b_q,
+                                  &stored.b_k, &stored.b_v, &stored.b_o}) {
+      for (float& v : *w) v = static_cast<float>(testing::RoundToBf16(v));
+    }
+    core::LayerInputs inputs;
+    inputs.hidden_states = x;
+    inputs.layout = *core::SequenceLayout::Padded(1, 5);
+    EXPECT_LE(testing::RelativeFrobeniusError(outputs.back(),
+                                              testing::ReferenceLayer(h, stored, inputs).output),
+              1e-5);
+  }
+  EXPECT_NE(outputs[0], outputs[1]);
+  EXPECT_NE(outputs[1], outputs[2]);
+  // LoadModel wants a folder of one layer.
+  EXPECT_THAT((*repository)->LoadModel("net"),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "holds 3 layers"));
+  // A layer alone is no folder; the message says how it loads.
+  EXPECT_THAT((*repository)->LoadFolder("net.1"),
+              StatusIs(absl::StatusCode::kNotFound, "load 'net'"));
+  // An explicit list of prefixes, in its own order.
+  TestRepository::WriteText(repo.root() + "/net/config.json",
+                            R"({"layout":"gpt2","d_model":16,"num_heads":4,)"
+                            R"("layers":{"prefixes":["h.2.attn.","h.0.attn."]}})");
+  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> listed =
+      (*repository)->LoadFolder("net");
+  ASSERT_THAT(listed, IsOk());
+  ASSERT_EQ(listed->size(), 2u);
+  EXPECT_EQ((*listed)[0]->name, "net.0");
+  EXPECT_EQ(OutputOf(*(*listed)[0], x), outputs[2]);
+  EXPECT_EQ(OutputOf(*(*listed)[1], x), outputs[0]);
+}
+
+// What is wrong with one layer names the layer, its model and prefix, and
+// the tensor or the field; --max_model_bytes holds for each layer; a layer's
+// model name over 128 bytes is refused naming config.json's layers.
+TEST(ModelRepository, ALayersDefectNamesTheLayerAndTheField) {
+  TestRepository repo;
+  LayoutCase c{"gpt2", {}, "unused.", "F32"};
+  c.head.d_model = 16;
+  c.head.num_heads = 2;
+  const core::HeadConfig h = *core::ResolveHeadConfig(c.head);
+  const std::vector<core::AttentionWeights> two = {core::SeededWeights(h, 1),
+                                                   core::SeededWeights(h, 2)};
+  // Three layers asked of a checkpoint of two.
+  repo.AddLayers("short", c, two, R"({"count": 3, "prefix": "h.{layer}.attn."})");
+  // A config mistake inside layers.
+  repo.AddLayers("typo", c, two, R"({"count": 2, "prefix": "h.attn."})");
+  // The longest folder name whose layer names fit, and one byte more.
+  const std::string fits(126, 'f');
+  const std::string over(127, 'o');
+  repo.AddLayers(fits, c, two, R"({"count": 2, "prefix": "h.{layer}.attn."})");
+  repo.AddLayers(over, c, two, R"({"count": 2, "prefix": "h.{layer}.attn."})");
+  // One layer's weights (FP32: 4 x (16 x 48 + 48 + 16 x 16 + 16) = 4352 bytes)
+  // fit a limit that all of them together would not.
+  auto repository = ModelRepository::Create(repo.root(), {.max_model_bytes = 4352});
+  ASSERT_THAT(repository, IsOk());
+  EXPECT_THAT((*repository)->LoadFolder("short"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "layer 2 of 3 (model 'short.2', prefix 'h.2.attn.'): "
+                       "short/model.safetensors: no tensor named 'h.2.attn.c_attn.weight'"));
+  EXPECT_THAT((*repository)->LoadFolder("typo"),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "typo/config.json: layers.prefix: 'h.attn.' does not hold {layer}"));
+  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> fitting =
+      (*repository)->LoadFolder(fits);
+  ASSERT_THAT(fitting, IsOk());
+  EXPECT_EQ((*fitting)[1]->name.size(), 128u);
+  EXPECT_THAT((*repository)->LoadFolder(over),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "/config.json: layers: layer 0's model name"));
+  EXPECT_THAT((*repository)->LoadFolder(over),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "longer than 128 bytes"));
+  auto tight = ModelRepository::Create(repo.root(), {.max_model_bytes = 4351});
+  ASSERT_THAT(tight, IsOk());
+  EXPECT_THAT((*tight)->LoadFolder(fits),
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       absl::StrCat("layer 0 of 2 (model '", fits, ".0', prefix 'h.0.attn.'): ")));
+  EXPECT_THAT((*tight)->LoadFolder(fits),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "over --max_model_bytes (4351 bytes"));
 }
 
 TEST(ModelRepository, ARepositoryThatIsNotADirectoryIsRefusedNamingTheFlag) {

@@ -11,6 +11,9 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 
 #include "core/attention_weights.h"
 #include "core/head_config.h"
@@ -46,6 +49,27 @@ class TestRepository {
     WriteLayout(c, h, w).Write(folder + "/model.safetensors");
     WriteText(folder + "/config.json", ConfigJson(c));
     return w;
+  }
+
+  // Writes folder `name` holding `weights.size()` layers of one GPT-2 style
+  // checkpoint (c.layout, c.head, c.dtype; layer i under "h.<i>.attn."), and
+  // a config.json with `layers_json` as its "layers" (e.g.
+  // {"count": 3, "prefix": "h.{layer}.attn."}). Returns the checkpoint's path.
+  std::string AddLayers(const std::string& name, const LayoutCase& c,
+                        const std::vector<core::AttentionWeights>& weights,
+                        const std::string& layers_json) {
+    const std::string folder = root() + "/" + name;
+    std::filesystem::create_directories(folder);
+    std::vector<std::string> prefixes;
+    for (size_t i = 0; i < weights.size(); ++i) prefixes.push_back(absl::StrCat("h.", i, ".attn."));
+    const core::HeadConfig h = *core::ResolveHeadConfig(c.head);
+    WriteLayers(c, h, weights, prefixes).Write(folder + "/model.safetensors");
+    std::string config = ConfigJson(c);  // {"layout":..,"prefix":"..",...}
+    const std::string prefix_field = absl::StrCat("\"prefix\":\"", c.prefix, "\",");
+    config.replace(config.find(prefix_field), prefix_field.size(),
+                   absl::StrCat("\"layers\":", layers_json, ","));
+    WriteText(folder + "/config.json", config);
+    return folder + "/model.safetensors";
   }
 
   // A small BERT-layout model (d_model 16, 2 heads).

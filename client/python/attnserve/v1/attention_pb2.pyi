@@ -150,36 +150,40 @@ class ExtendResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[ExtendResult, _Mapping]]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., kernel_path: _Optional[str] = ..., precision: _Optional[_Union[Precision, str]] = ...) -> None: ...
 
 class ExtendResult(_message.Message):
-    __slots__ = ["attention_maps", "code", "length", "message", "output", "replayed"]
+    __slots__ = ["attention_maps", "code", "head_statistics", "length", "message", "output", "replayed"]
     ATTENTION_MAPS_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_STATISTICS_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
     attention_maps: Tensor
     code: int
+    head_statistics: HeadStatistics
     length: int
     message: str
     output: Tensor
     replayed: bool
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., attention_maps: _Optional[_Union[Tensor, _Mapping]] = ..., length: _Optional[int] = ..., replayed: bool = ...) -> None: ...
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., attention_maps: _Optional[_Union[Tensor, _Mapping]] = ..., length: _Optional[int] = ..., replayed: bool = ..., head_statistics: _Optional[_Union[HeadStatistics, _Mapping]] = ...) -> None: ...
 
 class ExtendStep(_message.Message):
-    __slots__ = ["attention_maps", "expected_length", "head_mask", "hidden_states", "layer", "session_id"]
+    __slots__ = ["attention_maps", "expected_length", "head_mask", "head_statistics", "hidden_states", "layer", "session_id"]
     ATTENTION_MAPS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     HEAD_MASK_FIELD_NUMBER: _ClassVar[int]
+    HEAD_STATISTICS_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     attention_maps: bool
     expected_length: int
     head_mask: _containers.RepeatedScalarFieldContainer[float]
+    head_statistics: bool
     hidden_states: Tensor
     layer: int
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ..., layer: _Optional[int] = ..., expected_length: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_maps: bool = ..., head_mask: _Optional[_Iterable[float]] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ..., layer: _Optional[int] = ..., expected_length: _Optional[int] = ..., hidden_states: _Optional[_Union[Tensor, _Mapping]] = ..., attention_maps: bool = ..., head_mask: _Optional[_Iterable[float]] = ..., head_statistics: bool = ...) -> None: ...
 
 class ForkSessionRequest(_message.Message):
     __slots__ = ["session_id"]
@@ -298,10 +302,12 @@ class LoadModelRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
-    __slots__ = ["model"]
+    __slots__ = ["layers", "model"]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     model: ModelInfo
-    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ..., layers: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ["causal", "description", "failure_reason", "head_config", "input_dtypes", "limits", "name", "state"]
