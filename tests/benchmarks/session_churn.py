@@ -8,8 +8,9 @@ opened, extended (decode tokens, short prefills), forked, truncated, closed,
 left to expire (a quarter with a 0.25 s TTL) and evicted, at random, every answer's length
 checked by attnctl (no token lost or duplicated; every refusal NOT_FOUND for
 a session the server ended or RESOURCE_EXHAUSTED). Meanwhile it samples the
-server's RSS (/proc/PID/status) and its KV cache metrics twice a second, and
-prints:
+server's RSS (/proc/PID/status) twice a second and its metrics every
+--scrape_every seconds (each scrape costs RSS the first time a metrics worker
+thread serves one), and prints:
 
   RSS after the first --first_minute seconds, at the end, their ratio
   (target: the end within 5% of the first minute's level), the peak;
@@ -58,6 +59,8 @@ def main():
     parser.add_argument("--ttl", type=float, default=0.25,
                         help="the short idle TTL a quarter of the sessions ask for")
     parser.add_argument("--kv_cache_bytes", type=int, default=16 << 20, help="the server's flag")
+    parser.add_argument("--scrape_every", type=float, default=30,
+                        help="seconds between scrapes of the server's metrics")
     parser.add_argument("--check", action="store_true",
                         help="also fail unless forks, truncations, expiries and evictions happened")
     args = parser.parse_args()
@@ -74,17 +77,27 @@ def main():
          f"--seed={int(time.time())}", "--json"],
         stdout=subprocess.PIPE, text=True)
     start = time.monotonic()
-    samples = []  # (seconds, rss KiB, blocks, used bytes)
+    samples = []  # (seconds, RSS KiB, blocks, used bytes, allocator cache KiB, KV held KiB)
     stop = threading.Event()
 
     def sample():
+        # RSS twice a second from /proc; the metrics only every --scrape_every
+        # seconds: each scrape opens a connection that one of the metrics
+        # server's worker threads serves, and a worker's first scrape adds
+        # about half a MiB of RSS (its stack and allocator cache), which would
+        # read as churn's.
+        m, scraped = {}, -args.scrape_every
         while not stop.is_set():
             try:
+                now = time.monotonic() - start
                 rss = server.memory_kib()["VmRSS"]
-                m = server.scrape()
-                samples.append((time.monotonic() - start, rss,
+                if now - scraped >= args.scrape_every:
+                    m, scraped = server.scrape(), now
+                samples.append((now, rss,
                                 metric(m, "attnserve_kv_cache_blocks"),
-                                metric(m, "attnserve_kv_cache_used_bytes")))
+                                metric(m, "attnserve_kv_cache_used_bytes"),
+                                metric(m, "attnserve_allocator_cached_bytes") / 1024,
+                                metric(m, "attnserve_kv_cache_held_bytes") / 1024))
             except (OSError, KeyError):
                 pass
             stop.wait(0.5)
@@ -114,6 +127,18 @@ def main():
         print(f"RSS: {baseline[1] / 1024:.1f} MiB at {baseline[0]:.0f} s, {end[1] / 1024:.1f} MiB "
               f"at the end ({end[0]:.0f} s): end / first = {end[1] / baseline[1]:.3f} "
               f"(target <= 1.05); peak {peak / 1024:.1f} MiB")
+    if samples:
+        print("RSS over the run (MiB): seconds, RSS, and from the latest scrape: the allocator's "
+              "cache of freed memory (attnserve_allocator_cached_bytes, kept for reuse up to "
+              "--max_allocator_cache_bytes), RSS less that cache, the KV pool's held bytes")
+        marks = [args.duration * i / 10 for i in range(1, 11)]
+        for mark in marks:
+            s = next((x for x in samples if x[0] >= mark), samples[-1])
+            print(f"  {s[0]:6.0f} {s[1] / 1024:8.1f} {s[4] / 1024:8.1f} {(s[1] - s[4]) / 1024:8.1f} "
+                  f"{s[5] / 1024:8.1f}")
+        if baseline and end:
+            print(f"RSS less the allocator's cache: end / first = "
+                  f"{(end[1] - end[4]) / (baseline[1] - baseline[4]):.3f}")
     if fullest and fullest[3] > 0:
         print(f"pool bookkeeping at the fullest sample: {fullest[2]:.0f} blocks x "
               f"{BOOKKEEPING_BYTES_PER_BLOCK} B over {fullest[3] / 2**20:.1f} MiB in use = "
