@@ -172,18 +172,27 @@ def run_torch(form, batch, context, steps, threads):
 
 def attnctl_decode(attnctl, target, sessions, context, steps, kv_dtype, stream=False):
     args = [attnctl, "bench", "--decode", f"--target={target}", f"--sessions={sessions}",
-            f"--context={context}", f"--steps={steps}", f"--kv_dtype={kv_dtype}", "--json"]
+            f"--context={context}", f"--steps={steps}", f"--kv_dtype={kv_dtype}", "--json",
+            "--timeout_seconds=300"]
     if stream:
         args.append("--stream")
-    return json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
+    return json.loads(run_attnctl(args))
+
+
+def run_attnctl(args):
+    """attnctl's stdout; its stderr in the error when it fails."""
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: exit {done.returncode}: {done.stderr.strip()}")
+    return done.stdout
 
 
 def attnctl_resend(attnctl, target, sessions, context, calls):
     """Attend over the whole prefix plus the new token, causal: p50 ms per call."""
     args = [attnctl, "attend", f"--target={target}", f"--batch={sessions}", f"--seq={context + 1}",
-            "--causal", f"--repeat={calls}", "--json", "--max_receive_message_bytes=2147483647"]
-    report = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
-    return report["latency_ms"]["p50"]
+            "--causal", f"--repeat={calls}", "--json", "--max_receive_message_bytes=2147483647",
+            "--timeout_seconds=900"]  # 32 x 2049 causal takes 20-30 s on a busy 2-core machine
+    return json.loads(run_attnctl(args))["latency_ms"]["p50"]
 
 
 def run_benchmark(benchmark, threads, *flags):
