@@ -41,7 +41,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
-from harness import Server, metric  # noqa: E402
+from harness import Server, metric, wait_until  # noqa: E402
 
 BOOKKEEPING_BYTES_PER_BLOCK = 16 + 16 + 4
 
@@ -108,6 +108,14 @@ def main():
     stop.set()
     sampler.join()
     final = server.scrape()
+    # Idle now: once the server has given its allocator's cache back (it does
+    # after --allocator_cache_idle_ms without calls), what is left.
+    try:
+        wait_until("the allocator's cache given back", lambda: metric(
+            server.scrape(), "attnserve_allocator_cached_bytes") == 0, 30)
+        idle_rss = server.memory_kib()["VmRSS"]
+    except AssertionError:
+        idle_rss = None
     server.stop()
     result = json.loads(out.strip().splitlines()[-1])
 
@@ -139,6 +147,9 @@ def main():
         if baseline and end:
             print(f"RSS less the allocator's cache: end / first = "
                   f"{(end[1] - end[4]) / (baseline[1] - baseline[4]):.3f}")
+    if idle_rss and baseline:
+        print(f"RSS idle after the churn, the allocator's cache given back: {idle_rss / 1024:.1f} MiB "
+              f"({idle_rss / baseline[1]:.3f} of the first minute's)")
     if fullest and fullest[3] > 0:
         print(f"pool bookkeeping at the fullest sample: {fullest[2]:.0f} blocks x "
               f"{BOOKKEEPING_BYTES_PER_BLOCK} B over {fullest[3] / 2**20:.1f} MiB in use = "
