@@ -30,6 +30,7 @@
 #include "client/attention_client.h"
 #include "client/bench.h"
 #include "client/decode_bench.h"
+#include "client/decode_churn.h"
 #include "client/request_builder.h"
 #include "client/session_command.h"
 
@@ -162,6 +163,12 @@ ABSL_FLAG(std::string, kv_dtype, "fp32", "bench --decode: the sessions' KV cache
 ABSL_FLAG(bool, stream, false,
           "bench --decode: send the prefill and the rounds as messages of one ExtendStream call "
           "instead of one Extend call each (compare the two forms' step latency)");
+ABSL_FLAG(bool, churn, false,
+          "bench --decode: churn the session table for --duration seconds instead: open, extend "
+          "(decode tokens and short prefills), fork, truncate, close and park sessions at random, "
+          "at most --sessions live of at most --context tokens, a quarter with an idle TTL of "
+          "--ttl_seconds (default 1); checks every answer's length (exit 1 on a lost or "
+          "duplicated token or an undocumented refusal)");
 
 // session: decode sessions, one verb a command.
 ABSL_FLAG(std::string, session_id, "", "session extend/get/fork/truncate/close: the session");
@@ -238,6 +245,9 @@ Commands:
                           session, one Extend (micro-batch) a round (--stream: messages
                           of one ExtendStream call); prints tokens/s, step
                           p50/p90/p99/max and the server's compute per step
+  bench --decode --churn [flags]  open, extend, fork, truncate, close sessions at random
+                          for --duration=S, checking every length (no token lost or
+                          duplicated); sessions expire (--ttl_seconds) and are evicted
 
 attend flags (attnctl --help describes each one):
   what runs    --model=M | --layer_seed=N --d_model=D --num_heads=H [--num_kv_heads=K]
@@ -510,6 +520,35 @@ int RunDecodeBenchCommand(const AttentionClient& client) {
   return 0;
 }
 
+int RunDecodeChurnCommand(const AttentionClient& client) {
+  DecodeChurnOptions options;
+  options.model = absl::GetFlag(FLAGS_model);
+  options.duration_seconds = absl::GetFlag(FLAGS_duration);
+  options.sessions = absl::GetFlag(FLAGS_sessions);
+  options.context = absl::GetFlag(FLAGS_context);
+  const double ttl = absl::GetFlag(FLAGS_ttl_seconds);
+  options.short_ttl_seconds = ttl > 0 ? ttl : 1.0;
+  options.seed = absl::GetFlag(FLAGS_seed);
+  if (absl::Status status = ValidateDecodeChurnOptions(options); !status.ok()) {
+    return UsageFail(status);
+  }
+  absl::StatusOr<DecodeChurnResult> result =
+      RunDecodeChurn(client, options, [](const DecodeChurnResult& r, int64_t live) {
+        int64_t operations = 0;
+        for (const auto& [kind, count] : r.operations) operations += count;
+        std::fprintf(stderr,
+                     "bench --decode --churn: %.0f s, %lld operations, %lld tokens, %lld live "
+                     "sessions, %lld failures\n",
+                     r.seconds, static_cast<long long>(operations),
+                     static_cast<long long>(r.tokens_appended), static_cast<long long>(live),
+                     static_cast<long long>(r.failures));
+      });
+  if (!result.ok()) return Fail(result.status());
+  std::printf("%s\n", absl::GetFlag(FLAGS_json) ? FormatDecodeChurnJson(*result).c_str()
+                                                : FormatDecodeChurnText(*result).c_str());
+  return result->failures == 0 ? cli::kExitOk : cli::kExitFailure;
+}
+
 int RunSessionCommandLine(const AttentionClient& client, const std::string& verb) {
   SessionCommand command;
   command.verb = verb;
@@ -542,6 +581,9 @@ int RunSessionCommandLine(const AttentionClient& client, const std::string& verb
 }
 
 int RunBenchCommand(const AttentionClient& client) {
+  if (absl::GetFlag(FLAGS_decode) && absl::GetFlag(FLAGS_churn)) {
+    return RunDecodeChurnCommand(client);
+  }
   if (absl::GetFlag(FLAGS_decode)) return RunDecodeBenchCommand(client);
   const AttendOptions options = AttendOptionsFromFlags();
   if (absl::Status status = ValidateAttendOptions(options); !status.ok()) return UsageFail(status);
