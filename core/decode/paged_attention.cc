@@ -38,7 +38,6 @@ constexpr int64_t kUnitsPerThread = 4;
 constexpr int64_t kMinSplitKeys = 256;
 // Keys that share one online-softmax step (whole blocks, at least one).
 constexpr int64_t kSpanKeys = 128;
-constexpr int64_t kCacheLine = 64;
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // An item's sizes, resolved once.
@@ -323,23 +322,6 @@ void FinishTile(const ItemView& view, const Unit& unit, int64_t i0, int64_t i1,
   }
 }
 
-// Asks for the K and V rows of KV head g's first `tokens` tokens in `block`
-// to be brought into the cache. A block's rows of one head are a few KiB
-// apart from the next block's (other heads' rows lie between, and blocks are
-// separate allocations): the hardware prefetchers, which follow a stream
-// within a page, restart at every block, and the unit would wait for memory
-// at each block's start without this.
-void PrefetchBlock(const ItemView& view, int64_t g, int64_t block, int64_t tokens) {
-  const int64_t bytes = tokens * view.head_dim * (view.bf16 ? 2 : 4);
-  const char* k = reinterpret_cast<const char*>(view.cache->key_rows(block, static_cast<int>(g)));
-  const char* v =
-      reinterpret_cast<const char*>(view.cache->value_rows(block, static_cast<int>(g)));
-  for (int64_t at = 0; at < bytes; at += kCacheLine) {
-    __builtin_prefetch(k + at, 0, 3);
-    __builtin_prefetch(v + at, 0, 3);
-  }
-}
-
 void RunUnit(const ItemView& view, const Unit& unit, TileState& state, float* partials) {
   const int64_t tile = std::max<int64_t>(1, kTileRows / view.group);
   const int64_t bt = view.block_tokens;
@@ -352,10 +334,6 @@ void RunUnit(const ItemView& view, const Unit& unit, TileState& state, float* pa
     const int64_t key_end = std::min(unit.key_end, view.first + i1);
     for (int64_t j0 = unit.key_begin; j0 < key_end; j0 += span) {
       const int64_t j1 = std::min(key_end, j0 + span);
-      // The next span's blocks, while this one is read.
-      for (int64_t b = j1 / bt; b * bt < std::min(key_end, j1 + span); ++b) {
-        PrefetchBlock(view, unit.kv_head, b, std::min(bt, key_end - b * bt));
-      }
       ProcessSpan(view, unit.kv_head, j0, j1, i0, i1, span, state);
     }
     FinishTile(view, unit, i0, i1, state, partials);

@@ -65,7 +65,7 @@ TEST(DecodeKernels, ScoresAndValuesMatchDoublePrecision) {
   SCOPED_TRACE(SeedTrace(seed));
   std::mt19937_64 rng(seed);
   for (const DecodeKernel kernel : Kernels()) {
-    for (int64_t hd : {1, 7, 8, 16, 17, 40, 64, 72, 128, 130}) {
+    for (int64_t hd : {1, 7, 8, 16, 17, 32, 40, 64, 72, 96, 128, 130}) {
       for (int64_t keys : {1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33}) {
         SCOPED_TRACE(::testing::Message() << "kernel " << static_cast<int>(kernel) << ", head_dim "
                                         << hd << ", keys " << keys);
