@@ -169,7 +169,6 @@ ATTNSERVE_TARGET_AVX2_FMA void ValuesAvx2(const float* p, const T* v, int64_t ke
 // query row or the accumulator row held in registers), any head_dim through
 // masked loads of its last 16 dimensions; longer rows take the AVX2 kernels.
 constexpr int64_t kMaxAvx512HeadDim = 128;
-constexpr int kMaxChunks = kMaxAvx512HeadDim / 16;
 
 ATTNSERVE_TARGET_AVX512 inline __m512 Load16(__mmask16 mask, const float* p) {
   return _mm512_maskz_loadu_ps(mask, p);
