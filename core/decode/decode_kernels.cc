@@ -1,6 +1,8 @@
 #include "core/decode/decode_kernels.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/bf16.h"
 #include "core/kernels/simd.h"
@@ -61,9 +63,10 @@ template <typename T>
 }
 
 #if defined(ATTNSERVE_X86_INTRINSICS)
-// AVX2 and FMA, on AVX-512 CPUs too: the decode is memory-bound, and these
-// kernels keep up with memory on AVX2 already. Checked at run time by
-// features, never by CPU model.
+// AVX2 and FMA; AVX-512 below. Checked at run time by features, never by CPU
+// model. The decode reads each K/V byte once, but with G query heads per KV
+// head (and BF16 rows widened) a key costs G dot products and G row updates:
+// at 8 lanes the arithmetic, not memory, set the pace on BF16 and GQA caches.
 
 ATTNSERVE_TARGET_AVX2_FMA inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 ATTNSERVE_TARGET_AVX2_FMA inline __m256 Load8(const Bf16* p) {
@@ -162,6 +165,240 @@ ATTNSERVE_TARGET_AVX2_FMA void ValuesAvx2(const float* p, const T* v, int64_t ke
     acc[d] = sum;
   }
 }
+// AVX-512 (F, BW, VL): 16 lanes, head_dim up to kMaxAvx512HeadDim (the
+// query row or the accumulator row held in registers), any head_dim through
+// masked loads of its last 16 dimensions; longer rows take the AVX2 kernels.
+constexpr int64_t kMaxAvx512HeadDim = 128;
+
+ATTNSERVE_TARGET_AVX512 inline __m512 Load16(__mmask16 mask, const float* p) {
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+ATTNSERVE_TARGET_AVX512 inline __m512 Load16(__mmask16 mask, const Bf16* p) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Lane i of the result = the sum of t[i]'s 16 lanes: a tree of unpacks and
+// 128-bit shuffles, 45 operations for 16 sums.
+ATTNSERVE_TARGET_AVX512 inline __m512 LaneSums16(const __m512* t) {
+  __m512 u[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3].
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]),
+                         _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+  }
+  __m512 w[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    // Per 128-bit lane: the partial sums of t[4i] ... t[4i + 3], in order.
+    const __m512d x = _mm512_castps_pd(u[2 * i]), y = _mm512_castps_pd(u[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(w[2], w[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(v01, v23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+ATTNSERVE_TARGET_AVX512 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+ATTNSERVE_TARGET_AVX512 inline __m512 Load16(const Bf16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Row chunk c of kChunks (16 dimensions each), the last one `last` masked
+// unless kFull (head_dim a multiple of 16: plain loads, which measured
+// faster than masked ones).
+template <int kChunks, bool kFull, typename T>
+ATTNSERVE_TARGET_AVX512 inline __m512 Chunk(const T* row, int c, __mmask16 last) {
+  if (kFull || c < kChunks - 1) return Load16(row + 16 * c);
+  return Load16(last, row + 16 * c);
+}
+
+// Sixteen keys at a time: each key's products summed into one vector (the
+// query row in registers), the 16 vectors reduced together (LaneSums16).
+template <int kChunks, bool kFull, typename T>
+ATTNSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const T* k, int64_t keys,
+                                          int64_t head_dim, __mmask16 last, float* s) {
+  __m512 qv[kChunks];
+#pragma GCC unroll 8
+  for (int c = 0; c < kChunks; ++c) qv[c] = Chunk<kChunks, kFull>(q, c, last);
+  auto dot = [&](const T* row) ATTNSERVE_TARGET_AVX512 {
+    __m512 t = _mm512_mul_ps(qv[0], Chunk<kChunks, kFull>(row, 0, last));
+#pragma GCC unroll 8
+    for (int c = 1; c < kChunks; ++c) t = _mm512_fmadd_ps(qv[c], Chunk<kChunks, kFull>(row, c, last), t);
+    return t;
+  };
+  int64_t j = 0;
+  for (; j + 16 <= keys; j += 16) {
+    __m512 t[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) t[r] = dot(k + (j + r) * head_dim);
+    _mm512_storeu_ps(s + j, LaneSums16(t));
+  }
+  if (j < keys) {
+    const int64_t count = keys - j;
+    __m512 t[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) t[r] = r < count ? dot(k + (j + r) * head_dim) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(s + j, FirstLanes(count), LaneSums16(t));
+  }
+}
+
+// acc = acc * alpha + sum_j p_j v_j with two accumulator rows in registers
+// (even and odd keys: two independent FMA chains per chunk).
+template <int kChunks, bool kFull, typename T>
+ATTNSERVE_TARGET_AVX512 void ValuesAvx512(const float* p, const T* v, int64_t keys,
+                                          int64_t head_dim, __mmask16 last, float alpha,
+                                          float* acc) {
+  const __m512 alpha_v = _mm512_set1_ps(alpha);
+  __m512 a[kChunks], b[kChunks];
+#pragma GCC unroll 8
+  for (int c = 0; c < kChunks; ++c) {
+    a[c] = _mm512_mul_ps(Chunk<kChunks, kFull>(acc, c, last), alpha_v);
+    b[c] = _mm512_setzero_ps();
+  }
+  int64_t j = 0;
+  for (; j + 2 <= keys; j += 2) {
+    const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+    const T* r0 = v + j * head_dim;
+    const T* r1 = r0 + head_dim;
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) {
+      a[c] = _mm512_fmadd_ps(p0, Chunk<kChunks, kFull>(r0, c, last), a[c]);
+      b[c] = _mm512_fmadd_ps(p1, Chunk<kChunks, kFull>(r1, c, last), b[c]);
+    }
+  }
+  if (j < keys) {
+    const __m512 p0 = _mm512_set1_ps(p[j]);
+    const T* r0 = v + j * head_dim;
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) a[c] = _mm512_fmadd_ps(p0, Chunk<kChunks, kFull>(r0, c, last), a[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < kChunks; ++c) {
+    _mm512_mask_storeu_ps(acc + 16 * c, !kFull && c == kChunks - 1 ? last : __mmask16{0xffff},
+                          _mm512_add_ps(a[c], b[c]));
+  }
+}
+
+// The kernel instance for head_dim (<= kMaxAvx512HeadDim): its chunk count
+// fixed at compile time, so that the row loops unroll and stay in registers.
+template <typename T>
+ATTNSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const T* k, int64_t keys,
+                                          int64_t head_dim, float* s) {
+  const __mmask16 last = FirstLanes(head_dim - 16 * ((head_dim - 1) / 16));
+  if (head_dim == 64) return ScoresAvx512<4, true>(q, k, keys, head_dim, last, s);
+  if (head_dim == 128) return ScoresAvx512<8, true>(q, k, keys, head_dim, last, s);
+  switch ((head_dim + 15) / 16) {
+    case 1: return ScoresAvx512<1, false>(q, k, keys, head_dim, last, s);
+    case 2: return ScoresAvx512<2, false>(q, k, keys, head_dim, last, s);
+    case 3: return ScoresAvx512<3, false>(q, k, keys, head_dim, last, s);
+    case 4: return ScoresAvx512<4, false>(q, k, keys, head_dim, last, s);
+    case 5: return ScoresAvx512<5, false>(q, k, keys, head_dim, last, s);
+    case 6: return ScoresAvx512<6, false>(q, k, keys, head_dim, last, s);
+    case 7: return ScoresAvx512<7, false>(q, k, keys, head_dim, last, s);
+    default: return ScoresAvx512<8, false>(q, k, keys, head_dim, last, s);
+  }
+}
+
+template <typename T>
+ATTNSERVE_TARGET_AVX512 void ValuesAvx512(const float* p, const T* v, int64_t keys,
+                                          int64_t head_dim, float alpha, float* acc) {
+  const __mmask16 last = FirstLanes(head_dim - 16 * ((head_dim - 1) / 16));
+  if (head_dim == 64) return ValuesAvx512<4, true>(p, v, keys, head_dim, last, alpha, acc);
+  if (head_dim == 128) return ValuesAvx512<8, true>(p, v, keys, head_dim, last, alpha, acc);
+  switch ((head_dim + 15) / 16) {
+    case 1: return ValuesAvx512<1, false>(p, v, keys, head_dim, last, alpha, acc);
+    case 2: return ValuesAvx512<2, false>(p, v, keys, head_dim, last, alpha, acc);
+    case 3: return ValuesAvx512<3, false>(p, v, keys, head_dim, last, alpha, acc);
+    case 4: return ValuesAvx512<4, false>(p, v, keys, head_dim, last, alpha, acc);
+    case 5: return ValuesAvx512<5, false>(p, v, keys, head_dim, last, alpha, acc);
+    case 6: return ValuesAvx512<6, false>(p, v, keys, head_dim, last, alpha, acc);
+    case 7: return ValuesAvx512<7, false>(p, v, keys, head_dim, last, alpha, acc);
+    default: return ValuesAvx512<8, false>(p, v, keys, head_dim, last, alpha, acc);
+  }
+}
+// Scores of BF16 rows of head_dim a multiple of 32 (up to
+// kMaxAvx512HeadDim), widened without a shuffle: 32 BF16 values are 16
+// 32-bit words, and word i shifted left by 16 is value 2i, masked to its
+// high half value 2i + 1 -- so the dot products take even and odd dimensions
+// apart, against the query row split once. (P V the same way, with the
+// accumulator row split and joined, measured slower than widening: it is the
+// AVX-512 ValuesAvx512 for BF16 too.)
+constexpr int kMaxPairs = kMaxAvx512HeadDim / 32;
+
+ATTNSERVE_TARGET_AVX512 inline __m512i Words(const Bf16* p) {
+  return _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+ATTNSERVE_TARGET_AVX512 inline __m512 EvenOf(__m512i words) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+}
+ATTNSERVE_TARGET_AVX512 inline __m512 OddOf(__m512i words) {
+  return _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(-65536)));
+}
+// Dimensions 2i (even) or 2i + 1 (odd) of x [32], lane i.
+ATTNSERVE_TARGET_AVX512 inline __m512 EvenDims(const float* x) {
+  const __m512i index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  return _mm512_permutex2var_ps(_mm512_loadu_ps(x), index, _mm512_loadu_ps(x + 16));
+}
+ATTNSERVE_TARGET_AVX512 inline __m512 OddDims(const float* x) {
+  const __m512i index = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return _mm512_permutex2var_ps(_mm512_loadu_ps(x), index, _mm512_loadu_ps(x + 16));
+}
+
+template <int kPairs>
+ATTNSERVE_TARGET_AVX512 void ScoresBf16Avx512(const float* q, const Bf16* k, int64_t keys,
+                                              int64_t head_dim, float* s) {
+  __m512 even[kPairs], odd[kPairs];
+#pragma GCC unroll 4
+  for (int c = 0; c < kPairs; ++c) {
+    even[c] = EvenDims(q + 32 * c);
+    odd[c] = OddDims(q + 32 * c);
+  }
+  auto dot = [&](const Bf16* row) ATTNSERVE_TARGET_AVX512 {
+    __m512i w = Words(row);
+    __m512 t = _mm512_fmadd_ps(odd[0], OddOf(w), _mm512_mul_ps(even[0], EvenOf(w)));
+#pragma GCC unroll 4
+    for (int c = 1; c < kPairs; ++c) {
+      w = Words(row + 32 * c);
+      t = _mm512_fmadd_ps(even[c], EvenOf(w), t);
+      t = _mm512_fmadd_ps(odd[c], OddOf(w), t);
+    }
+    return t;
+  };
+  int64_t j = 0;
+  for (; j + 16 <= keys; j += 16) {
+    __m512 t[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) t[r] = dot(k + (j + r) * head_dim);
+    _mm512_storeu_ps(s + j, LaneSums16(t));
+  }
+  if (j < keys) {
+    const int64_t count = keys - j;
+    __m512 t[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) t[r] = r < count ? dot(k + (j + r) * head_dim) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(s + j, FirstLanes(count), LaneSums16(t));
+  }
+}
+
+// True (and done) when the even/odd BF16 kernel takes this head_dim.
+ATTNSERVE_TARGET_AVX512 bool ScoresBf16Pairs(const float* q, const Bf16* k, int64_t keys,
+                                             int64_t head_dim, float* s) {
+  switch (head_dim) {
+    case 32: ScoresBf16Avx512<1>(q, k, keys, head_dim, s); return true;
+    case 64: ScoresBf16Avx512<2>(q, k, keys, head_dim, s); return true;
+    case 96: ScoresBf16Avx512<3>(q, k, keys, head_dim, s); return true;
+    case 128: ScoresBf16Avx512<4>(q, k, keys, head_dim, s); return true;
+    default: return false;
+  }
+}
+static_assert(kMaxPairs == 4, "the switch above covers head_dim 32 ... 128");
 #endif  // ATTNSERVE_X86_INTRINSICS
 
 // The portable versions, vectorized by the compiler.
@@ -191,7 +428,13 @@ template <typename T>
 void ScoresOn(DecodeKernel kernel, const float* q, const T* k, int64_t keys, int64_t head_dim,
               float* s) {
 #if defined(ATTNSERVE_X86_INTRINSICS)
-  if (kernel == DecodeKernel::kAvx2) return ScoresAvx2(q, k, keys, head_dim, s);
+  if (kernel == DecodeKernel::kAvx512 && head_dim <= kMaxAvx512HeadDim) {
+    if constexpr (std::is_same_v<T, Bf16>) {
+      if (ScoresBf16Pairs(q, k, keys, head_dim, s)) return;
+    }
+    return ScoresAvx512(q, k, keys, head_dim, s);
+  }
+  if (kernel != DecodeKernel::kPortable) return ScoresAvx2(q, k, keys, head_dim, s);
 #endif
   (void)kernel;
   PortableScores(q, k, keys, head_dim, s);
@@ -201,7 +444,10 @@ template <typename T>
 void ValuesOn(DecodeKernel kernel, const float* p, const T* v, int64_t keys, int64_t head_dim,
               float alpha, float* acc) {
 #if defined(ATTNSERVE_X86_INTRINSICS)
-  if (kernel == DecodeKernel::kAvx2) return ValuesAvx2(p, v, keys, head_dim, alpha, acc);
+  if (kernel == DecodeKernel::kAvx512 && head_dim <= kMaxAvx512HeadDim) {
+    return ValuesAvx512(p, v, keys, head_dim, alpha, acc);
+  }
+  if (kernel != DecodeKernel::kPortable) return ValuesAvx2(p, v, keys, head_dim, alpha, acc);
 #endif
   (void)kernel;
   PortableValues(p, v, keys, head_dim, alpha, acc);
@@ -209,6 +455,7 @@ void ValuesOn(DecodeKernel kernel, const float* p, const T* v, int64_t keys, int
 
 DecodeKernel BestKernel() {
 #if defined(ATTNSERVE_X86_INTRINSICS)
+  if (CpuHasAvx512()) return DecodeKernel::kAvx512;
   if (CpuHasAvx2Fma()) return DecodeKernel::kAvx2;
 #endif
   return DecodeKernel::kPortable;
@@ -217,7 +464,19 @@ DecodeKernel BestKernel() {
 }  // namespace
 
 bool DecodeKernelRuns(DecodeKernel kernel) {
-  return kernel == DecodeKernel::kPortable || BestKernel() == DecodeKernel::kAvx2;
+  switch (kernel) {
+    case DecodeKernel::kPortable:
+      return true;
+#if defined(ATTNSERVE_X86_INTRINSICS)
+    case DecodeKernel::kAvx2:
+      return CpuHasAvx2Fma();
+    case DecodeKernel::kAvx512:
+      // Its rows past kMaxAvx512HeadDim run the AVX2 kernels.
+      return CpuHasAvx512() && CpuHasAvx2Fma();
+#endif
+    default:
+      return false;
+  }
 }
 
 void DecodeScoresOn(DecodeKernel kernel, const float* q, const float* k, int64_t keys,

@@ -5,9 +5,12 @@
 // (core/decode/paged_attention.h) over one KV head's rows of one cache block,
 // FP32 accumulation, BF16 rows widened as they are read. Two
 // implementations, the first that runs on this CPU chosen once by its
-// features: AVX2+FMA intrinsics (scores eight keys at a time with
-// independent accumulators; P V with the accumulator row held in registers
-// over the keys), and plain C++ that GCC vectorizes (ATTNSERVE_CLONES).
+// features: AVX-512 intrinsics (scores sixteen keys at a time, each key's
+// products reduced together; P V with two accumulator rows in registers, for
+// head_dim up to 128, longer rows as AVX2), AVX2+FMA intrinsics (scores eight
+// keys at a time with independent accumulators; P V with the accumulator row
+// held in registers over the keys), and plain C++ that GCC vectorizes
+// (ATTNSERVE_CLONES).
 
 #include <cstdint>
 
@@ -26,8 +29,9 @@ void DecodeValues(const float* p, const Bf16* v, int64_t keys, int64_t head_dim,
                   float* acc);
 
 // The implementations, for tests: DecodeScores and DecodeValues run the first
-// of kAvx2, kPortable that runs here.
-enum class DecodeKernel { kPortable, kAvx2 };
+// of kAvx512, kAvx2, kPortable that runs here (by the CPU's features: AVX-512
+// F/BW/DQ/VL; AVX2 and FMA).
+enum class DecodeKernel { kPortable, kAvx2, kAvx512 };
 bool DecodeKernelRuns(DecodeKernel kernel);
 void DecodeScoresOn(DecodeKernel kernel, const float* q, const float* k, int64_t keys,
                     int64_t head_dim, float* s);

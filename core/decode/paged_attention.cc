@@ -36,6 +36,8 @@ constexpr int64_t kUnitsPerThread = 4;
 // The fewest keys a split covers: shorter ranges cost more to merge than they
 // spread.
 constexpr int64_t kMinSplitKeys = 256;
+// Keys that share one online-softmax step (whole blocks, at least one).
+constexpr int64_t kSpanKeys = 128;
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // An item's sizes, resolved once.
@@ -76,15 +78,19 @@ struct Merge {
   int64_t splits = 0;
 };
 
-// One thread's online-softmax state of a tile of rows.
+// One thread's online-softmax state of a tile of rows, and the scores of a
+// span of keys ([rows, span_width]).
 struct TileState {
-  std::vector<float> m, l, acc, scores;
-  void Reset(int64_t rows, int64_t head_dim, int64_t block_tokens) {
+  std::vector<float> m, l, acc, scores, alpha;
+  std::vector<int64_t> limits;
+  void Reset(int64_t rows, int64_t head_dim, int64_t span_width) {
     m.assign(static_cast<size_t>(rows), kMinusInf);
     l.assign(static_cast<size_t>(rows), 0.0f);
     acc.assign(static_cast<size_t>(rows * head_dim), 0.0f);
-    if (scores.size() < static_cast<size_t>(block_tokens)) {
-      scores.resize(static_cast<size_t>(block_tokens));
+    alpha.resize(static_cast<size_t>(rows));
+    limits.resize(static_cast<size_t>(rows));
+    if (scores.size() < static_cast<size_t>(rows * span_width)) {
+      scores.resize(static_cast<size_t>(rows * span_width));
     }
   }
 };
@@ -214,43 +220,76 @@ void NormalizeMapRow(float* row, int64_t visible, int64_t length, float m, float
   std::fill(row + visible, row + length, 0.0f);
 }
 
-// One block's keys [j0, j1) (token positions) against the tile's new rows
-// [i0, i1) of KV head g: scores, online softmax, P V; raw scores to the map.
-void ProcessBlock(const ItemView& view, int64_t g, int64_t block, int64_t j0, int64_t j1,
-                  int64_t i0, int64_t i1, TileState& state) {
-  const PagedAttentionItem& item = *view.item;
-  const int64_t row_offset = (j0 - block * view.block_tokens) * view.head_dim;
+// Scores of query row q against keys [j0, j1) of KV head g (one block's)
+// into s.
+void BlockScores(const ItemView& view, int64_t g, int64_t j0, int64_t j1, const float* q,
+                 float* s) {
+  const int64_t block = j0 / view.block_tokens;
+  const int64_t offset = (j0 - block * view.block_tokens) * view.head_dim;
   const std::byte* k = view.cache->key_rows(block, static_cast<int>(g));
+  if (view.bf16) {
+    internal::DecodeScores(q, reinterpret_cast<const Bf16*>(k) + offset, j1 - j0, view.head_dim,
+                           s);
+  } else {
+    internal::DecodeScores(q, reinterpret_cast<const float*>(k) + offset, j1 - j0, view.head_dim,
+                           s);
+  }
+}
+
+// acc = acc alpha + p V over keys [j0, j1) of KV head g (one block's).
+void BlockValues(const ItemView& view, int64_t g, int64_t j0, int64_t j1, const float* p,
+                 float alpha, float* acc) {
+  const int64_t block = j0 / view.block_tokens;
+  const int64_t offset = (j0 - block * view.block_tokens) * view.head_dim;
   const std::byte* v = view.cache->value_rows(block, static_cast<int>(g));
-  float* s = state.scores.data();
+  if (view.bf16) {
+    internal::DecodeValues(p, reinterpret_cast<const Bf16*>(v) + offset, j1 - j0, view.head_dim,
+                           alpha, acc);
+  } else {
+    internal::DecodeValues(p, reinterpret_cast<const float*>(v) + offset, j1 - j0,
+                           view.head_dim, alpha, acc);
+  }
+}
+
+// Keys [j0, j1) (token positions, a span of whole blocks but at its ends)
+// against the tile's new rows [i0, i1) of KV head g: the scores of every row
+// of the tile (its G heads), one online-softmax step for them all (rows
+// together: their dependency chains overlap), then P V; raw scores to the
+// map. A span of several blocks shares one softmax step: its fixed cost is
+// paid per span, not per block.
+void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t i0, int64_t i1,
+                 int64_t width, TileState& state) {
+  const PagedAttentionItem& item = *view.item;
+  const int64_t bt = view.block_tokens;
+  const int64_t rows = (i1 - i0) * view.group;
   for (int64_t i = i0; i < i1; ++i) {
-    const int64_t visible = std::min(j1, view.first + i + 1) - j0;
-    if (visible <= 0) continue;
+    const int64_t visible = std::max<int64_t>(0, std::min(j1, view.first + i + 1) - j0);
     for (int64_t hl = 0; hl < view.group; ++hl) {
       const int64_t r = (i - i0) * view.group + hl;
       const int64_t h = g * view.group + hl;
+      state.limits[static_cast<size_t>(r)] = visible;
+      float* s = state.scores.data() + r * width;
       const float* q = item.q.data() + view.q_row(i, h);
-      float* acc = state.acc.data() + r * view.head_dim;
-      if (view.bf16) {
-        internal::DecodeScores(q, reinterpret_cast<const Bf16*>(k) + row_offset, visible,
-                               view.head_dim, s);
-      } else {
-        internal::DecodeScores(q, reinterpret_cast<const float*>(k) + row_offset, visible,
-                               view.head_dim, s);
+      for (int64_t a = j0; a < j0 + visible; a = (a / bt + 1) * bt) {
+        BlockScores(view, g, a, std::min(j0 + visible, (a / bt + 1) * bt), q, s + (a - j0));
       }
-      if (!item.attention_map.empty()) {
+      if (!item.attention_map.empty() && visible > 0) {
         std::memcpy(item.attention_map.data() + view.map_row(i, h) + j0, s,
                     static_cast<size_t>(visible) * sizeof(float));
       }
-      const float alpha = internal::OnlineSoftmaxRow(s, visible, visible, item.scale,
-                                                     state.m[r], state.l[r], nullptr);
-      if (view.bf16) {
-        internal::DecodeValues(s, reinterpret_cast<const Bf16*>(v) + row_offset, visible,
-                               view.head_dim, alpha, acc);
-      } else {
-        internal::DecodeValues(s, reinterpret_cast<const float*>(v) + row_offset, visible,
-                               view.head_dim, alpha, acc);
-      }
+    }
+  }
+  internal::OnlineSoftmaxStrip(state.scores.data(), width, rows, state.limits.data(), width,
+                               item.scale, state.m.data(), state.l.data(), state.alpha.data(),
+                               nullptr);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = state.limits[static_cast<size_t>(r)];
+    const float* p = state.scores.data() + r * width;
+    float* acc = state.acc.data() + r * view.head_dim;
+    float alpha = state.alpha[static_cast<size_t>(r)];
+    for (int64_t a = j0; a < j0 + visible; a = (a / bt + 1) * bt) {
+      BlockValues(view, g, a, std::min(j0 + visible, (a / bt + 1) * bt), p + (a - j0), alpha, acc);
+      alpha = 1.0f;
     }
   }
 }
@@ -286,14 +325,16 @@ void FinishTile(const ItemView& view, const Unit& unit, int64_t i0, int64_t i1,
 void RunUnit(const ItemView& view, const Unit& unit, TileState& state, float* partials) {
   const int64_t tile = std::max<int64_t>(1, kTileRows / view.group);
   const int64_t bt = view.block_tokens;
+  // Whole blocks per span (unit.key_begin is a block's first key).
+  const int64_t span = std::max<int64_t>(1, kSpanKeys / bt) * bt;
   for (int64_t i0 = 0; i0 < view.n; i0 += tile) {
     const int64_t i1 = std::min(view.n, i0 + tile);
-    state.Reset((i1 - i0) * view.group, view.head_dim, bt);
+    state.Reset((i1 - i0) * view.group, view.head_dim, span);
     // The tile's last row sees keys before first + i1.
     const int64_t key_end = std::min(unit.key_end, view.first + i1);
-    for (int64_t block = unit.key_begin / bt; block * bt < key_end; ++block) {
-      ProcessBlock(view, unit.kv_head, block, std::max(unit.key_begin, block * bt),
-                   std::min(key_end, (block + 1) * bt), i0, i1, state);
+    for (int64_t j0 = unit.key_begin; j0 < key_end; j0 += span) {
+      const int64_t j1 = std::min(key_end, j0 + span);
+      ProcessSpan(view, unit.kv_head, j0, j1, i0, i1, span, state);
     }
     FinishTile(view, unit, i0, i1, state, partials);
   }

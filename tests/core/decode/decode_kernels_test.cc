@@ -31,7 +31,7 @@ constexpr double kTolerance = 1e-5;
 
 std::vector<DecodeKernel> Kernels() {
   std::vector<DecodeKernel> kernels;
-  for (DecodeKernel kernel : {DecodeKernel::kPortable, DecodeKernel::kAvx2}) {
+  for (DecodeKernel kernel : {DecodeKernel::kPortable, DecodeKernel::kAvx2, DecodeKernel::kAvx512}) {
     if (DecodeKernelRuns(kernel)) kernels.push_back(kernel);
   }
   return kernels;
@@ -40,7 +40,11 @@ std::vector<DecodeKernel> Kernels() {
 TEST(DecodeKernels, EachKernelRunsWhereTheCpuHasItsInstructions) {
   EXPECT_TRUE(DecodeKernelRuns(DecodeKernel::kPortable));
   const std::set<std::string> flags = ::attnserve::testing::CpuInfoFlags();
-  EXPECT_EQ(DecodeKernelRuns(DecodeKernel::kAvx2), flags.count("avx2") && flags.count("fma"));
+  const bool avx2 = flags.count("avx2") && flags.count("fma");
+  EXPECT_EQ(DecodeKernelRuns(DecodeKernel::kAvx2), avx2);
+  EXPECT_EQ(DecodeKernelRuns(DecodeKernel::kAvx512),
+            avx2 && flags.count("avx512f") && flags.count("avx512bw") && flags.count("avx512dq") &&
+                flags.count("avx512vl"));
 }
 
 // k and v rows [keys, head_dim] in FP32 and as BF16 (the BF16 ones widened
@@ -61,8 +65,8 @@ TEST(DecodeKernels, ScoresAndValuesMatchDoublePrecision) {
   SCOPED_TRACE(SeedTrace(seed));
   std::mt19937_64 rng(seed);
   for (const DecodeKernel kernel : Kernels()) {
-    for (int64_t hd : {1, 7, 8, 40, 64, 72, 130}) {
-      for (int64_t keys : {1, 7, 8, 9, 32}) {
+    for (int64_t hd : {1, 7, 8, 16, 17, 32, 40, 64, 72, 96, 128, 130}) {
+      for (int64_t keys : {1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33}) {
         SCOPED_TRACE(::testing::Message() << "kernel " << static_cast<int>(kernel) << ", head_dim "
                                         << hd << ", keys " << keys);
         const std::vector<float> q = RandomNormal(static_cast<size_t>(hd), rng);

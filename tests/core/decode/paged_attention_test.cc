@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <ostream>
 #include <random>
@@ -152,6 +153,10 @@ std::vector<Shape> Shapes() {
     shapes.push_back({"Mqa8to1Hd64" + p, 8, 1, 64, precision, 7});
     shapes.push_back({"Gqa8to2Hd40" + p, 8, 2, 40, precision, 5});
     shapes.push_back({"Mha3Hd40" + p, 3, 3, 40, precision, 32});
+    // Blocks longer than a softmax span (128 keys), and the head_dims of the
+    // AVX-512 kernels' other row lengths (6 and 8 vectors of 16, unmasked).
+    shapes.push_back({"Gqa8to2Hd128Bt200" + p, 8, 2, 128, precision, 200});
+    shapes.push_back({"Mha2Hd96" + p, 2, 2, 96, precision, 48});
   }
   return shapes;
 }
@@ -235,8 +240,9 @@ TEST(PagedAttention, MicroBatchMixingLengthsMatchesEachSequenceAlone) {
   std::unique_ptr<KvBlockPool> pool = MakePool(16);
   const std::vector<Shape> shapes = Shapes();
   std::vector<std::unique_ptr<Sequence>> batch;
-  const int64_t prefix[] = {0, 36, 299, 16, 1, 77, 150, 5, 0, 47};
-  const int64_t steps[] = {1, 1, 5, 1, 12, 1, 1, 3, 9, 1};
+  const int64_t prefix[] = {0, 36, 299, 16, 1, 77, 150, 5, 0, 47, 130, 3, 260, 0};
+  const int64_t steps[] = {1, 1, 5, 1, 12, 1, 1, 3, 9, 1, 1, 7, 1, 2};
+  ASSERT_EQ(shapes.size(), std::size(prefix));
   for (size_t i = 0; i < shapes.size(); ++i) {
     Shape shape = shapes[i];
     shape.block_tokens = 16;
