@@ -157,6 +157,10 @@ ABSL_FLAG(int64_t, sessions, 8, "bench --decode: sessions decoding together");
 ABSL_FLAG(int64_t, context, 512, "bench --decode: tokens each session is prefilled with");
 ABSL_FLAG(int64_t, steps, 32, "bench --decode: decode rounds (one new token per session each)");
 ABSL_FLAG(int64_t, prefill_chunk, 512, "bench --decode: most tokens a session sends per prefill step");
+ABSL_FLAG(int64_t, prefill_during, 0,
+          "bench --decode: mixed traffic: after --steps rounds, as many again with one prefill "
+          "of this many tokens (one Extend step of a new session) arriving among them; reports "
+          "the step p50/p99 without and with it, and the p99 ratio (0: off)");
 ABSL_FLAG(std::string, kv_dtype, "fp32", "bench --decode: the sessions' KV cache: fp32 or bf16");
 ABSL_FLAG(bool, stream, false,
           "bench --decode: send the prefill and the rounds as messages of one ExtendStream call "
@@ -472,6 +476,7 @@ int RunDecodeBenchCommand(const AttentionClient& client) {
   options.context = absl::GetFlag(FLAGS_context);
   options.steps = absl::GetFlag(FLAGS_steps);
   options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  options.prefill_during = absl::GetFlag(FLAGS_prefill_during);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.stream = absl::GetFlag(FLAGS_stream);
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);

@@ -140,8 +140,9 @@ std::vector<double> ReferenceRows(const Sequence& sequence, int64_t from, int64_
 
 class ExtendBatchingTest : public ::testing::Test {
  protected:
-  void Start(int64_t chunk_tokens, int64_t max_batch_tokens = 4096) {
+  void Start(int64_t chunk_tokens, int64_t max_batch_tokens = 4096, int64_t max_seq_len = 2048) {
     ServerOptions options;
+    options.limits.max_seq_len = max_seq_len;
     options.prefill_chunk_tokens = chunk_tokens;
     options.max_batch_tokens = max_batch_tokens;
     options.builtin_model_seed = kSeed;
@@ -450,6 +451,33 @@ TEST_F(ExtendBatchingTest, AttendCallsBesideSessionsAreAnsweredAsBefore) {
                                             reference.output),
             1e-5);
   ExpectMatches(*prefill, sequence, 40, 1e-5);
+}
+
+// With chunking a step may be longer than --max_seq_len (up to the
+// session's limit); without, it is refused naming the field and the flags.
+TEST_F(ExtendBatchingTest, AChunkedStepMayPassMaxSeqLenAnUnchunkedOneIsRefused) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(absl::StrCat("input seed ", seed));
+  std::mt19937_64 rng(seed);
+  const int64_t width = gqa_.config.d_model;
+  Start(/*chunk_tokens=*/64, 4096, /*max_seq_len=*/16);  // chunks of 16: it acts as the limit
+  Sequence sequence = Open(gqa_, v1::DATA_TYPE_BF16);
+  ExpectMatches(*StartStep(sequence, RandomRows(45, width, rng), /*maps=*/true), sequence, 45,
+                2e-2);
+  server_.reset();
+  Start(/*chunk_tokens=*/0, 4096, /*max_seq_len=*/16);
+  Sequence unchunked = Open(gqa_, v1::DATA_TYPE_FP32);
+  auto refused = StartStep(unchunked, RandomRows(17, width, rng));
+  refused->done.WaitForNotification();
+  ASSERT_TRUE(refused->status.ok());
+  const v1::ExtendResult& result = refused->response.results(0);
+  EXPECT_EQ(result.code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(result.message().find("steps[0].hidden_states"), std::string::npos) << result.message();
+  EXPECT_NE(result.message().find("--prefill_chunk_tokens=0"), std::string::npos)
+      << result.message();
+  EXPECT_EQ(Length(unchunked.id), 0);
+  unchunked.tokens.clear();  // the refused rows were not appended
+  ExpectMatches(*StartStep(unchunked, RandomRows(16, width, rng)), unchunked, 16, 1e-5);
 }
 
 }  // namespace
