@@ -238,7 +238,9 @@ Commands:
                           --context=C tokens, then --steps=K rounds of one token per
                           session, one Extend (micro-batch) a round (--stream: messages
                           of one ExtendStream call); prints tokens/s, step
-                          p50/p90/p99/max and the server's compute per step
+                          p50/p90/p99/max and the server's compute per step;
+                          --prefill_during=N: as many rounds again with one N-token
+                          prefill arriving among them, and the p99 with / without
 
 attend flags (attnctl --help describes each one):
   what runs    --model=M | --layer_seed=N --d_model=D --num_heads=H [--num_kv_heads=K]
@@ -260,6 +262,7 @@ Examples:
   attnctl bench --rate=500 --batch=1 --seq=16 --requests=5000 --json
   attnctl bench --decode --sessions=32 --context=2048 --steps=64
   attnctl bench --decode --sessions=1 --context=2048 --steps=256 --stream
+  attnctl bench --decode --sessions=32 --context=2048 --prefill_during=4096
   ID=$(attnctl session open | head -1); attnctl session extend --session_id=$ID --tokens=4
   attnctl attend --target=127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003 \
       --lb_policy=round_robin --repeat=300      # spread over three replicas
