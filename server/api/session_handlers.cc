@@ -65,6 +65,16 @@ constexpr int64_t kResponseFramingBytes = int64_t{64} << 10;
 // then running in a batch with the Extend calls queued with it (one round
 // each; a prefill longer than --prefill_chunk_tokens goes back into the
 // queue after each round, holding its leases, until its last chunk ran).
+//
+// Why a prefill goes back into the queue rather than the scheduler filling
+// each batch with decode steps first and a prefill's chunk after: the queue
+// stays the one place that orders work (FIFO, deadlines, cancellation, the
+// drain's sweep, the in-flight budget), a chunked call needs no state in the
+// scheduler, and the effect is the same: after each chunk the decode steps
+// that arrived meanwhile are ahead of it, and since they share its batch key
+// the next batch holds them and the prefill's next chunk (within
+// --max_batch_tokens), so a decode step waits for at most the chunk that was
+// running when it arrived.
 struct AttentionServiceImpl::ExtendJob final : ScheduledWork {
   ExtendJob(AttentionServiceImpl* service, grpc::CallbackServerContext* context,
             const v1::ExtendRequest* request, v1::ExtendResponse* response,
