@@ -152,7 +152,8 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
     const v1::ExtendStep& step = request.steps(i);
     ExtendStepPlan& planned = plan.steps[static_cast<size_t>(i)];
     const std::string field = absl::StrCat("steps[", i, "]");
-    absl::StatusOr<CheckedStep> checked = CheckStep(step, i, sessions, owner, limits, plan.chunk_tokens);
+    absl::StatusOr<CheckedStep> checked =
+        CheckStep(step, i, sessions, owner, limits, plan.chunk_tokens);
     if (!checked.ok()) {
       planned.status = checked.status();
       continue;

@@ -208,8 +208,8 @@ class ExtendBatchingTest : public ::testing::Test {
     Sequence prefix = sequence;
     prefix.tokens.resize(static_cast<size_t>(length * sequence.layer->config.d_model));
     std::vector<double> maps;
-    const std::vector<double> expected =
-        ReferenceRows(prefix, length - n, n, call.request.steps(0).attention_maps() ? &maps : nullptr);
+    const std::vector<double> expected = ReferenceRows(
+        prefix, length - n, n, call.request.steps(0).attention_maps() ? &maps : nullptr);
     EXPECT_LT(testing::RelativeFrobeniusError(testing::Floats(result.output()), expected),
               tolerance)
         << "step of " << n << " to " << length;
@@ -283,7 +283,8 @@ TEST_F(ExtendBatchingTest, AMemberWhoseCallerCancelledFailsNoBatchMate) {
   for (int i = 0; i < 3; ++i) sequences.push_back(Open(gqa_, v1::DATA_TYPE_FP32));
   server_->Block();
   std::vector<std::unique_ptr<PendingExtend>> calls;
-  for (int i = 0; i < 3; ++i) calls.push_back(StartStep(sequences[i], RandomRows(5 + i, width, rng)));
+  for (int i = 0; i < 3; ++i)
+    calls.push_back(StartStep(sequences[i], RandomRows(5 + i, width, rng)));
   ASSERT_TRUE(server_->WaitForQueueDepth(3));
   calls[1]->context.TryCancel();
   calls[1]->done.WaitForNotification();
@@ -334,7 +335,8 @@ TEST_F(ExtendBatchingTest, ALongPrefillIsComputedInChunksAndMatchesTheReference)
       ASSERT_TRUE(server_->stub().Extend(&context, first->request, &replayed).ok());
       ASSERT_EQ(replayed.results_size(), 1);
       EXPECT_TRUE(replayed.results(0).replayed());
-      EXPECT_EQ(replayed.results(0).output().raw_data(), first->response.results(0).output().raw_data());
+      EXPECT_EQ(replayed.results(0).output().raw_data(),
+                first->response.results(0).output().raw_data());
       EXPECT_EQ(Length(sequence.id), sequence.length());
     }
   }
@@ -361,7 +363,8 @@ TEST_F(ExtendBatchingTest, ADecodeStepQueuedBehindAPrefillIsAnsweredBeforeItFini
       };
     };
     server_->Block();
-    auto long_call = StartStep(prefill, RandomRows(16 * 20 + 3, width, rng), false, note("prefill"));
+    auto long_call =
+        StartStep(prefill, RandomRows(16 * 20 + 3, width, rng), false, note("prefill"));
     ASSERT_TRUE(server_->WaitForQueueDepth(1));
     auto step = StartStep(decode, RandomRows(1, width, rng), false, note("decode"));
     ASSERT_TRUE(server_->WaitForQueueDepth(2));
@@ -447,9 +450,9 @@ TEST_F(ExtendBatchingTest, AttendCallsBesideSessionsAreAnsweredAsBefore) {
   inputs.layout = *core::SequenceLayout::Padded(1, 6);
   const testing::ReferenceResult reference =
       testing::ReferenceLayer(mha_.config, mha_.weights, inputs);
-  EXPECT_LT(testing::RelativeFrobeniusError(testing::Floats(attend->response.output()),
-                                            reference.output),
-            1e-5);
+  EXPECT_LT(
+      testing::RelativeFrobeniusError(testing::Floats(attend->response.output()), reference.output),
+      1e-5);
   ExpectMatches(*prefill, sequence, 40, 1e-5);
 }
 
