@@ -8,7 +8,8 @@
 // a prefill longer than --prefill_chunk_tokens is computed chunk by chunk
 // (outputs and maps equal the reference for random chunk sizes and lengths),
 // a decode step queued behind it is answered before it finishes, a replay of
-// it returns its answer, a cancel between chunks leaves the layer as it was;
+// it returns its answer, a cancel or a deadline between chunks leaves the
+// layer as it was; a chunked step may pass --max_seq_len, an unchunked one not;
 // Attend calls beside sessions are answered as before.
 #include <grpcpp/client_context.h>
 
@@ -177,13 +178,14 @@ class ExtendBatchingTest : public ::testing::Test {
   // for its maps); `on_done` runs when it has finished.
   std::unique_ptr<PendingExtend> StartStep(Sequence& sequence, std::vector<float> rows,
                                            bool maps = false,
-                                           std::function<void()> on_done = nullptr) {
+                                           std::function<void()> on_done = nullptr,
+                                           absl::Duration timeout = absl::Seconds(300)) {
     auto call = std::make_unique<PendingExtend>();
     *call->request.add_steps() =
         Step(sequence.id, sequence.length(), rows, sequence.layer->config.d_model);
     call->request.mutable_steps(0)->set_attention_maps(maps);
     sequence.tokens.insert(sequence.tokens.end(), rows.begin(), rows.end());
-    call->context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(300)));
+    call->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     PendingExtend* c = call.get();
     server_->stub().async()->Extend(&c->context, &c->request, &c->response,
                                     [c, on_done = std::move(on_done)](grpc::Status status) {
@@ -218,6 +220,28 @@ class ExtendBatchingTest : public ::testing::Test {
                 tolerance)
           << "maps of the step of " << n << " to " << length;
     }
+  }
+
+  // The layer's length once no step holds it: steps of one token are sent
+  // until one is admitted (ABORTED while the stopped call still holds the
+  // layer), and that step must match the reference over what the layer holds.
+  int64_t HeldOnceFree(const Sequence& sequence, std::mt19937_64& rng) {
+    const int64_t width = sequence.layer->config.d_model;
+    for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
+      Sequence probe = sequence;
+      probe.tokens.resize(static_cast<size_t>(Length(sequence.id) * width));
+      auto next = StartStep(probe, RandomRows(1, width, rng));
+      next->done.WaitForNotification();
+      EXPECT_TRUE(next->status.ok()) << next->status.error_message();
+      if (!next->status.ok()) return -1;
+      if (next->response.results(0).code() == grpc::StatusCode::ABORTED) continue;
+      EXPECT_EQ(next->response.results(0).code(), 0) << next->response.results(0).message();
+      const int64_t length = next->response.results(0).length() - 1;
+      ExpectMatches(*next, probe, length + 1, 1e-5);
+      return length;
+    }
+    ADD_FAILURE() << "the layer stayed held";
+    return -1;
   }
 
   double Sample(const std::string& series) const {
@@ -400,23 +424,33 @@ TEST_F(ExtendBatchingTest, ACancelBetweenChunksLeavesTheLayerAsItWas) {
   }
   call->context.TryCancel();
   call->done.WaitForNotification();
-  // Wait until the server has let go of the layer: a GetSession shows no step in flight
-  // once a new step is admitted (ABORTED while one runs).
-  int64_t length = -1;
-  for (const absl::Time give_up = absl::Now() + absl::Seconds(60); absl::Now() < give_up;) {
-    Sequence probe = sequence;
-    probe.tokens.resize(static_cast<size_t>(Length(sequence.id) * width));
-    auto next = StartStep(probe, RandomRows(1, width, rng));
-    next->done.WaitForNotification();
-    ASSERT_TRUE(next->status.ok());
-    if (next->response.results(0).code() == grpc::StatusCode::ABORTED) continue;
-    ASSERT_EQ(next->response.results(0).code(), 0) << next->response.results(0).message();
-    length = next->response.results(0).length() - 1;
-    // The step after it matches the reference over what the layer holds.
-    ExpectMatches(*next, probe, length + 1, 1e-5);
-    break;
-  }
+  const int64_t length = HeldOnceFree(sequence, rng);
   EXPECT_TRUE(length == 3 || length == 3 + n) << length;
+}
+
+// A deadline that passes between chunks: DEADLINE_EXCEEDED, and the layer
+// keeps what it held before the call (or, when every chunk ran in time, OK
+// and all of it).
+TEST_F(ExtendBatchingTest, ADeadlinePassingBetweenChunksLeavesTheLayerAsItWas) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(absl::StrCat("input seed ", seed));
+  std::mt19937_64 rng(seed);
+  Start(/*chunk_tokens=*/8);
+  const int64_t width = gqa_.config.d_model;
+  Sequence sequence = Open(gqa_, v1::DATA_TYPE_FP32);
+  ExpectMatches(*StartStep(sequence, RandomRows(3, width, rng)), sequence, 3, 1e-5);
+  const int64_t n = 8 * 400 + 5;
+  auto call = StartStep(sequence, RandomRows(n, width, rng), false, nullptr,
+                        absl::Milliseconds(200));
+  call->done.WaitForNotification();
+  const int64_t length = HeldOnceFree(sequence, rng);
+  if (call->status.ok()) {
+    EXPECT_EQ(length, 3 + n);
+  } else {
+    EXPECT_EQ(call->status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+        << call->status.error_message();
+    EXPECT_EQ(length, 3);
+  }
 }
 
 TEST_F(ExtendBatchingTest, AttendCallsBesideSessionsAreAnsweredAsBefore) {
