@@ -159,6 +159,10 @@ ABSL_FLAG(int64_t, sessions, 8, "bench --decode: sessions decoding together");
 ABSL_FLAG(int64_t, context, 512, "bench --decode: tokens each session is prefilled with");
 ABSL_FLAG(int64_t, steps, 32, "bench --decode: decode rounds (one new token per session each)");
 ABSL_FLAG(int64_t, prefill_chunk, 512, "bench --decode: most tokens a session sends per prefill step");
+ABSL_FLAG(int64_t, prefill_during, 0,
+          "bench --decode: mixed traffic: after --steps rounds, as many again with one prefill "
+          "of this many tokens (one Extend step of a new session) arriving among them; reports "
+          "the step p50/p99 without and with it, and the p99 ratio (0: off)");
 ABSL_FLAG(std::string, kv_dtype, "fp32", "bench --decode: the sessions' KV cache: fp32 or bf16");
 ABSL_FLAG(bool, stream, false,
           "bench --decode: send the prefill and the rounds as messages of one ExtendStream call "
@@ -244,7 +248,9 @@ Commands:
                           --context=C tokens, then --steps=K rounds of one token per
                           session, one Extend (micro-batch) a round (--stream: messages
                           of one ExtendStream call); prints tokens/s, step
-                          p50/p90/p99/max and the server's compute per step
+                          p50/p90/p99/max and the server's compute per step;
+                          --prefill_during=N: as many rounds again with one N-token
+                          prefill arriving among them, and the p99 with / without
   bench --decode --churn [flags]  open, extend, fork, truncate, close sessions at random
                           for --duration=S, checking every length (no token lost or
                           duplicated); sessions expire (--ttl_seconds) and are evicted
@@ -269,6 +275,7 @@ Examples:
   attnctl bench --rate=500 --batch=1 --seq=16 --requests=5000 --json
   attnctl bench --decode --sessions=32 --context=2048 --steps=64
   attnctl bench --decode --sessions=1 --context=2048 --steps=256 --stream
+  attnctl bench --decode --sessions=32 --context=2048 --prefill_during=4096
   ID=$(attnctl session open | head -1); attnctl session extend --session_id=$ID --tokens=4
   attnctl attend --target=127.0.0.1:5001,127.0.0.1:5002,127.0.0.1:5003 \
       --lb_policy=round_robin --repeat=300      # spread over three replicas
@@ -489,6 +496,7 @@ int RunDecodeBenchCommand(const AttentionClient& client) {
   options.context = absl::GetFlag(FLAGS_context);
   options.steps = absl::GetFlag(FLAGS_steps);
   options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  options.prefill_during = absl::GetFlag(FLAGS_prefill_during);
   options.seed = absl::GetFlag(FLAGS_seed);
   options.stream = absl::GetFlag(FLAGS_stream);
   options.timeout_seconds = absl::GetFlag(FLAGS_timeout_seconds);

@@ -1,10 +1,12 @@
 #include "client/decode_bench.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -58,6 +60,9 @@ absl::Status ValidateDecodeBenchOptions(const DecodeBenchOptions& options) {
         positive(options.steps, "--steps"), positive(options.prefill_chunk, "--prefill_chunk")}) {
     if (!status.ok()) return status;
   }
+  if (options.prefill_during < 0) {
+    return absl::InvalidArgumentError("--prefill_during: must be >= 0 (0: no prefill)");
+  }
   return absl::OkStatus();
 }
 
@@ -75,7 +80,8 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
   v1::OpenSessionRequest open;
   open.add_models(options.model);
   open.set_kv_dtype(options.kv_dtype);
-  open.set_max_tokens(options.context + options.steps);
+  const int64_t rounds = options.prefill_during > 0 ? 2 * options.steps : options.steps;
+  open.set_max_tokens(options.context + rounds);
   absl::Status status;
   for (int64_t i = 0; i < options.sessions && status.ok(); ++i) {
     absl::StatusOr<v1::Session> session = client.OpenSession(open);
@@ -83,7 +89,7 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
     if (session.ok()) sessions.push_back(session->session_id());
   }
   const int64_t chunks = (options.context + options.prefill_chunk - 1) / options.prefill_chunk;
-  const int64_t total = chunks + options.steps;
+  const int64_t total = chunks + rounds;
   std::unique_ptr<ExtendStream> stream =
       options.stream ? client.OpenExtendStream(options.timeout_seconds * static_cast<double>(total))
                      : nullptr;
@@ -113,6 +119,50 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
     if (progress) progress(++done, total);
   }
   result.decode_seconds = std::chrono::duration<double>(Clock::now() - decode_start).count();
+  // Mixed traffic: the same rounds again, a long prefill arriving among them.
+  std::vector<double> with_ms, during_ms;
+  std::thread prefill;
+  absl::Status prefill_status;
+  Clock::time_point long_start, long_end;
+  std::atomic<bool> prefill_done{false};
+  for (int64_t s = 0; options.prefill_during > 0 && s < options.steps && status.ok(); ++s) {
+    if (s == options.steps / 4) {
+      prefill = std::thread([&] {
+        v1::OpenSessionRequest one = open;
+        one.set_max_tokens(options.prefill_during);
+        absl::StatusOr<v1::Session> session = client.OpenSession(one);
+        long_start = Clock::now();
+        prefill_status = session.status();
+        if (session.ok()) {
+          std::mt19937_64 prefill_rng(options.seed + 1);
+          prefill_status = ExtendAll(client, nullptr, {session->session_id()}, 0,
+                                     options.prefill_during, result.d_model, prefill_rng)
+                               .status();
+          long_end = Clock::now();
+          (void)client.CloseSession(session->session_id());
+        }
+        prefill_done = true;
+      });
+    }
+    const bool before_end = !prefill_done.load();
+    const auto start = Clock::now();
+    absl::StatusOr<v1::ExtendResponse> response =
+        ExtendAll(client, stream.get(), sessions, length, 1, result.d_model, rng);
+    status = response.status();
+    if (!response.ok()) break;
+    const auto end = Clock::now();
+    with_ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());
+    // Overlapped the prefill call: started before it ended, ended after it began.
+    if (prefill.joinable() && before_end) during_ms.push_back(with_ms.back());
+    ++length;
+    if (progress) progress(++done, total);
+  }
+  if (prefill.joinable()) {
+    prefill.join();
+    if (status.ok()) status = prefill_status;
+    result.prefill_call_ms =
+        std::chrono::duration<double, std::milli>(long_end - long_start).count();
+  }
   if (stream != nullptr) {
     const absl::Status closed = stream->Close();
     if (status.ok()) status = closed;
@@ -132,10 +182,27 @@ absl::StatusOr<DecodeBenchResult> RunDecodeBench(
   double overhead_sum = 0;
   for (double ms : overhead_ms) overhead_sum += ms;
   result.overhead_mean_ms = overhead_sum / static_cast<double>(overhead_ms.size());
+  if (!with_ms.empty()) {
+    std::sort(with_ms.begin(), with_ms.end());
+    std::sort(during_ms.begin(), during_ms.end());
+    result.with_p50_ms = Percentile(with_ms, 50);
+    result.with_p99_ms = Percentile(with_ms, 99);
+    result.with_max_ms = Percentile(with_ms, 100);
+    result.during_rounds = static_cast<int64_t>(during_ms.size());
+    if (!during_ms.empty()) {
+      result.during_p50_ms = Percentile(during_ms, 50);
+      result.during_p99_ms = Percentile(during_ms, 99);
+    }
+    result.p99_ratio = result.p99_ms > 0 ? result.with_p99_ms / result.p99_ms : 0;
+  }
   return result;
 }
 
-std::string FormatDecodeBenchText(const DecodeBenchResult& r) {
+namespace {
+
+// The decode rounds' lines and object (FormatDecodeBench* add the mixed
+// traffic's).
+std::string DecodeText(const DecodeBenchResult& r) {
   return absl::StrFormat(
       "decode: %d sessions of model %s, context %d, %d steps (one token per session per step, "
       "%s)\n"
@@ -148,7 +215,7 @@ std::string FormatDecodeBenchText(const DecodeBenchResult& r) {
       r.server_compute_ms, r.kernel_path, r.overhead_p50_ms, r.overhead_mean_ms);
 }
 
-std::string FormatDecodeBenchJson(const DecodeBenchResult& r) {
+std::string DecodeJson(const DecodeBenchResult& r) {
   return absl::StrFormat(
       "{\"mode\": \"decode\", \"form\": \"%s\", \"model\": \"%s\", \"sessions\": %d, "
       "\"context\": %d, \"steps\": %d, "
@@ -160,6 +227,36 @@ std::string FormatDecodeBenchJson(const DecodeBenchResult& r) {
       r.options.sessions, r.options.context, r.options.steps, r.prefill_seconds,
       r.tokens_per_second, r.p50_ms, r.p90_ms, r.p99_ms, r.max_ms, r.server_compute_ms,
       r.overhead_p50_ms, r.overhead_mean_ms, r.kernel_path);
+}
+
+}  // namespace
+
+std::string FormatDecodeBenchText(const DecodeBenchResult& r) {
+  std::string mixed;
+  if (r.options.prefill_during > 0) {
+    mixed = absl::StrFormat(
+        "with a %d-token prefill arriving (one Extend call, %.1f ms): step p50 %.3f ms, "
+        "p99 %.3f ms, max %.3f ms; the %d steps during it: p50 %.3f ms, p99 %.3f ms\n"
+        "p99 with / without: %.2f\n",
+        r.options.prefill_during, r.prefill_call_ms, r.with_p50_ms, r.with_p99_ms, r.with_max_ms,
+        r.during_rounds, r.during_p50_ms, r.during_p99_ms, r.p99_ratio);
+  }
+  return mixed.empty() ? DecodeText(r) : absl::StrCat(DecodeText(r), mixed);
+}
+
+std::string FormatDecodeBenchJson(const DecodeBenchResult& r) {
+  std::string json = DecodeJson(r);
+  if (r.options.prefill_during > 0) {
+    json.pop_back();  // the closing brace
+    absl::StrAppendFormat(
+        &json,
+        ", \"prefill_during\": {\"tokens\": %d, \"call_ms\": %.3f, \"step_ms\": {\"p50\": %.3f, "
+        "\"p99\": %.3f, \"max\": %.3f}, \"steps_during\": %d, \"during_ms\": {\"p50\": %.3f, "
+        "\"p99\": %.3f}, \"p99_ratio\": %.3f}}",
+        r.options.prefill_during, r.prefill_call_ms, r.with_p50_ms, r.with_p99_ms, r.with_max_ms,
+        r.during_rounds, r.during_p50_ms, r.during_p99_ms, r.p99_ratio);
+  }
+  return json;
 }
 
 }  // namespace attnserve::client

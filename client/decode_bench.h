@@ -31,6 +31,12 @@ struct DecodeBenchOptions {
   // Deadline of each Extend call; with `stream`, of each message (the
   // stream's deadline is this times the messages it carries).
   double timeout_seconds = 30;
+  // > 0: mixed traffic. After the `steps` rounds above, `steps` more rounds,
+  // and when a quarter of them have run, one Extend call (from another
+  // thread) prefills a new session with this many tokens in one step (the
+  // server computes it in chunks of its --prefill_chunk_tokens); the second
+  // rounds' latencies are reported beside the first's.
+  int64_t prefill_during = 0;
 };
 
 // What a run measured. Step latencies in milliseconds (one Extend round).
@@ -46,10 +52,19 @@ struct DecodeBenchResult {
   // call, the wire and the queue add): median and mean.
   double overhead_p50_ms = 0, overhead_mean_ms = 0;
   std::string kernel_path;
+  // With prefill_during: the second rounds' step latencies (all of them, and
+  // those that overlapped the prefill call), how many overlapped, the
+  // prefill call's own latency, and p99 with / p99 without.
+  double with_p50_ms = 0, with_p99_ms = 0, with_max_ms = 0;
+  double during_p50_ms = 0, during_p99_ms = 0;
+  int64_t during_rounds = 0;
+  double prefill_call_ms = 0;
+  double p99_ratio = 0;
 };
 
 // OK when `options` make a run; else INVALID_ARGUMENT naming the flag
-// (`--sessions`, `--context`, `--steps`, `--prefill_chunk`). Needs no server.
+// (`--sessions`, `--context`, `--steps`, `--prefill_chunk`, `--prefill_during`).
+// Needs no server.
 absl::Status ValidateDecodeBenchOptions(const DecodeBenchOptions& options);
 
 // Runs the decode load; `progress(done, total)` after each Extend. The first

@@ -141,6 +141,8 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
       CheckRange("max_batch_tokens", options.max_batch_tokens, 0, int64_t{1} << 24));
   ATTNSERVE_RETURN_IF_ERROR(
       CheckRange("max_queue_delay_us", options.max_queue_delay_us, 0, 10 * 1000 * 1000));
+  ATTNSERVE_RETURN_IF_ERROR(
+      CheckRange("prefill_chunk_tokens", options.prefill_chunk_tokens, 0, 1 << 20));
   if (!(options.lame_duck_seconds >= 0 && options.lame_duck_seconds <= 600)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--lame_duck_seconds: ", options.lame_duck_seconds, " is outside [0, 600]"));

@@ -91,6 +91,10 @@ ABSL_FLAG(int64_t, max_batch_tokens, kDefaults.max_batch_tokens,
 ABSL_FLAG(int64_t, max_queue_delay_us, kDefaults.max_queue_delay_us,
           "Dynamic batching: how long (microseconds) a batch that is not full may wait for more "
           "requests; 0: a batch is what is queued when the executor is free");
+ABSL_FLAG(int64_t, prefill_chunk_tokens, kDefaults.prefill_chunk_tokens,
+          "Decode sessions: an Extend step of more new tokens (a long prefill) is computed this "
+          "many at a time, decode steps of other sessions running between its chunks (a value over "
+          "--max_seq_len acts as --max_seq_len); 0: each step in one piece (at most --max_seq_len tokens)");
 ABSL_FLAG(double, lame_duck_seconds, kDefaults.lame_duck_seconds,
           "On SIGTERM/SIGINT, how long health says NOT_SERVING while the server still listens");
 ABSL_FLAG(double, drain_timeout_seconds, kDefaults.drain_timeout_seconds,
@@ -256,6 +260,7 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
   options.max_inflight_bytes = absl::GetFlag(FLAGS_max_inflight_bytes);
   options.max_batch_tokens = absl::GetFlag(FLAGS_max_batch_tokens);
   options.max_queue_delay_us = absl::GetFlag(FLAGS_max_queue_delay_us);
+  options.prefill_chunk_tokens = absl::GetFlag(FLAGS_prefill_chunk_tokens);
   options.lame_duck_seconds = absl::GetFlag(FLAGS_lame_duck_seconds);
   options.drain_timeout_seconds = absl::GetFlag(FLAGS_drain_timeout_seconds);
   options.builtin_model_seed = absl::GetFlag(FLAGS_builtin_model_seed);

@@ -116,8 +116,8 @@ absl::StatusOr<core::Workspace*> AttentionServiceImpl::ComputeWorkspace() {
 
 void AttentionServiceImpl::RunBatch(std::vector<std::unique_ptr<ScheduledWork>> batch,
                                     const BatchInfo& /*info: the timing reports what computed*/) {
-  if (IsExtendJob(*batch.front())) {  // the scheduler never batches it with others
-    RunExtendJob(std::move(batch.front()));
+  if (IsExtendJob(*batch.front())) {  // Extend calls only (kExtendBatchKey)
+    RunExtendBatch(std::move(batch));
     return;
   }
   if (IsLatestAttentionJob(*batch.front())) {  // alone too (batch_key 0)

@@ -217,10 +217,13 @@ class AttentionServiceImpl final
   // Runs one batch the scheduler formed, on the compute executor, and
   // finishes its calls.
   struct AttendJob;
-  // An admitted Extend call (session_handlers.cc): always a batch of its own.
+  // An admitted Extend call (session_handlers.cc); Extend calls queued
+  // together run as one batch (kExtendBatchKey), never with Attend calls.
   struct ExtendJob;
   static bool IsExtendJob(const ScheduledWork& work);
-  void RunExtendJob(std::unique_ptr<ScheduledWork> work);
+  // One round of each job (RunExtendRound); a job with chunks left goes back
+  // into the queue (Scheduler::Requeue), the others are answered.
+  void RunExtendBatch(std::vector<std::unique_ptr<ScheduledWork>> batch);
   // An admitted GetLatestAttention call (session_handlers.cc): always alone.
   struct LatestAttentionJob;
   static bool IsLatestAttentionJob(const ScheduledWork& work);

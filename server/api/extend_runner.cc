@@ -86,17 +86,21 @@ struct CheckedStep {
 // evict other sessions for its memory): its hidden states' shape and values,
 // its expected length, its session and layer.
 absl::StatusOr<CheckedStep> CheckStep(const v1::ExtendStep& step, int i, SessionManager& sessions,
-                                      absl::string_view owner, const RequestLimits& limits) {
+                                      absl::string_view owner, const RequestLimits& limits,
+                                      int64_t chunk_tokens) {
   const std::string field = absl::StrCat("steps[", i, "]");
   ATTNSERVE_ASSIGN_OR_RETURN(
       TensorSpec spec,
       ValidateTensor(step.hidden_states(), absl::StrCat(field, ".hidden_states"), kStatesDims));
   const int64_t n = spec.shape[0];
-  if (n > limits.max_seq_len) {
+  // With chunking a step may hold up to its session's token limit (BeginStep
+  // refuses more); the message and response limits bound its memory.
+  if (chunk_tokens == 0 && n > limits.max_seq_len) {
     return core::InvalidField(
         absl::StrCat(field, ".hidden_states"),
         absl::StrCat(n, " tokens is over this server's limit of ", limits.max_seq_len,
-                     " a step (--max_seq_len); send the prefill in chunks"));
+                     " a step (--max_seq_len, with --prefill_chunk_tokens=0); send the "
+                     "prefill in chunks"));
   }
   if (step.expected_length() < 0 || step.expected_length() > core::kMaxPositionOffset) {
     return core::InvalidField(
@@ -130,24 +134,27 @@ uint64_t StepFingerprint(const v1::ExtendRequest& request, const v1::ExtendStep&
 
 absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionManager& sessions,
                                       absl::string_view owner, const RequestLimits& limits,
-                                      int64_t max_response_bytes) {
+                                      int64_t max_response_bytes, int64_t chunk_tokens) {
   if (request.steps_size() == 0 || request.steps_size() > kMaxExtendSteps) {
     return core::InvalidField("steps", absl::StrCat("between 1 and ", kMaxExtendSteps,
                                                     " steps, got ", request.steps_size()));
   }
   ExtendPlan plan;
+  plan.chunk_tokens = std::max<int64_t>(0, chunk_tokens);
   ATTNSERVE_ASSIGN_OR_RETURN(plan.precision, PrecisionFromWire(request.precision()));
   ATTNSERVE_ASSIGN_OR_RETURN(plan.output_dtype, OutputDtypeFromWire(request.output_dtype()));
   const int64_t value_bytes = DataTypeSize(plan.output_dtype);
   plan.steps.resize(static_cast<size_t>(request.steps_size()));
   int64_t map_bytes = 0, response_bytes = 0;
+  std::map<const Model*, int64_t> tokens_per_model;  // a round's
+  int64_t input_floats = 0, chunk_map_floats = 0;
   int64_t scratch_bytes = 0;  // the statistics' scratch maps of the steps that compute
-  std::map<const Model*, int64_t> tokens_per_model;
   for (int i = 0; i < request.steps_size(); ++i) {
     const v1::ExtendStep& step = request.steps(i);
     ExtendStepPlan& planned = plan.steps[static_cast<size_t>(i)];
     const std::string field = absl::StrCat("steps[", i, "]");
-    absl::StatusOr<CheckedStep> checked = CheckStep(step, i, sessions, owner, limits);
+    absl::StatusOr<CheckedStep> checked =
+        CheckStep(step, i, sessions, owner, limits, plan.chunk_tokens);
     if (!checked.ok()) {
       planned.status = checked.status();
       continue;
@@ -157,11 +164,14 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
     const int64_t maps =
         step.attention_maps() ? config.num_heads * n * (step.expected_length() + n) : 0;
     // Statistics travel as FP32 [num_heads, n] twice; without maps they are
-    // computed from FP32 maps in scratch, held to the same map limit.
+    // computed from FP32 maps in scratch (a chunk's rows at a time), held to
+    // the same map limit.
     const int64_t statistics = step.head_statistics() ? 2 * config.num_heads * n : 0;
+    const int64_t scratch_rows = plan.chunk_tokens > 0 ? std::min(n, plan.chunk_tokens) : n;
     const int64_t scratch_map_bytes =
         step.head_statistics() && !step.attention_maps()
-            ? config.num_heads * n * (step.expected_length() + n) * int64_t{sizeof(float)}
+            ? config.num_heads * scratch_rows * (step.expected_length() + n) *
+                  int64_t{sizeof(float)}
             : 0;
     const int64_t bytes = (n * config.d_model + maps) * value_bytes +
                           statistics * int64_t{sizeof(float)} + kResultFramingBytes;
@@ -196,7 +206,13 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
     if (!lease->replay()) {
       scratch_bytes += scratch_map_bytes;
       plan.tokens += n;
-      tokens_per_model[&model_ref] += n;
+      // A round computes at most a chunk of it.
+      tokens_per_model[&model_ref] += plan.chunk_tokens > 0 ? std::min(n, plan.chunk_tokens) : n;
+      input_floats += n * config.d_model;
+      if (maps > 0 && plan.chunk_tokens > 0 && n > plan.chunk_tokens) {
+        chunk_map_floats = std::max(chunk_map_floats, config.num_heads * plan.chunk_tokens *
+                                                          (step.expected_length() + n));
+      }
     }
     planned.lease = *std::move(lease);
   }
@@ -208,9 +224,11 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
     absl::StatusOr<core::Route> route =
         core::MakeExtendRoute(model->layer->config(), tokens, plan.precision);
     if (!route.ok()) return route.status();
-    memory += static_cast<double>(route->scratch_bytes()) +
-              4.0 * static_cast<double>(tokens * model->layer->config().d_model);
+    memory += static_cast<double>(route->scratch_bytes());
   }
+  memory += 4.0 * static_cast<double>(input_floats);
+  // A chunked step's maps: one chunk's rows computed apart, then placed.
+  memory += 4.0 * static_cast<double>(chunk_map_floats);
   plan.memory_bytes = static_cast<int64_t>(std::min(memory, 9.0e18));
   return plan;
 }
@@ -222,137 +240,255 @@ void SetStatus(const absl::Status& status, v1::ExtendResult* result) {
   result->set_message(std::string(status.message()));
 }
 
-// The steps of one AttentionLayer::Extend: one model, one head mask.
-struct StepGroup {
-  const Model* model = nullptr;
-  std::vector<float> head_mask;
-  std::vector<int> steps;  // request indices
+// A step of a member in a round: its next chunk.
+struct Chunk {
+  ExtendMember* member = nullptr;
+  int step = 0;          // request index
+  int64_t tokens = 0;    // new tokens this round
+  std::vector<float> maps;  // this chunk's maps when they go to the step's in parts
+  // This chunk's head statistics [num_heads, tokens] when they go in parts.
+  std::vector<float> entropy, max_weight;
 };
 
-// Groups the admitted steps that compute by model and head mask, in order.
-std::vector<StepGroup> GroupSteps(const ExtendPlan& plan) {
-  std::vector<StepGroup> groups;
-  for (int i = 0; i < static_cast<int>(plan.steps.size()); ++i) {
-    const ExtendStepPlan& step = plan.steps[static_cast<size_t>(i)];
-    if (!step.lease.has_value() || step.lease->replay()) continue;
-    const Model* model = &step.lease->model();
-    auto group = std::find_if(groups.begin(), groups.end(), [&](const StepGroup& g) {
-      return g.model == model && g.head_mask == step.head_mask;
-    });
-    if (group == groups.end()) {
-      groups.push_back({model, step.head_mask, {}});
-      group = groups.end() - 1;
+// The chunks of one AttentionLayer::Extend: one model, head mask, precision.
+struct ChunkGroup {
+  const Model* model = nullptr;
+  std::vector<float> head_mask;
+  core::Precision precision = core::Precision::kFp32;
+  std::vector<Chunk> chunks;
+};
+
+int64_t NextChunk(const ExtendPlan& plan, const ExtendStepPlan& step) {
+  const int64_t left = step.tokens - step.done;
+  return plan.chunk_tokens > 0 ? std::min(left, plan.chunk_tokens) : left;
+}
+
+// A step that computes and has not ended.
+bool Pending(const ExtendStepPlan& step) {
+  return step.lease.has_value() && !step.lease->replay();
+}
+
+// Groups the next chunks of the members still running, in order.
+std::vector<ChunkGroup> GroupChunks(absl::Span<ExtendMember> members) {
+  std::vector<ChunkGroup> groups;
+  for (ExtendMember& member : members) {
+    if (member.finished) continue;
+    const ExtendPlan& plan = *member.plan;
+    for (int i = 0; i < static_cast<int>(plan.steps.size()); ++i) {
+      const ExtendStepPlan& step = plan.steps[static_cast<size_t>(i)];
+      if (!Pending(step)) continue;
+      const Model* model = &step.lease->model();
+      auto group = std::find_if(groups.begin(), groups.end(), [&](const ChunkGroup& g) {
+        return g.model == model && g.head_mask == step.head_mask &&
+               g.precision == plan.precision;
+      });
+      if (group == groups.end()) {
+        groups.push_back({model, step.head_mask, plan.precision, {}});
+        group = groups.end() - 1;
+      }
+      group->chunks.push_back({&member, i, NextChunk(plan, step), {}});
     }
-    group->steps.push_back(i);
   }
   return groups;
 }
 
-// One group's Extend; fills its results and ends its leases. The call's own
-// error, if it failed as a whole.
-absl::Status RunGroup(const v1::ExtendRequest& request, const StepGroup& group, ExtendPlan& plan,
-                      SessionManager& sessions, const ComputeContext& compute,
-                      core::ForwardInfo& info, v1::ExtendResponse* response,
-                      std::vector<ExtendComputed>* computed) {
+// The step's response tensors and FP32 inputs, made on its first round.
+void PrepareStep(const ExtendMember& member, int i) {
+  ExtendStepPlan& step = member.plan->steps[static_cast<size_t>(i)];
+  if (step.input != nullptr) return;
+  const v1::ExtendStep& wire = member.request->steps(i);
+  const core::HeadConfig& config = step.lease->model().layer->config();
+  v1::ExtendResult* result = member.response->mutable_results(i);
+  step.input = std::make_unique<FloatValues>(wire.hidden_states(), step.hidden_states);
+  step.output = std::make_unique<OutputTensor>(std::vector<int64_t>{step.tokens, config.d_model},
+                                               member.plan->output_dtype,
+                                               /*use_float_data=*/false,
+                                               result->mutable_output(), nullptr);
+  if (step.map_elements > 0) {
+    step.maps = std::make_unique<OutputTensor>(
+        std::vector<int64_t>{config.num_heads, step.tokens, wire.expected_length() + step.tokens},
+        member.plan->output_dtype, false, result->mutable_attention_maps(), nullptr);
+    // Chunks write their rows' first columns only: the rest are 0.
+    if (NextChunk(*member.plan, step) < step.tokens) {
+      std::fill(step.maps->values().begin(), step.maps->values().end(), 0.0f);
+    }
+  }
+  if (step.head_statistics) {
+    v1::HeadStatistics* stats = result->mutable_head_statistics();
+    const std::vector<int64_t> shape = {config.num_heads, step.tokens};
+    step.entropy = std::make_unique<OutputTensor>(shape, v1::DATA_TYPE_FP32, false,
+                                                  stats->mutable_entropy(), nullptr);
+    step.max_weight = std::make_unique<OutputTensor>(shape, v1::DATA_TYPE_FP32, false,
+                                                     stats->mutable_max_weight(), nullptr);
+  }
+}
+
+// Rows [first, first + rows) of each head's [tokens] row of `to`
+// ([num_heads, tokens]) from `from` ([num_heads, rows]).
+void PlaceRows(absl::Span<const float> from, int64_t heads, int64_t rows, int64_t first,
+               int64_t tokens, absl::Span<float> to) {
+  for (int64_t h = 0; h < heads; ++h) {
+    std::copy(from.begin() + h * rows, from.begin() + (h + 1) * rows,
+              to.begin() + h * tokens + first);
+  }
+}
+
+// Lets go of what a step held while it ran.
+void ReleaseStep(ExtendStepPlan& step) {
+  step.lease.reset();
+  step.input.reset();
+  step.output.reset();
+  step.maps.reset();
+  step.entropy.reset();
+  step.max_weight.reset();
+}
+
+// Ends step `i` of `plan` as failed: its layer truncated back to where the
+// step began, its result the error.
+void FailStep(ExtendPlan& plan, int i, const absl::Status& status, int64_t expected_length,
+              SessionManager& sessions, v1::ExtendResult* result) {
+  ExtendStepPlan& step = plan.steps[static_cast<size_t>(i)];
+  if (!step.lease.has_value()) return;
+  core::LayerKvCache* cache = step.lease->cache();
+  if (cache != nullptr && cache->length() > expected_length) {
+    // Cannot fail: 0 <= expected_length < length().
+    cache->Truncate(expected_length).IgnoreError();
+  }
+  if (result != nullptr) {
+    if (cache != nullptr) result->set_length(cache->length());
+    result->clear_output();
+    result->clear_attention_maps();
+    result->clear_head_statistics();
+    SetStatus(ForStep(i, status), result);
+  }
+  sessions.EndStep(*std::move(step.lease), status, "");
+  ReleaseStep(step);
+}
+
+// Runs one group's Extend; ends the steps whose last chunk ran and those
+// that failed.
+void RunGroup(ChunkGroup& group, SessionManager& sessions, const ComputeContext& compute,
+              std::vector<ExtendComputed>* computed) {
   const core::HeadConfig& config = group.model->layer->config();
-  std::vector<std::unique_ptr<FloatValues>> inputs;
-  std::vector<std::unique_ptr<OutputTensor>> outputs, maps, statistics;
-  std::vector<core::ExtendItem> items(group.steps.size());
-  for (size_t k = 0; k < group.steps.size(); ++k) {
-    const int i = group.steps[k];
-    ExtendStepPlan& step = plan.steps[static_cast<size_t>(i)];
-    v1::ExtendResult* result = response->mutable_results(i);
-    inputs.push_back(std::make_unique<FloatValues>(request.steps(i).hidden_states(),
-                                                   step.hidden_states));
-    const int64_t n = step.tokens;
-    outputs.push_back(std::make_unique<OutputTensor>(
-        std::vector<int64_t>{n, config.d_model}, plan.output_dtype, /*use_float_data=*/false,
-        result->mutable_output(), nullptr));
+  const int64_t d_model = config.d_model;
+  std::vector<core::ExtendItem> items(group.chunks.size());
+  for (size_t k = 0; k < group.chunks.size(); ++k) {
+    Chunk& chunk = group.chunks[k];
+    const ExtendMember& member = *chunk.member;
+    PrepareStep(member, chunk.step);
+    ExtendStepPlan& step = member.plan->steps[static_cast<size_t>(chunk.step)];
     core::ExtendItem& item = items[k];
     item.cache = step.lease->cache();
-    item.hidden_states = inputs.back()->values();
-    item.first_position = step.lease->first_position();
-    item.output = outputs.back()->values();
-    if (step.map_elements > 0) {
-      const int64_t length = request.steps(i).expected_length() + n;
-      maps.push_back(std::make_unique<OutputTensor>(
-          std::vector<int64_t>{config.num_heads, n, length}, plan.output_dtype, false,
-          result->mutable_attention_maps(), nullptr));
-      item.attention_map = maps.back()->values();
+    item.hidden_states = step.input->values().subspan(
+        static_cast<size_t>(step.done * d_model), static_cast<size_t>(chunk.tokens * d_model));
+    item.first_position = step.lease->first_position() + step.done;
+    item.output = step.output->values().subspan(static_cast<size_t>(step.done * d_model),
+                                                static_cast<size_t>(chunk.tokens * d_model));
+    if (step.maps != nullptr) {
+      if (chunk.tokens == step.tokens) {  // the whole step: its maps in place
+        item.attention_map = step.maps->values();
+      } else {
+        const int64_t length = item.cache->length() + chunk.tokens;
+        chunk.maps.resize(static_cast<size_t>(config.num_heads * chunk.tokens * length));
+        item.attention_map = absl::MakeSpan(chunk.maps);
+      }
     }
-    if (step.head_statistics) {
-      v1::HeadStatistics* stats = result->mutable_head_statistics();
-      const std::vector<int64_t> shape = {config.num_heads, n};
-      statistics.push_back(std::make_unique<OutputTensor>(shape, v1::DATA_TYPE_FP32, false,
-                                                          stats->mutable_entropy(), nullptr));
-      item.head_entropy = statistics.back()->values();
-      statistics.push_back(std::make_unique<OutputTensor>(shape, v1::DATA_TYPE_FP32, false,
-                                                          stats->mutable_max_weight(), nullptr));
-      item.head_max_weight = statistics.back()->values();
+    if (step.entropy != nullptr) {
+      if (chunk.tokens == step.tokens) {  // the whole step: in place
+        item.head_entropy = step.entropy->values();
+        item.head_max_weight = step.max_weight->values();
+      } else {
+        chunk.entropy.resize(static_cast<size_t>(config.num_heads * chunk.tokens));
+        chunk.max_weight.resize(chunk.entropy.size());
+        item.head_entropy = absl::MakeSpan(chunk.entropy);
+        item.head_max_weight = absl::MakeSpan(chunk.max_weight);
+      }
     }
   }
   core::ExtendOptions options;
   options.head_mask = group.head_mask;
-  options.precision = plan.precision;
-  options.should_stop = compute.should_stop;
+  options.precision = group.precision;
+  // Stops only when no member with a chunk here still wants it.
+  options.should_stop = [&group] {
+    for (const Chunk& chunk : group.chunks) {
+      if (!chunk.member->should_stop || !chunk.member->should_stop()) return false;
+    }
+    return true;
+  };
   const absl::Time start = absl::Now();
   absl::StatusOr<core::ForwardInfo> ran =
       group.model->layer->Extend(absl::MakeSpan(items), options, compute.workspace);
   if (ran.ok()) {
-    info = *ran;
     int64_t tokens = 0, kv_read_bytes = 0;
-    for (const core::ExtendItem& item : items) {
-      if (!item.status.ok()) continue;
-      tokens += static_cast<int64_t>(item.output.size()) / config.d_model;
-      kv_read_bytes += item.cache->length() * item.cache->layout().token_bytes();
+    for (size_t k = 0; k < items.size(); ++k) {
+      if (!items[k].status.ok()) continue;
+      tokens += group.chunks[k].tokens;
+      group.chunks[k].member->tokens += group.chunks[k].tokens;
+      kv_read_bytes += items[k].cache->length() * items[k].cache->layout().token_bytes();
     }
     if (computed != nullptr) {
       computed->push_back({group.model->name, ran->kernel_path, tokens, kv_read_bytes,
                            absl::Now() - start});
     }
   }
-  for (auto& tensor : outputs) tensor->Commit();
-  for (auto& tensor : maps) tensor->Commit();
-  for (auto& tensor : statistics) tensor->Commit();
-  for (size_t k = 0; k < group.steps.size(); ++k) {
-    const int i = group.steps[k];
+  for (size_t k = 0; k < group.chunks.size(); ++k) {
+    Chunk& chunk = group.chunks[k];
+    ExtendMember& member = *chunk.member;
+    ExtendPlan& plan = *member.plan;
+    const int i = chunk.step;
     ExtendStepPlan& step = plan.steps[static_cast<size_t>(i)];
-    v1::ExtendResult* result = response->mutable_results(i);
+    v1::ExtendResult* result = member.response->mutable_results(i);
+    const int64_t expected = member.request->steps(i).expected_length();
     const absl::Status status = ran.ok() ? items[k].status : ran.status();
-    result->set_length(step.lease->cache()->length());
-    std::string stored;
-    if (status.ok()) {
-      stored = result->output().SerializeAsString();
-    } else {
-      result->clear_output();
-      result->clear_attention_maps();
-      result->clear_head_statistics();
-      SetStatus(ForStep(i, status), result);
+    if (!status.ok()) {
+      if (!ran.ok() && member.status.ok()) member.status = ran.status();
+      FailStep(plan, i, status, expected, sessions, result);
+      continue;
     }
-    sessions.EndStep(*std::move(step.lease), status, std::move(stored));
-    step.lease.reset();
+    plan.info = *ran;
+    if (!chunk.maps.empty()) {  // this chunk's rows into the step's maps
+      const int64_t length = expected + step.tokens;
+      const int64_t chunk_length = items[k].cache->length();
+      for (int64_t h = 0; h < config.num_heads; ++h) {
+        for (int64_t r = 0; r < chunk.tokens; ++r) {
+          const float* from = chunk.maps.data() + (h * chunk.tokens + r) * chunk_length;
+          float* to = step.maps->values().data() + (h * step.tokens + step.done + r) * length;
+          std::copy(from, from + chunk_length, to);
+        }
+      }
+    }
+    if (!chunk.entropy.empty()) {  // and its statistics
+      PlaceRows(chunk.entropy, config.num_heads, chunk.tokens, step.done, step.tokens,
+                step.entropy->values());
+      PlaceRows(chunk.max_weight, config.num_heads, chunk.tokens, step.done, step.tokens,
+                step.max_weight->values());
+    }
+    step.done += chunk.tokens;
+    if (step.done < step.tokens) continue;
+    step.output->Commit();
+    if (step.maps != nullptr) step.maps->Commit();
+    if (step.entropy != nullptr) {
+      step.entropy->Commit();
+      step.max_weight->Commit();
+    }
+    result->set_length(step.lease->cache()->length());
+    std::string stored = result->output().SerializeAsString();
+    sessions.EndStep(*std::move(step.lease), absl::OkStatus(), std::move(stored));
+    ReleaseStep(step);
   }
-  return ran.status();
 }
 
-}  // namespace
-
-absl::Status RunExtend(const v1::ExtendRequest& request, ExtendPlan& plan,
-                       SessionManager& sessions, const ComputeContext& compute,
-                       v1::ExtendResponse* response, std::vector<ExtendComputed>* computed) {
-  response->clear_results();
-  for (size_t i = 0; i < plan.steps.size(); ++i) response->add_results();
-  absl::Status call_status;
-  core::ForwardInfo info;
-  for (const StepGroup& group : GroupSteps(plan)) {
-    absl::Status ran =
-        RunGroup(request, group, plan, sessions, compute, info, response, computed);
-    if (!ran.ok() && call_status.ok()) call_status = ran;
-  }
+// A member whose steps have all ended (or that failed): the rest of its
+// response.
+void FinishMember(ExtendMember& member, SessionManager& sessions) {
+  ExtendPlan& plan = *member.plan;
+  const v1::ExtendRequest& request = *member.request;
+  v1::ExtendResponse* response = member.response;
+  if (!member.status.ok()) EndExtend(plan, member.status, sessions);
   for (int i = 0; i < static_cast<int>(plan.steps.size()); ++i) {
     ExtendStepPlan& step = plan.steps[static_cast<size_t>(i)];
     v1::ExtendResult* result = response->mutable_results(i);
-    if (!step.lease.has_value()) {  // refused, or run above
+    if (!step.lease.has_value()) {  // refused, or run
       if (!step.status.ok()) SetStatus(step.status, result);
       continue;
     }
@@ -366,10 +502,65 @@ absl::Status RunExtend(const v1::ExtendRequest& request, ExtendPlan& plan,
     sessions.EndStep(*std::move(step.lease), absl::OkStatus(), "");
     step.lease.reset();
   }
-  response->set_kernel_path(info.kernel_path);
-  response->set_precision(info.precision == core::Precision::kBf16 ? v1::PRECISION_BF16
-                                                                   : v1::PRECISION_FP32);
-  return call_status;
+  response->set_kernel_path(plan.info.kernel_path);
+  response->set_precision(plan.info.precision == core::Precision::kBf16 ? v1::PRECISION_BF16
+                                                                        : v1::PRECISION_FP32);
+  member.finished = true;
+}
+
+}  // namespace
+
+int64_t RoundTokens(const ExtendPlan& plan) {
+  int64_t tokens = 0;
+  for (const ExtendStepPlan& step : plan.steps) {
+    if (Pending(step)) tokens += NextChunk(plan, step);
+  }
+  return tokens;
+}
+
+void EndExtend(ExtendPlan& plan, const absl::Status& status, SessionManager& sessions) {
+  for (size_t i = 0; i < plan.steps.size(); ++i) {
+    ExtendStepPlan& step = plan.steps[i];
+    if (!Pending(step)) continue;
+    // Where the step began: its first position less the session's, as the
+    // lease's cache held it then, is the tokens computed before it.
+    FailStep(plan, static_cast<int>(i), status,
+             step.lease->cache()->length() - step.done, sessions, nullptr);
+  }
+  // Replays and refusals hold nothing to undo.
+  plan.steps.clear();
+}
+
+void RunExtendRound(absl::Span<ExtendMember> members, SessionManager& sessions,
+                    const ComputeContext& compute, std::vector<ExtendComputed>* computed) {
+  for (ExtendMember& member : members) {
+    member.tokens = 0;
+    ExtendPlan& plan = *member.plan;
+    if (member.finished || plan.started) continue;
+    plan.started = true;
+    member.response->clear_results();
+    for (size_t i = 0; i < plan.steps.size(); ++i) member.response->add_results();
+  }
+  for (ChunkGroup& group : GroupChunks(members)) RunGroup(group, sessions, compute, computed);
+  for (ExtendMember& member : members) {
+    if (member.finished) continue;
+    if (member.status.ok() && RoundTokens(*member.plan) > 0) continue;  // more chunks
+    FinishMember(member, sessions);
+  }
+}
+
+absl::Status RunExtend(const v1::ExtendRequest& request, ExtendPlan& plan,
+                       SessionManager& sessions, const ComputeContext& compute,
+                       v1::ExtendResponse* response, std::vector<ExtendComputed>* computed) {
+  ExtendMember member;
+  member.request = &request;
+  member.plan = &plan;
+  member.response = response;
+  member.should_stop = compute.should_stop;
+  while (!member.finished) {
+    RunExtendRound(absl::MakeSpan(&member, 1), sessions, compute, computed);
+  }
+  return member.status;
 }
 
 }  // namespace attnserve::server

@@ -62,7 +62,19 @@ constexpr int64_t kResponseFramingBytes = int64_t{64} << 10;
 }  // namespace
 
 // An admitted Extend call (or ExtendStream message) waiting in the scheduler,
-// then running alone.
+// then running in a batch with the Extend calls queued with it (one round
+// each; a prefill longer than --prefill_chunk_tokens goes back into the
+// queue after each round, holding its leases, until its last chunk ran).
+//
+// Why a prefill goes back into the queue rather than the scheduler filling
+// each batch with decode steps first and a prefill's chunk after: the queue
+// stays the one place that orders work (FIFO, deadlines, cancellation, the
+// drain's sweep, the in-flight budget), a chunked call needs no state in the
+// scheduler, and the effect is the same: after each chunk the decode steps
+// that arrived meanwhile are ahead of it, and since they share its batch key
+// the next batch holds them and the prefill's next chunk (within
+// --max_batch_tokens), so a decode step waits for at most the chunk that was
+// running when it arrived.
 struct AttentionServiceImpl::ExtendJob final : ScheduledWork {
   ExtendJob(AttentionServiceImpl* service, grpc::CallbackServerContext* context,
             const v1::ExtendRequest* request, v1::ExtendResponse* response,
@@ -76,25 +88,29 @@ struct AttentionServiceImpl::ExtendJob final : ScheduledWork {
         done(std::move(done)),
         arrival(arrival),
         plan(std::move(plan)) {
-    tokens = this->plan.tokens;
+    batch_key = kExtendBatchKey;
+    tokens = RoundTokens(this->plan);  // its first round's
     memory_bytes = this->plan.memory_bytes;
     deadline = DeadlineOf(*context);
   }
 
   bool IsCancelled() const override { return context->IsCancelled() || CutShort(); }
   bool CutShort() const { return service->cut_short_.load(std::memory_order_relaxed); }
+  bool ShouldStop() const { return absl::Now() >= deadline || IsCancelled(); }
   void Skip(absl::Status status) override {
-    observer->Dequeued(absl::Now() - enqueued);
+    if (rounds == 0) observer->Dequeued(absl::Now() - enqueued);
     service->metrics_->OnSkipped(absl::IsDeadlineExceeded(status)
                                      ? Metrics::SkipReason::kDeadline
                                      : Metrics::SkipReason::kCancelled);
     Finish(status);
   }
-  // Answers with `status` (the response filled when OK); the plan's leases
-  // that are left end as failed, the sessions as they were. A call the drain
-  // stopped answers UNAVAILABLE, as Attend's do: clients retry it.
+  // Answers with `status` (the response filled when OK); the plan's steps
+  // that have not ended end as failed, their layers as before the call
+  // (EndExtend undoes the chunks of a prefill stopped between them). A call
+  // the drain stopped answers UNAVAILABLE, as Attend's do: clients retry it.
   void Finish(absl::Status status) {
-    plan.steps.clear();
+    EndExtend(plan, absl::CancelledError("the step was stopped before it finished"),
+              *service->sessions_);
     if (absl::IsCancelled(status) && absl::Now() >= deadline) {
       status = absl::DeadlineExceededError("the deadline passed before or during compute");
     } else if (absl::IsCancelled(status) && CutShort() && !context->IsCancelled()) {
@@ -113,45 +129,78 @@ struct AttentionServiceImpl::ExtendJob final : ScheduledWork {
   const std::function<void(absl::Status)> done;
   const absl::Time arrival;
   ExtendPlan plan;
+  // Across its rounds: how many ran, when the first started, their compute.
+  int rounds = 0;
+  absl::Time first_start;
+  absl::Duration compute;
 };
 
 bool AttentionServiceImpl::IsExtendJob(const ScheduledWork& work) {
   return dynamic_cast<const ExtendJob*>(&work) != nullptr;
 }
 
-void AttentionServiceImpl::RunExtendJob(std::unique_ptr<ScheduledWork> work) {
-  auto& job = static_cast<ExtendJob&>(*work);
+void AttentionServiceImpl::RunExtendBatch(std::vector<std::unique_ptr<ScheduledWork>> batch) {
   const absl::Time start = absl::Now();
-  job.observer->Dequeued(start - job.enqueued);
-  ComputeContext context;
-  context.block_kernels = options_.block_kernels;
-  context.should_stop = [&job] { return absl::Now() >= job.deadline || job.IsCancelled(); };
+  std::vector<ExtendJob*> jobs;
+  std::vector<ExtendMember> members;
+  for (const auto& work : batch) {
+    auto* job = static_cast<ExtendJob*>(work.get());
+    if (job->rounds++ == 0) {
+      job->observer->Dequeued(start - job->enqueued);
+      job->first_start = start;
+    }
+    jobs.push_back(job);
+    ExtendMember& member = members.emplace_back();
+    member.request = job->request;
+    member.plan = &job->plan;
+    member.response = job->response;
+    member.should_stop = [job] { return job->ShouldStop(); };
+  }
   absl::StatusOr<core::Workspace*> workspace = ComputeWorkspace();
-  absl::Status status = workspace.status();
   std::vector<ExtendComputed> computed;
-  if (status.ok()) {
+  if (workspace.ok()) {
+    ComputeContext context;
+    context.block_kernels = options_.block_kernels;
     context.workspace = *workspace;
-    status = RunExtend(*job.request, job.plan, *sessions_, context, job.response, &computed);
+    RunExtendRound(absl::MakeSpan(members), *sessions_, context, &computed);
+  } else {
+    for (ExtendMember& member : members) member.status = workspace.status();
   }
   KeepComputeMemory();
   const absl::Duration compute = absl::Now() - start;
-  if (status.ok()) {
-    v1::Timing* timing = job.response->mutable_timing();
-    SetDuration(start - job.arrival, timing->mutable_queue());
-    SetDuration(compute, timing->mutable_compute());
-    timing->set_batch_size(1);
-    timing->set_batch_tokens(job.tokens);
-    for (const ExtendComputed& part : computed) {
-      const std::string model = metrics_->ModelLabel(part.model);
-      metrics_->OnComputed(model, part.kernel_path,
-                           {.duration = part.duration,
-                            .tokens = part.tokens,
-                            .attention_map_bytes = 0});
-      metrics_->OnDecodeBatch(model, part.tokens, part.kv_read_bytes);
-    }
-    job.observer->set_compute(compute);
+  // What the batch computed: its members that computed tokens in it.
+  int32_t batch_size = 0;
+  int64_t batch_tokens = 0;
+  for (const ExtendMember& member : members) {
+    if (member.tokens == 0) continue;
+    ++batch_size;
+    batch_tokens += member.tokens;
   }
-  job.Finish(status);
+  for (const ExtendComputed& part : computed) {
+    const std::string model = metrics_->ModelLabel(part.model);
+    metrics_->OnComputed(model, part.kernel_path,
+                         {.duration = part.duration, .tokens = part.tokens,
+                          .attention_map_bytes = 0});
+    metrics_->OnDecodeBatch(model, part.tokens, part.kv_read_bytes);
+  }
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    ExtendJob& job = *jobs[i];
+    job.compute += compute;
+    if (!members[i].finished) {  // a prefill's next chunk: back into the queue
+      job.tokens = RoundTokens(job.plan);
+      scheduler_->Requeue(std::move(batch[i]));
+      continue;
+    }
+    if (members[i].status.ok()) {
+      v1::Timing* timing = job.response->mutable_timing();
+      SetDuration(job.first_start - job.arrival, timing->mutable_queue());
+      SetDuration(job.compute, timing->mutable_compute());
+      timing->set_batch_size(batch_size);
+      timing->set_batch_tokens(batch_tokens);
+      job.observer->set_compute(job.compute);
+    }
+    job.Finish(members[i].status);
+  }
 }
 
 absl::StatusOr<std::string> AttentionServiceImpl::SessionOwner(
@@ -388,8 +437,9 @@ void AttentionServiceImpl::SubmitExtend(RpcMethod method, grpc::CallbackServerCo
     if (status.ok()) metrics_->OnDecodeStep(method, absl::Now() - arrival);
     answer(std::move(status));
   };
-  absl::StatusOr<ExtendPlan> plan = PlanExtend(*request, *sessions_, owner, options_.limits,
-                                               options_.max_send_message_bytes);
+  absl::StatusOr<ExtendPlan> plan =
+      PlanExtend(*request, *sessions_, owner, options_.limits, options_.max_send_message_bytes,
+                 std::min(options_.prefill_chunk_tokens, options_.limits.max_seq_len));
   if (!plan.ok()) {
     done(plan.status());
     return;

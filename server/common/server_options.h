@@ -132,6 +132,12 @@ struct ServerOptions {
   // executor is free).
   int64_t max_batch_tokens = 4096;
   int64_t max_queue_delay_us = 0;
+  // Decode sessions: an Extend step of more new tokens (a long prefill) is
+  // computed this many at a time, going back into the compute queue between
+  // chunks so that decode steps queued behind it run in between (or join
+  // its chunks' batches); above limits.max_seq_len it acts as max_seq_len.
+  // 0: each step in one piece, at most --max_seq_len tokens.
+  int64_t prefill_chunk_tokens = 512;
   // Bytes that admitted requests (queued or running) may hold together, by
   // their estimates; a request that does not fit beside the admitted ones is
   // RESOURCE_EXHAUSTED (retry later), one larger than all of it INVALID_ARGUMENT.

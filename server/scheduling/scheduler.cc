@@ -121,6 +121,12 @@ int64_t Scheduler::JoinableTokensLocked() const {
   return tokens;
 }
 
+void Scheduler::Requeue(std::unique_ptr<ScheduledWork> work) {
+  absl::MutexLock lock(&mu_);
+  requeued_bytes_ += work->memory_bytes - work->memory_kept_after_run;
+  queue_.push_back(std::move(work));
+}
+
 void Scheduler::Release(int64_t bytes) {
   absl::MutexLock lock(&mu_);
   reserved_bytes_ -= bytes;
@@ -199,7 +205,11 @@ void Scheduler::Drain() {
     int64_t bytes = 0;  // what the batch releases once run (not what it keeps)
     for (const auto& work : batch) bytes += work->memory_bytes - work->memory_kept_after_run;
     run_batch_(std::move(batch), info);
-    Release(bytes);
+    // What Requeue put back stays reserved (a sweep that skips it meanwhile
+    // releases all of it, as for any queued request).
+    absl::MutexLock lock(&mu_);
+    reserved_bytes_ -= bytes - requeued_bytes_;
+    requeued_bytes_ = 0;
   }
 }
 

@@ -92,7 +92,8 @@ struct BatchInfo {
 // cancelled call frees its slot for the next one).
 //
 // Batches run on the compute executor, one at a time, through `run_batch`,
-// which must finish every request it is given (the scheduler forgets them).
+// which must finish every request it is given (the scheduler forgets them),
+// or put it back for another round with Requeue.
 //
 // Thread-safe. The executor must outlive the scheduler, and the scheduler
 // must outlive the executor's Shutdown (which runs what is queued).
@@ -130,6 +131,18 @@ class Scheduler {
   // Releases bytes a request kept after it ran (memory_kept_after_run).
   void ReleaseKept(int64_t bytes) { Release(bytes); }
 
+  // Puts a request of the batch being run back at the end of the queue, for
+  // another round (a prefill computed chunk by chunk: requests queued behind
+  // it run in between, or join its next round's batch). Call it only from
+  // `run_batch`, with one of the requests it was given, instead of finishing
+  // that request; the request may change its `tokens` (what its next round
+  // computes) before. It keeps its admission (no queue_capacity check: the
+  // queue may hold that many more for a while), its memory reservation and
+  // its `enqueued` time (it waits no max_queue_delay again), and is swept
+  // (Skip) like any queued request when its deadline passes or its caller
+  // cancels. Thread-safe.
+  void Requeue(std::unique_ptr<ScheduledWork> work);
+
   // Requests admitted and not yet started.
   int64_t queue_depth() const;
   // Bytes reserved by requests queued or running.
@@ -162,6 +175,9 @@ class Scheduler {
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   // StopWaiting() was called.
   bool stop_waiting_ ABSL_GUARDED_BY(mu_) = false;
+  // Bytes of the requests Requeue put back during the batch being run: the
+  // batch's release after it ran leaves them reserved.
+  int64_t requeued_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace attnserve::server

@@ -359,6 +359,30 @@ class WithServer(unittest.TestCase):
         self.assertEqual(code, 2, err)
         self.assertIn("--sessions", err)
 
+    def test_bench_decode_prefill_during_measures_steps_beside_a_long_prefill(self):
+        text = self.server.scrape()
+        before = metric(text, "attnserve_decode_batch_tokens_count", model="default")
+        # 3000 tokens in one step: over --max_seq_len (2048), computed in chunks of 512.
+        code, out, err = self.attnctl("bench", "--decode", "--sessions=2", "--context=16",
+                                      "--steps=8", "--prefill_during=3000", "--json")
+        self.assertEqual(code, 0, out + err)
+        got = json.loads(out)
+        mixed = got["prefill_during"]
+        self.assertEqual(mixed["tokens"], 3000)
+        self.assertGreater(mixed["call_ms"], 0)
+        self.assertLessEqual(mixed["step_ms"]["p50"], mixed["step_ms"]["max"])
+        self.assertGreaterEqual(mixed["steps_during"], 0)
+        self.assertLessEqual(mixed["steps_during"], 6)  # of the 8 - 8/4 rounds after it began
+        self.assertAlmostEqual(mixed["p99_ratio"],
+                               mixed["step_ms"]["p99"] / got["step_ms"]["p99"], places=2)
+        self.assertIn("bench --decode: 17 of 17 calls", err)  # 1 prefill chunk + 2 x 8 steps
+        # Its 6 chunks were 6 core calls at least (decode rounds add theirs).
+        after = metric(self.server.scrape(), "attnserve_decode_batch_tokens_count", model="default")
+        self.assertGreaterEqual(after - before, 1 + 16 + 6)
+        code, _, err = self.attnctl("bench", "--decode", "--prefill_during=-1")
+        self.assertEqual(code, 2, err)
+        self.assertIn("--prefill_during", err)
+
     def test_bench_decode_stream_sends_the_steps_on_one_stream(self):
         code, out, err = self.attnctl("bench", "--decode", "--sessions=2", "--context=20",
                                       "--steps=4", "--prefill_chunk=16", "--stream", "--json")

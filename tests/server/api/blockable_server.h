@@ -169,6 +169,13 @@ class BlockableServer {
     return call;
   }
 
+  // Serves `model` too (e.g. a GQA layer beside the built-in MHA one).
+  void AddModel(std::shared_ptr<const server::Model> model) {
+    metrics_->AddModel(model->name, model->layer->config());
+    const absl::Status added = registry_.Add(std::move(model));
+    EXPECT_TRUE(added.ok()) << added;
+  }
+
   server::AttentionServiceImpl& service() { return *service_; }
   v1::AttentionService::Stub& stub() { return *stub_; }
   // The Open Inference Protocol's service on the same server and service.

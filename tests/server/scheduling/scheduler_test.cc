@@ -1,6 +1,7 @@
 #include "server/scheduling/scheduler.h"
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -20,6 +21,10 @@ struct Record {
   std::vector<std::vector<int>> batches ABSL_GUARDED_BY(mu);
   std::vector<BatchInfo> infos ABSL_GUARDED_BY(mu);
   std::vector<std::pair<int, absl::StatusCode>> skipped ABSL_GUARDED_BY(mu);
+  // Rounds a work item still asks for after the one running (Requeue), by id.
+  std::map<int, int> rounds_left ABSL_GUARDED_BY(mu);
+  // The scheduler's reserved bytes as each batch ran.
+  std::vector<int64_t> reserved ABSL_GUARDED_BY(mu);
 };
 
 class TestWork : public ScheduledWork {
@@ -58,9 +63,24 @@ struct Fixture {
         [this](std::vector<std::unique_ptr<ScheduledWork>> batch, const BatchInfo& info) {
           std::vector<int> ids;
           for (const auto& work : batch) ids.push_back(static_cast<TestWork&>(*work).id());
-          absl::MutexLock lock(&record.mu);
-          record.batches.push_back(std::move(ids));
-          record.infos.push_back(info);
+          const int64_t reserved = scheduler->reserved_bytes();
+          std::vector<std::unique_ptr<ScheduledWork>> again;
+          {
+            absl::MutexLock lock(&record.mu);
+            record.batches.push_back(ids);
+            record.infos.push_back(info);
+            record.reserved.push_back(reserved);
+            for (size_t i = 0; i < batch.size(); ++i) {
+              auto left = record.rounds_left.find(ids[i]);
+              if (left == record.rounds_left.end() || left->second == 0) continue;
+              --left->second;
+              again.push_back(std::move(batch[i]));
+            }
+          }
+          for (auto& work : again) {
+            work->tokens = 1;  // its next round's
+            scheduler->Requeue(std::move(work));
+          }
         });
   }
   // Occupies the executor until the returned notification is notified.
@@ -287,6 +307,129 @@ TEST(Scheduler, EveryRequestFromManyThreadsRunsOrIsRefusedExactlyOnce) {
   }
   EXPECT_EQ(handled + refused.load(), kThreads * kPerThread);
   for (const BatchInfo& info : f.record.infos) EXPECT_LE(info.tokens, 50);
+  EXPECT_EQ(f.scheduler->reserved_bytes(), 0);
+}
+
+// A prefill computed chunk by chunk: each round puts the request back
+// (Requeue) behind what was queued meanwhile, holding its reservation.
+TEST(Scheduler, ARequeuedRequestRunsAgainAfterWhatWasQueuedBehindIt) {
+  Fixture f({.queue_capacity = 2, .max_batch_tokens = 0, .max_inflight_bytes = 1000});
+  {
+    absl::MutexLock lock(&f.record.mu);
+    f.record.rounds_left[1] = 2;
+  }
+  auto release = f.Block();
+  ASSERT_TRUE(f.Submit(1, 7, 300, absl::InfiniteFuture(), nullptr, 100).ok());
+  ASSERT_TRUE(f.Submit(2, 7, 1, absl::InfiniteFuture(), nullptr, 10).ok());
+  release->Notify();
+  f.executor->Shutdown();  // runs what is queued, requeued rounds too
+  absl::MutexLock lock(&f.record.mu);
+  const std::vector<std::vector<int>> expected = {{1}, {2}, {1}, {1}};
+  EXPECT_EQ(f.record.batches, expected);
+  // While 1 ran its later rounds it still held its 100 bytes (2's were gone).
+  const std::vector<int64_t> reserved = {110, 110, 100, 100};
+  EXPECT_EQ(f.record.reserved, reserved);
+  EXPECT_EQ(f.record.infos[2].tokens, 1);  // the requeued round's tokens
+  EXPECT_EQ(f.scheduler->reserved_bytes(), 0);
+  EXPECT_TRUE(f.record.skipped.empty());
+}
+
+TEST(Scheduler, ARequeuedRequestJoinsTheBatchOfWhatWasQueuedBehindIt) {
+  Fixture f({.queue_capacity = 4, .max_batch_tokens = 100});
+  {
+    absl::MutexLock lock(&f.record.mu);
+    f.record.rounds_left[1] = 1;
+  }
+  auto release = f.Block();
+  ASSERT_TRUE(f.Submit(1, 7, 90).ok());
+  ASSERT_TRUE(f.Submit(2, 7, 20).ok());  // does not fit beside 1's first round
+  ASSERT_TRUE(f.Submit(3, 9, 1).ok());   // another kind
+  release->Notify();
+  f.executor->Shutdown();
+  absl::MutexLock lock(&f.record.mu);
+  const std::vector<std::vector<int>> expected = {{1}, {2, 1}, {3}};
+  EXPECT_EQ(f.record.batches, expected);
+}
+
+// Its caller gone between rounds: skipped once, as any queued request, and
+// all of its reservation released.
+TEST(Scheduler, ARequeuedRequestWhoseCallerCancelledIsSkippedOnce) {
+  Fixture f({.queue_capacity = 4, .max_batch_tokens = 0, .max_inflight_bytes = 1000});
+  std::atomic<bool> cancelled{false};
+  {
+    absl::MutexLock lock(&f.record.mu);
+    f.record.rounds_left[1] = 5;
+  }
+  auto release = f.Block();
+  ASSERT_TRUE(f.Submit(1, 7, 10, absl::InfiniteFuture(), &cancelled, 100).ok());
+  // 2's round cancels 1, which is queued again behind it by then.
+  auto work = std::make_unique<TestWork>(2, 7, 1, &f.record);
+  ASSERT_TRUE(f.scheduler->Submit(std::move(work)).ok());
+  {
+    absl::MutexLock lock(&f.record.mu);
+    f.record.rounds_left[2] = 0;
+  }
+  release->Notify();
+  // Waits until 1's first round and 2 ran, then cancels 1 (queued again).
+  {
+    absl::MutexLock lock(&f.record.mu);
+    f.record.mu.Await(absl::Condition(
+        +[](Record* r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(r->mu) { return r->batches.size() >= 1; },
+        &f.record));
+  }
+  cancelled = true;
+  f.executor->Shutdown();
+  absl::MutexLock lock(&f.record.mu);
+  int skipped = 0;
+  for (const auto& [id, code] : f.record.skipped) {
+    EXPECT_EQ(id, 1);
+    EXPECT_EQ(code, absl::StatusCode::kCancelled);
+    ++skipped;
+  }
+  int rounds = 0;
+  for (const auto& batch : f.record.batches) rounds += batch[0] == 1 ? 1 : 0;
+  // Skipped exactly once unless every round ran before the cancel was seen.
+  EXPECT_EQ(skipped + (rounds == 6 ? 1 : 0), 1) << rounds << " rounds";
+  EXPECT_EQ(f.scheduler->reserved_bytes(), 0);
+}
+
+// Requests submitted from threads while one requests round after round:
+// each runs once, the requeued one every round, and nothing stays reserved.
+TEST(Scheduler, RequeuedRoundsAndSubmitsFromManyThreadsAllRun) {
+  Fixture f({.queue_capacity = 64, .max_batch_tokens = 40, .max_inflight_bytes = 100000});
+  constexpr int kRounds = 30, kThreads = 3, kPerThread = 100;
+  {
+    absl::MutexLock lock(&f.record.mu);
+    f.record.rounds_left[-1] = kRounds - 1;
+  }
+  ASSERT_TRUE(f.Submit(-1, 7, 10, absl::InfiniteFuture(), nullptr, 50).ok());
+  std::atomic<int> refused{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&f, &refused, t] {
+      for (int i = 0; i < kPerThread; ++i) {
+        if (!f.Submit(t * kPerThread + i, 7, 1 + i % 5, absl::InfiniteFuture(), nullptr, 10).ok()) {
+          ++refused;
+        }
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  f.executor->Shutdown();
+  absl::MutexLock lock(&f.record.mu);
+  std::map<int, int> runs;
+  for (const auto& batch : f.record.batches) {
+    for (int id : batch) ++runs[id];
+  }
+  EXPECT_EQ(runs[-1], kRounds);
+  int others = 0;
+  for (const auto& [id, count] : runs) {
+    if (id < 0) continue;
+    EXPECT_EQ(count, 1) << id;
+    ++others;
+  }
+  EXPECT_EQ(others + refused.load(), kThreads * kPerThread);
+  EXPECT_TRUE(f.record.skipped.empty());
   EXPECT_EQ(f.scheduler->reserved_bytes(), 0);
 }
 
