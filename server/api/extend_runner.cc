@@ -286,7 +286,7 @@ std::vector<ChunkGroup> GroupChunks(absl::Span<ExtendMember> members) {
         groups.push_back({model, step.head_mask, plan.precision, {}});
         group = groups.end() - 1;
       }
-      group->chunks.push_back({&member, i, NextChunk(plan, step), {}});
+      group->chunks.push_back({&member, i, NextChunk(plan, step), {}, {}, {}});
     }
   }
   return groups;
