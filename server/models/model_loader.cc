@@ -18,6 +18,10 @@ ModelLoader::~ModelLoader() { Shutdown(); }
 
 absl::Status ModelLoader::Load(absl::string_view name, Done done) {
   if (absl::Status valid = ModelRepository::ValidateModelName(name); !valid.ok()) return valid;
+  // No entry for a name the repository has no folder of: a layer's name
+  // ("gpt2.3") asked for while its folder loads must not take the name the
+  // folder's layer is about to have.
+  if (absl::Status found = repository_->FindFolder(name); absl::IsNotFound(found)) return found;
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the server is shutting down");
   if (static_cast<int64_t>(jobs_.size()) >= options_.max_pending) {

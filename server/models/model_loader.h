@@ -58,8 +58,10 @@ class ModelLoader {
   // (unloaded meanwhile), UNAVAILABLE (the loader shut down first). No load
   // ends the process: std::bad_alloc is caught and fails that model alone.
   // Returns without calling `done`:
-  // INVALID_ARGUMENT for an invalid name, ALREADY_EXISTS when it is loading or
-  // ready, RESOURCE_EXHAUSTED when max_pending loads wait, UNAVAILABLE after
+  // INVALID_ARGUMENT for an invalid name, NOT_FOUND when the repository has
+  // no such folder (for a layer's name "gpt2.3": saying to load 'gpt2'),
+  // ALREADY_EXISTS when it is loading or ready, FAILED_PRECONDITION for a
+  // loaded layer of a folder (naming the folder), RESOURCE_EXHAUSTED when max_pending loads wait, UNAVAILABLE after
   // Shutdown.
   absl::Status Load(absl::string_view name, Done done);
 

@@ -84,6 +84,12 @@ absl::StatusOr<uint64_t> ModelRegistry::BeginLoading(absl::string_view name) {
         " (UnloadModel it first to reload it)"));
   }
   auto it = models_.find(name);
+  if (it != models_.end() && !it->second.folder.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model '", Abbreviate(name), "' is a layer of model folder '",
+        Abbreviate(it->second.folder), "', whose layers load and unload together: load or unload '",
+        Abbreviate(it->second.folder), "'"));
+  }
   if (it != models_.end() && it->second.status.state != ModelState::kFailed) {
     return absl::AlreadyExistsError(
         absl::StrCat("model '", Abbreviate(name), "' is already ",

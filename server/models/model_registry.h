@@ -73,8 +73,9 @@ class ModelRegistry {
   absl::Status Add(std::shared_ptr<const Model> model);
 
   // Marks `name` LOADING and returns its ticket. ALREADY_EXISTS when it is
-  // loading or ready, or a folder whose layers are loaded; a FAILED entry is
-  // replaced (a retry).
+  // loading or ready, or a folder whose layers are loaded; FAILED_PRECONDITION
+  // naming the folder when it is a loaded layer of a folder; a FAILED entry
+  // is replaced (a retry).
   absl::StatusOr<uint64_t> BeginLoading(absl::string_view name);
   // Settles the load of `ticket`: `result` OK makes the entry READY, an error
   // makes it FAILED with that reason, except NOT_FOUND (nothing to load),

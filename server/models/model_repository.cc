@@ -212,6 +212,27 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
   return std::move((*models)[0]);
 }
 
+absl::Status ModelRepository::FindFolder(absl::string_view name) const {
+  ATTNSERVE_RETURN_IF_ERROR(ValidateModelName(name));
+  const std::string folder(name);
+  absl::StatusOr<int> dir = OpenBeneath(folder, O_RDONLY | O_DIRECTORY);
+  if (dir.ok()) {
+    ::close(*dir);
+    return absl::OkStatus();
+  }
+  if (!absl::IsNotFound(dir.status())) return dir.status();
+  // "gpt2.3" may be meant as a layer of folder "gpt2": say how those load.
+  const size_t dot = folder.rfind('.');
+  const bool layer_like = dot != std::string::npos && dot > 0 && dot + 1 < folder.size() &&
+                          std::all_of(folder.begin() + dot + 1, folder.end(),
+                                      [](char c) { return c >= '0' && c <= '9'; });
+  return absl::NotFoundError(absl::StrCat(
+      "the model repository has no folder '", folder, "'",
+      layer_like ? absl::StrCat(" (the layers of a folder of layers load with their folder: load '",
+                                folder.substr(0, dot), "')")
+                 : ""));
+}
+
 absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadFolder(
     absl::string_view name) const {
   ATTNSERVE_RETURN_IF_ERROR(ValidateModelName(name));
@@ -234,28 +255,9 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadF
 
 absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadFolderOrThrow(
     const std::string& folder) const {
-  {
-    // The folder itself: NOT_FOUND when absent (nothing to load), refused
-    // when it leaves the repository.
-    absl::StatusOr<int> dir = OpenBeneath(folder, O_RDONLY | O_DIRECTORY);
-    if (!dir.ok()) {
-      if (absl::IsNotFound(dir.status())) {
-        // "gpt2.3" may be meant as a layer of folder "gpt2": say how those load.
-        const size_t dot = folder.rfind('.');
-        const bool layer_like = dot != std::string::npos && dot > 0 && dot + 1 < folder.size() &&
-                                std::all_of(folder.begin() + dot + 1, folder.end(),
-                                            [](char c) { return c >= '0' && c <= '9'; });
-        return absl::NotFoundError(absl::StrCat(
-            "the model repository has no folder '", folder, "'",
-            layer_like ? absl::StrCat(" (the layers of a folder of layers load with their "
-                                      "folder: load '",
-                                      folder.substr(0, dot), "')")
-                       : ""));
-      }
-      return dir.status();
-    }
-    ::close(*dir);
-  }
+  // The folder itself: NOT_FOUND when absent (nothing to load), refused
+  // when it leaves the repository.
+  ATTNSERVE_RETURN_IF_ERROR(FindFolder(folder));
 
   const std::string config_path = absl::StrCat(folder, "/config.json");
   absl::StatusOr<std::string> config_text =

@@ -68,6 +68,13 @@ class ModelRepository {
   // names, sorted. Hidden entries and other names are skipped.
   absl::StatusOr<std::vector<std::string>> ListModelNames() const;
 
+  // OK when the repository has a folder `name` (one open beneath the root,
+  // nothing read). INVALID_ARGUMENT for an invalid name; NOT_FOUND when it
+  // has none (for a name like "gpt2.3", the message says a folder's layers
+  // load with their folder: load 'gpt2'); FAILED_PRECONDITION when the path
+  // leaves the repository or cannot be opened.
+  absl::Status FindFolder(absl::string_view name) const;
+
   // Reads model `name`: config.json, then the layer's tensors from its
   // weights file. INVALID_ARGUMENT for an invalid name, NOT_FOUND when the
   // repository has no such folder, FAILED_PRECONDITION with the reason

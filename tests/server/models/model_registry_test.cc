@@ -111,7 +111,9 @@ TEST(ModelRegistry, AFolderOfLayersIsReadyUnloadedAndFoundAsOne) {
   EXPECT_THAT(registry.BeginLoading("gpt2"),
               StatusIs(absl::StatusCode::kAlreadyExists, "already loaded as its 12 layers"));
   EXPECT_THAT(registry.BeginLoading("gpt2.3"),
-              StatusIs(absl::StatusCode::kAlreadyExists, "already loaded"));
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "'gpt2.3' is a layer of model folder 'gpt2', whose layers load and unload "
+                       "together: load or unload 'gpt2'"));
   EXPECT_THAT(registry.Remove("gpt2.3"),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        "'gpt2.3' is a layer of model folder 'gpt2', whose layers load and unload "
@@ -311,6 +313,53 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
   EXPECT_LE(testing::RelativeFrobeniusError(*stable, stable_reference), testing::kFp32Tolerance);
   loader.Shutdown();
   (*executor)->Shutdown();
+}
+
+// LoadModel of a layer's name while its folder loads: NOT_FOUND at once
+// (saying to load the folder), with no entry that would take the layer's name
+// from the folder; the folder then loads, and the layer's name is refused
+// naming the folder.
+TEST(ModelLoader, ALayersNameAskedForWhileItsFolderLoadsDoesNotFailTheFolder) {
+  TestRepository repo;
+  testing::LayoutCase c{"gpt2", {}, "unused.", "F32"};
+  c.head.d_model = 16;
+  c.head.num_heads = 2;
+  const core::HeadConfig h = *core::ResolveHeadConfig(c.head);
+  repo.AddLayers("net", c, {core::SeededWeights(h, 1), core::SeededWeights(h, 2)},
+                 R"({"count": 2, "prefix": "h.{layer}.attn."})");
+  auto repository = ModelRepository::Create(repo.root());
+  ASSERT_THAT(repository, IsOk());
+  ModelRegistry registry;
+  absl::Notification warming, release;
+  ModelLoaderOptions options;
+  options.warm_up = [&](const Model& m) {  // holds the folder LOADING
+    if (m.name == "net.0") {
+      warming.Notify();
+      release.WaitForNotification();
+    }
+    return absl::OkStatus();
+  };
+  ModelLoader loader(repository->get(), &registry, options);
+  absl::Notification loaded;
+  ASSERT_THAT(loader.Load("net", [&](absl::StatusOr<std::vector<ModelStatus>> s) {
+    ASSERT_THAT(s, IsOk());
+    EXPECT_EQ(s->size(), 2u);
+    loaded.Notify();
+  }), IsOk());
+  warming.WaitForNotification();
+  EXPECT_EQ(registry.Get("net")->state, ModelState::kLoading);
+  bool called = false;
+  EXPECT_THAT(loader.Load("net.1", [&](absl::StatusOr<std::vector<ModelStatus>>) { called = true; }),
+              StatusIs(absl::StatusCode::kNotFound, "load 'net'"));
+  EXPECT_THAT(registry.Get("net.1"), StatusIs(absl::StatusCode::kNotFound, ""));
+  release.Notify();
+  loaded.WaitForNotification();
+  EXPECT_FALSE(called);
+  EXPECT_EQ(registry.Get("net.1")->state, ModelState::kReady);
+  EXPECT_THAT(registry.Get("net"), StatusIs(absl::StatusCode::kNotFound, "model folder"));
+  EXPECT_THAT(loader.Load("net.1", nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "load or unload 'net'"));
+  loader.Shutdown();
 }
 
 }  // namespace
