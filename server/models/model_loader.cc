@@ -21,7 +21,11 @@ absl::Status ModelLoader::Load(absl::string_view name, Done done) {
   // No entry for a name the repository has no folder of: a layer's name
   // ("gpt2.3") asked for while its folder loads must not take the name the
   // folder's layer is about to have.
-  if (absl::Status found = repository_->FindFolder(name); absl::IsNotFound(found)) return found;
+  if (absl::Status found = repository_->FindFolder(name); absl::IsNotFound(found)) {
+    // A loaded layer's name: the more specific answer names its folder.
+    if (absl::Status layer = registry_->CheckNotALayer(name); !layer.ok()) return layer;
+    return found;
+  }
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the server is shutting down");
   if (static_cast<int64_t>(jobs_.size()) >= options_.max_pending) {

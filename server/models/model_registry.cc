@@ -84,12 +84,7 @@ absl::StatusOr<uint64_t> ModelRegistry::BeginLoading(absl::string_view name) {
         " (UnloadModel it first to reload it)"));
   }
   auto it = models_.find(name);
-  if (it != models_.end() && !it->second.folder.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "model '", Abbreviate(name), "' is a layer of model folder '",
-        Abbreviate(it->second.folder), "', whose layers load and unload together: load or unload '",
-        Abbreviate(it->second.folder), "'"));
-  }
+  if (it != models_.end() && !it->second.folder.empty()) return LayerRefusal(name, it->second);
   if (it != models_.end() && it->second.status.state != ModelState::kFailed) {
     return absl::AlreadyExistsError(
         absl::StrCat("model '", Abbreviate(name), "' is already ",
@@ -102,6 +97,20 @@ absl::StatusOr<uint64_t> ModelRegistry::BeginLoading(absl::string_view name) {
   entry.status.name = std::string(name);
   entry.ticket = next_ticket_++;
   return entry.ticket;
+}
+
+absl::Status ModelRegistry::LayerRefusal(absl::string_view name, const Entry& entry) {
+  if (entry.folder.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "model '", Abbreviate(name), "' is a layer of model folder '", Abbreviate(entry.folder),
+      "', whose layers load and unload together: load or unload '", Abbreviate(entry.folder),
+      "'"));
+}
+
+absl::Status ModelRegistry::CheckNotALayer(absl::string_view name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(name);
+  return it == models_.end() ? absl::OkStatus() : LayerRefusal(name, it->second);
 }
 
 absl::Status ModelRegistry::FinishLoading(absl::string_view name, uint64_t ticket,

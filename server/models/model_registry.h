@@ -77,6 +77,9 @@ class ModelRegistry {
   // naming the folder when it is a loaded layer of a folder; a FAILED entry
   // is replaced (a retry).
   absl::StatusOr<uint64_t> BeginLoading(absl::string_view name);
+  // FAILED_PRECONDITION naming the folder (load or unload it) when `name` is
+  // a loaded layer of a folder of layers; OK otherwise.
+  absl::Status CheckNotALayer(absl::string_view name) const;
   // Settles the load of `ticket`: `result` OK makes the entry READY, an error
   // makes it FAILED with that reason, except NOT_FOUND (nothing to load),
   // which removes the entry. ABORTED when the entry was unloaded (or replaced)
@@ -119,6 +122,8 @@ class ModelRegistry {
     uint64_t ticket = 0;
     std::string folder;  // a layer of that folder; empty otherwise
   };
+  // CheckNotALayer's answer for the entry of `name`.
+  static absl::Status LayerRefusal(absl::string_view name, const Entry& entry);
   // NOT_FOUND for `name`, naming its layers when it is a folder of them.
   absl::Status NotFound(absl::string_view name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
