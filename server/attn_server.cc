@@ -242,8 +242,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
         ModelLoaderOptions{
             .warm_up = [self](const Model& model) { return WarmUp(model, *self->executor_); },
             .on_ready =
-                [self](const Model& model) {
-                  self->metrics_->AddModel(model.name, model.layer->config());
+                [self](const Model& model, absl::string_view folder) {
+                  // A folder's layers share its label: one set of series a folder.
+                  self->metrics_->AddModel(model.name, model.layer->config(), folder);
                 },
             .on_unloaded = [self](absl::string_view name) { self->metrics_->RemoveModel(name); },
         });

@@ -114,7 +114,7 @@ void ModelLoader::Run() {
     const absl::Status loaded_status = models.status();
     absl::Status settled = registry_->FinishLoadingFolder(job.name, job.ticket, std::move(models));
     if (settled.ok() && options_.on_ready) {
-      for (const std::shared_ptr<const Model>& model : loaded) options_.on_ready(*model);
+      for (const std::shared_ptr<const Model>& model : loaded) options_.on_ready(*model, job.name);
     }
     if (!job.done) continue;
     if (!settled.ok()) {

@@ -23,9 +23,10 @@ struct ModelLoaderOptions {
   // forward pass on the compute executor); each layer of a folder of layers.
   // Empty: no warm-up.
   std::function<absl::Status(const Model&)> warm_up;
-  // Called once a model turns READY, and when one is unloaded (metrics); for
-  // a folder of layers, once per layer model.
-  std::function<void(const Model&)> on_ready;
+  // Called once a model turns READY, with the folder it was loaded from (its
+  // own name for one model), and when one is unloaded (metrics); for a folder
+  // of layers, once per layer model.
+  std::function<void(const Model&, absl::string_view folder)> on_ready;
   std::function<void(absl::string_view)> on_unloaded;
   // Loads waiting for the loader thread; more are refused (RESOURCE_EXHAUSTED).
   int64_t max_pending = 64;
