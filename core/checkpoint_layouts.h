@@ -100,6 +100,15 @@ struct CheckpointLoadOptions {
   std::string budget_name = "max_weight_bytes";
 };
 
+// CheckpointWeightBytes of the layer `config` describes, held against
+// options.max_weight_bytes: the bytes when they fit; INVALID_ARGUMENT naming
+// the file, options.budget_name, the bytes needed and the budget when they do
+// not (such a checkpoint never will); CheckpointWeightBytes' errors
+// otherwise. From the header alone. Thread-safe.
+absl::StatusOr<int64_t> CheckCheckpointBudget(const SafetensorsFile& file,
+                                              const CheckpointConfig& config,
+                                              const CheckpointLoadOptions& options);
+
 // Reads the layer `config` describes from `file` and converts it to
 // AttentionWeights (x W + b convention: Linear weights are transposed,
 // Conv1D's are not). Every tensor's presence and shape is checked from the

@@ -303,12 +303,8 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadF
   // budget, from the header, before any tensor of any layer is read.
   for (size_t i = 0; layers > 0 && i < layers; ++i) {
     const core::CheckpointConfig one = core::LayerOfCheckpoint(*config, i);
-    absl::StatusOr<int64_t> bytes = core::CheckpointWeightBytes(*file, one);
+    absl::StatusOr<int64_t> bytes = core::CheckCheckpointBudget(*file, one, budget);
     if (!bytes.ok()) return InModel(of_layer(i, bytes.status()));
-    if (*bytes > options_.max_model_bytes) {
-      // Refused from the header (no tensor read), with the loader's message.
-      return InModel(of_layer(i, core::LoadCheckpointWeights(*file, one, budget).status()));
-    }
   }
 
   std::vector<std::shared_ptr<const Model>> models;
