@@ -383,18 +383,19 @@ absl::Status AttnServer::LoadModelsAndServe() {
         mu.Await(absl::Condition(&has_room));
       }
       absl::Status queued = loader_->Load(name, [&, name](
-                                                    absl::StatusOr<std::vector<ModelStatus>> loaded) {
-        if (!loaded.ok() || loaded->empty()) {
+                                                    absl::StatusOr<ModelLoader::Loaded> loaded) {
+        if (!loaded.ok() || loaded->models.empty()) {
           LogLine(absl::StrCat("model '", name, "' not loaded: ", loaded.status().ToString()));
-        } else if (loaded->size() == 1 && (*loaded)[0].name == name) {
+        } else if (!loaded->layered) {
           LogLine(absl::StrCat("model '", name, "' loaded and warm after ",
                                absl::FormatDuration(absl::Now() - start), ": ",
-                               (*loaded)[0].model->description));
+                               loaded->models[0].model->description));
         } else {
+          const std::vector<ModelStatus>& layers = loaded->models;
           LogLine(absl::StrCat("model folder '", name, "' loaded and warm after ",
-                               absl::FormatDuration(absl::Now() - start), ": ", loaded->size(),
-                               " layers, models ", loaded->front().name, " to ",
-                               loaded->back().name, " (", loaded->front().model->description,
+                               absl::FormatDuration(absl::Now() - start), ": ", layers.size(),
+                               " layers, models ", layers.front().name, " to ",
+                               layers.back().name, " (", layers.front().model->description,
                                ", ...)"));
         }
         absl::MutexLock lock(&mu);

@@ -65,7 +65,7 @@ void ModelLoader::Shutdown() {
   }
 }
 
-absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelLoader::LoadAndWarmUp(
+absl::StatusOr<FolderModels> ModelLoader::LoadAndWarmUp(
     const std::string& name) const {
   // The repository catches running out of memory while reading; this catch
   // covers the warm-up and anything else of this one model's load, so the
@@ -76,13 +76,12 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelLoader::LoadAndWa
                      "); a later attempt, with more memory free, may pass"));
   };
   try {
-    absl::StatusOr<std::vector<std::shared_ptr<const Model>>> models =
-        repository_->LoadFolder(name);
+    absl::StatusOr<FolderModels> models = repository_->LoadFolder(name);
     if (models.ok() && options_.warm_up) {
-      for (const std::shared_ptr<const Model>& model : *models) {
+      for (const std::shared_ptr<const Model>& model : models->models) {
         if (absl::Status warm = options_.warm_up(*model); !warm.ok()) {
           return absl::FailedPreconditionError(
-              absl::StrCat(models->size() > 1 ? absl::StrCat("model '", model->name, "': ") : "",
+              absl::StrCat(models->layered ? absl::StrCat("model '", model->name, "': ") : "",
                            "warm-up failed: ", warm.message()));
         }
       }
@@ -108,9 +107,10 @@ void ModelLoader::Run() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
-    absl::StatusOr<std::vector<std::shared_ptr<const Model>>> models = LoadAndWarmUp(job.name);
+    absl::StatusOr<FolderModels> models = LoadAndWarmUp(job.name);
     const std::vector<std::shared_ptr<const Model>> loaded =
-        models.ok() ? *models : std::vector<std::shared_ptr<const Model>>{};
+        models.ok() ? models->models : std::vector<std::shared_ptr<const Model>>{};
+    const bool layered = models.ok() && models->layered;
     const absl::Status loaded_status = models.status();
     absl::Status settled = registry_->FinishLoadingFolder(job.name, job.ticket, std::move(models));
     if (settled.ok() && options_.on_ready) {
@@ -131,13 +131,14 @@ void ModelLoader::Run() {
                                          "' failed to load: ", loaded_status.message())));
     } else {
       // The status as it was settled (an Unload may already have removed it).
-      std::vector<ModelStatus> ready;
+      Loaded ready;
+      ready.layered = layered;
       for (const std::shared_ptr<const Model>& model : loaded) {
         ModelStatus status;
         status.name = model->name;
         status.state = ModelState::kReady;
         status.model = model;
-        ready.push_back(std::move(status));
+        ready.models.push_back(std::move(status));
       }
       job.done(std::move(ready));
     }

@@ -38,9 +38,13 @@ struct ModelLoaderOptions {
 // Thread-safe. `repository` and `registry` must outlive the loader.
 class ModelLoader {
  public:
-  // A load's answer: the READY status of the folder's model, or of each of
-  // its layers' models in order (a config.json with "layers").
-  using Done = std::function<void(absl::StatusOr<std::vector<ModelStatus>>)>;
+  // A load's answer: the READY status of the folder's model, or (layered: a
+  // config.json with "layers") of each of its layers' models in order.
+  struct Loaded {
+    std::vector<ModelStatus> models;
+    bool layered = false;
+  };
+  using Done = std::function<void(absl::StatusOr<Loaded>)>;
 
   ModelLoader(const ModelRepository* repository, ModelRegistry* registry,
               ModelLoaderOptions options);
@@ -84,7 +88,7 @@ class ModelLoader {
   void Run();
   // Loads and warms up folder `name`'s model(s); RESOURCE_EXHAUSTED when
   // memory runs out.
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> LoadAndWarmUp(
+  absl::StatusOr<FolderModels> LoadAndWarmUp(
       const std::string& name) const;
 
   // Constant after construction.

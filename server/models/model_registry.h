@@ -27,6 +27,13 @@ struct Model {
   bool causal = false;
 };
 
+// What one repository folder holds once read: one model named as the folder,
+// or (`layered`: its config.json has "layers") its layers' models, in order.
+struct FolderModels {
+  std::vector<std::shared_ptr<const Model>> models;
+  bool layered = false;
+};
+
 // Where a model is in its life.
 enum class ModelState { kLoading, kReady, kFailed };
 // "LOADING", "READY", "FAILED".
@@ -87,13 +94,13 @@ class ModelRegistry {
   absl::Status FinishLoading(absl::string_view name, uint64_t ticket,
                              absl::StatusOr<std::shared_ptr<const Model>> result);
   // FinishLoading with what folder `name` held: one model named `name` (as
-  // above), or its layers' models, in order, named "<name>.<i>": these turn
+  // above), or (layered) its layers' models, in order, named "<name>.<i>": these turn
   // READY together and `name` becomes their folder (its LOADING entry goes).
   // ALREADY_EXISTS naming the layer when a layer's name is taken by another
   // entry (a folder of that name, say): `name` is then FAILED with that
   // reason and no layer is added. ABORTED as above.
   absl::Status FinishLoadingFolder(absl::string_view name, uint64_t ticket,
-                                   absl::StatusOr<std::vector<std::shared_ptr<const Model>>> result);
+                                   absl::StatusOr<FolderModels> result);
 
   // Removes `name` in any state (calls in flight keep their model); a folder
   // of layers removes all its layers. Sets *removed (when given) to the model

@@ -202,14 +202,14 @@ std::string ModelRepository::LayerModelName(absl::string_view folder, int64_t la
 
 absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
     absl::string_view name) const {
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> models = LoadFolder(name);
+  absl::StatusOr<FolderModels> models = LoadFolder(name);
   if (!models.ok()) return models.status();
-  if (models->size() != 1 || (*models)[0]->name != name) {
+  if (models->layered) {
     return absl::FailedPreconditionError(
-        absl::StrCat(name, ": the folder holds ", models->size(),
+        absl::StrCat(name, ": the folder holds ", models->models.size(),
                      " layers (config.json's layers); load it with LoadFolder"));
   }
-  return std::move((*models)[0]);
+  return std::move(models->models[0]);
 }
 
 absl::Status ModelRepository::FindFolder(absl::string_view name) const {
@@ -233,8 +233,7 @@ absl::Status ModelRepository::FindFolder(absl::string_view name) const {
                  : ""));
 }
 
-absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadFolder(
-    absl::string_view name) const {
+absl::StatusOr<FolderModels> ModelRepository::LoadFolder(absl::string_view name) const {
   ATTNSERVE_RETURN_IF_ERROR(ValidateModelName(name));
   const std::string folder(name);
   // Every size is checked before it is allocated; this is the last line for
@@ -253,7 +252,7 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadF
   }
 }
 
-absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadFolderOrThrow(
+absl::StatusOr<FolderModels> ModelRepository::LoadFolderOrThrow(
     const std::string& folder) const {
   // The folder itself: NOT_FOUND when absent (nothing to load), refused
   // when it leaves the repository.
@@ -307,7 +306,9 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadF
     if (!bytes.ok()) return InModel(of_layer(i, bytes.status()));
   }
 
-  std::vector<std::shared_ptr<const Model>> models;
+  FolderModels read;
+  read.layered = layers > 0;
+  std::vector<std::shared_ptr<const Model>>& models = read.models;
   for (size_t i = 0; i < names.size(); ++i) {
     const core::CheckpointConfig one =
         layers == 0 ? *config : core::LayerOfCheckpoint(*config, i);
@@ -339,7 +340,7 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadF
     model->layer = *std::move(layer);
     models.push_back(std::move(model));
   }
-  return models;
+  return read;
 }
 
 }  // namespace attnserve::server

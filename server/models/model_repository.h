@@ -88,7 +88,8 @@ class ModelRepository {
   absl::StatusOr<std::shared_ptr<const Model>> LoadModel(absl::string_view name) const;
 
   // Reads folder `name`: one model named `name`, or for a config.json with
-  // "layers", one model per layer in order, named LayerModelName(name, i).
+  // "layers", one model per layer in order, named LayerModelName(name, i)
+  // (FolderModels::layered then).
   // The weights file is opened and its header parsed once, each tensor read
   // once; every layer's tensors and bytes (--max_model_bytes holds for each
   // layer) are checked from the header before any tensor is read. Errors as
@@ -97,8 +98,7 @@ class ModelRepository {
   // (model 'gpt2.3', prefix 'h.3.attn.'): ..."), and a layer model name over
   // 128 bytes is FAILED_PRECONDITION naming config.json's layers before any
   // tensor is read.
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> LoadFolder(
-      absl::string_view name) const;
+  absl::StatusOr<FolderModels> LoadFolder(absl::string_view name) const;
 
   const std::string& root() const { return root_; }
   const ModelRepositoryOptions& options() const { return options_; }
@@ -107,8 +107,7 @@ class ModelRepository {
   ModelRepository(std::string root, int root_fd, const ModelRepositoryOptions& options)
       : root_(std::move(root)), root_fd_(root_fd), options_(options) {}
   // LoadFolder without its catch of std::bad_alloc.
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> LoadFolderOrThrow(
-      const std::string& folder) const;
+  absl::StatusOr<FolderModels> LoadFolderOrThrow(const std::string& folder) const;
   // Opens `relative` (below the root) read-only with `flags` added; the fd, or
   // an errno-derived status naming the path.
   absl::StatusOr<int> OpenBeneath(const std::string& relative, int flags) const;

@@ -167,7 +167,7 @@ TEST(ModelBudget, TheLoaderTurnsBadAllocIntoThatModelsFailureAndKeepsLoading) {
   auto load = [&](const std::string& name) {
     absl::Notification done;
     absl::Status result;
-    absl::Status queued = loader.Load(name, [&](absl::StatusOr<std::vector<ModelStatus>> s) {
+    absl::Status queued = loader.Load(name, [&](absl::StatusOr<ModelLoader::Loaded> s) {
       result = s.status();
       done.Notify();
     });

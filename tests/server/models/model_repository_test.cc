@@ -230,9 +230,10 @@ TEST(ModelRepository, AFolderOfLayersLoadsEachLayerAsItsOwnModel) {
   ASSERT_THAT(repository, IsOk());
   EXPECT_EQ(*(*repository)->ListModelNames(),
             (std::vector<std::string>{"net", "single0", "single1", "single2"}));
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> layers =
-      (*repository)->LoadFolder("net");
-  ASSERT_THAT(layers, IsOk());
+  absl::StatusOr<FolderModels> folder = (*repository)->LoadFolder("net");
+  ASSERT_THAT(folder, IsOk());
+  EXPECT_TRUE(folder->layered);
+  const std::vector<std::shared_ptr<const Model>>* layers = &folder->models;
   ASSERT_EQ(layers->size(), 3u);
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal;
@@ -277,13 +278,12 @@ TEST(ModelRepository, AFolderOfLayersLoadsEachLayerAsItsOwnModel) {
   TestRepository::WriteText(repo.root() + "/net/config.json",
                             R"({"layout":"gpt2","d_model":16,"num_heads":4,)"
                             R"("layers":{"prefixes":["h.2.attn.","h.0.attn."]}})");
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> listed =
-      (*repository)->LoadFolder("net");
+  absl::StatusOr<FolderModels> listed = (*repository)->LoadFolder("net");
   ASSERT_THAT(listed, IsOk());
-  ASSERT_EQ(listed->size(), 2u);
-  EXPECT_EQ((*listed)[0]->name, "net.0");
-  EXPECT_EQ(OutputOf(*(*listed)[0], x), outputs[2]);
-  EXPECT_EQ(OutputOf(*(*listed)[1], x), outputs[0]);
+  ASSERT_EQ(listed->models.size(), 2u);
+  EXPECT_EQ(listed->models[0]->name, "net.0");
+  EXPECT_EQ(OutputOf(*listed->models[0], x), outputs[2]);
+  EXPECT_EQ(OutputOf(*listed->models[1], x), outputs[0]);
 }
 
 // What is wrong with one layer names the layer, its model and prefix, and
@@ -317,10 +317,9 @@ TEST(ModelRepository, ALayersDefectNamesTheLayerAndTheField) {
   EXPECT_THAT((*repository)->LoadFolder("typo"),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        "typo/config.json: layers.prefix: 'h.attn.' does not hold {layer}"));
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> fitting =
-      (*repository)->LoadFolder(fits);
+  absl::StatusOr<FolderModels> fitting = (*repository)->LoadFolder(fits);
   ASSERT_THAT(fitting, IsOk());
-  EXPECT_EQ((*fitting)[1]->name.size(), 128u);
+  EXPECT_EQ(fitting->models[1]->name.size(), 128u);
   EXPECT_THAT((*repository)->LoadFolder(over),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        "/config.json: layers: layer 0's model name"));
