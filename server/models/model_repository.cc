@@ -200,18 +200,6 @@ std::string ModelRepository::LayerModelName(absl::string_view folder, int64_t la
   return absl::StrCat(folder, ".", layer);
 }
 
-absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
-    absl::string_view name) const {
-  absl::StatusOr<FolderModels> models = LoadFolder(name);
-  if (!models.ok()) return models.status();
-  if (models->layered) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(name, ": the folder holds ", models->models.size(),
-                     " layers (config.json's layers); load it with LoadFolder"));
-  }
-  return std::move(models->models[0]);
-}
-
 absl::Status ModelRepository::FindFolder(absl::string_view name) const {
   ATTNSERVE_RETURN_IF_ERROR(ValidateModelName(name));
   const std::string folder(name);

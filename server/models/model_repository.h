@@ -75,25 +75,20 @@ class ModelRepository {
   // leaves the repository or cannot be opened.
   absl::Status FindFolder(absl::string_view name) const;
 
-  // Reads model `name`: config.json, then the layer's tensors from its
-  // weights file. INVALID_ARGUMENT for an invalid name, NOT_FOUND when the
-  // repository has no such folder, FAILED_PRECONDITION with the reason
-  // (naming the file and, where it applies, the tensor) for anything wrong
-  // inside it: a path leaving the repository, a missing, malformed or
-  // mis-shaped file or tensor, weights over max_model_bytes (the message
-  // names --max_model_bytes, the bytes needed and the limit; nothing is read
-  // from the tensors); RESOURCE_EXHAUSTED when memory runs out while loading
-  // (a later attempt may pass).
-  // A folder of layers is FAILED_PRECONDITION here (naming LoadFolder).
-  absl::StatusOr<std::shared_ptr<const Model>> LoadModel(absl::string_view name) const;
-
-  // Reads folder `name`: one model named `name`, or for a config.json with
-  // "layers", one model per layer in order, named LayerModelName(name, i)
-  // (FolderModels::layered then).
-  // The weights file is opened and its header parsed once, each tensor read
-  // once; every layer's tensors and bytes (--max_model_bytes holds for each
-  // layer) are checked from the header before any tensor is read. Errors as
-  // LoadModel; a
+  // Reads folder `name`: config.json, then the tensors from its weights file:
+  // one model named `name`, or for a config.json with "layers", one model per
+  // layer in order, named LayerModelName(name, i) (FolderModels::layered
+  // then). The weights file is opened and its header parsed once, each tensor
+  // read once; every layer's tensors and bytes (--max_model_bytes holds for
+  // each layer) are checked from the header before any tensor is read.
+  // INVALID_ARGUMENT for an invalid name, NOT_FOUND when the repository has
+  // no such folder (FindFolder), FAILED_PRECONDITION with the reason (naming
+  // the file and, where it applies, the tensor) for anything wrong inside it:
+  // a path leaving the repository, a missing, malformed or mis-shaped file or
+  // tensor, weights over max_model_bytes (the message names
+  // --max_model_bytes, the bytes needed and the limit; nothing is read from
+  // the tensors); RESOURCE_EXHAUSTED when memory runs out while loading (a
+  // later attempt may pass). A
   // layer's reason names the layer, its model and its prefix ("layer 3 of 12
   // (model 'gpt2.3', prefix 'h.3.attn.'): ..."), and a layer model name over
   // 128 bytes is FAILED_PRECONDITION naming config.json's layers before any
