@@ -445,10 +445,16 @@ absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
   return config;
 }
 
-CheckpointConfig LayerOfCheckpoint(const CheckpointConfig& config, size_t layer) {
+absl::StatusOr<CheckpointConfig> LayerOfCheckpoint(const CheckpointConfig& config,
+                                                   size_t layer) {
+  if (layer >= config.layer_prefixes.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, ": the config describes ",
+                                                   config.layer_prefixes.size(),
+                                                   " layers (layers)"));
+  }
   CheckpointConfig one = config;
   one.layer_prefixes.clear();
-  if (layer < config.layer_prefixes.size()) one.prefix = config.layer_prefixes[layer];
+  one.prefix = config.layer_prefixes[layer];
   return one;
 }
 

@@ -78,11 +78,16 @@ absl::StatusOr<FolderModels> ModelLoader::LoadAndWarmUp(
   try {
     absl::StatusOr<FolderModels> models = repository_->LoadFolder(name);
     if (models.ok() && options_.warm_up) {
-      for (const std::shared_ptr<const Model>& model : models->models) {
-        if (absl::Status warm = options_.warm_up(*model); !warm.ok()) {
-          return absl::FailedPreconditionError(
-              absl::StrCat(models->layered ? absl::StrCat("model '", model->name, "': ") : "",
-                           "warm-up failed: ", warm.message()));
+      const size_t count = models->models.size();
+      for (size_t i = 0; i < count; ++i) {
+        const Model& model = *models->models[i];
+        if (absl::Status warm = options_.warm_up(model); !warm.ok()) {
+          // A layer's says which (the reading's reasons name its prefix too).
+          return absl::FailedPreconditionError(absl::StrCat(
+              models->layered ? absl::StrCat("layer ", i, " of ", count, " (model '", model.name,
+                                             "'): ")
+                              : "",
+              "warm-up failed: ", warm.message()));
         }
       }
     }

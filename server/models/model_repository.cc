@@ -262,7 +262,7 @@ absl::StatusOr<FolderModels> ModelRepository::LoadFolderOrThrow(
     names.push_back(LayerModelName(folder, static_cast<int64_t>(i)));
     if (!ValidateModelName(names.back()).ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          config_path, ": layers: layer ", i, "'s model name '", folder, ".", i,
+          config_path, ": layers: layer ", i, "'s model name '", names.back(),
           "' is longer than ", kMaxModelNameBytes,
           " bytes (a layer's model is named <folder>.<layer>); shorten the folder's name"));
     }
@@ -289,8 +289,9 @@ absl::StatusOr<FolderModels> ModelRepository::LoadFolderOrThrow(
   // Every layer's tensors (presence, shapes, dtypes) and bytes against the
   // budget, from the header, before any tensor of any layer is read.
   for (size_t i = 0; layers > 0 && i < layers; ++i) {
-    const core::CheckpointConfig one = core::LayerOfCheckpoint(*config, i);
-    absl::StatusOr<int64_t> bytes = core::CheckCheckpointBudget(*file, one, budget);
+    absl::StatusOr<core::CheckpointConfig> one = core::LayerOfCheckpoint(*config, i);
+    if (!one.ok()) return InModel(of_layer(i, one.status()));
+    absl::StatusOr<int64_t> bytes = core::CheckCheckpointBudget(*file, *one, budget);
     if (!bytes.ok()) return InModel(of_layer(i, bytes.status()));
   }
 
@@ -298,8 +299,11 @@ absl::StatusOr<FolderModels> ModelRepository::LoadFolderOrThrow(
   read.layered = layers > 0;
   std::vector<std::shared_ptr<const Model>>& models = read.models;
   for (size_t i = 0; i < names.size(); ++i) {
-    const core::CheckpointConfig one =
-        layers == 0 ? *config : core::LayerOfCheckpoint(*config, i);
+    absl::StatusOr<core::CheckpointConfig> layer_config =
+        layers == 0 ? absl::StatusOr<core::CheckpointConfig>(*config)
+                    : core::LayerOfCheckpoint(*config, i);
+    if (!layer_config.ok()) return InModel(of_layer(i, layer_config.status()));
+    const core::CheckpointConfig& one = *layer_config;
     auto of_layer_i = [&](const absl::Status& status) { return of_layer(i, status); };
     // The budget is checked from the header before any tensor is read (for
     // each layer on its own).
