@@ -163,7 +163,10 @@ absl::StatusOr<std::string> RunExtend(const AttentionClient& client, const Sessi
   const size_t shown = std::min<size_t>(output->size(), 6);
   for (size_t i = 0; i < shown; ++i) absl::StrAppendFormat(&text, "%s%.6g", i ? " " : "", (*output)[i]);
   absl::StrAppend(&text, output->size() > shown ? " ...\n" : "\n");
-  if (c.stats) {
+  if (c.stats && result.replayed()) {
+    // A replay returns the first answer's output alone.
+    absl::StrAppend(&text, "no statistics on a replay (they came with the step's first answer)\n");
+  } else if (c.stats) {
     absl::StatusOr<std::string> stats = StepStatisticsText(result);
     if (!stats.ok()) return stats.status();
     absl::StrAppend(&text, *stats);

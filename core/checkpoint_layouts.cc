@@ -445,10 +445,16 @@ absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
   return config;
 }
 
-CheckpointConfig LayerOfCheckpoint(const CheckpointConfig& config, size_t layer) {
+absl::StatusOr<CheckpointConfig> LayerOfCheckpoint(const CheckpointConfig& config,
+                                                   size_t layer) {
+  if (layer >= config.layer_prefixes.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("layer ", layer, ": the config describes ",
+                                                   config.layer_prefixes.size(),
+                                                   " layers (layers)"));
+  }
   CheckpointConfig one = config;
   one.layer_prefixes.clear();
-  if (layer < config.layer_prefixes.size()) one.prefix = config.layer_prefixes[layer];
+  one.prefix = config.layer_prefixes[layer];
   return one;
 }
 
@@ -488,9 +494,9 @@ absl::StatusOr<int64_t> CheckpointWeightBytes(const SafetensorsFile& file,
   return total;
 }
 
-absl::StatusOr<AttentionWeights> LoadCheckpointWeights(const SafetensorsFile& file,
-                                                       const CheckpointConfig& config,
-                                                       const CheckpointLoadOptions& options) {
+absl::StatusOr<int64_t> CheckCheckpointBudget(const SafetensorsFile& file,
+                                              const CheckpointConfig& config,
+                                              const CheckpointLoadOptions& options) {
   ATTNSERVE_ASSIGN_OR_RETURN(const int64_t bytes, CheckpointWeightBytes(file, config));
   if (bytes > options.max_weight_bytes) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -499,6 +505,13 @@ absl::StatusOr<AttentionWeights> LoadCheckpointWeights(const SafetensorsFile& fi
         options.max_weight_bytes, " bytes, ", GibText(options.max_weight_bytes),
         "); no tensor was read"));
   }
+  return bytes;
+}
+
+absl::StatusOr<AttentionWeights> LoadCheckpointWeights(const SafetensorsFile& file,
+                                                       const CheckpointConfig& config,
+                                                       const CheckpointLoadOptions& options) {
+  ATTNSERVE_ASSIGN_OR_RETURN(const int64_t bytes, CheckCheckpointBudget(file, config, options));
   // The sizes are checked; what is left is the machine's memory. No
   // exception leaves core: running out fails this load alone.
   auto out_of_memory = [&] {

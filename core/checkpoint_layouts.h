@@ -77,9 +77,10 @@ absl::StatusOr<CheckpointConfig> ParseCheckpointConfig(absl::string_view json,
 
 // Layer `layer` of a config with layer_prefixes: the same config with that
 // layer's prefix and no layer_prefixes (what CheckpointWeightBytes and
-// LoadCheckpointWeights read). A config without layer_prefixes (or a layer
-// past them) comes back unchanged but for layer_prefixes. Thread-safe.
-CheckpointConfig LayerOfCheckpoint(const CheckpointConfig& config, size_t layer);
+// LoadCheckpointWeights read). INVALID_ARGUMENT for a layer past them (or
+// any layer of a config without layer_prefixes: it describes one layer,
+// itself). Thread-safe.
+absl::StatusOr<CheckpointConfig> LayerOfCheckpoint(const CheckpointConfig& config, size_t layer);
 
 // The bytes the layer `config` describes takes once loaded: every tensor its
 // layout reads from `file` as FP32 (what LoadCheckpointWeights allocates for
@@ -99,6 +100,15 @@ struct CheckpointLoadOptions {
   // What messages call that budget: the caller's option or flag.
   std::string budget_name = "max_weight_bytes";
 };
+
+// CheckpointWeightBytes of the layer `config` describes, held against
+// options.max_weight_bytes: the bytes when they fit; INVALID_ARGUMENT naming
+// the file, options.budget_name, the bytes needed and the budget when they do
+// not (such a checkpoint never will); CheckpointWeightBytes' errors
+// otherwise. From the header alone. Thread-safe.
+absl::StatusOr<int64_t> CheckCheckpointBudget(const SafetensorsFile& file,
+                                              const CheckpointConfig& config,
+                                              const CheckpointLoadOptions& options);
 
 // Reads the layer `config` describes from `file` and converts it to
 // AttentionWeights (x W + b convention: Linear weights are transposed,

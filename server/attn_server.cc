@@ -242,8 +242,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
         ModelLoaderOptions{
             .warm_up = [self](const Model& model) { return WarmUp(model, *self->executor_); },
             .on_ready =
-                [self](const Model& model) {
-                  self->metrics_->AddModel(model.name, model.layer->config());
+                [self](const Model& model, absl::string_view folder) {
+                  // A folder's layers share its label: one set of series a folder.
+                  self->metrics_->AddModel(model.name, model.layer->config(), folder);
                 },
             .on_unloaded = [self](absl::string_view name) { self->metrics_->RemoveModel(name); },
         });
@@ -382,18 +383,19 @@ absl::Status AttnServer::LoadModelsAndServe() {
         mu.Await(absl::Condition(&has_room));
       }
       absl::Status queued = loader_->Load(name, [&, name](
-                                                    absl::StatusOr<std::vector<ModelStatus>> loaded) {
-        if (!loaded.ok() || loaded->empty()) {
+                                                    absl::StatusOr<ModelLoader::Loaded> loaded) {
+        if (!loaded.ok() || loaded->models.empty()) {
           LogLine(absl::StrCat("model '", name, "' not loaded: ", loaded.status().ToString()));
-        } else if (loaded->size() == 1 && (*loaded)[0].name == name) {
+        } else if (!loaded->layered) {
           LogLine(absl::StrCat("model '", name, "' loaded and warm after ",
                                absl::FormatDuration(absl::Now() - start), ": ",
-                               (*loaded)[0].model->description));
+                               loaded->models[0].model->description));
         } else {
+          const std::vector<ModelStatus>& layers = loaded->models;
           LogLine(absl::StrCat("model folder '", name, "' loaded and warm after ",
-                               absl::FormatDuration(absl::Now() - start), ": ", loaded->size(),
-                               " layers, models ", loaded->front().name, " to ",
-                               loaded->back().name, " (", loaded->front().model->description,
+                               absl::FormatDuration(absl::Now() - start), ": ", layers.size(),
+                               " layers, models ", layers.front().name, " to ",
+                               layers.back().name, " (", layers.front().model->description,
                                ", ...)"));
         }
         absl::MutexLock lock(&mu);

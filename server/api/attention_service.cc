@@ -525,14 +525,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LoadModel(grpc::CallbackServerCo
   // the call when the load is over.
   const RequestLimits limits = options_.limits;
   absl::Status queued = loader_->Load(
-      request->name(), [reactor, response, limits, name = request->name()](
-                           absl::StatusOr<std::vector<ModelStatus>> loaded) {
+      request->name(), [reactor, response, limits](absl::StatusOr<ModelLoader::Loaded> loaded) {
         if (loaded.ok()) {
           // One model named as the folder, or the folder's layers.
-          if (loaded->size() == 1 && (*loaded)[0].name == name) {
-            FillModelStatus((*loaded)[0], limits, response->mutable_model());
+          if (!loaded->layered && loaded->models.size() == 1) {
+            FillModelStatus(loaded->models[0], limits, response->mutable_model());
           } else {
-            for (const ModelStatus& layer : *loaded) {
+            for (const ModelStatus& layer : loaded->models) {
               FillModelStatus(layer, limits, response->add_layers());
             }
           }

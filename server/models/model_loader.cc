@@ -18,6 +18,14 @@ ModelLoader::~ModelLoader() { Shutdown(); }
 
 absl::Status ModelLoader::Load(absl::string_view name, Done done) {
   if (absl::Status valid = ModelRepository::ValidateModelName(name); !valid.ok()) return valid;
+  // No entry for a name the repository has no folder of: a layer's name
+  // ("gpt2.3") asked for while its folder loads must not take the name the
+  // folder's layer is about to have.
+  if (absl::Status found = repository_->FindFolder(name); absl::IsNotFound(found)) {
+    // A loaded layer's name: the more specific answer names its folder.
+    if (absl::Status layer = registry_->CheckNotALayer(name); !layer.ok()) return layer;
+    return found;
+  }
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the server is shutting down");
   if (static_cast<int64_t>(jobs_.size()) >= options_.max_pending) {
@@ -57,7 +65,7 @@ void ModelLoader::Shutdown() {
   }
 }
 
-absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelLoader::LoadAndWarmUp(
+absl::StatusOr<FolderModels> ModelLoader::LoadAndWarmUp(
     const std::string& name) const {
   // The repository catches running out of memory while reading; this catch
   // covers the warm-up and anything else of this one model's load, so the
@@ -68,14 +76,18 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelLoader::LoadAndWa
                      "); a later attempt, with more memory free, may pass"));
   };
   try {
-    absl::StatusOr<std::vector<std::shared_ptr<const Model>>> models =
-        repository_->LoadFolder(name);
+    absl::StatusOr<FolderModels> models = repository_->LoadFolder(name);
     if (models.ok() && options_.warm_up) {
-      for (const std::shared_ptr<const Model>& model : *models) {
-        if (absl::Status warm = options_.warm_up(*model); !warm.ok()) {
-          return absl::FailedPreconditionError(
-              absl::StrCat(models->size() > 1 ? absl::StrCat("model '", model->name, "': ") : "",
-                           "warm-up failed: ", warm.message()));
+      const size_t count = models->models.size();
+      for (size_t i = 0; i < count; ++i) {
+        const Model& model = *models->models[i];
+        if (absl::Status warm = options_.warm_up(model); !warm.ok()) {
+          // A layer's says which (the reading's reasons name its prefix too).
+          return absl::FailedPreconditionError(absl::StrCat(
+              models->layered ? absl::StrCat("layer ", i, " of ", count, " (model '", model.name,
+                                             "'): ")
+                              : "",
+              "warm-up failed: ", warm.message()));
         }
       }
     }
@@ -100,13 +112,14 @@ void ModelLoader::Run() {
       job = std::move(jobs_.front());
       jobs_.pop_front();
     }
-    absl::StatusOr<std::vector<std::shared_ptr<const Model>>> models = LoadAndWarmUp(job.name);
+    absl::StatusOr<FolderModels> models = LoadAndWarmUp(job.name);
     const std::vector<std::shared_ptr<const Model>> loaded =
-        models.ok() ? *models : std::vector<std::shared_ptr<const Model>>{};
+        models.ok() ? models->models : std::vector<std::shared_ptr<const Model>>{};
+    const bool layered = models.ok() && models->layered;
     const absl::Status loaded_status = models.status();
     absl::Status settled = registry_->FinishLoadingFolder(job.name, job.ticket, std::move(models));
     if (settled.ok() && options_.on_ready) {
-      for (const std::shared_ptr<const Model>& model : loaded) options_.on_ready(*model);
+      for (const std::shared_ptr<const Model>& model : loaded) options_.on_ready(*model, job.name);
     }
     if (!job.done) continue;
     if (!settled.ok()) {
@@ -123,13 +136,14 @@ void ModelLoader::Run() {
                                          "' failed to load: ", loaded_status.message())));
     } else {
       // The status as it was settled (an Unload may already have removed it).
-      std::vector<ModelStatus> ready;
+      Loaded ready;
+      ready.layered = layered;
       for (const std::shared_ptr<const Model>& model : loaded) {
         ModelStatus status;
         status.name = model->name;
         status.state = ModelState::kReady;
         status.model = model;
-        ready.push_back(std::move(status));
+        ready.models.push_back(std::move(status));
       }
       job.done(std::move(ready));
     }

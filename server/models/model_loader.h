@@ -23,9 +23,10 @@ struct ModelLoaderOptions {
   // forward pass on the compute executor); each layer of a folder of layers.
   // Empty: no warm-up.
   std::function<absl::Status(const Model&)> warm_up;
-  // Called once a model turns READY, and when one is unloaded (metrics); for
-  // a folder of layers, once per layer model.
-  std::function<void(const Model&)> on_ready;
+  // Called once a model turns READY, with the folder it was loaded from (its
+  // own name for one model), and when one is unloaded (metrics); for a folder
+  // of layers, once per layer model.
+  std::function<void(const Model&, absl::string_view folder)> on_ready;
   std::function<void(absl::string_view)> on_unloaded;
   // Loads waiting for the loader thread; more are refused (RESOURCE_EXHAUSTED).
   int64_t max_pending = 64;
@@ -37,9 +38,13 @@ struct ModelLoaderOptions {
 // Thread-safe. `repository` and `registry` must outlive the loader.
 class ModelLoader {
  public:
-  // A load's answer: the READY status of the folder's model, or of each of
-  // its layers' models in order (a config.json with "layers").
-  using Done = std::function<void(absl::StatusOr<std::vector<ModelStatus>>)>;
+  // A load's answer: the READY status of the folder's model, or (layered: a
+  // config.json with "layers") of each of its layers' models in order.
+  struct Loaded {
+    std::vector<ModelStatus> models;
+    bool layered = false;
+  };
+  using Done = std::function<void(absl::StatusOr<Loaded>)>;
 
   ModelLoader(const ModelRepository* repository, ModelRegistry* registry,
               ModelLoaderOptions options);
@@ -58,8 +63,10 @@ class ModelLoader {
   // (unloaded meanwhile), UNAVAILABLE (the loader shut down first). No load
   // ends the process: std::bad_alloc is caught and fails that model alone.
   // Returns without calling `done`:
-  // INVALID_ARGUMENT for an invalid name, ALREADY_EXISTS when it is loading or
-  // ready, RESOURCE_EXHAUSTED when max_pending loads wait, UNAVAILABLE after
+  // INVALID_ARGUMENT for an invalid name, NOT_FOUND when the repository has
+  // no such folder (for a layer's name "gpt2.3": saying to load 'gpt2'),
+  // ALREADY_EXISTS when it is loading or ready, FAILED_PRECONDITION for a
+  // loaded layer of a folder (naming the folder), RESOURCE_EXHAUSTED when max_pending loads wait, UNAVAILABLE after
   // Shutdown.
   absl::Status Load(absl::string_view name, Done done);
 
@@ -81,7 +88,7 @@ class ModelLoader {
   void Run();
   // Loads and warms up folder `name`'s model(s); RESOURCE_EXHAUSTED when
   // memory runs out.
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> LoadAndWarmUp(
+  absl::StatusOr<FolderModels> LoadAndWarmUp(
       const std::string& name) const;
 
   // Constant after construction.

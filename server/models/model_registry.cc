@@ -84,6 +84,7 @@ absl::StatusOr<uint64_t> ModelRegistry::BeginLoading(absl::string_view name) {
         " (UnloadModel it first to reload it)"));
   }
   auto it = models_.find(name);
+  if (it != models_.end() && !it->second.folder.empty()) return LayerRefusal(name, it->second);
   if (it != models_.end() && it->second.status.state != ModelState::kFailed) {
     return absl::AlreadyExistsError(
         absl::StrCat("model '", Abbreviate(name), "' is already ",
@@ -96,6 +97,20 @@ absl::StatusOr<uint64_t> ModelRegistry::BeginLoading(absl::string_view name) {
   entry.status.name = std::string(name);
   entry.ticket = next_ticket_++;
   return entry.ticket;
+}
+
+absl::Status ModelRegistry::LayerRefusal(absl::string_view name, const Entry& entry) {
+  if (entry.folder.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "model '", Abbreviate(name), "' is a layer of model folder '", Abbreviate(entry.folder),
+      "', whose layers load and unload together: load or unload '", Abbreviate(entry.folder),
+      "'"));
+}
+
+absl::Status ModelRegistry::CheckNotALayer(absl::string_view name) const {
+  absl::MutexLock lock(&mu_);
+  auto it = models_.find(name);
+  return it == models_.end() ? absl::OkStatus() : LayerRefusal(name, it->second);
 }
 
 absl::Status ModelRegistry::FinishLoading(absl::string_view name, uint64_t ticket,
@@ -123,32 +138,37 @@ absl::Status ModelRegistry::FinishLoading(absl::string_view name, uint64_t ticke
 
 absl::Status ModelRegistry::FinishLoadingFolder(
     absl::string_view name, uint64_t ticket,
-    absl::StatusOr<std::vector<std::shared_ptr<const Model>>> result) {
+    absl::StatusOr<FolderModels> result) {
   if (!result.ok()) return FinishLoading(name, ticket, result.status());
-  if (result->size() == 1 && (*result)[0]->name == name) {
-    return FinishLoading(name, ticket, std::move((*result)[0]));
+  if (!result->layered) {
+    if (result->models.size() != 1) {
+      return FinishLoading(name, ticket,
+                           absl::InternalError(absl::StrCat("a folder of one model read as ",
+                                                            result->models.size(), " models")));
+    }
+    return FinishLoading(name, ticket, std::move(result->models[0]));
   }
   std::vector<std::shared_ptr<const Model>> dropped;  // freed after the lock is released
   absl::MutexLock lock(&mu_);
   auto it = models_.find(name);
   if (it == models_.end() || it->second.ticket != ticket) {
-    dropped = *std::move(result);
+    dropped = std::move(result->models);
     return absl::AbortedError(
         absl::StrCat("model '", Abbreviate(name), "' was unloaded while it was loading"));
   }
-  for (const std::shared_ptr<const Model>& layer : *result) {
+  for (const std::shared_ptr<const Model>& layer : result->models) {
     if (!models_.contains(layer->name) && !folders_.contains(layer->name)) continue;
     const absl::Status taken = absl::AlreadyExistsError(absl::StrCat(
         "layer model name '", Abbreviate(layer->name),
         "' is taken by another model (a folder of that name?); rename one of them"));
     it->second.status.state = ModelState::kFailed;
     it->second.status.failure = taken;
-    dropped = *std::move(result);
+    dropped = std::move(result->models);
     return taken;
   }
   models_.erase(it);
   std::vector<std::string>& names = folders_[std::string(name)];
-  for (std::shared_ptr<const Model>& layer : *result) {
+  for (std::shared_ptr<const Model>& layer : result->models) {
     Entry entry;
     entry.status.name = layer->name;
     entry.status.state = ModelState::kReady;

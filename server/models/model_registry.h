@@ -27,6 +27,13 @@ struct Model {
   bool causal = false;
 };
 
+// What one repository folder holds once read: one model named as the folder,
+// or (`layered`: its config.json has "layers") its layers' models, in order.
+struct FolderModels {
+  std::vector<std::shared_ptr<const Model>> models;
+  bool layered = false;
+};
+
 // Where a model is in its life.
 enum class ModelState { kLoading, kReady, kFailed };
 // "LOADING", "READY", "FAILED".
@@ -73,9 +80,13 @@ class ModelRegistry {
   absl::Status Add(std::shared_ptr<const Model> model);
 
   // Marks `name` LOADING and returns its ticket. ALREADY_EXISTS when it is
-  // loading or ready, or a folder whose layers are loaded; a FAILED entry is
-  // replaced (a retry).
+  // loading or ready, or a folder whose layers are loaded; FAILED_PRECONDITION
+  // naming the folder when it is a loaded layer of a folder; a FAILED entry
+  // is replaced (a retry).
   absl::StatusOr<uint64_t> BeginLoading(absl::string_view name);
+  // FAILED_PRECONDITION naming the folder (load or unload it) when `name` is
+  // a loaded layer of a folder of layers; OK otherwise.
+  absl::Status CheckNotALayer(absl::string_view name) const;
   // Settles the load of `ticket`: `result` OK makes the entry READY, an error
   // makes it FAILED with that reason, except NOT_FOUND (nothing to load),
   // which removes the entry. ABORTED when the entry was unloaded (or replaced)
@@ -83,13 +94,13 @@ class ModelRegistry {
   absl::Status FinishLoading(absl::string_view name, uint64_t ticket,
                              absl::StatusOr<std::shared_ptr<const Model>> result);
   // FinishLoading with what folder `name` held: one model named `name` (as
-  // above), or its layers' models, in order, named "<name>.<i>": these turn
+  // above), or (layered) its layers' models, in order, named "<name>.<i>": these turn
   // READY together and `name` becomes their folder (its LOADING entry goes).
   // ALREADY_EXISTS naming the layer when a layer's name is taken by another
   // entry (a folder of that name, say): `name` is then FAILED with that
   // reason and no layer is added. ABORTED as above.
   absl::Status FinishLoadingFolder(absl::string_view name, uint64_t ticket,
-                                   absl::StatusOr<std::vector<std::shared_ptr<const Model>>> result);
+                                   absl::StatusOr<FolderModels> result);
 
   // Removes `name` in any state (calls in flight keep their model); a folder
   // of layers removes all its layers. Sets *removed (when given) to the model
@@ -118,6 +129,8 @@ class ModelRegistry {
     uint64_t ticket = 0;
     std::string folder;  // a layer of that folder; empty otherwise
   };
+  // CheckNotALayer's answer for the entry of `name`.
+  static absl::Status LayerRefusal(absl::string_view name, const Entry& entry);
   // NOT_FOUND for `name`, naming its layers when it is a folder of them.
   absl::Status NotFound(absl::string_view name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

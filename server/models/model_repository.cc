@@ -200,20 +200,28 @@ std::string ModelRepository::LayerModelName(absl::string_view folder, int64_t la
   return absl::StrCat(folder, ".", layer);
 }
 
-absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::LoadModel(
-    absl::string_view name) const {
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> models = LoadFolder(name);
-  if (!models.ok()) return models.status();
-  if (models->size() != 1 || (*models)[0]->name != name) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(name, ": the folder holds ", models->size(),
-                     " layers (config.json's layers); load it with LoadFolder"));
+absl::Status ModelRepository::FindFolder(absl::string_view name) const {
+  ATTNSERVE_RETURN_IF_ERROR(ValidateModelName(name));
+  const std::string folder(name);
+  absl::StatusOr<int> dir = OpenBeneath(folder, O_RDONLY | O_DIRECTORY);
+  if (dir.ok()) {
+    ::close(*dir);
+    return absl::OkStatus();
   }
-  return std::move((*models)[0]);
+  if (!absl::IsNotFound(dir.status())) return dir.status();
+  // "gpt2.3" may be meant as a layer of folder "gpt2": say how those load.
+  const size_t dot = folder.rfind('.');
+  const bool layer_like = dot != std::string::npos && dot > 0 && dot + 1 < folder.size() &&
+                          std::all_of(folder.begin() + dot + 1, folder.end(),
+                                      [](char c) { return c >= '0' && c <= '9'; });
+  return absl::NotFoundError(absl::StrCat(
+      "the model repository has no folder '", folder, "'",
+      layer_like ? absl::StrCat(" (the layers of a folder of layers load with their folder: load '",
+                                folder.substr(0, dot), "')")
+                 : ""));
 }
 
-absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadFolder(
-    absl::string_view name) const {
+absl::StatusOr<FolderModels> ModelRepository::LoadFolder(absl::string_view name) const {
   ATTNSERVE_RETURN_IF_ERROR(ValidateModelName(name));
   const std::string folder(name);
   // Every size is checked before it is allocated; this is the last line for
@@ -232,30 +240,11 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadF
   }
 }
 
-absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadFolderOrThrow(
+absl::StatusOr<FolderModels> ModelRepository::LoadFolderOrThrow(
     const std::string& folder) const {
-  {
-    // The folder itself: NOT_FOUND when absent (nothing to load), refused
-    // when it leaves the repository.
-    absl::StatusOr<int> dir = OpenBeneath(folder, O_RDONLY | O_DIRECTORY);
-    if (!dir.ok()) {
-      if (absl::IsNotFound(dir.status())) {
-        // "gpt2.3" may be meant as a layer of folder "gpt2": say how those load.
-        const size_t dot = folder.rfind('.');
-        const bool layer_like = dot != std::string::npos && dot > 0 && dot + 1 < folder.size() &&
-                                std::all_of(folder.begin() + dot + 1, folder.end(),
-                                            [](char c) { return c >= '0' && c <= '9'; });
-        return absl::NotFoundError(absl::StrCat(
-            "the model repository has no folder '", folder, "'",
-            layer_like ? absl::StrCat(" (the layers of a folder of layers load with their "
-                                      "folder: load '",
-                                      folder.substr(0, dot), "')")
-                       : ""));
-      }
-      return dir.status();
-    }
-    ::close(*dir);
-  }
+  // The folder itself: NOT_FOUND when absent (nothing to load), refused
+  // when it leaves the repository.
+  ATTNSERVE_RETURN_IF_ERROR(FindFolder(folder));
 
   const std::string config_path = absl::StrCat(folder, "/config.json");
   absl::StatusOr<std::string> config_text =
@@ -273,7 +262,7 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadF
     names.push_back(LayerModelName(folder, static_cast<int64_t>(i)));
     if (!ValidateModelName(names.back()).ok()) {
       return absl::FailedPreconditionError(absl::StrCat(
-          config_path, ": layers: layer ", i, "'s model name '", folder, ".", i,
+          config_path, ": layers: layer ", i, "'s model name '", names.back(),
           "' is longer than ", kMaxModelNameBytes,
           " bytes (a layer's model is named <folder>.<layer>); shorten the folder's name"));
     }
@@ -300,19 +289,21 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadF
   // Every layer's tensors (presence, shapes, dtypes) and bytes against the
   // budget, from the header, before any tensor of any layer is read.
   for (size_t i = 0; layers > 0 && i < layers; ++i) {
-    const core::CheckpointConfig one = core::LayerOfCheckpoint(*config, i);
-    absl::StatusOr<int64_t> bytes = core::CheckpointWeightBytes(*file, one);
+    absl::StatusOr<core::CheckpointConfig> one = core::LayerOfCheckpoint(*config, i);
+    if (!one.ok()) return InModel(of_layer(i, one.status()));
+    absl::StatusOr<int64_t> bytes = core::CheckCheckpointBudget(*file, *one, budget);
     if (!bytes.ok()) return InModel(of_layer(i, bytes.status()));
-    if (*bytes > options_.max_model_bytes) {
-      // Refused from the header (no tensor read), with the loader's message.
-      return InModel(of_layer(i, core::LoadCheckpointWeights(*file, one, budget).status()));
-    }
   }
 
-  std::vector<std::shared_ptr<const Model>> models;
+  FolderModels read;
+  read.layered = layers > 0;
+  std::vector<std::shared_ptr<const Model>>& models = read.models;
   for (size_t i = 0; i < names.size(); ++i) {
-    const core::CheckpointConfig one =
-        layers == 0 ? *config : core::LayerOfCheckpoint(*config, i);
+    absl::StatusOr<core::CheckpointConfig> layer_config =
+        layers == 0 ? absl::StatusOr<core::CheckpointConfig>(*config)
+                    : core::LayerOfCheckpoint(*config, i);
+    if (!layer_config.ok()) return InModel(of_layer(i, layer_config.status()));
+    const core::CheckpointConfig& one = *layer_config;
     auto of_layer_i = [&](const absl::Status& status) { return of_layer(i, status); };
     // The budget is checked from the header before any tensor is read (for
     // each layer on its own).
@@ -341,7 +332,7 @@ absl::StatusOr<std::vector<std::shared_ptr<const Model>>> ModelRepository::LoadF
     model->layer = *std::move(layer);
     models.push_back(std::move(model));
   }
-  return models;
+  return read;
 }
 
 }  // namespace attnserve::server

@@ -68,30 +68,32 @@ class ModelRepository {
   // names, sorted. Hidden entries and other names are skipped.
   absl::StatusOr<std::vector<std::string>> ListModelNames() const;
 
-  // Reads model `name`: config.json, then the layer's tensors from its
-  // weights file. INVALID_ARGUMENT for an invalid name, NOT_FOUND when the
-  // repository has no such folder, FAILED_PRECONDITION with the reason
-  // (naming the file and, where it applies, the tensor) for anything wrong
-  // inside it: a path leaving the repository, a missing, malformed or
-  // mis-shaped file or tensor, weights over max_model_bytes (the message
-  // names --max_model_bytes, the bytes needed and the limit; nothing is read
-  // from the tensors); RESOURCE_EXHAUSTED when memory runs out while loading
-  // (a later attempt may pass).
-  // A folder of layers is FAILED_PRECONDITION here (naming LoadFolder).
-  absl::StatusOr<std::shared_ptr<const Model>> LoadModel(absl::string_view name) const;
+  // OK when the repository has a folder `name` (one open beneath the root,
+  // nothing read). INVALID_ARGUMENT for an invalid name; NOT_FOUND when it
+  // has none (for a name like "gpt2.3", the message says a folder's layers
+  // load with their folder: load 'gpt2'); FAILED_PRECONDITION when the path
+  // leaves the repository or cannot be opened.
+  absl::Status FindFolder(absl::string_view name) const;
 
-  // Reads folder `name`: one model named `name`, or for a config.json with
-  // "layers", one model per layer in order, named LayerModelName(name, i).
-  // The weights file is opened and its header parsed once, each tensor read
-  // once; every layer's tensors and bytes (--max_model_bytes holds for each
-  // layer) are checked from the header before any tensor is read. Errors as
-  // LoadModel; a
+  // Reads folder `name`: config.json, then the tensors from its weights file:
+  // one model named `name`, or for a config.json with "layers", one model per
+  // layer in order, named LayerModelName(name, i) (FolderModels::layered
+  // then). The weights file is opened and its header parsed once, each tensor
+  // read once; every layer's tensors and bytes (--max_model_bytes holds for
+  // each layer) are checked from the header before any tensor is read.
+  // INVALID_ARGUMENT for an invalid name, NOT_FOUND when the repository has
+  // no such folder (FindFolder), FAILED_PRECONDITION with the reason (naming
+  // the file and, where it applies, the tensor) for anything wrong inside it:
+  // a path leaving the repository, a missing, malformed or mis-shaped file or
+  // tensor, weights over max_model_bytes (the message names
+  // --max_model_bytes, the bytes needed and the limit; nothing is read from
+  // the tensors); RESOURCE_EXHAUSTED when memory runs out while loading (a
+  // later attempt may pass). A
   // layer's reason names the layer, its model and its prefix ("layer 3 of 12
   // (model 'gpt2.3', prefix 'h.3.attn.'): ..."), and a layer model name over
   // 128 bytes is FAILED_PRECONDITION naming config.json's layers before any
   // tensor is read.
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> LoadFolder(
-      absl::string_view name) const;
+  absl::StatusOr<FolderModels> LoadFolder(absl::string_view name) const;
 
   const std::string& root() const { return root_; }
   const ModelRepositoryOptions& options() const { return options_; }
@@ -100,8 +102,7 @@ class ModelRepository {
   ModelRepository(std::string root, int root_fd, const ModelRepositoryOptions& options)
       : root_(std::move(root)), root_fd_(root_fd), options_(options) {}
   // LoadFolder without its catch of std::bad_alloc.
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> LoadFolderOrThrow(
-      const std::string& folder) const;
+  absl::StatusOr<FolderModels> LoadFolderOrThrow(const std::string& folder) const;
   // Opens `relative` (below the root) read-only with `flags` added; the fd, or
   // an errno-derived status naming the path.
   absl::StatusOr<int> OpenBeneath(const std::string& relative, int flags) const;

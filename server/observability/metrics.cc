@@ -469,12 +469,14 @@ void Metrics::CreateModelSeries(const std::string& model) {
   kv_read_bytes_->Add({{"model", model}});
 }
 
-void Metrics::AddModel(absl::string_view name, const core::HeadConfig& config) {
+void Metrics::AddModel(absl::string_view name, const core::HeadConfig& config,
+                       absl::string_view label) {
+  const std::string model(label.empty() ? name : label);
   {
     absl::MutexLock lock(&mu_);
-    if (!models_.emplace(name).second) return;
+    if (!models_.try_emplace(std::string(name), model).second) return;
+    if (labels_[model]++ > 0) return;  // the label's series exist
   }
-  const std::string model(name);
   CreateModelSeries(model);
   prometheus::Gauge& info = model_info_
       ->Add({{"model", model},
@@ -491,8 +493,12 @@ void Metrics::RemoveModel(absl::string_view name) {
   absl::MutexLock lock(&mu_);
   const auto it = models_.find(name);
   if (it == models_.end()) return;
+  const std::string label = it->second;
   models_.erase(it);
-  if (const auto info = model_info_series_.find(name); info != model_info_series_.end()) {
+  const auto count = labels_.find(label);
+  if (count != labels_.end() && --count->second > 0) return;  // the label's other models stay
+  if (count != labels_.end()) labels_.erase(count);
+  if (const auto info = model_info_series_.find(label); info != model_info_series_.end()) {
     model_info_->Remove(info->second);
     model_info_series_.erase(info);
   }
@@ -500,7 +506,8 @@ void Metrics::RemoveModel(absl::string_view name) {
 
 std::string Metrics::ModelLabel(absl::string_view requested) const {
   absl::MutexLock lock(&mu_);
-  return models_.find(requested) != models_.end() ? std::string(requested) : std::string();
+  if (const auto it = models_.find(requested); it != models_.end()) return it->second;
+  return labels_.contains(requested) ? std::string(requested) : std::string();
 }
 
 void Metrics::OnRequestStarted() { in_flight_->Increment(); }

@@ -71,8 +71,10 @@ struct MetricsOptions {
 // The service's Prometheus metrics and the endpoint that serves them (the
 // families are listed in README.md, "Metrics"). The service reports each call
 // at its edges -- arrival, queueing, compute, finish -- and nothing in core/
-// observes. Label values stay bounded: `model` is a model added with AddModel
-// or "" (ad-hoc layers, and names that are not loaded: see ModelLabel), `code`
+// observes. Label values stay bounded: `model` is the label of a model added
+// with AddModel (its name, or for a layer of a folder of layers, the folder's:
+// one set of series a folder however many layers it has) or "" (ad-hoc
+// layers, and names that are not loaded: see ModelLabel), `code`
 // a status code name, `kernel_path` one of core's kernel paths. The series of
 // every added model exist, at 0, from AddModel on.
 //
@@ -96,16 +98,21 @@ class Metrics {
   // check (deploy/haproxy/haproxy.cfg expects "attnserve_serving 1").
   void SetServing(bool serving);
 
-  // Makes `name` a model label: creates its series (at 0) and its
-  // attnserve_model_info series. Adding a name again does nothing.
-  void AddModel(absl::string_view name, const core::HeadConfig& config);
-  // An unloaded model: its attnserve_model_info series goes and the name is no
-  // longer a label for new calls (ModelLabel gives ""). Its counters and
-  // histograms stay (Prometheus counters must not reset); their number is
-  // bounded by the repository's folders. AddModel again restores it.
+  // Adds model `name` under label `label` (empty: `name`; a layer of a
+  // folder of layers: the folder's name). The label's first model creates its
+  // series (at 0) and its attnserve_model_info series (with `config`); later
+  // models of the label share them. Adding a name again does nothing.
+  void AddModel(absl::string_view name, const core::HeadConfig& config,
+                absl::string_view label = {});
+  // An unloaded model: the name is no longer a label for new calls (ModelLabel
+  // gives ""); when it was its label's last model, the label's
+  // attnserve_model_info series goes. Counters and histograms stay
+  // (Prometheus counters must not reset); their number is bounded by the
+  // repository's folders. AddModel again restores it.
   void RemoveModel(absl::string_view name);
-  // `requested` when it names an added model, else "": the one way a string
-  // from a client becomes a label value.
+  // The label of the added model `requested`, `requested` itself when it is
+  // a label (a folder's name), else "": the one way a string from a client
+  // becomes a label value.
   std::string ModelLabel(absl::string_view requested) const;
 
   // A call arrived: requests in flight + 1.
@@ -224,8 +231,11 @@ class Metrics {
 
   mutable absl::Mutex mu_;
   SessionGauges last_sessions_ ABSL_GUARDED_BY(mu_);  // what the counters count
-  std::set<std::string, std::less<>> models_ ABSL_GUARDED_BY(mu_);
-  // Each added model's attnserve_model_info series (removed on RemoveModel).
+  // Each added model's label.
+  std::map<std::string, std::string, std::less<>> models_ ABSL_GUARDED_BY(mu_);
+  // Each label's count of added models.
+  std::map<std::string, int64_t, std::less<>> labels_ ABSL_GUARDED_BY(mu_);
+  // Each label's attnserve_model_info series (removed with its last model).
   std::map<std::string, prometheus::Gauge*, std::less<>> model_info_series_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -117,6 +117,15 @@ TEST(CheckpointBudget, TheBudgetIsExactAndCheckedBeforeAnyTensorIsRead) {
   ASSERT_THAT(counted, IsOk());
   EXPECT_EQ(*counted, needed);
 
+  // The rule alone (what a folder of layers checks for every layer first).
+  absl::StatusOr<int64_t> fits = CheckCheckpointBudget(*file, *config, {.max_weight_bytes = needed});
+  ASSERT_THAT(fits, IsOk());
+  EXPECT_EQ(*fits, needed);
+  EXPECT_THAT(CheckCheckpointBudget(*file, *config,
+                                    {.max_weight_bytes = needed - 1, .budget_name = "--b"}),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       absl::StrCat("take ", needed, " bytes as FP32")));
+
   const int64_t read_before = BytesReadSoFar();
   absl::StatusOr<AttentionWeights> refused = LoadCheckpointWeights(
       *file, *config, {.max_weight_bytes = needed - 1, .budget_name = "--max_model_bytes"});

@@ -394,4 +394,22 @@ double MaxRowSumError(absl::Span<const float> maps, int64_t row_length) {
   return worst;
 }
 
+RowStatistics ReferenceRowStatistics(absl::Span<const double> maps, int64_t num_heads,
+                                     int64_t length, int64_t from, int64_t n) {
+  RowStatistics stats;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    for (int64_t i = from; i < from + n; ++i) {
+      double e = 0.0, m = 0.0;
+      for (int64_t j = 0; j < length; ++j) {
+        const double p = maps[static_cast<size_t>((h * length + i) * length + j)];
+        if (p > 0.0) e -= p * std::log(p);
+        m = std::max(m, p);
+      }
+      stats.entropy.push_back(e);
+      stats.max_weight.push_back(m);
+    }
+  }
+  return stats;
+}
+
 }  // namespace attnserve::testing

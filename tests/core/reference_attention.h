@@ -93,6 +93,16 @@ ReferenceResult ReferenceCore(const core::HeadConfig& config, const core::CoreIn
 std::vector<double> SelectMaps(const ReferenceResult& result, const core::HeadConfig& config,
                                int64_t batch, int64_t s, int64_t t, const core::MapSelection& maps);
 
+// Each head's entropy (-sum p log p) and max weight of the rows [from, from +
+// n) of one sequence's per-head maps `maps` ([num_heads, length, length], as
+// ReferenceResult::per_head_maps of a batch of 1): [num_heads, n] each.
+struct RowStatistics {
+  std::vector<double> entropy;
+  std::vector<double> max_weight;
+};
+RowStatistics ReferenceRowStatistics(absl::Span<const double> maps, int64_t num_heads,
+                                     int64_t length, int64_t from, int64_t n);
+
 // ||actual - expected||_F / ||expected||_F (the absolute error when expected
 // is all zeros). Infinity when the sizes differ or `actual` is not finite.
 double RelativeFrobeniusError(absl::Span<const float> actual, absl::Span<const double> expected);

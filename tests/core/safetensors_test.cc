@@ -414,7 +414,15 @@ TEST(CheckpointLayouts, LayersGiveEachLayerItsOwnPrefix) {
   EXPECT_EQ(counted->layer_prefixes[0], "transformer.h.0.attn.");
   EXPECT_EQ(counted->layer_prefixes[11], "transformer.h.11.attn.");
   EXPECT_EQ(counted->prefix, "");
-  const CheckpointConfig layer7 = LayerOfCheckpoint(*counted, 7);
+  absl::StatusOr<CheckpointConfig> picked = LayerOfCheckpoint(*counted, 7);
+  ASSERT_THAT(picked, IsOk());
+  const CheckpointConfig& layer7 = *picked;
+  // Past the layers (or of a config of one layer) is an error, not the shared prefix.
+  EXPECT_THAT(LayerOfCheckpoint(*counted, 12),
+              StatusIs(absl::StatusCode::kInvalidArgument, "layer 12: the config describes 12"));
+  CheckpointConfig one_layer = *counted;
+  one_layer.layer_prefixes.clear();
+  EXPECT_THAT(LayerOfCheckpoint(one_layer, 0), StatusIs(absl::StatusCode::kInvalidArgument, ""));
   EXPECT_EQ(layer7.prefix, "transformer.h.7.attn.");
   EXPECT_TRUE(layer7.layer_prefixes.empty());
   EXPECT_EQ(layer7.weights, "w.safetensors");
@@ -461,9 +469,9 @@ TEST(CheckpointLayouts, AConfigOfSeveralLayersIsReadOneLayerAtATime) {
   ASSERT_THAT(config, IsOk());
   EXPECT_THAT(LoadCheckpointWeights(*file, *config),
               StatusIs(absl::StatusCode::kInvalidArgument, "describes 2 layers"));
-  EXPECT_THAT(LoadCheckpointWeights(*file, LayerOfCheckpoint(*config, 0)),
+  EXPECT_THAT(LoadCheckpointWeights(*file, *LayerOfCheckpoint(*config, 0)),
               StatusIs(absl::StatusCode::kNotFound, "h.0.attn.c_attn.weight"));
-  absl::StatusOr<AttentionWeights> one = LoadCheckpointWeights(*file, LayerOfCheckpoint(*config, 1));
+  absl::StatusOr<AttentionWeights> one = LoadCheckpointWeights(*file, *LayerOfCheckpoint(*config, 1));
   ASSERT_THAT(one, IsOk());
   EXPECT_EQ(one->w_q, w.w_q);
   EXPECT_EQ(one->b_o, w.b_o);

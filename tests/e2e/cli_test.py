@@ -432,6 +432,14 @@ class WithServer(unittest.TestCase):
             for entropy, max_weight in pairs:
                 self.assertTrue(0.0 <= entropy <= np.log(6) + 1e-4, line)
                 self.assertTrue(0.0 < max_weight <= 1.0, line)
+        # The same step again (same seed, same expected length) is a replay,
+        # which carries no statistics: said so, exit 0.
+        code, out, err = self.attnctl("session", "extend", f"--session_id={session}",
+                                      "--tokens=2", "--expected_length=4", "--stats")
+        self.assertEqual(code, 0, out + err)
+        self.assertIn("replayed", out)
+        self.assertIn("no statistics on a replay", out)
+        self.assertNotIn("head statistics of the new rows", out)
         code, out, err = self.attnctl("session", "truncate", f"--session_id={session}",
                                       "--length=4")
         self.assertEqual(code, 0, err)

@@ -58,7 +58,9 @@ using ::attnserve::testing::RandomNormal;
 using ::attnserve::testing::RandomWeights;
 using ::attnserve::testing::ReferenceLayer;
 using ::attnserve::testing::ReferenceResult;
+using ::attnserve::testing::ReferenceRowStatistics;
 using ::attnserve::testing::RelativeFrobeniusError;
+using ::attnserve::testing::RowStatistics;
 using ::attnserve::testing::SeedTrace;
 using ::attnserve::testing::StatusIs;
 using ::testing::Contains;
@@ -415,19 +417,10 @@ TEST(Extend, HeadStatisticsOfTheNewRowsMatchTheReferenceWithOrWithoutMaps) {
           s.ExpectMatchesReference(layer, mask);
           const ReferenceResult expected = s.Reference(layer, mask);
           const int64_t length = s.length();
-          std::vector<double> want_entropy, want_max;
-          for (int64_t h = 0; h < heads; ++h) {
-            for (int64_t i = length - s.n; i < length; ++i) {
-              double e = 0.0, m = 0.0;
-              for (int64_t j = 0; j < length; ++j) {
-                const double p = expected.per_head_maps[(h * length + i) * length + j];
-                if (p > 0.0) e -= p * std::log(p);
-                m = std::max(m, p);
-              }
-              want_entropy.push_back(e);
-              want_max.push_back(m);
-            }
-          }
+          const RowStatistics want =
+              ReferenceRowStatistics(expected.per_head_maps, heads, length, length - s.n, s.n);
+          const std::vector<double>& want_entropy = want.entropy;
+          const std::vector<double>& want_max = want.max_weight;
           const double tolerance =
               precision == KvPrecision::kBf16 ? kBf16Tolerance : kFp32KvTolerance;
           EXPECT_LE(MaxAbsErrorRelative(entropy[k], want_entropy), tolerance) << "entropy " << k;

@@ -6,7 +6,8 @@
 // within 1e-5, BF16 KV within 2e-2, relative Frobenius), over an MHA and a
 // GQA layer with RoPE; a member whose caller cancelled fails no batch-mate;
 // a prefill longer than --prefill_chunk_tokens is computed chunk by chunk
-// (outputs and maps equal the reference for random chunk sizes and lengths),
+// (outputs, maps and head statistics equal the reference for random chunk
+// sizes and lengths),
 // a decode step queued behind it is answered before it finishes, a replay of
 // it returns its answer, a cancel or a deadline between chunks leaves the
 // layer as it was; a chunked step may pass --max_seq_len, an unchunked one not;
@@ -115,9 +116,11 @@ struct Sequence {
 };
 
 // The reference's rows [from, from + n) of the causal layer over `sequence`,
-// and (when `maps` is given) each head's map rows [from, from + n): [heads, n, from + n].
+// (when `maps` is given) each head's map rows [from, from + n): [heads, n, from + n],
+// and (when `stats` is given) each head's entropy and max weight of those rows.
 std::vector<double> ReferenceRows(const Sequence& sequence, int64_t from, int64_t n,
-                                  std::vector<double>* maps = nullptr) {
+                                  std::vector<double>* maps = nullptr,
+                                  testing::RowStatistics* stats = nullptr) {
   const core::HeadConfig& config = sequence.layer->config;
   const int64_t length = sequence.length();
   core::LayerInputs inputs;
@@ -126,6 +129,10 @@ std::vector<double> ReferenceRows(const Sequence& sequence, int64_t from, int64_
   inputs.causal = true;
   const testing::ReferenceResult reference =
       testing::ReferenceLayer(config, sequence.layer->weights, inputs);
+  if (stats != nullptr) {
+    *stats = testing::ReferenceRowStatistics(reference.per_head_maps, config.num_heads, length,
+                                             from, n);
+  }
   if (maps != nullptr) {
     maps->clear();
     for (int64_t h = 0; h < config.num_heads; ++h) {
@@ -175,15 +182,18 @@ class ExtendBatchingTest : public ::testing::Test {
   }
 
   // Starts a call of one step appending `rows` to `sequence` (`maps`: asks
-  // for its maps); `on_done` runs when it has finished.
+  // for its maps, `stats`: for its head statistics); `on_done` runs when it
+  // has finished.
   std::unique_ptr<PendingExtend> StartStep(Sequence& sequence, std::vector<float> rows,
                                            bool maps = false,
                                            std::function<void()> on_done = nullptr,
-                                           absl::Duration timeout = absl::Seconds(300)) {
+                                           absl::Duration timeout = absl::Seconds(300),
+                                           bool stats = false) {
     auto call = std::make_unique<PendingExtend>();
     *call->request.add_steps() =
         Step(sequence.id, sequence.length(), rows, sequence.layer->config.d_model);
     call->request.mutable_steps(0)->set_attention_maps(maps);
+    call->request.mutable_steps(0)->set_head_statistics(stats);
     sequence.tokens.insert(sequence.tokens.end(), rows.begin(), rows.end());
     call->context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
     PendingExtend* c = call.get();
@@ -210,8 +220,12 @@ class ExtendBatchingTest : public ::testing::Test {
     Sequence prefix = sequence;
     prefix.tokens.resize(static_cast<size_t>(length * sequence.layer->config.d_model));
     std::vector<double> maps;
-    const std::vector<double> expected = ReferenceRows(
-        prefix, length - n, n, call.request.steps(0).attention_maps() ? &maps : nullptr);
+    testing::RowStatistics stats;
+    const bool want_stats = call.request.steps(0).head_statistics();
+    const std::vector<double> expected =
+        ReferenceRows(prefix, length - n, n,
+                      call.request.steps(0).attention_maps() ? &maps : nullptr,
+                      want_stats ? &stats : nullptr);
     EXPECT_LT(testing::RelativeFrobeniusError(testing::Floats(result.output()), expected),
               tolerance)
         << "step of " << n << " to " << length;
@@ -219,6 +233,22 @@ class ExtendBatchingTest : public ::testing::Test {
       EXPECT_LT(testing::RelativeFrobeniusError(testing::Floats(result.attention_maps()), maps),
                 tolerance)
           << "maps of the step of " << n << " to " << length;
+    }
+    EXPECT_EQ(result.has_head_statistics(), want_stats);
+    if (want_stats) {
+      const v1::HeadStatistics& got = result.head_statistics();
+      for (const v1::Tensor* t : {&got.entropy(), &got.max_weight()}) {
+        ASSERT_EQ(t->shape_size(), 2);
+        EXPECT_EQ(t->shape(0), sequence.layer->config.num_heads);
+        EXPECT_EQ(t->shape(1), n);
+      }
+      EXPECT_LT(testing::RelativeFrobeniusError(testing::Floats(got.entropy()), stats.entropy),
+                tolerance)
+          << "entropy of the step of " << n << " to " << length;
+      EXPECT_LT(
+          testing::RelativeFrobeniusError(testing::Floats(got.max_weight()), stats.max_weight),
+          tolerance)
+          << "max weight of the step of " << n << " to " << length;
     }
   }
 
@@ -362,6 +392,45 @@ TEST_F(ExtendBatchingTest, ALongPrefillIsComputedInChunksAndMatchesTheReference)
       EXPECT_EQ(replayed.results(0).output().raw_data(),
                 first->response.results(0).output().raw_data());
       EXPECT_EQ(Length(sequence.id), sequence.length());
+    }
+  }
+}
+
+// Head statistics of a chunked prefill (alone, then with the maps, after a
+// cached prefix) are the whole step's rows, each chunk's in its place: they
+// match the reference's over the whole sequence; a replay carries none.
+TEST_F(ExtendBatchingTest, HeadStatisticsOfAChunkedPrefillMatchTheReference) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(absl::StrCat("input seed ", seed));
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int64_t> chunk_of(3, 40);
+  for (const Layer* layer : {&mha_, &gqa_}) {
+    for (v1::DataType kv : {v1::DATA_TYPE_FP32, v1::DATA_TYPE_BF16}) {
+      const int64_t chunk = chunk_of(rng);
+      SCOPED_TRACE(absl::StrCat(layer->model, " ", v1::DataType_Name(kv), " chunk ", chunk));
+      const double tolerance = kv == v1::DATA_TYPE_BF16 ? 2e-2 : 1e-5;
+      Start(chunk);
+      const std::string label = absl::StrCat("{model=\"", layer->model, "\"}");
+      Sequence sequence = Open(*layer, kv);
+      std::uniform_int_distribution<int64_t> extra(1, chunk - 1);
+      for (const bool maps : {false, true}) {
+        const int64_t n = (maps ? chunk : chunk * 3) + extra(rng);
+        const double batches = Sample("attnserve_decode_batch_tokens_count" + label);
+        auto call = StartStep(sequence, RandomRows(n, layer->config.d_model, rng), maps,
+                              nullptr, absl::Seconds(300), /*stats=*/true);
+        ExpectMatches(*call, sequence, sequence.length(), tolerance);
+        // It was chunked: one core call a chunk.
+        EXPECT_EQ(Sample("attnserve_decode_batch_tokens_count" + label),
+                  batches + static_cast<double>((n + chunk - 1) / chunk));
+        if (maps) {
+          grpc::ClientContext context;
+          v1::ExtendResponse replayed;
+          ASSERT_TRUE(server_->stub().Extend(&context, call->request, &replayed).ok());
+          ASSERT_EQ(replayed.results_size(), 1);
+          EXPECT_TRUE(replayed.results(0).replayed());
+          EXPECT_FALSE(replayed.results(0).has_head_statistics());
+        }
+      }
     }
   }
 }

@@ -13,7 +13,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/attention_client.h"
 #include "client/request_builder.h"
@@ -194,6 +197,26 @@ TEST_F(ModelServiceTest, ASessionOverAFolderOfLayersRunsEachLayersOwnWeights) {
       x = output;  // the next layer's input
     }
   }
+
+  // The layers' metrics are the folder's: one set of series labelled "net",
+  // where the steps of every layer were counted; none labelled by a layer.
+  const std::string metrics = server_->MetricsText();
+  EXPECT_FALSE(absl::StrContains(metrics, "model=\"net.")) << metrics;
+  int info_series = 0;
+  for (absl::string_view line : absl::StrSplit(metrics, '\n')) {
+    if (absl::StartsWith(line, "attnserve_model_info{")) {
+      EXPECT_TRUE(absl::StrContains(line, "model=\"net\"")) << line;
+      ++info_series;
+    }
+    if (absl::StartsWith(line, "attnserve_decode_batch_tokens_count{")) {
+      ASSERT_TRUE(absl::StrContains(line, "model=\"net\"") ||
+                  absl::StrContains(line, "model=\"\"")) << line;
+      if (absl::StrContains(line, "model=\"net\"")) {
+        EXPECT_NE(line.substr(line.rfind(' ') + 1), "0") << line;  // every layer's steps
+      }
+    }
+  }
+  EXPECT_EQ(info_series, 1);
 
   auto admin = Client("");
   EXPECT_THAT(admin->UnloadModel("net.1"),

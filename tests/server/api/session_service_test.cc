@@ -231,19 +231,10 @@ TEST_F(SessionServiceTest, ExtendReturnsTheHeadStatisticsOfEachNewRowUnderAHeadM
                                                   Rows(reference.output, before, n, kDModel)),
                   tolerance);
         const int64_t length = before + n;
-        std::vector<double> entropy, max_weight;
-        for (int64_t h = 0; h < 12; ++h) {
-          for (int64_t i = before; i < length; ++i) {
-            double e = 0.0, m = 0.0;
-            for (int64_t j = 0; j < length; ++j) {
-              const double p = reference.per_head_maps[(h * length + i) * length + j];
-              if (p > 0.0) e -= p * std::log(p);
-              m = std::max(m, p);
-            }
-            entropy.push_back(e);
-            max_weight.push_back(m);
-          }
-        }
+        const testing::RowStatistics want =
+            testing::ReferenceRowStatistics(reference.per_head_maps, 12, length, before, n);
+        const std::vector<double>& entropy = want.entropy;
+        const std::vector<double>& max_weight = want.max_weight;
         const std::vector<float> got_entropy = Floats(stats.entropy());
         const std::vector<float> got_max = Floats(stats.max_weight());
         EXPECT_LT(testing::RelativeFrobeniusError(got_entropy, entropy), tolerance);

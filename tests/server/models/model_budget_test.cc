@@ -59,13 +59,13 @@ TEST(ModelBudget, AModelOverMaxModelBytesFailsNamingItWhileTheOthersLoad) {
   const int64_t budget = ServerOptions().max_model_bytes;
   EXPECT_EQ((*repository)->options().max_model_bytes, budget);
   ASSERT_LT(budget, kHugeLlamaWeightBytes);
-  absl::StatusOr<std::shared_ptr<const Model>> huge = (*repository)->LoadModel("huge");
+  absl::StatusOr<std::shared_ptr<const Model>> huge = testing::LoadOneModel(**repository, "huge");
   EXPECT_THAT(huge, StatusIs(absl::StatusCode::kFailedPrecondition, "huge/model.safetensors"));
   EXPECT_THAT(huge.status().message(),
               HasSubstr(absl::StrCat("take ", kHugeLlamaWeightBytes, " bytes as FP32")));
   EXPECT_THAT(huge.status().message(),
               HasSubstr(absl::StrCat("over --max_model_bytes (", budget, " bytes")));
-  absl::StatusOr<std::shared_ptr<const Model>> good = (*repository)->LoadModel("good");
+  absl::StatusOr<std::shared_ptr<const Model>> good = testing::LoadOneModel(**repository, "good");
   ASSERT_THAT(good, IsOk());
   EXPECT_EQ((*good)->layer->config().d_model, 16);
 }
@@ -75,14 +75,14 @@ TEST(ModelBudget, TheBudgetIsTheOneConfiguredAndExact) {
   repo.AddSmallModel("small", 1);
   auto tight = ModelRepository::Create(repo.root(), {.max_model_bytes = kSmallModelBytes - 1});
   ASSERT_THAT(tight, IsOk());
-  absl::StatusOr<std::shared_ptr<const Model>> refused = (*tight)->LoadModel("small");
+  absl::StatusOr<std::shared_ptr<const Model>> refused = testing::LoadOneModel(**tight, "small");
   EXPECT_THAT(refused, StatusIs(absl::StatusCode::kFailedPrecondition, "--max_model_bytes"));
   EXPECT_THAT(refused.status().message(),
               HasSubstr(absl::StrCat("take ", kSmallModelBytes, " bytes as FP32")));
   EXPECT_THAT(refused.status().message(), HasSubstr(absl::StrCat("(", kSmallModelBytes - 1, " bytes")));
   auto exact = ModelRepository::Create(repo.root(), {.max_model_bytes = kSmallModelBytes});
   ASSERT_THAT(exact, IsOk());
-  EXPECT_THAT((*exact)->LoadModel("small"), IsOk());
+  EXPECT_THAT(testing::LoadOneModel(**exact, "small"), IsOk());
 
   for (int64_t bad : {int64_t{0}, int64_t{-1}}) {
     EXPECT_THAT(ModelRepository::Create(repo.root(), {.max_model_bytes = bad}),
@@ -126,7 +126,7 @@ constexpr bool kSanitized = false;
   const int64_t limit = VirtualMemoryBytes() + (int64_t{1} << 30);
   const rlimit address_space{static_cast<rlim_t>(limit), static_cast<rlim_t>(limit)};
   if (setrlimit(RLIMIT_AS, &address_space) != 0) std::_Exit(3);
-  absl::StatusOr<std::shared_ptr<const Model>> model = (*repository)->LoadModel("huge");
+  absl::StatusOr<std::shared_ptr<const Model>> model = testing::LoadOneModel(**repository, "huge");
   std::fprintf(stderr, "%s\n", model.status().ToString().c_str());
   std::_Exit(absl::IsResourceExhausted(model.status()) ? 0 : 1);
 }
@@ -167,7 +167,7 @@ TEST(ModelBudget, TheLoaderTurnsBadAllocIntoThatModelsFailureAndKeepsLoading) {
   auto load = [&](const std::string& name) {
     absl::Notification done;
     absl::Status result;
-    absl::Status queued = loader.Load(name, [&](absl::StatusOr<std::vector<ModelStatus>> s) {
+    absl::Status queued = loader.Load(name, [&](absl::StatusOr<ModelLoader::Loaded> s) {
       result = s.status();
       done.Notify();
     });

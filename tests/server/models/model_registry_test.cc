@@ -87,7 +87,7 @@ TEST(ModelRegistry, AFolderOfLayersIsReadyUnloadedAndFoundAsOne) {
   ASSERT_THAT(ticket, IsOk());
   std::vector<std::shared_ptr<const Model>> layers;
   for (int i = 0; i < 12; ++i) layers.push_back(SmallModel(absl::StrCat("gpt2.", i)));
-  ASSERT_THAT(registry.FinishLoadingFolder("gpt2", *ticket, layers), IsOk());
+  ASSERT_THAT(registry.FinishLoadingFolder("gpt2", *ticket, FolderModels{layers, true}), IsOk());
   std::vector<std::string> listed;
   for (const ModelStatus& s : registry.List()) {
     EXPECT_EQ(s.state, ModelState::kReady) << s.name;
@@ -111,7 +111,9 @@ TEST(ModelRegistry, AFolderOfLayersIsReadyUnloadedAndFoundAsOne) {
   EXPECT_THAT(registry.BeginLoading("gpt2"),
               StatusIs(absl::StatusCode::kAlreadyExists, "already loaded as its 12 layers"));
   EXPECT_THAT(registry.BeginLoading("gpt2.3"),
-              StatusIs(absl::StatusCode::kAlreadyExists, "already loaded"));
+              StatusIs(absl::StatusCode::kFailedPrecondition,
+                       "'gpt2.3' is a layer of model folder 'gpt2', whose layers load and unload "
+                       "together: load or unload 'gpt2'"));
   EXPECT_THAT(registry.Remove("gpt2.3"),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        "'gpt2.3' is a layer of model folder 'gpt2', whose layers load and unload "
@@ -127,9 +129,8 @@ TEST(ModelRegistry, AFolderOfLayersIsReadyUnloadedAndFoundAsOne) {
   ASSERT_THAT(registry.Add(SmallModel("net.1")), IsOk());
   ticket = registry.BeginLoading("net");
   ASSERT_THAT(ticket, IsOk());
-  EXPECT_THAT(registry.FinishLoadingFolder("net", *ticket,
-                                           std::vector<std::shared_ptr<const Model>>{
-                                               SmallModel("net.0"), SmallModel("net.1")}),
+  EXPECT_THAT(registry.FinishLoadingFolder(
+                  "net", *ticket, FolderModels{{SmallModel("net.0"), SmallModel("net.1")}, true}),
               StatusIs(absl::StatusCode::kAlreadyExists, "layer model name 'net.1' is taken"));
   EXPECT_EQ(registry.Get("net")->state, ModelState::kFailed);
   EXPECT_THAT(registry.Find("net.0"), StatusIs(absl::StatusCode::kNotFound, ""));
@@ -137,9 +138,8 @@ TEST(ModelRegistry, AFolderOfLayersIsReadyUnloadedAndFoundAsOne) {
   ASSERT_THAT(registry.Remove("net.1"), IsOk());
   ticket = registry.BeginLoading("net");
   ASSERT_THAT(registry.Remove("net"), IsOk());
-  EXPECT_THAT(registry.FinishLoadingFolder("net", *ticket,
-                                           std::vector<std::shared_ptr<const Model>>{
-                                               SmallModel("net.0"), SmallModel("net.1")}),
+  EXPECT_THAT(registry.FinishLoadingFolder(
+                  "net", *ticket, FolderModels{{SmallModel("net.0"), SmallModel("net.1")}, true}),
               StatusIs(absl::StatusCode::kAborted, "unloaded while it was loading"));
   EXPECT_TRUE(registry.List().empty());
 }
@@ -220,7 +220,7 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
   ModelLoader loader(repository->get(), &registry, options);
 
   absl::Notification stable_loaded;
-  ASSERT_THAT(loader.Load("stable", [&](absl::StatusOr<std::vector<ModelStatus>> s) {
+  ASSERT_THAT(loader.Load("stable", [&](absl::StatusOr<ModelLoader::Loaded> s) {
     EXPECT_THAT(s, IsOk());
     stable_loaded.Notify();
   }), IsOk());
@@ -244,7 +244,7 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
       for (int i = 0; i < 40; ++i) {
         const std::string name = absl::StrCat("m", (t + i) % kChurnModels);
         auto done = std::make_shared<absl::Notification>();
-        absl::Status queued = loader.Load(name, [&, done](absl::StatusOr<std::vector<ModelStatus>> s) {
+        absl::Status queued = loader.Load(name, [&, done](absl::StatusOr<ModelLoader::Loaded> s) {
           if (s.ok()) {
             ++loads;
           } else if (!absl::IsAborted(s.status())) {
@@ -291,7 +291,7 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
     const std::string name = absl::StrCat("m", i);
     if (registry.Find(name).ok()) continue;
     absl::Notification loaded;
-    ASSERT_THAT(loader.Load(name, [&](absl::StatusOr<std::vector<ModelStatus>> s) {
+    ASSERT_THAT(loader.Load(name, [&](absl::StatusOr<ModelLoader::Loaded> s) {
       EXPECT_THAT(s, IsOk()) << name;
       loaded.Notify();
     }), IsOk());
@@ -311,6 +311,54 @@ TEST(ModelLoader, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails) {
   EXPECT_LE(testing::RelativeFrobeniusError(*stable, stable_reference), testing::kFp32Tolerance);
   loader.Shutdown();
   (*executor)->Shutdown();
+}
+
+// LoadModel of a layer's name while its folder loads: NOT_FOUND at once
+// (saying to load the folder), with no entry that would take the layer's name
+// from the folder; the folder then loads, and the layer's name is refused
+// naming the folder.
+TEST(ModelLoader, ALayersNameAskedForWhileItsFolderLoadsDoesNotFailTheFolder) {
+  TestRepository repo;
+  testing::LayoutCase c{"gpt2", {}, "unused.", "F32"};
+  c.head.d_model = 16;
+  c.head.num_heads = 2;
+  const core::HeadConfig h = *core::ResolveHeadConfig(c.head);
+  repo.AddLayers("net", c, {core::SeededWeights(h, 1), core::SeededWeights(h, 2)},
+                 R"({"count": 2, "prefix": "h.{layer}.attn."})");
+  auto repository = ModelRepository::Create(repo.root());
+  ASSERT_THAT(repository, IsOk());
+  ModelRegistry registry;
+  absl::Notification warming, release;
+  ModelLoaderOptions options;
+  options.warm_up = [&](const Model& m) {  // holds the folder LOADING
+    if (m.name == "net.0") {
+      warming.Notify();
+      release.WaitForNotification();
+    }
+    return absl::OkStatus();
+  };
+  ModelLoader loader(repository->get(), &registry, options);
+  absl::Notification loaded;
+  ASSERT_THAT(loader.Load("net", [&](absl::StatusOr<ModelLoader::Loaded> s) {
+    ASSERT_THAT(s, IsOk());
+    EXPECT_TRUE(s->layered);
+    EXPECT_EQ(s->models.size(), 2u);
+    loaded.Notify();
+  }), IsOk());
+  warming.WaitForNotification();
+  EXPECT_EQ(registry.Get("net")->state, ModelState::kLoading);
+  bool called = false;
+  EXPECT_THAT(loader.Load("net.1", [&](absl::StatusOr<ModelLoader::Loaded>) { called = true; }),
+              StatusIs(absl::StatusCode::kNotFound, "load 'net'"));
+  EXPECT_THAT(registry.Get("net.1"), StatusIs(absl::StatusCode::kNotFound, ""));
+  release.Notify();
+  loaded.WaitForNotification();
+  EXPECT_FALSE(called);
+  EXPECT_EQ(registry.Get("net.1")->state, ModelState::kReady);
+  EXPECT_THAT(registry.Get("net"), StatusIs(absl::StatusCode::kNotFound, "model folder"));
+  EXPECT_THAT(loader.Load("net.1", nullptr),
+              StatusIs(absl::StatusCode::kFailedPrecondition, "load or unload 'net'"));
+  loader.Shutdown();
 }
 
 }  // namespace

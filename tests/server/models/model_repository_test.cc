@@ -72,11 +72,11 @@ TEST(ModelRepository, NamesThatAreNotOnePlainFolderAreRefused) {
   for (const std::string& name : std::vector<std::string>{"", "a/b", "..", ".", "../repo/good", "/etc", "/tmp/x", ".hidden",
                                  "good/", "bad name", std::string(200, 'a')}) {
     SCOPED_TRACE(name);
-    EXPECT_THAT((*repository)->LoadModel(name), StatusIs(absl::StatusCode::kInvalidArgument, "name"));
+    EXPECT_THAT(testing::LoadOneModel(**repository, name), StatusIs(absl::StatusCode::kInvalidArgument, "name"));
   }
-  EXPECT_THAT((*repository)->LoadModel("absent"),
+  EXPECT_THAT(testing::LoadOneModel(**repository, "absent"),
               StatusIs(absl::StatusCode::kNotFound, "no folder 'absent'"));
-  absl::StatusOr<std::shared_ptr<const Model>> good = (*repository)->LoadModel("good");
+  absl::StatusOr<std::shared_ptr<const Model>> good = testing::LoadOneModel(**repository, "good");
   ASSERT_THAT(good, IsOk());
   EXPECT_EQ((*good)->layer->config().d_model, 16);
   EXPECT_FALSE((*good)->causal);
@@ -114,11 +114,11 @@ TEST(ModelRepository, SymlinksLeavingTheRepositoryAreRefusedBeforeAnythingOutsid
   OpenWatch watch(outside);
   for (const char* name : {"escape", "fifo_model", "absolute"}) {
     SCOPED_TRACE(name);
-    EXPECT_THAT((*repository)->LoadModel(name),
+    EXPECT_THAT(testing::LoadOneModel(**repository, name),
                 StatusIs(absl::StatusCode::kFailedPrecondition, "resolves outside the model repository"));
   }
   EXPECT_EQ(watch.Events(), 0) << "a file outside the repository was opened";
-  EXPECT_THAT((*repository)->LoadModel("alias"), IsOk());
+  EXPECT_THAT(testing::LoadOneModel(**repository, "alias"), IsOk());
 
   // The watch sees an open when there is one (the check above can fail).
   const int fd = open((outside + "/config.json").c_str(), O_RDONLY);
@@ -178,13 +178,13 @@ TEST(ModelRepository, EachDefectFailsTheModelWithItsReason) {
   ASSERT_THAT(repository, IsOk());
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    EXPECT_THAT((*repository)->LoadModel(c.name),
+    EXPECT_THAT(testing::LoadOneModel(**repository, c.name),
                 StatusIs(absl::StatusCode::kFailedPrecondition, c.reason));
     // The reason names the file.
-    EXPECT_THAT((*repository)->LoadModel(c.name),
+    EXPECT_THAT(testing::LoadOneModel(**repository, c.name),
                 StatusIs(absl::StatusCode::kFailedPrecondition, c.name + "/"));
   }
-  EXPECT_THAT((*repository)->LoadModel("good"), IsOk());
+  EXPECT_THAT(testing::LoadOneModel(**repository, "good"), IsOk());
 }
 
 // The output of `model` on `x` [1, tokens, d_model] (not causal).
@@ -230,9 +230,10 @@ TEST(ModelRepository, AFolderOfLayersLoadsEachLayerAsItsOwnModel) {
   ASSERT_THAT(repository, IsOk());
   EXPECT_EQ(*(*repository)->ListModelNames(),
             (std::vector<std::string>{"net", "single0", "single1", "single2"}));
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> layers =
-      (*repository)->LoadFolder("net");
-  ASSERT_THAT(layers, IsOk());
+  absl::StatusOr<FolderModels> folder = (*repository)->LoadFolder("net");
+  ASSERT_THAT(folder, IsOk());
+  EXPECT_TRUE(folder->layered);
+  const std::vector<std::shared_ptr<const Model>>* layers = &folder->models;
   ASSERT_EQ(layers->size(), 3u);
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> normal;
@@ -248,7 +249,7 @@ TEST(ModelRepository, AFolderOfLayersLoadsEachLayerAsItsOwnModel) {
     EXPECT_THAT(layer.description, ::testing::HasSubstr(absl::StrCat("layer ", i, " of 3")));
     EXPECT_THAT(layer.description, ::testing::HasSubstr(absl::StrCat("h.", i, ".attn.")));
     absl::StatusOr<std::shared_ptr<const Model>> single =
-        (*repository)->LoadModel(absl::StrCat("single", i));
+        testing::LoadOneModel(**repository, absl::StrCat("single", i));
     ASSERT_THAT(single, IsOk());
     outputs.push_back(OutputOf(layer, x));
     EXPECT_EQ(outputs.back(), OutputOf(**single, x));
@@ -267,9 +268,6 @@ TEST(ModelRepository, AFolderOfLayersLoadsEachLayerAsItsOwnModel) {
   }
   EXPECT_NE(outputs[0], outputs[1]);
   EXPECT_NE(outputs[1], outputs[2]);
-  // LoadModel wants a folder of one layer.
-  EXPECT_THAT((*repository)->LoadModel("net"),
-              StatusIs(absl::StatusCode::kFailedPrecondition, "holds 3 layers"));
   // A layer alone is no folder; the message says how it loads.
   EXPECT_THAT((*repository)->LoadFolder("net.1"),
               StatusIs(absl::StatusCode::kNotFound, "load 'net'"));
@@ -277,13 +275,12 @@ TEST(ModelRepository, AFolderOfLayersLoadsEachLayerAsItsOwnModel) {
   TestRepository::WriteText(repo.root() + "/net/config.json",
                             R"({"layout":"gpt2","d_model":16,"num_heads":4,)"
                             R"("layers":{"prefixes":["h.2.attn.","h.0.attn."]}})");
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> listed =
-      (*repository)->LoadFolder("net");
+  absl::StatusOr<FolderModels> listed = (*repository)->LoadFolder("net");
   ASSERT_THAT(listed, IsOk());
-  ASSERT_EQ(listed->size(), 2u);
-  EXPECT_EQ((*listed)[0]->name, "net.0");
-  EXPECT_EQ(OutputOf(*(*listed)[0], x), outputs[2]);
-  EXPECT_EQ(OutputOf(*(*listed)[1], x), outputs[0]);
+  ASSERT_EQ(listed->models.size(), 2u);
+  EXPECT_EQ(listed->models[0]->name, "net.0");
+  EXPECT_EQ(OutputOf(*listed->models[0], x), outputs[2]);
+  EXPECT_EQ(OutputOf(*listed->models[1], x), outputs[0]);
 }
 
 // What is wrong with one layer names the layer, its model and prefix, and
@@ -317,10 +314,9 @@ TEST(ModelRepository, ALayersDefectNamesTheLayerAndTheField) {
   EXPECT_THAT((*repository)->LoadFolder("typo"),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        "typo/config.json: layers.prefix: 'h.attn.' does not hold {layer}"));
-  absl::StatusOr<std::vector<std::shared_ptr<const Model>>> fitting =
-      (*repository)->LoadFolder(fits);
+  absl::StatusOr<FolderModels> fitting = (*repository)->LoadFolder(fits);
   ASSERT_THAT(fitting, IsOk());
-  EXPECT_EQ((*fitting)[1]->name.size(), 128u);
+  EXPECT_EQ(fitting->models[1]->name.size(), 128u);
   EXPECT_THAT((*repository)->LoadFolder(over),
               StatusIs(absl::StatusCode::kFailedPrecondition,
                        "/config.json: layers: layer 0's model name"));

@@ -10,13 +10,18 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 #include "core/attention_weights.h"
 #include "core/head_config.h"
+#include "server/models/model_repository.h"
 #include "tests/core/checkpoint_writer.h"
 
 namespace attnserve::testing {
@@ -87,6 +92,19 @@ class TestRepository {
  private:
   std::string base_;
 };
+
+// The one model of folder `name` (ModelRepository::LoadFolder's errors);
+// FAILED_PRECONDITION for a folder of layers.
+inline absl::StatusOr<std::shared_ptr<const server::Model>> LoadOneModel(
+    const server::ModelRepository& repository, absl::string_view name) {
+  absl::StatusOr<server::FolderModels> read = repository.LoadFolder(name);
+  if (!read.ok()) return read.status();
+  if (read->layered || read->models.size() != 1) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name, ": a folder of ", read->models.size(), " layers"));
+  }
+  return read->models[0];
+}
 
 }  // namespace attnserve::testing
 

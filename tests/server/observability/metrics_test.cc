@@ -389,6 +389,33 @@ TEST(Metrics, OnlyAddedModelsBecomeLabels) {
   EXPECT_EQ((*metrics)->ModelLabel(std::string(5000, 'x')), "");
 }
 
+// A folder's layers share the folder's label: one set of series (and one
+// info series) for all of them, which stays until its last layer goes.
+TEST(Metrics, TheLayersOfAFolderShareTheFoldersLabel) {
+  auto metrics = Metrics::Create({});
+  ASSERT_TRUE(metrics.ok());
+  Metrics& m = **metrics;
+  for (int i = 0; i < 3; ++i) m.AddModel(absl::StrCat("net.", i), SmallConfig(), "net");
+  EXPECT_EQ(m.ModelLabel("net.2"), "net");
+  EXPECT_EQ(m.ModelLabel("net"), "net");
+  EXPECT_EQ(m.ModelLabel("net.3"), "");
+  const std::string text = m.TextExposition();
+  EXPECT_FALSE(absl::StrContains(text, "model=\"net.")) << text;
+  const Labels info = {{"model", "net"},     {"d_model", "64"}, {"num_heads", "8"},
+                       {"num_kv_heads", "2"}, {"head_dim", "8"}};
+  Exposition exposition(text);
+  EXPECT_EQ(exposition.Value("attnserve_model_info", info), 1);
+  EXPECT_EQ(exposition.Count("attnserve_decode_batch_tokens", {{"model", "net"}}), 0);
+  m.RemoveModel("net.0");
+  m.RemoveModel("net.1");
+  EXPECT_EQ(m.ModelLabel("net"), "net");
+  EXPECT_EQ(Exposition(m.TextExposition()).Value("attnserve_model_info", info), 1);
+  m.RemoveModel("net.2");
+  EXPECT_EQ(m.ModelLabel("net"), "");
+  EXPECT_EQ(m.ModelLabel("net.2"), "");
+  EXPECT_FALSE(Exposition(m.TextExposition()).Value("attnserve_model_info", info).has_value());
+}
+
 TEST(Metrics, QueueDepthFollowsQueuedAndDequeuedRequests) {
   auto metrics = Metrics::Create({});
   ASSERT_TRUE(metrics.ok());
