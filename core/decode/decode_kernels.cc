@@ -219,20 +219,14 @@ ATTNSERVE_TARGET_AVX512 inline __m512 Chunk(const T* row, int c, __mmask16 last)
   return Load16(last, row + 16 * c);
 }
 
-// Sixteen keys at a time: each key's products summed into one vector (the
-// query row in registers), the 16 vectors reduced together (LaneSums16).
-template <int kChunks, bool kFull, typename T>
-ATTNSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const T* k, int64_t keys,
-                                          int64_t head_dim, __mmask16 last, float* s) {
-  __m512 qv[kChunks];
-#pragma GCC unroll 8
-  for (int c = 0; c < kChunks; ++c) qv[c] = Chunk<kChunks, kFull>(q, c, last);
-  auto dot = [&](const T* row) ATTNSERVE_TARGET_AVX512 {
-    __m512 t = _mm512_mul_ps(qv[0], Chunk<kChunks, kFull>(row, 0, last));
-#pragma GCC unroll 8
-    for (int c = 1; c < kChunks; ++c) t = _mm512_fmadd_ps(qv[c], Chunk<kChunks, kFull>(row, c, last), t);
-    return t;
-  };
+// s[j] for the `keys` rows of k (row j at k + j * head_dim), sixteen at a
+// time: `dot(row)` gives a row's products summed into one vector, and the 16
+// vectors are reduced together (LaneSums16).
+// Always inlined: GCC 12 otherwise keeps it out of line, one copy per kernel,
+// reaching the query vectors `dot` captures through a reference.
+template <typename T, typename Dot>
+ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void ScoreRows16(
+    const T* k, int64_t keys, int64_t head_dim, const Dot& dot, float* s) {
   int64_t j = 0;
   for (; j + 16 <= keys; j += 16) {
     __m512 t[16];
@@ -247,6 +241,23 @@ ATTNSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const T* k, int64_t ke
     for (int r = 0; r < 16; ++r) t[r] = r < count ? dot(k + (j + r) * head_dim) : _mm512_setzero_ps();
     _mm512_mask_storeu_ps(s + j, FirstLanes(count), LaneSums16(t));
   }
+}
+
+// Scores with the query row in registers, kChunks vectors of 16 dimensions
+// (ScoreRows16).
+template <int kChunks, bool kFull, typename T>
+ATTNSERVE_TARGET_AVX512 void ScoresAvx512(const float* q, const T* k, int64_t keys,
+                                          int64_t head_dim, __mmask16 last, float* s) {
+  __m512 qv[kChunks];
+#pragma GCC unroll 8
+  for (int c = 0; c < kChunks; ++c) qv[c] = Chunk<kChunks, kFull>(q, c, last);
+  auto dot = [&](const T* row) ATTNSERVE_TARGET_AVX512 {
+    __m512 t = _mm512_mul_ps(qv[0], Chunk<kChunks, kFull>(row, 0, last));
+#pragma GCC unroll 8
+    for (int c = 1; c < kChunks; ++c) t = _mm512_fmadd_ps(qv[c], Chunk<kChunks, kFull>(row, c, last), t);
+    return t;
+  };
+  ScoreRows16(k, keys, head_dim, dot, s);
 }
 
 // acc = acc * alpha + sum_j p_j v_j with two accumulator rows in registers
@@ -371,20 +382,7 @@ ATTNSERVE_TARGET_AVX512 void ScoresBf16Avx512(const float* q, const Bf16* k, int
     }
     return t;
   };
-  int64_t j = 0;
-  for (; j + 16 <= keys; j += 16) {
-    __m512 t[16];
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) t[r] = dot(k + (j + r) * head_dim);
-    _mm512_storeu_ps(s + j, LaneSums16(t));
-  }
-  if (j < keys) {
-    const int64_t count = keys - j;
-    __m512 t[16];
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) t[r] = r < count ? dot(k + (j + r) * head_dim) : _mm512_setzero_ps();
-    _mm512_mask_storeu_ps(s + j, FirstLanes(count), LaneSums16(t));
-  }
+  ScoreRows16(k, keys, head_dim, dot, s);
 }
 
 // True (and done) when the even/odd BF16 kernel takes this head_dim.
