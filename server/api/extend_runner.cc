@@ -210,8 +210,8 @@ absl::StatusOr<ExtendPlan> PlanExtend(const v1::ExtendRequest& request, SessionM
       tokens_per_model[&model_ref] += plan.chunk_tokens > 0 ? std::min(n, plan.chunk_tokens) : n;
       input_floats += n * config.d_model;
       if (maps > 0 && plan.chunk_tokens > 0 && n > plan.chunk_tokens) {
-        chunk_map_floats = std::max(chunk_map_floats, config.num_heads * plan.chunk_tokens *
-                                                          (step.expected_length() + n));
+        // Every chunked step's chunk maps are alive at once in a round.
+        chunk_map_floats += config.num_heads * plan.chunk_tokens * (step.expected_length() + n);
       }
     }
     planned.lease = *std::move(lease);
@@ -300,6 +300,8 @@ void PrepareStep(const ExtendMember& member, int i) {
   const core::HeadConfig& config = step.lease->model().layer->config();
   v1::ExtendResult* result = member.response->mutable_results(i);
   step.input = std::make_unique<FloatValues>(wire.hidden_states(), step.hidden_states);
+  const absl::Span<const float> query = step.lease->cache()->latest_query();
+  step.query_before.assign(query.begin(), query.end());
   step.output = std::make_unique<OutputTensor>(std::vector<int64_t>{step.tokens, config.d_model},
                                                member.plan->output_dtype,
                                                /*use_float_data=*/false,
@@ -341,6 +343,7 @@ void ReleaseStep(ExtendStepPlan& step) {
   step.maps.reset();
   step.entropy.reset();
   step.max_weight.reset();
+  step.query_before = {};
 }
 
 // Ends step `i` of `plan` as failed: its layer truncated back to where the
@@ -353,6 +356,7 @@ void FailStep(ExtendPlan& plan, int i, const absl::Status& status, int64_t expec
   if (cache != nullptr && cache->length() > expected_length) {
     // Cannot fail: 0 <= expected_length < length().
     cache->Truncate(expected_length).IgnoreError();
+    cache->SetLatestQuery(step.query_before);  // a no-op when there was none
   }
   if (result != nullptr) {
     if (cache != nullptr) result->set_length(cache->length());
@@ -464,7 +468,11 @@ void RunGroup(ChunkGroup& group, SessionManager& sessions, const ComputeContext&
                 step.max_weight->values());
     }
     step.done += chunk.tokens;
-    if (step.done < step.tokens) continue;
+    if (step.done < step.tokens) {
+      // The pool counts the blocks this chunk took: their reservation goes.
+      sessions.NoteAppended(*step.lease);
+      continue;
+    }
     step.output->Commit();
     if (step.maps != nullptr) step.maps->Commit();
     if (step.entropy != nullptr) {

@@ -47,6 +47,9 @@ struct ExtendStepPlan {
   std::unique_ptr<FloatValues> input;
   std::unique_ptr<OutputTensor> output, maps;
   std::unique_ptr<OutputTensor> entropy, max_weight;  // [num_heads, n], when head_statistics
+  // The layer's latest query before the step, put back when a step stopped
+  // between chunks is truncated (the truncation drops a later one).
+  std::vector<float> query_before;
 };
 
 // An Extend request that passed validation, its steps begun on the sessions.
@@ -151,9 +154,14 @@ int64_t RoundTokens(const ExtendPlan& plan);
 
 // Ends every step of `plan` that has not ended as failed with `status`,
 // truncating its layer back to the step's expected length (what earlier
-// chunks of it appended goes): a call stopped between chunks (cancelled,
-// past its deadline, the drain) leaves its layers as before it. Call it
-// where no round of the plan runs (the leases make the layers the plan's).
+// chunks of it appended goes, and the layer's latest query is as before the
+// step): a call stopped between chunks (cancelled, past its deadline, the
+// drain) leaves the layers of its unfinished steps as before it. Its steps
+// that finished in earlier rounds (shorter steps of the same call) stay
+// appended: a retry of the call replays them when their answers were kept
+// (SessionManager::kMaxStoredOutputBytes), and otherwise gets ABORTED saying
+// the layer's length. Call it where no round of the plan runs (the leases
+// make the layers the plan's).
 void EndExtend(ExtendPlan& plan, const absl::Status& status, SessionManager& sessions);
 
 }  // namespace attnserve::server

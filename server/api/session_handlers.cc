@@ -186,7 +186,9 @@ void AttentionServiceImpl::RunExtendBatch(std::vector<std::unique_ptr<ScheduledW
   for (size_t i = 0; i < jobs.size(); ++i) {
     ExtendJob& job = *jobs[i];
     job.compute += compute;
-    if (!members[i].finished) {  // a prefill's next chunk: back into the queue
+    // A prefill's next chunk: back into the queue. A member that failed as a
+    // whole (no workspace) is answered now (Finish ends its steps).
+    if (!members[i].finished && members[i].status.ok()) {
       job.tokens = RoundTokens(job.plan);
       scheduler_->Requeue(std::move(batch[i]));
       continue;

@@ -128,6 +128,8 @@ StepLease& StepLease::operator=(StepLease&& other) noexcept {
     fingerprint_ = other.fingerprint_;
     first_position_ = other.first_position_;
     reserved_bytes_ = other.reserved_bytes_;
+    kv_bytes_ = other.kv_bytes_;
+    unused_kv_bytes_ = other.unused_kv_bytes_;
     replay_ = other.replay_;
     ended_ = other.ended_;
     other.session_ = nullptr;
@@ -570,6 +572,7 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
   }
   bool replay = false;
   int64_t reserved = 0;
+  int64_t reserved_kv = 0;  // of `reserved`, for KV blocks
   if (expected_length != target.length) {
     const bool retry = expected_length == target.last_expected &&
                        new_tokens == target.last_tokens && fingerprint == target.last_fingerprint &&
@@ -617,6 +620,7 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
     }
     reserved_bytes_ += bytes;
     reserved = bytes;
+    reserved_kv = kv_bytes;
   }
   // The lease is made last: one dropped on an error path above would end a
   // step that never began.
@@ -629,11 +633,30 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
   lease.fingerprint_ = fingerprint;
   lease.replay_ = replay;
   lease.reserved_bytes_ = reserved;
+  lease.kv_bytes_ = reserved_kv;
+  lease.unused_kv_bytes_ = reserved_kv;
   lease.first_position_ = session->first_position + expected_length;
   target.step_in_flight = true;
   ++session->steps_in_flight;
   session->last_used = clock_();
   return lease;
+}
+
+void SessionManager::NoteAppended(StepLease& lease) {
+  if (lease.session_ == nullptr || lease.ended_ || lease.replay_) return;
+  absl::MutexLock lock(&mu_);
+  const SessionLayer& layer = lease.session_->layers[static_cast<size_t>(lease.layer_)];
+  // Blocks the step's appends took beyond those the layer held when it began
+  // (a copied shared last block stays reserved: at most one block over).
+  const int64_t taken =
+      std::max<int64_t>(0, static_cast<int64_t>(layer.cache->blocks().size()) - layer.blocks) *
+      layer.block_bytes;
+  const int64_t still_needed = std::max<int64_t>(0, lease.kv_bytes_ - taken);
+  const int64_t give_back = lease.unused_kv_bytes_ - still_needed;
+  if (give_back <= 0) return;
+  lease.unused_kv_bytes_ -= give_back;
+  lease.reserved_bytes_ -= give_back;
+  reserved_bytes_ -= give_back;
 }
 
 void SessionManager::EndStep(StepLease lease, const absl::Status& status, std::string output) {

@@ -136,6 +136,10 @@ class StepLease {
   uint64_t fingerprint_ = 0;
   int64_t first_position_ = 0;
   int64_t reserved_bytes_ = 0;
+  // Of reserved_bytes_ at BeginStep: for the step's KV blocks; and the part
+  // still kept for blocks it has not taken (NoteAppended gives back the rest).
+  int64_t kv_bytes_ = 0;
+  int64_t unused_kv_bytes_ = 0;
   bool replay_ = false;
   bool ended_ = false;
 };
@@ -220,6 +224,13 @@ class SessionManager {
   // (core::LatestAttention). Thread-safe, without the manager's lock: the
   // compute executor's part. INTERNAL only for a broken invariant.
   static absl::StatusOr<LatestAttentionRead> ReadLatest(const LatestSnapshot& snapshot);
+
+  // After a part of a step (a chunk of a long prefill) appended to the
+  // lease's cache: the KV bytes reserved for the blocks it took are given
+  // back, since the pool now counts those blocks (the reservation would
+  // count them twice while the rest of the step waits for its next round).
+  // Call it on the thread that extends the cache, between its appends.
+  void NoteAppended(StepLease& lease);
 
   // Admits a step of `new_tokens` (>= 1) tokens on layer `layer` that
   // expects the layer to hold `expected_length` tokens; `fingerprint` is

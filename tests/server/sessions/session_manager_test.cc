@@ -164,6 +164,32 @@ TEST_F(SessionManagerTest, StepsGrowEachLayerOnItsOwnAtTheRightPositions) {
   EXPECT_EQ(manager->stats().reserved_bytes, 0);
 }
 
+// A step appended in parts (a chunked prefill): after each part the pool
+// counts the blocks it took, and the reservation gives them back, so the two
+// never count a block twice while the rest of the step waits.
+TEST_F(SessionManagerTest, APartOfAStepAppendedGivesBackItsReservedBlocks) {
+  auto manager = Make();
+  const std::string id = manager->Open(Spec(1), "")->id;
+  absl::StatusOr<StepLease> step = manager->BeginStep(id, "", 0, 0, 10, 7);  // 3 blocks of 4
+  ASSERT_TRUE(step.ok()) << step.status();
+  const int64_t reserved = manager->stats().reserved_bytes;
+  EXPECT_GE(reserved, 3 * kBlockBytes);
+  const std::vector<float> rows(static_cast<size_t>(5 * 2 * 16), 0.5f);
+  ASSERT_TRUE(step->cache()->Append(rows, rows, 5).ok());  // 2 blocks taken
+  manager->NoteAppended(*step);
+  EXPECT_EQ(manager->stats().pool.bytes_in_use, 2 * kBlockBytes);
+  EXPECT_EQ(manager->stats().reserved_bytes, reserved - 2 * kBlockBytes);
+  manager->NoteAppended(*step);  // nothing more taken: nothing more given back
+  EXPECT_EQ(manager->stats().reserved_bytes, reserved - 2 * kBlockBytes);
+  ASSERT_TRUE(step->cache()->Append(rows, rows, 5).ok());  // the third block
+  manager->NoteAppended(*step);
+  EXPECT_EQ(manager->stats().reserved_bytes, reserved - 3 * kBlockBytes);
+  manager->EndStep(*std::move(step), absl::OkStatus(), "prefill");
+  EXPECT_EQ(manager->stats().reserved_bytes, 0);
+  EXPECT_EQ(manager->stats().pool.bytes_in_use, 3 * kBlockBytes);
+  EXPECT_EQ(manager->Get(id, "")->layer_lengths, (std::vector<int64_t>{10}));
+}
+
 TEST_F(SessionManagerTest, ARetryOfTheLastStepReplaysItAndOtherMismatchesAreAborted) {
   auto manager = Make();
   const std::string id = manager->Open(Spec(), "")->id;
