@@ -66,6 +66,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 from harness import (Server, cpu_model, generate_stubs, reference_attention,  # noqa: E402
                      rel_error, seeded_weights, wait_serving)
+from compare_with_pytorch import ensure_torch  # noqa: E402  (the same Debian torch)
 
 D_MODEL, HEADS, HEAD_DIM = 768, 12, 64
 FP32_TOLERANCE, BF16_KV_TOLERANCE = 1e-4, 2e-2
@@ -354,15 +355,6 @@ def print_table(header, rows):
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-
-
-def ensure_torch():
-    try:
-        subprocess.run(["/usr/bin/python3", "-c", "import torch"], check=True,
-                       capture_output=True)
-    except subprocess.CalledProcessError:
-        print("installing python3-torch (deploy/install_deps.sh)", file=sys.stderr)
-        subprocess.run(["bash", os.path.join(ROOT, "deploy", "install_deps.sh")], check=True)
 
 
 def main():
