@@ -8,8 +8,11 @@ flow-control window of its body. Against the real binary over real TLS:
 
   - the hostile client's slow bodies (tests/hostile/attacks.py slow_bodies,
     here 8 calls each declaring 60 MiB and offering 16 MiB, over TLS, with a
-    wrong token): every call answered UNAUTHENTICATED, less than 1 MiB of
-    body sent per call;
+    wrong token): every call answered UNAUTHENTICATED, having sent a small
+    part of the 16 MiB it offers (about a window, under 1 MiB a call on a
+    quiet machine; the test allows a quarter of it, 4 MiB a call: the check
+    runs on a gRPC thread, and on a loaded machine the server grants windows
+    while it waits -- 1.0 MiB a call was seen under stress-ng);
   - the same calls to a plaintext server with the same tokens (gRPC runs no
     metadata processor there): the server reads their bodies (more than 8 MiB
     in all) before the handler refuses them, which is what the TLS check
@@ -85,7 +88,8 @@ class AuthBeforeBody(unittest.TestCase):
     def test_on_tls_a_wrong_token_ends_the_call_before_its_body(self):
         summary = slow_bodies(self.server(tls=True).port, tls=True)
         self.assertEqual(summary["answered"], {"16": STREAMS}, summary)  # 16: UNAUTHENTICATED
-        self.assertLess(summary["mib_sent"], STREAMS * 1.0, summary)
+        # Far less than the 16 MiB a call offers, which the plaintext server reads whole.
+        self.assertLess(summary["mib_sent"], STREAMS * 4.0, summary)
 
     def test_in_plaintext_the_same_bodies_are_read_before_the_handler_refuses(self):
         summary = slow_bodies(self.server(tls=False).port, tls=False)
