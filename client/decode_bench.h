@@ -44,6 +44,8 @@ struct DecodeBenchResult {
   DecodeBenchOptions options;
   int64_t d_model = 0;
   double prefill_seconds = 0;
+  // The decode rounds' calls, summed (each timed from its send to its
+  // answer: the client drawing the next round's inputs is not counted).
   double decode_seconds = 0;
   double tokens_per_second = 0;  // decode: sessions x steps / decode_seconds
   double p50_ms = 0, p90_ms = 0, p99_ms = 0, max_ms = 0;
@@ -51,6 +53,10 @@ struct DecodeBenchResult {
   // Each round's latency less the compute its response reports (what the
   // call, the wire and the queue add): median and mean.
   double overhead_p50_ms = 0, overhead_mean_ms = 0;
+  // Of it, the server's part before the compute (the responses' timing.queue:
+  // from the call's arrival, through its validation and admission, to its
+  // batch's start): median.
+  double server_queue_p50_ms = 0;
   std::string kernel_path;
   // With prefill_during: the second rounds' step latencies (all of them, and
   // those that overlapped the prefill call), how many overlapped, the

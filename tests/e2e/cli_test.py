@@ -352,6 +352,14 @@ class WithServer(unittest.TestCase):
                          ("decode", 3, 40, 5))
         self.assertGreater(got["tokens_per_second"], 0)
         self.assertLessEqual(got["step_ms"]["p50"], got["step_ms"]["max"])
+        # tokens/s is over the timed calls alone (3 x 5 tokens over the 5 steps'
+        # summed latencies, each at most max): the client drawing the next
+        # step's inputs between them does not count.
+        self.assertGreaterEqual(got["tokens_per_second"] * got["step_ms"]["max"] / 1e3,
+                                3 * (1 - 1e-3))
+        # The server's part before the compute lies within each step.
+        self.assertGreaterEqual(got["server_queue_ms"]["p50"], 0)
+        self.assertLessEqual(got["server_queue_ms"]["p50"], got["step_ms"]["p50"])
         self.assertTrue(got["kernel_path"].endswith("/paged"), got["kernel_path"])
         self.assertIn("bench --decode: 8 of 8 calls", err)  # 3 prefill chunks + 5 steps
         # Flag mistakes are the command line's (exit 2), before any call.
