@@ -664,8 +664,9 @@ ATTNSERVE_TARGET_AVX512 void GroupValuesBy(const Rows& rows, const float* p, int
   GroupValuesAvx512<(kV <= 4 ? 4 : 2)>(rows, p, p_stride, group, v, keys, head_dim, alpha, acc);
 }
 
-// The instance for head_dim (<= kMaxAvx512HeadDim). `scores`: the score
-// kernel, else the values one (one switch for both).
+// Runs `run` with the row policy for head_dim (<= kMaxAvx512HeadDim): its
+// vector count fixed at compile time, so that the row loops unroll and stay
+// in registers (one switch for the scores and the values kernels).
 template <typename T, typename Run>
 ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void WithRows(int64_t head_dim,
                                                                            const Run& run) {
@@ -795,7 +796,9 @@ void GroupValuesOn(DecodeKernel kernel, const float* p, int64_t p_stride, int64_
   for (int64_t j = 0; j < v.next_keys; ++j) PrefetchNextRow(v, j, head_dim);
   for (int64_t h = 0; h < group; ++h) {
     float a = alpha[h];
-    if (keys == 0) ValuesOn(kernel, p, static_cast<const T*>(nullptr), 0, head_dim, a, acc + h * head_dim);
+    if (keys == 0) {
+      ValuesOn(kernel, p, static_cast<const T*>(nullptr), 0, head_dim, a, acc + h * head_dim);
+    }
     for (int64_t j0 = 0; j0 < keys; j0 += v.block_rows) {
       ValuesOn(kernel, p + h * p_stride + j0, v.blocks[j0 / v.block_rows],
                std::min(v.block_rows, keys - j0), head_dim, a, acc + h * head_dim);

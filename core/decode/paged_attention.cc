@@ -240,18 +240,16 @@ void BlockValues(const ItemView& view, int64_t g, int64_t j0, int64_t j1, const 
                          alpha, acc);
 }
 
-// ProcessSpan (below) for FP32 caches: the row kernels called per head and
-// block. The group kernels (one K/V row read for several heads, the next
-// span prefetched) measured slower on FP32 caches (one thread, CPU time,
-// docs/measurements.md, 2026-12-03 "BF16 decode"): FP32 keeps this.
-// Keys [j0, j1) (token positions, a span of whole blocks but at its ends)
-// against the tile's new rows [i0, i1) of KV head g: the scores of every row
-// of the tile (its G heads), one online-softmax step for them all (rows
-// together: their dependency chains overlap), then P V; raw scores to the
-// map. A span of several blocks shares one softmax step: its fixed cost is
-// paid per span, not per block.
-void ProcessSpanByBlock(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t i0, int64_t i1,
-                 int64_t width, TileState& state) {
+// FP32 caches: keys [j0, j1) (token positions, a span of whole blocks but at
+// its end) against the tile's new rows [i0, i1) of KV head g: the scores of
+// every row of the tile (its G heads), one online-softmax step for them all
+// (rows together: their dependency chains overlap), then P V; raw scores to
+// the map. A span of several blocks shares one softmax step: its fixed cost
+// is paid per span, not per block. The row kernels run per head and block:
+// on FP32 caches the group kernels of ProcessSpan (below) measured slower
+// (docs/measurements.md, "Decode with BF16 KV: group kernels").
+void ProcessSpanByBlock(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t i0,
+                        int64_t i1, int64_t width, TileState& state) {
   const PagedAttentionItem& item = *view.item;
   const int64_t bt = view.block_tokens;
   const int64_t rows = (i1 - i0) * view.group;
@@ -309,7 +307,8 @@ internal::BlockRows<T> SpanRows(const ItemView& view, int64_t g, int64_t j0, int
                                 const T** next) {
   SpanBlocks(view, g, j0, j1, values, blocks);
   if (next_end > j1) SpanBlocks(view, g, j1, next_end, values, next);
-  return internal::BlockRows<T>{blocks, view.block_tokens, next, std::max<int64_t>(0, next_end - j1)};
+  return internal::BlockRows<T>{blocks, view.block_tokens, next,
+                                std::max<int64_t>(0, next_end - j1)};
 }
 
 // Keys [j0, j1) (token positions, a span of whole blocks but at its end, j0 a
@@ -335,7 +334,9 @@ void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_
     // The G rows of new row i see the same keys.
     const int64_t visible = std::max<int64_t>(0, std::min(j1, view.first + i + 1) - j0);
     const int64_t r0 = (i - i0) * view.group;
-    for (int64_t hl = 0; hl < view.group; ++hl) state.limits[static_cast<size_t>(r0 + hl)] = visible;
+    for (int64_t hl = 0; hl < view.group; ++hl) {
+      state.limits[static_cast<size_t>(r0 + hl)] = visible;
+    }
     if (visible == 0) continue;
     float* s = state.scores.data() + r0 * width;
     internal::DecodeGroupScores(item.q.data() + view.q_row(i, g * view.group), view.group, k,
