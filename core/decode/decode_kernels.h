@@ -55,7 +55,7 @@ inline void PrefetchNextRow(const BlockRows<T>& rows, int64_t j, int64_t head_di
 // s [r, keys] (row r at s + r * s_stride) = K x q [r] (q rows [group,
 // head_dim] contiguous), unscaled. Each K row is read, and a BF16 one widened,
 // once for several heads (as many as the registers hold), and the call spans
-// blocks (no per-block dispatch).
+// blocks (no per-block dispatch). Thread-safe (writes only s).
 void DecodeGroupScores(const float* q, int64_t group, BlockRows<float> k, int64_t keys,
                        int64_t head_dim, float* s, int64_t s_stride);
 void DecodeGroupScores(const float* q, int64_t group, BlockRows<Bf16> k, int64_t keys,
@@ -63,7 +63,7 @@ void DecodeGroupScores(const float* q, int64_t group, BlockRows<Bf16> k, int64_t
 
 // acc [r] = acc [r] * alpha [r] + p [r] x V for the `group` rows r (acc rows
 // [group, head_dim] contiguous, p row r at p + r * p_stride), V rows read (and
-// BF16 ones widened) once for several heads.
+// BF16 ones widened) once for several heads. Thread-safe (writes only acc).
 void DecodeGroupValues(const float* p, int64_t p_stride, int64_t group, BlockRows<float> v,
                        int64_t keys, int64_t head_dim, const float* alpha, float* acc);
 void DecodeGroupValues(const float* p, int64_t p_stride, int64_t group, BlockRows<Bf16> v,
