@@ -397,6 +397,320 @@ ATTNSERVE_TARGET_AVX512 bool ScoresBf16Pairs(const float* q, const Bf16* k, int6
   }
 }
 static_assert(kMaxPairs == 4, "the switch above covers head_dim 32 ... 128");
+
+// The group kernels (DecodeGroupScores, DecodeGroupValues): a row policy
+// gives a row's kVectors vectors, widened once and used for several heads:
+// PlainRows (16 dimensions a vector, the last one masked unless kFull) or,
+// for BF16 rows of head_dim a multiple of 32, PairedBf16Rows (even and odd
+// dimensions apart, as ScoresBf16Avx512; the query or accumulator rows split
+// the same way, and joined back when stored).
+template <int kChunks, bool kFull, typename T>
+struct PlainRows {
+  static constexpr int kVectors = kChunks;
+  __mmask16 last;
+  ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) void Floats(const float* x,
+                                                                    __m512* out) const {
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) out[c] = Chunk<kChunks, kFull>(x, c, last);
+  }
+  ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) void Row(const T* row,
+                                                                 __m512* out) const {
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) out[c] = Chunk<kChunks, kFull>(row, c, last);
+  }
+  ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) void Store(const __m512* in,
+                                                                   float* x) const {
+#pragma GCC unroll 8
+    for (int c = 0; c < kChunks; ++c) {
+      _mm512_mask_storeu_ps(x + 16 * c, !kFull && c == kChunks - 1 ? last : __mmask16{0xffff},
+                            in[c]);
+    }
+  }
+};
+
+template <int kPairs>
+struct PairedBf16Rows {
+  static constexpr int kVectors = 2 * kPairs;
+  ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) void Floats(const float* x,
+                                                                    __m512* out) const {
+#pragma GCC unroll 4
+    for (int c = 0; c < kPairs; ++c) {
+      out[2 * c] = EvenDims(x + 32 * c);
+      out[2 * c + 1] = OddDims(x + 32 * c);
+    }
+  }
+  ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) void Row(const Bf16* row,
+                                                                 __m512* out) const {
+#pragma GCC unroll 4
+    for (int c = 0; c < kPairs; ++c) {
+      const __m512i w = Words(row + 32 * c);
+      out[2 * c] = EvenOf(w);
+      out[2 * c + 1] = OddOf(w);
+    }
+  }
+  // Interleaves even and odd dimensions back into x [32 kPairs].
+  ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) void Store(const __m512* in,
+                                                                   float* x) const {
+    const __m512i low = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i high =
+        _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+#pragma GCC unroll 4
+    for (int c = 0; c < kPairs; ++c) {
+      _mm512_storeu_ps(x + 32 * c, _mm512_permutex2var_ps(in[2 * c], low, in[2 * c + 1]));
+      _mm512_storeu_ps(x + 32 * c + 16, _mm512_permutex2var_ps(in[2 * c], high, in[2 * c + 1]));
+    }
+  }
+};
+
+// [sum of t0's lanes, ..., sum of t3's lanes].
+ATTNSERVE_TARGET_AVX512 inline __m128 LaneSums4(__m512 t0, __m512 t1, __m512 t2, __m512 t3) {
+  // Per 128-bit lane: [t0 (0+2), t1 (0+2), t0 (1+3), t1 (1+3)], likewise t2, t3.
+  const __m512 a = _mm512_add_ps(_mm512_unpacklo_ps(t0, t1), _mm512_unpackhi_ps(t0, t1));
+  const __m512 b = _mm512_add_ps(_mm512_unpacklo_ps(t2, t3), _mm512_unpackhi_ps(t2, t3));
+  // Per 128-bit lane: the partial sums of t0, t1, t2, t3.
+  const __m512d x = _mm512_castps_pd(a), y = _mm512_castps_pd(b);
+  const __m512 c = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  const __m256 d = _mm256_add_ps(_mm512_castps512_ps256(c), _mm512_extractf32x8_ps(c, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+}
+
+// Scores of kHeads query rows (q rows of head_dim floats) over the keys,
+// four keys at a time: each K row loaded and widened once, its products with
+// every head's query row, and the four keys' sums reduced together per head.
+template <int kHeads, typename Rows, typename T>
+ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void GroupScoresPass(
+    const Rows& rows, const float* q, BlockRows<T> k, int64_t keys, int64_t head_dim, float* s,
+    int64_t s_stride, bool prefetch) {
+  constexpr int kV = Rows::kVectors;
+  __m512 qv[kHeads][kV];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) rows.Floats(q + h * head_dim, qv[h]);
+  auto dot = [&](const T* row, __m512* t) ATTNSERVE_TARGET_AVX512 {
+    __m512 w[kV];
+    rows.Row(row, w);
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      __m512 x = _mm512_mul_ps(qv[h][0], w[0]);
+#pragma GCC unroll 8
+      for (int c = 1; c < kV; ++c) x = _mm512_fmadd_ps(qv[h][c], w[c], x);
+      t[h] = x;
+    }
+  };
+  for (int64_t j0 = 0; j0 < keys; j0 += k.block_rows) {
+    const T* block = k.blocks[j0 / k.block_rows];
+    const int64_t n = std::min(k.block_rows, keys - j0);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+      if (prefetch) {
+        for (int r = 0; r < 4; ++r) PrefetchNextRow(k, j0 + j + r, head_dim);
+      }
+      __m512 t[4][kHeads];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) dot(block + (j + r) * head_dim, t[r]);
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeads; ++h) {
+        _mm_storeu_ps(s + h * s_stride + j0 + j, LaneSums4(t[0][h], t[1][h], t[2][h], t[3][h]));
+      }
+    }
+    if (j < n) {
+      const int64_t count = n - j;
+      if (prefetch) {
+        for (int64_t r = 0; r < count; ++r) PrefetchNextRow(k, j0 + j + r, head_dim);
+      }
+      __m512 t[4][kHeads];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        if (r < count) {
+          dot(block + (j + r) * head_dim, t[r]);
+        } else {
+          for (int h = 0; h < kHeads; ++h) t[r][h] = _mm512_setzero_ps();
+        }
+      }
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeads; ++h) {
+        _mm_mask_storeu_ps(s + h * s_stride + j0 + j, static_cast<__mmask8>(FirstLanes(count)),
+                           LaneSums4(t[0][h], t[1][h], t[2][h], t[3][h]));
+      }
+    }
+  }
+}
+
+// acc [h] = acc [h] * alpha [h] + p [h] x V for kHeads rows, the accumulator
+// rows in registers over the keys, each V row loaded and widened once for all
+// of them; kParity 2: even and odd keys into separate accumulators (more
+// independent FMA chains when kHeads kVectors is small).
+template <int kHeads, int kParity, typename Rows, typename T>
+ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void GroupValuesPass(
+    const Rows& rows, const float* p, int64_t p_stride, BlockRows<T> v, int64_t keys,
+    int64_t head_dim, const float* alpha, float* acc, bool prefetch) {
+  constexpr int kV = Rows::kVectors;
+  __m512 a[kParity][kHeads][kV];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) {
+    rows.Floats(acc + h * head_dim, a[0][h]);
+    const __m512 alpha_h = _mm512_set1_ps(alpha[h]);
+#pragma GCC unroll 8
+    for (int c = 0; c < kV; ++c) {
+      a[0][h][c] = _mm512_mul_ps(a[0][h][c], alpha_h);
+      if constexpr (kParity == 2) a[1][h][c] = _mm512_setzero_ps();
+    }
+  }
+  auto add = [&](const T* row, int64_t j, __m512(*to)[kV]) ATTNSERVE_TARGET_AVX512 {
+    __m512 w[kV];
+    rows.Row(row, w);
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      const __m512 ph = _mm512_set1_ps(p[h * p_stride + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < kV; ++c) to[h][c] = _mm512_fmadd_ps(ph, w[c], to[h][c]);
+    }
+  };
+  for (int64_t j0 = 0; j0 < keys; j0 += v.block_rows) {
+    const T* block = v.blocks[j0 / v.block_rows];
+    const int64_t n = std::min(v.block_rows, keys - j0);
+    int64_t j = 0;
+    if constexpr (kParity == 2) {
+      for (; j + 2 <= n; j += 2) {
+        if (prefetch) {
+          PrefetchNextRow(v, j0 + j, head_dim);
+          PrefetchNextRow(v, j0 + j + 1, head_dim);
+        }
+        add(block + j * head_dim, j0 + j, a[0]);
+        add(block + (j + 1) * head_dim, j0 + j + 1, a[kParity - 1]);
+      }
+    }
+    for (; j < n; ++j) {
+      if (prefetch) PrefetchNextRow(v, j0 + j, head_dim);
+      add(block + j * head_dim, j0 + j, a[0]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) {
+    if constexpr (kParity == 2) {
+#pragma GCC unroll 8
+      for (int c = 0; c < kV; ++c) a[0][h][c] = _mm512_add_ps(a[0][h][c], a[kParity - 1][h][c]);
+    }
+    rows.Store(a[0][h], acc + h * head_dim);
+  }
+}
+
+// The passes over the group's rows: kHeads rows at a time while they last,
+// then fewer (kHeads is 1, 2 or 4).
+template <int kHeads, typename Rows, typename T>
+ATTNSERVE_TARGET_AVX512 void GroupScoresAvx512(const Rows& rows, const float* q, int64_t group,
+                                               BlockRows<T> k, int64_t keys, int64_t head_dim,
+                                               float* s, int64_t s_stride) {
+  // The first pass prefetches the next rows (BlockRows::next_blocks).
+  int64_t h = 0;
+  for (; h + kHeads <= group; h += kHeads) {
+    GroupScoresPass<kHeads>(rows, q + h * head_dim, k, keys, head_dim, s + h * s_stride, s_stride,
+                            h == 0);
+  }
+  if constexpr (kHeads > 2) {
+    for (; h + 2 <= group; h += 2) {
+      GroupScoresPass<2>(rows, q + h * head_dim, k, keys, head_dim, s + h * s_stride, s_stride,
+                         h == 0);
+    }
+  }
+  if constexpr (kHeads > 1) {
+    for (; h < group; ++h) {
+      GroupScoresPass<1>(rows, q + h * head_dim, k, keys, head_dim, s + h * s_stride, s_stride,
+                         h == 0);
+    }
+  }
+}
+
+template <int kHeads, typename Rows, typename T>
+ATTNSERVE_TARGET_AVX512 void GroupValuesAvx512(const Rows& rows, const float* p, int64_t p_stride,
+                                               int64_t group, BlockRows<T> v, int64_t keys,
+                                               int64_t head_dim, const float* alpha, float* acc) {
+  constexpr int kV = Rows::kVectors;
+  int64_t h = 0;
+  for (; h + kHeads <= group; h += kHeads) {
+    GroupValuesPass<kHeads, kHeads * kV < 8 ? 2 : 1>(rows, p + h * p_stride, p_stride, v, keys,
+                                                     head_dim, alpha + h, acc + h * head_dim,
+                                                     h == 0);
+  }
+  if constexpr (kHeads > 2) {
+    for (; h + 2 <= group; h += 2) {
+      GroupValuesPass<2, 2 * kV < 8 ? 2 : 1>(rows, p + h * p_stride, p_stride, v, keys, head_dim,
+                                             alpha + h, acc + h * head_dim, h == 0);
+    }
+  }
+  if constexpr (kHeads > 1) {
+    for (; h < group; ++h) {
+      GroupValuesPass<1, kV < 8 ? 2 : 1>(rows, p + h * p_stride, p_stride, v, keys, head_dim,
+                                         alpha + h, acc + h * head_dim, h == 0);
+    }
+  }
+}
+
+// Heads per pass by the row's vectors, so that the query (or accumulator)
+// rows, the widened K (V) row and the sums stay in the 32 registers.
+template <typename Rows, typename T>
+ATTNSERVE_TARGET_AVX512 void GroupScoresBy(const Rows& rows, const float* q, int64_t group,
+                                           BlockRows<T> k, int64_t keys, int64_t head_dim,
+                                           float* s, int64_t s_stride) {
+  constexpr int kV = Rows::kVectors;
+  GroupScoresAvx512<(kV <= 2 ? 4 : kV <= 4 ? 2 : 1)>(rows, q, group, k, keys, head_dim, s,
+                                                     s_stride);
+}
+template <typename Rows, typename T>
+ATTNSERVE_TARGET_AVX512 void GroupValuesBy(const Rows& rows, const float* p, int64_t p_stride,
+                                           int64_t group, BlockRows<T> v, int64_t keys,
+                                           int64_t head_dim, const float* alpha, float* acc) {
+  constexpr int kV = Rows::kVectors;
+  GroupValuesAvx512<(kV <= 4 ? 4 : 2)>(rows, p, p_stride, group, v, keys, head_dim, alpha, acc);
+}
+
+// Runs `run` with the row policy for head_dim (<= kMaxAvx512HeadDim): its
+// vector count fixed at compile time, so that the row loops unroll and stay
+// in registers (one switch for the scores and the values kernels).
+template <typename T, typename Run>
+ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void WithRows(int64_t head_dim,
+                                                                           const Run& run) {
+  if constexpr (std::is_same_v<T, Bf16>) {
+    switch (head_dim) {
+      case 32: return run(PairedBf16Rows<1>{});
+      case 64: return run(PairedBf16Rows<2>{});
+      case 96: return run(PairedBf16Rows<3>{});
+      case 128: return run(PairedBf16Rows<4>{});
+      default: break;
+    }
+  }
+  const __mmask16 last = FirstLanes(head_dim - 16 * ((head_dim - 1) / 16));
+  if (head_dim == 64) return run(PlainRows<4, true, T>{last});
+  if (head_dim == 128) return run(PlainRows<8, true, T>{last});
+  switch ((head_dim + 15) / 16) {
+    case 1: return run(PlainRows<1, false, T>{last});
+    case 2: return run(PlainRows<2, false, T>{last});
+    case 3: return run(PlainRows<3, false, T>{last});
+    case 4: return run(PlainRows<4, false, T>{last});
+    case 5: return run(PlainRows<5, false, T>{last});
+    case 6: return run(PlainRows<6, false, T>{last});
+    case 7: return run(PlainRows<7, false, T>{last});
+    default: return run(PlainRows<8, false, T>{last});
+  }
+}
+
+template <typename T>
+ATTNSERVE_TARGET_AVX512 void GroupScoresAvx512(const float* q, int64_t group, BlockRows<T> k,
+                                               int64_t keys, int64_t head_dim, float* s,
+                                               int64_t s_stride) {
+  WithRows<T>(head_dim, [&](const auto& rows) ATTNSERVE_TARGET_AVX512 {
+    GroupScoresBy(rows, q, group, k, keys, head_dim, s, s_stride);
+  });
+}
+
+template <typename T>
+ATTNSERVE_TARGET_AVX512 void GroupValuesAvx512(const float* p, int64_t p_stride, int64_t group,
+                                               BlockRows<T> v, int64_t keys, int64_t head_dim,
+                                               const float* alpha, float* acc) {
+  WithRows<T>(head_dim, [&](const auto& rows) ATTNSERVE_TARGET_AVX512 {
+    GroupValuesBy(rows, p, p_stride, group, v, keys, head_dim, alpha, acc);
+  });
+}
 #endif  // ATTNSERVE_X86_INTRINSICS
 
 // The portable versions, vectorized by the compiler.
@@ -451,6 +765,48 @@ void ValuesOn(DecodeKernel kernel, const float* p, const T* v, int64_t keys, int
   PortableValues(p, v, keys, head_dim, alpha, acc);
 }
 
+// Group kernels: fused on AVX-512 (head_dim up to kMaxAvx512HeadDim), else
+// each head and block through ScoresOn / ValuesOn.
+template <typename T>
+void GroupScoresOn(DecodeKernel kernel, const float* q, int64_t group, BlockRows<T> k,
+                   int64_t keys, int64_t head_dim, float* s, int64_t s_stride) {
+#if defined(ATTNSERVE_X86_INTRINSICS)
+  if (kernel == DecodeKernel::kAvx512 && head_dim <= kMaxAvx512HeadDim) {
+    return GroupScoresAvx512(q, group, k, keys, head_dim, s, s_stride);
+  }
+#endif
+  for (int64_t j = 0; j < k.next_keys; ++j) PrefetchNextRow(k, j, head_dim);
+  for (int64_t h = 0; h < group; ++h) {
+    for (int64_t j0 = 0; j0 < keys; j0 += k.block_rows) {
+      ScoresOn(kernel, q + h * head_dim, k.blocks[j0 / k.block_rows],
+               std::min(k.block_rows, keys - j0), head_dim, s + h * s_stride + j0);
+    }
+  }
+}
+
+template <typename T>
+void GroupValuesOn(DecodeKernel kernel, const float* p, int64_t p_stride, int64_t group,
+                   BlockRows<T> v, int64_t keys, int64_t head_dim, const float* alpha,
+                   float* acc) {
+#if defined(ATTNSERVE_X86_INTRINSICS)
+  if (kernel == DecodeKernel::kAvx512 && head_dim <= kMaxAvx512HeadDim) {
+    return GroupValuesAvx512(p, p_stride, group, v, keys, head_dim, alpha, acc);
+  }
+#endif
+  for (int64_t j = 0; j < v.next_keys; ++j) PrefetchNextRow(v, j, head_dim);
+  for (int64_t h = 0; h < group; ++h) {
+    float a = alpha[h];
+    if (keys == 0) {
+      ValuesOn(kernel, p, static_cast<const T*>(nullptr), 0, head_dim, a, acc + h * head_dim);
+    }
+    for (int64_t j0 = 0; j0 < keys; j0 += v.block_rows) {
+      ValuesOn(kernel, p + h * p_stride + j0, v.blocks[j0 / v.block_rows],
+               std::min(v.block_rows, keys - j0), head_dim, a, acc + h * head_dim);
+      a = 1.0f;
+    }
+  }
+}
+
 DecodeKernel BestKernel() {
 #if defined(ATTNSERVE_X86_INTRINSICS)
   if (CpuHasAvx512()) return DecodeKernel::kAvx512;
@@ -494,6 +850,25 @@ void DecodeValuesOn(DecodeKernel kernel, const float* p, const Bf16* v, int64_t 
   ValuesOn(kernel, p, v, keys, head_dim, alpha, acc);
 }
 
+void DecodeGroupScoresOn(DecodeKernel kernel, const float* q, int64_t group, BlockRows<float> k,
+                         int64_t keys, int64_t head_dim, float* s, int64_t s_stride) {
+  GroupScoresOn(kernel, q, group, k, keys, head_dim, s, s_stride);
+}
+void DecodeGroupScoresOn(DecodeKernel kernel, const float* q, int64_t group, BlockRows<Bf16> k,
+                         int64_t keys, int64_t head_dim, float* s, int64_t s_stride) {
+  GroupScoresOn(kernel, q, group, k, keys, head_dim, s, s_stride);
+}
+void DecodeGroupValuesOn(DecodeKernel kernel, const float* p, int64_t p_stride, int64_t group,
+                         BlockRows<float> v, int64_t keys, int64_t head_dim, const float* alpha,
+                         float* acc) {
+  GroupValuesOn(kernel, p, p_stride, group, v, keys, head_dim, alpha, acc);
+}
+void DecodeGroupValuesOn(DecodeKernel kernel, const float* p, int64_t p_stride, int64_t group,
+                         BlockRows<Bf16> v, int64_t keys, int64_t head_dim, const float* alpha,
+                         float* acc) {
+  GroupValuesOn(kernel, p, p_stride, group, v, keys, head_dim, alpha, acc);
+}
+
 void DecodeScores(const float* q, const float* k, int64_t keys, int64_t head_dim, float* s) {
   static const DecodeKernel kernel = BestKernel();
   ScoresOn(kernel, q, k, keys, head_dim, s);
@@ -511,6 +886,27 @@ void DecodeValues(const float* p, const Bf16* v, int64_t keys, int64_t head_dim,
                   float* acc) {
   static const DecodeKernel kernel = BestKernel();
   ValuesOn(kernel, p, v, keys, head_dim, alpha, acc);
+}
+
+void DecodeGroupScores(const float* q, int64_t group, BlockRows<float> k, int64_t keys,
+                       int64_t head_dim, float* s, int64_t s_stride) {
+  static const DecodeKernel kernel = BestKernel();
+  GroupScoresOn(kernel, q, group, k, keys, head_dim, s, s_stride);
+}
+void DecodeGroupScores(const float* q, int64_t group, BlockRows<Bf16> k, int64_t keys,
+                       int64_t head_dim, float* s, int64_t s_stride) {
+  static const DecodeKernel kernel = BestKernel();
+  GroupScoresOn(kernel, q, group, k, keys, head_dim, s, s_stride);
+}
+void DecodeGroupValues(const float* p, int64_t p_stride, int64_t group, BlockRows<float> v,
+                       int64_t keys, int64_t head_dim, const float* alpha, float* acc) {
+  static const DecodeKernel kernel = BestKernel();
+  GroupValuesOn(kernel, p, p_stride, group, v, keys, head_dim, alpha, acc);
+}
+void DecodeGroupValues(const float* p, int64_t p_stride, int64_t group, BlockRows<Bf16> v,
+                       int64_t keys, int64_t head_dim, const float* alpha, float* acc) {
+  static const DecodeKernel kernel = BestKernel();
+  GroupValuesOn(kernel, p, p_stride, group, v, keys, head_dim, alpha, acc);
 }
 
 }  // namespace attnserve::core::internal

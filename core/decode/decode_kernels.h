@@ -28,6 +28,47 @@ void DecodeValues(const float* p, const float* v, int64_t keys, int64_t head_dim
 void DecodeValues(const float* p, const Bf16* v, int64_t keys, int64_t head_dim, float alpha,
                   float* acc);
 
+// The rows of one KV head over a span of keys that crosses cache blocks: key
+// j's row is at blocks[j / block_rows] + (j % block_rows) * head_dim.
+// Optionally the rows the caller reads next (the next span's, laid out the
+// same way): row j of them is prefetched as row j is read, a span's worth of
+// work ahead of its use (a hint: it changes no result).
+template <typename T>
+struct BlockRows {
+  const T* const* blocks = nullptr;
+  int64_t block_rows = 0;
+  const T* const* next_blocks = nullptr;
+  int64_t next_keys = 0;
+};
+
+// Prefetches row j of rows.next_blocks (if j < rows.next_keys), towards L2.
+template <typename T>
+inline void PrefetchNextRow(const BlockRows<T>& rows, int64_t j, int64_t head_dim) {
+  if (j >= rows.next_keys) return;
+  const char* row = reinterpret_cast<const char*>(rows.next_blocks[j / rows.block_rows] +
+                                                  (j % rows.block_rows) * head_dim);
+  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+}
+
+// The G (`group`) query heads that share one KV head, over `keys` keys of it:
+// s [r, keys] (row r at s + r * s_stride) = K x q [r] (q rows [group,
+// head_dim] contiguous), unscaled. Each K row is read, and a BF16 one widened,
+// once for several heads (as many as the registers hold), and the call spans
+// blocks (no per-block dispatch). Thread-safe (writes only s).
+void DecodeGroupScores(const float* q, int64_t group, BlockRows<float> k, int64_t keys,
+                       int64_t head_dim, float* s, int64_t s_stride);
+void DecodeGroupScores(const float* q, int64_t group, BlockRows<Bf16> k, int64_t keys,
+                       int64_t head_dim, float* s, int64_t s_stride);
+
+// acc [r] = acc [r] * alpha [r] + p [r] x V for the `group` rows r (acc rows
+// [group, head_dim] contiguous, p row r at p + r * p_stride), V rows read (and
+// BF16 ones widened) once for several heads. Thread-safe (writes only acc).
+void DecodeGroupValues(const float* p, int64_t p_stride, int64_t group, BlockRows<float> v,
+                       int64_t keys, int64_t head_dim, const float* alpha, float* acc);
+void DecodeGroupValues(const float* p, int64_t p_stride, int64_t group, BlockRows<Bf16> v,
+                       int64_t keys, int64_t head_dim, const float* alpha, float* acc);
+
 // The implementations, for tests: DecodeScores and DecodeValues run the first
 // of kAvx512, kAvx2, kPortable that runs here (by the CPU's features: AVX-512
 // F/BW/DQ/VL; AVX2 and FMA).
@@ -41,6 +82,17 @@ void DecodeValuesOn(DecodeKernel kernel, const float* p, const float* v, int64_t
                     int64_t head_dim, float alpha, float* acc);
 void DecodeValuesOn(DecodeKernel kernel, const float* p, const Bf16* v, int64_t keys,
                     int64_t head_dim, float alpha, float* acc);
+
+void DecodeGroupScoresOn(DecodeKernel kernel, const float* q, int64_t group, BlockRows<float> k,
+                         int64_t keys, int64_t head_dim, float* s, int64_t s_stride);
+void DecodeGroupScoresOn(DecodeKernel kernel, const float* q, int64_t group, BlockRows<Bf16> k,
+                         int64_t keys, int64_t head_dim, float* s, int64_t s_stride);
+void DecodeGroupValuesOn(DecodeKernel kernel, const float* p, int64_t p_stride, int64_t group,
+                         BlockRows<float> v, int64_t keys, int64_t head_dim, const float* alpha,
+                         float* acc);
+void DecodeGroupValuesOn(DecodeKernel kernel, const float* p, int64_t p_stride, int64_t group,
+                         BlockRows<Bf16> v, int64_t keys, int64_t head_dim, const float* alpha,
+                         float* acc);
 
 }  // namespace attnserve::core::internal
 

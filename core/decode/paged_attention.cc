@@ -220,45 +220,36 @@ void NormalizeMapRow(float* row, int64_t visible, int64_t length, float m, float
   std::fill(row + visible, row + length, 0.0f);
 }
 
-// Scores of query row q against keys [j0, j1) of KV head g (one block's)
-// into s.
+// Scores of query row q against FP32 keys [j0, j1) of KV head g (one
+// block's) into s.
 void BlockScores(const ItemView& view, int64_t g, int64_t j0, int64_t j1, const float* q,
                  float* s) {
   const int64_t block = j0 / view.block_tokens;
   const int64_t offset = (j0 - block * view.block_tokens) * view.head_dim;
   const std::byte* k = view.cache->key_rows(block, static_cast<int>(g));
-  if (view.bf16) {
-    internal::DecodeScores(q, reinterpret_cast<const Bf16*>(k) + offset, j1 - j0, view.head_dim,
-                           s);
-  } else {
-    internal::DecodeScores(q, reinterpret_cast<const float*>(k) + offset, j1 - j0, view.head_dim,
-                           s);
-  }
+  internal::DecodeScores(q, reinterpret_cast<const float*>(k) + offset, j1 - j0, view.head_dim, s);
 }
 
-// acc = acc alpha + p V over keys [j0, j1) of KV head g (one block's).
+// acc = acc alpha + p V over FP32 keys [j0, j1) of KV head g (one block's).
 void BlockValues(const ItemView& view, int64_t g, int64_t j0, int64_t j1, const float* p,
                  float alpha, float* acc) {
   const int64_t block = j0 / view.block_tokens;
   const int64_t offset = (j0 - block * view.block_tokens) * view.head_dim;
   const std::byte* v = view.cache->value_rows(block, static_cast<int>(g));
-  if (view.bf16) {
-    internal::DecodeValues(p, reinterpret_cast<const Bf16*>(v) + offset, j1 - j0, view.head_dim,
-                           alpha, acc);
-  } else {
-    internal::DecodeValues(p, reinterpret_cast<const float*>(v) + offset, j1 - j0,
-                           view.head_dim, alpha, acc);
-  }
+  internal::DecodeValues(p, reinterpret_cast<const float*>(v) + offset, j1 - j0, view.head_dim,
+                         alpha, acc);
 }
 
-// Keys [j0, j1) (token positions, a span of whole blocks but at its ends)
-// against the tile's new rows [i0, i1) of KV head g: the scores of every row
-// of the tile (its G heads), one online-softmax step for them all (rows
-// together: their dependency chains overlap), then P V; raw scores to the
-// map. A span of several blocks shares one softmax step: its fixed cost is
-// paid per span, not per block.
-void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t i0, int64_t i1,
-                 int64_t width, TileState& state) {
+// FP32 caches: keys [j0, j1) (token positions, a span of whole blocks but at
+// its end) against the tile's new rows [i0, i1) of KV head g: the scores of
+// every row of the tile (its G heads), one online-softmax step for them all
+// (rows together: their dependency chains overlap), then P V; raw scores to
+// the map. A span of several blocks shares one softmax step: its fixed cost
+// is paid per span, not per block. The row kernels run per head and block:
+// on FP32 caches the group kernels of ProcessSpan (below) measured slower
+// (docs/measurements.md, "Decode with BF16 KV: group kernels").
+void ProcessSpanByBlock(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t i0,
+                        int64_t i1, int64_t width, TileState& state) {
   const PagedAttentionItem& item = *view.item;
   const int64_t bt = view.block_tokens;
   const int64_t rows = (i1 - i0) * view.group;
@@ -291,6 +282,85 @@ void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_
       BlockValues(view, g, a, std::min(j0 + visible, (a / bt + 1) * bt), p + (a - j0), alpha, acc);
       alpha = 1.0f;
     }
+  }
+}
+
+// The K (V) rows of KV head g over the span of keys from j0 (a block's first
+// key), for the group kernels: blocks[b] is the rows of the span's block b.
+template <typename T>
+void SpanBlocks(const ItemView& view, int64_t g, int64_t j0, int64_t j1, bool values,
+                const T** blocks) {
+  const int64_t bt = view.block_tokens;
+  for (int64_t b = 0; j0 + b * bt < j1; ++b) {
+    const int64_t block = j0 / bt + b;
+    const std::byte* rows = values ? view.cache->value_rows(block, static_cast<int>(g))
+                                   : view.cache->key_rows(block, static_cast<int>(g));
+    blocks[b] = reinterpret_cast<const T*>(rows);
+  }
+}
+
+// The rows of keys [j0, j1) in `blocks`, and those of the unit's next span
+// [j1, next_end) in `next` (prefetched as the span's rows are read).
+template <typename T>
+internal::BlockRows<T> SpanRows(const ItemView& view, int64_t g, int64_t j0, int64_t j1,
+                                int64_t next_end, bool values, const T** blocks,
+                                const T** next) {
+  SpanBlocks(view, g, j0, j1, values, blocks);
+  if (next_end > j1) SpanBlocks(view, g, j1, next_end, values, next);
+  return internal::BlockRows<T>{blocks, view.block_tokens, next,
+                                std::max<int64_t>(0, next_end - j1)};
+}
+
+// Keys [j0, j1) (token positions, a span of whole blocks but at its end, j0 a
+// block's first key) against the tile's new rows [i0, i1) of KV head g: the
+// scores of every row of the tile (its G heads, each K row read once for
+// them), one online-softmax step for them all (rows together: their
+// dependency chains overlap), then P V (each V row read once for the G
+// heads); raw scores to the map. A span of several blocks shares one softmax
+// step and one kernel call: their fixed costs are paid per span, not per
+// block.
+template <typename T>
+void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t next_end,
+                 int64_t i0, int64_t i1, int64_t width, TileState& state) {
+  const PagedAttentionItem& item = *view.item;
+  const int64_t rows = (i1 - i0) * view.group;
+  const int64_t hd = view.head_dim;
+  // At most kSpanKeys blocks (a span is kSpanKeys keys, or one block).
+  const T* blocks[kSpanKeys];
+  const T* next[kSpanKeys];
+  const internal::BlockRows<T> k =
+      SpanRows(view, g, j0, j1, next_end, /*values=*/false, blocks, next);
+  for (int64_t i = i0; i < i1; ++i) {
+    // The G rows of new row i see the same keys.
+    const int64_t visible = std::max<int64_t>(0, std::min(j1, view.first + i + 1) - j0);
+    const int64_t r0 = (i - i0) * view.group;
+    for (int64_t hl = 0; hl < view.group; ++hl) {
+      state.limits[static_cast<size_t>(r0 + hl)] = visible;
+    }
+    if (visible == 0) continue;
+    float* s = state.scores.data() + r0 * width;
+    internal::DecodeGroupScores(item.q.data() + view.q_row(i, g * view.group), view.group, k,
+                                visible, hd, s, width);
+    if (!item.attention_map.empty()) {
+      for (int64_t hl = 0; hl < view.group; ++hl) {
+        std::memcpy(item.attention_map.data() + view.map_row(i, g * view.group + hl) + j0,
+                    s + hl * width, static_cast<size_t>(visible) * sizeof(float));
+      }
+    }
+  }
+  internal::OnlineSoftmaxStrip(state.scores.data(), width, rows, state.limits.data(), width,
+                               item.scale, state.m.data(), state.l.data(), state.alpha.data(),
+                               nullptr);
+  const internal::BlockRows<T> v =
+      SpanRows(view, g, j0, j1, next_end, /*values=*/true, blocks, next);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t r0 = (i - i0) * view.group;
+    const int64_t visible = state.limits[static_cast<size_t>(r0)];
+    float* acc = state.acc.data() + r0 * hd;
+    const float* alpha = state.alpha.data() + r0;
+    if (visible == 0) continue;  // no key of the span: the rows keep their state
+    internal::DecodeGroupValues(state.scores.data() + r0 * width, width, view.group, v, visible,
+                                hd, alpha, acc);
   }
 }
 
@@ -334,7 +404,12 @@ void RunUnit(const ItemView& view, const Unit& unit, TileState& state, float* pa
     const int64_t key_end = std::min(unit.key_end, view.first + i1);
     for (int64_t j0 = unit.key_begin; j0 < key_end; j0 += span) {
       const int64_t j1 = std::min(key_end, j0 + span);
-      ProcessSpan(view, unit.kv_head, j0, j1, i0, i1, span, state);
+      const int64_t next_end = std::min(key_end, j1 + span);
+      if (view.bf16) {
+        ProcessSpan<Bf16>(view, unit.kv_head, j0, j1, next_end, i0, i1, span, state);
+      } else {
+        ProcessSpanByBlock(view, unit.kv_head, j0, j1, i0, i1, span, state);
+      }
     }
     FinishTile(view, unit, i0, i1, state, partials);
   }

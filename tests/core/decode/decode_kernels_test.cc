@@ -112,5 +112,101 @@ TEST(DecodeKernels, ScoresAndValuesMatchDoublePrecision) {
   }
 }
 
+// The group kernels (G query heads over one KV head's rows spread over
+// blocks) against double precision, the same tolerance as above: every
+// implementation that runs here, FP32 and BF16 rows, head_dims around the
+// vector widths and the BF16 even/odd ones (32 ... 128), G 1 ... 8 (passes of
+// 4, 2 and 1 heads), key counts around 4/16/32 and blocks of 7 and 32 rows
+// (keys ending inside a block). Each block is its own allocation, so that
+// the kernel must follow the block pointers; scores past `keys` in each row
+// and accumulators of other rows must stay untouched.
+TEST(DecodeKernels, GroupKernelsMatchDoublePrecision) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  for (const DecodeKernel kernel : Kernels()) {
+    for (int64_t hd : {1, 17, 32, 64, 96, 128, 130}) {
+      for (int64_t group : {1, 2, 3, 4, 8}) {
+        for (int64_t keys : {1, 4, 15, 16, 17, 31, 32, 33, 70}) {
+          for (int64_t block_rows : {7, 32}) {
+            SCOPED_TRACE(::testing::Message()
+                         << "kernel " << static_cast<int>(kernel) << ", head_dim " << hd
+                         << ", group " << group << ", keys " << keys << ", block_rows "
+                         << block_rows);
+            const int64_t nblocks = (keys + block_rows - 1) / block_rows;
+            std::vector<Rows> k_blocks, v_blocks;
+            for (int64_t b = 0; b < nblocks; ++b) {
+              k_blocks.emplace_back(static_cast<size_t>(block_rows * hd), rng);
+              v_blocks.emplace_back(static_cast<size_t>(block_rows * hd), rng);
+            }
+            const int64_t stride = keys + 3;  // score and p rows, padded
+            const std::vector<float> q = RandomNormal(static_cast<size_t>(group * hd), rng);
+            const std::vector<float> p = RandomNormal(static_cast<size_t>(group * stride), rng);
+            const std::vector<float> acc0 = RandomNormal(static_cast<size_t>(group * hd), rng);
+            std::vector<float> alpha(static_cast<size_t>(group));
+            for (int64_t h = 0; h < group; ++h) alpha[h] = h % 2 ? 1.0f : 0.5f + 0.1f * h;
+            for (bool bf16 : {false, true}) {
+              auto kv = [&](const std::vector<Rows>& blocks, int64_t j, int64_t d) -> double {
+                const Rows& rows = blocks[static_cast<size_t>(j / block_rows)];
+                const size_t at = static_cast<size_t>((j % block_rows) * hd + d);
+                return bf16 ? rows.bf16_widened[at] : rows.fp32[at];
+              };
+              std::vector<float> s(static_cast<size_t>(group * stride), -7.0f), acc = acc0;
+              if (bf16) {
+                std::vector<const Bf16*> kb, vb;
+                for (int64_t b = 0; b < nblocks; ++b) {
+                  kb.push_back(k_blocks[b].bf16.data());
+                  vb.push_back(v_blocks[b].bf16.data());
+                }
+                DecodeGroupScoresOn(kernel, q.data(), group, BlockRows<Bf16>{kb.data(), block_rows},
+                                    keys, hd, s.data(), stride);
+                DecodeGroupValuesOn(kernel, p.data(), stride, group,
+                                    BlockRows<Bf16>{vb.data(), block_rows}, keys, hd,
+                                    alpha.data(), acc.data());
+              } else {
+                std::vector<const float*> kb, vb;
+                for (int64_t b = 0; b < nblocks; ++b) {
+                  kb.push_back(k_blocks[b].fp32.data());
+                  vb.push_back(v_blocks[b].fp32.data());
+                }
+                DecodeGroupScoresOn(kernel, q.data(), group,
+                                    BlockRows<float>{kb.data(), block_rows}, keys, hd, s.data(),
+                                    stride);
+                DecodeGroupValuesOn(kernel, p.data(), stride, group,
+                                    BlockRows<float>{vb.data(), block_rows}, keys, hd,
+                                    alpha.data(), acc.data());
+              }
+              for (int64_t h = 0; h < group; ++h) {
+                for (int64_t j = 0; j < keys; ++j) {
+                  double score = 0.0, terms = 0.0;
+                  for (int64_t d = 0; d < hd; ++d) {
+                    score += double{q[h * hd + d]} * kv(k_blocks, j, d);
+                    terms += std::abs(double{q[h * hd + d]} * kv(k_blocks, j, d));
+                  }
+                  ASSERT_LE(std::abs(s[h * stride + j] - score), kTolerance * terms)
+                      << "bf16 " << bf16 << ", head " << h << ", key " << j;
+                }
+                for (int64_t j = keys; j < stride; ++j) {
+                  ASSERT_EQ(s[h * stride + j], -7.0f) << "bf16 " << bf16 << ", past key " << j;
+                }
+                for (int64_t d = 0; d < hd; ++d) {
+                  double value = double{acc0[h * hd + d]} * alpha[h];
+                  double terms = std::abs(value);
+                  for (int64_t j = 0; j < keys; ++j) {
+                    value += double{p[h * stride + j]} * kv(v_blocks, j, d);
+                    terms += std::abs(double{p[h * stride + j]} * kv(v_blocks, j, d));
+                  }
+                  ASSERT_LE(std::abs(acc[h * hd + d] - value), kTolerance * terms)
+                      << "bf16 " << bf16 << ", head " << h << ", dimension " << d;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attnserve::core::internal
