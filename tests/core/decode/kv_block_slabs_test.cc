@@ -124,6 +124,25 @@ TEST(KvBlockSlabsDeathTest, FreeingABlockNotInUseStopsTheProcess) {
   slabs.Free(kept);
 }
 
+#if defined(__SANITIZE_ADDRESS__)
+// Under AddressSanitizer a block's memory is poisoned while no one holds it:
+// a cache that kept a pointer into a block it gave back is caught.
+TEST(KvBlockSlabsDeathTest, TouchingAFreedBlockIsCaughtUnderAddressSanitizer) {
+  KvBlockSlabs slabs(kBlockBytes);
+  std::byte* kept = slabs.Allocate();
+  std::byte* block = slabs.Allocate();
+  kept[0] = std::byte{1};
+  slabs.Free(block);
+  EXPECT_DEATH(
+      {
+        volatile std::byte* stale = block;
+        stale[kBlockBytes / 2] = std::byte{1};
+      },
+      "use-after-poison");
+  slabs.Free(kept);
+}
+#endif
+
 // The pool's blocks of one layout come from its slabs: a sequence's blocks
 // taken one after another are adjacent, and Trim gives their pages back.
 TEST(KvBlockSlabs, ThePoolsBlocksOfOneLayoutAreAdjacentAndTrimReleasesTheirPages) {
