@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
-#include <new>
 #include <optional>
 #include <vector>
 
@@ -17,24 +16,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "core/checked_math.h"
+#include "core/decode/kv_block_slabs.h"
 #include "core/decode/kv_layout.h"
 #include "core/status_macros.h"
 
 namespace attnserve::core {
 namespace {
-
-constexpr std::align_val_t kAlignment{kKvBlockAlignment};
-
-std::byte* AllocateBlockMemory(int64_t bytes) {
-  return static_cast<std::byte*>(
-      ::operator new(static_cast<size_t>(bytes), kAlignment, std::nothrow));
-}
-
-void FreeBlockMemory(std::byte* data) { ::operator delete(data, kAlignment); }
-
-void FreeAll(absl::Span<std::byte* const> memory) {
-  for (std::byte* data : memory) FreeBlockMemory(data);
-}
 
 // A handle that is not of a block in use is a broken invariant of the caller
 // that would otherwise hand one sequence's keys to another: stop the process.
@@ -62,11 +49,11 @@ absl::StatusOr<std::unique_ptr<KvBlockPool>> KvBlockPool::Create(
 
 KvBlockPool::KvBlockPool(const KvBlockPoolOptions& options) : options_(options) {}
 
-KvBlockPool::~KvBlockPool() {
-  absl::MutexLock lock(&mu_);
-  for (Record& record : records_) {
-    if (record.data != nullptr) FreeBlockMemory(record.data);
-  }
+// Every block's memory goes with its layout's slabs.
+KvBlockPool::~KvBlockPool() = default;
+
+void KvBlockPool::FreeAll(absl::Span<const BlockMemory> memory) {
+  for (const BlockMemory& block : memory) block.slabs->Free(block.data);
 }
 
 absl::StatusOr<KvBlockHandle> KvBlockPool::Allocate(const KvLayout& layout) {
@@ -84,13 +71,15 @@ absl::Status KvBlockPool::AllocateBlocks(const KvLayout& layout, int64_t count,
   if (count == 0) return absl::OkStatus();
   const int64_t block_bytes = KvBlockBytes(layout, options_.block_tokens);
   const size_t first = blocks.size();
-  std::vector<std::byte*> to_free;
+  std::vector<BlockMemory> to_free;
   int layout_index = 0;
+  internal::KvBlockSlabs* slabs = nullptr;
   int64_t fresh = 0;
   int64_t fresh_bytes = 0;
   {
     absl::MutexLock lock(&mu_);
     layout_index = LayoutIndexLocked(layout);
+    slabs = free_lists_[layout_index].slabs.get();
     std::vector<int32_t>& free_ids = free_lists_[layout_index].free_ids;
     fresh = count - std::min<int64_t>(count, static_cast<int64_t>(free_ids.size()));
     const std::optional<int64_t> bytes = CheckedMul(fresh, block_bytes);
@@ -118,10 +107,10 @@ absl::Status KvBlockPool::AllocateBlocks(const KvLayout& layout, int64_t count,
   }
   FreeAll(to_free);
 
-  std::vector<std::byte*> memory;
+  std::vector<BlockMemory> memory;
   memory.reserve(static_cast<size_t>(fresh));
   for (int64_t i = 0; i < fresh; ++i) {
-    std::byte* data = AllocateBlockMemory(block_bytes);
+    std::byte* data = slabs->Allocate();
     if (data == nullptr) {
       FreeAll(memory);
       const std::vector<KvBlockHandle> reused(blocks.begin() + first, blocks.end());
@@ -132,10 +121,12 @@ absl::Status KvBlockPool::AllocateBlocks(const KvLayout& layout, int64_t count,
       return absl::ResourceExhaustedError(absl::StrCat(
           "kv_block_pool: the system has no memory for a block of ", block_bytes, " bytes"));
     }
-    memory.push_back(data);
+    memory.push_back(BlockMemory{slabs, data});
   }
   absl::MutexLock lock(&mu_);
-  for (std::byte* data : memory) blocks.push_back(AddRecordLocked(data, layout_index));
+  for (const BlockMemory& block : memory) {
+    blocks.push_back(AddRecordLocked(block.data, layout_index));
+  }
   blocks_in_use_ += fresh;
   bytes_in_use_ += fresh_bytes;
   return absl::OkStatus();
@@ -180,7 +171,7 @@ int KvBlockPool::ReferenceCount(const KvBlockHandle& block) const {
 }
 
 int64_t KvBlockPool::Trim() {
-  std::vector<std::byte*> to_free;
+  std::vector<BlockMemory> to_free;
   int64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -204,12 +195,13 @@ int KvBlockPool::LayoutIndexLocked(const KvLayout& layout) {
   for (size_t i = 0; i < free_lists_.size(); ++i) {
     if (free_lists_[i].layout == layout) return static_cast<int>(i);
   }
-  free_lists_.push_back(
-      LayoutFreeList{layout, KvBlockBytes(layout, options_.block_tokens), {}});
+  const int64_t block_bytes = KvBlockBytes(layout, options_.block_tokens);
+  free_lists_.push_back(LayoutFreeList{layout, block_bytes, {},
+                                       std::make_unique<internal::KvBlockSlabs>(block_bytes)});
   return static_cast<int>(free_lists_.size()) - 1;
 }
 
-bool KvBlockPool::MakeRoomLocked(int64_t bytes, int keep, std::vector<std::byte*>& to_free) {
+bool KvBlockPool::MakeRoomLocked(int64_t bytes, int keep, std::vector<BlockMemory>& to_free) {
   const int64_t room = options_.budget_bytes - bytes_held_;
   if (bytes <= room) return true;
   int64_t reclaimable = 0;
@@ -242,14 +234,14 @@ KvBlockHandle KvBlockPool::AddRecordLocked(std::byte* data, int layout_index) {
   return KvBlockHandle{id, data};
 }
 
-std::byte* KvBlockPool::RemoveFreeBlockLocked(int32_t id) {
+KvBlockPool::BlockMemory KvBlockPool::RemoveFreeBlockLocked(int32_t id) {
   Record& record = records_[id];
-  std::byte* data = record.data;
+  const BlockMemory memory{free_lists_[record.layout_index].slabs.get(), record.data};
   bytes_held_ -= free_lists_[record.layout_index].block_bytes;
   --free_blocks_;
   record = Record{};
   vacant_ids_.push_back(id);
-  return data;
+  return memory;
 }
 
 }  // namespace attnserve::core

@@ -20,6 +20,10 @@
 
 namespace attnserve::core {
 
+namespace internal {
+class KvBlockSlabs;
+}  // namespace internal
+
 struct KvBlockPoolOptions {
   // Bytes the pool may hold (blocks in use and free-listed together); > 0.
   int64_t budget_bytes = 0;
@@ -56,6 +60,10 @@ struct KvBlockPoolStats {
 // 16-byte handle in each block table that holds the block, against a block's
 // 2 * block_tokens * num_kv_heads * head_dim * element bytes (8 KiB for 32
 // tokens of one BF16 KV head of 64: 0.4%).
+//
+// The blocks of one layout lie in slabs of huge pages, one after another
+// (core/decode/kv_block_slabs.h): a decode step streams them faster than
+// blocks taken one at a time from the allocator.
 //
 // Thread-safe (one mutex; the memory is allocated and freed outside it). The
 // pool must outlive every block handle it gave out (every LayerKvCache over it).
@@ -105,12 +113,19 @@ class KvBlockPool {
     int32_t references = 0;
     int32_t layout_index = 0;
   };
-  // The blocks of one layout not in use.
+  // The blocks of one layout not in use, and the memory of all of them.
   struct LayoutFreeList {
     KvLayout layout;
     int64_t block_bytes = 0;
     std::vector<int32_t> free_ids;
+    std::unique_ptr<internal::KvBlockSlabs> slabs;
   };
+  // A block's memory on its way back to its slabs.
+  struct BlockMemory {
+    internal::KvBlockSlabs* slabs = nullptr;
+    std::byte* data = nullptr;
+  };
+  static void FreeAll(absl::Span<const BlockMemory> memory);
 
   explicit KvBlockPool(const KvBlockPoolOptions& options);
 
@@ -120,13 +135,13 @@ class KvBlockPool {
   // blocks of layouts other than `keep` out of the pool (their memory is
   // appended to `to_free`); false, with nothing taken, when even that is not
   // enough.
-  bool MakeRoomLocked(int64_t bytes, int keep, std::vector<std::byte*>& to_free)
+  bool MakeRoomLocked(int64_t bytes, int keep, std::vector<BlockMemory>& to_free)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A record for a block of fresh memory `data` in use by one reference.
   KvBlockHandle AddRecordLocked(std::byte* data, int layout_index)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes free-listed block `id` out of the pool; returns its memory.
-  std::byte* RemoveFreeBlockLocked(int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  BlockMemory RemoveFreeBlockLocked(int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Constant after construction.
   const KvBlockPoolOptions options_;

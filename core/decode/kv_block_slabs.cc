@@ -1,0 +1,147 @@
+#include "core/decode/kv_block_slabs.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <utility>
+
+#include "absl/synchronization/mutex.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define ATTNSERVE_POISON(address, bytes) ASAN_POISON_MEMORY_REGION(address, bytes)
+#define ATTNSERVE_UNPOISON(address, bytes) ASAN_UNPOISON_MEMORY_REGION(address, bytes)
+#else
+#define ATTNSERVE_POISON(address, bytes) ((void)(address), (void)(bytes))
+#define ATTNSERVE_UNPOISON(address, bytes) ((void)(address), (void)(bytes))
+#endif
+
+namespace attnserve::core::internal {
+namespace {
+
+int64_t RoundUp(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// `bytes` (a multiple of kSlabAlignment) mapped at a kSlabAlignment
+// boundary, or nullptr: a larger mapping with its unaligned ends unmapped.
+std::byte* MapAligned(int64_t bytes) {
+  const size_t padded = static_cast<size_t>(bytes + KvBlockSlabs::kSlabAlignment);
+  void* mapped = mmap(nullptr, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (mapped == MAP_FAILED) return nullptr;
+  const auto start = reinterpret_cast<uintptr_t>(mapped);
+  const uintptr_t aligned = RoundUp(static_cast<int64_t>(start), KvBlockSlabs::kSlabAlignment);
+  if (aligned > start) munmap(mapped, aligned - start);
+  const uintptr_t end = start + padded, used_end = aligned + static_cast<uintptr_t>(bytes);
+  if (end > used_end) munmap(reinterpret_cast<void*>(used_end), end - used_end);
+  auto* base = reinterpret_cast<std::byte*>(aligned);
+#if defined(MADV_HUGEPAGE)
+  // Advice only: without transparent huge pages the slab has base pages.
+  madvise(base, static_cast<size_t>(bytes), MADV_HUGEPAGE);
+#endif
+  return base;
+}
+
+// Gives the whole pages of [block, block + bytes) back to the system; they
+// read as zeros when touched again.
+void ReleasePages(std::byte* block, int64_t bytes) {
+  static const int64_t page = sysconf(_SC_PAGESIZE);
+  const auto start = reinterpret_cast<uintptr_t>(block);
+  const uintptr_t first = RoundUp(static_cast<int64_t>(start), page);
+  const uintptr_t last = (start + static_cast<uintptr_t>(bytes)) / page * page;
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
+[[noreturn]] void DieOnForeignBlock(const void* block) {
+  std::fprintf(stderr, "KvBlockSlabs::Free: %p is not a block of these slabs in use\n", block);
+  std::abort();
+}
+
+}  // namespace
+
+KvBlockSlabs::KvBlockSlabs(int64_t block_bytes)
+    : block_bytes_(block_bytes),
+      slab_blocks_(std::clamp<int64_t>(kSlabTargetBytes / block_bytes, 1, kMaxSlabBlocks)),
+      mapping_bytes_(RoundUp(slab_blocks_ * block_bytes, kSlabAlignment)) {}
+
+KvBlockSlabs::~KvBlockSlabs() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [base, slab] : slabs_) {
+    ATTNSERVE_UNPOISON(base, slab.mapping_bytes);
+    munmap(base, static_cast<size_t>(slab.mapping_bytes));
+  }
+}
+
+std::byte* KvBlockSlabs::Allocate() {
+  absl::MutexLock lock(&mu_);
+  if (with_room_.empty()) {
+    std::byte* base = MapAligned(mapping_bytes_);
+    if (base == nullptr) return nullptr;
+    Slab slab;
+    slab.mapping_bytes = mapping_bytes_;
+    // Ascending: already a min-heap.
+    for (int64_t slot = 0; slot < slab_blocks_; ++slot) {
+      slab.free_slots.push_back(static_cast<int32_t>(slot));
+    }
+    slab.in_use.assign(static_cast<size_t>(slab_blocks_), false);
+    ATTNSERVE_POISON(base, mapping_bytes_);
+    slabs_.emplace(base, std::move(slab));
+    with_room_.insert(base);
+  }
+  std::byte* base = *with_room_.begin();
+  Slab& slab = slabs_.at(base);
+  std::pop_heap(slab.free_slots.begin(), slab.free_slots.end(), std::greater<>());
+  const int32_t slot = slab.free_slots.back();
+  slab.free_slots.pop_back();
+  slab.in_use[static_cast<size_t>(slot)] = true;
+  ++slab.used;
+  if (slab.free_slots.empty()) with_room_.erase(base);
+  std::byte* block = base + slot * block_bytes_;
+  ATTNSERVE_UNPOISON(block, block_bytes_);
+  return block;
+}
+
+void KvBlockSlabs::Free(std::byte* block) {
+  absl::MutexLock lock(&mu_);
+  auto it = slabs_.upper_bound(block);
+  if (it == slabs_.begin()) DieOnForeignBlock(block);
+  --it;
+  std::byte* base = it->first;
+  Slab& slab = it->second;
+  const int64_t offset = block - base;
+  if (offset % block_bytes_ != 0 || offset / block_bytes_ >= slab_blocks_) {
+    DieOnForeignBlock(block);
+  }
+  const auto slot = static_cast<int32_t>(offset / block_bytes_);
+  if (!slab.in_use[static_cast<size_t>(slot)]) DieOnForeignBlock(block);
+  slab.in_use[static_cast<size_t>(slot)] = false;
+  if (--slab.used == 0) {
+    with_room_.erase(base);
+    ATTNSERVE_UNPOISON(base, slab.mapping_bytes);
+    munmap(base, static_cast<size_t>(slab.mapping_bytes));
+    slabs_.erase(it);
+    return;
+  }
+  ReleasePages(block, block_bytes_);
+  ATTNSERVE_POISON(block, block_bytes_);
+  slab.free_slots.push_back(slot);
+  std::push_heap(slab.free_slots.begin(), slab.free_slots.end(), std::greater<>());
+  with_room_.insert(base);
+}
+
+int64_t KvBlockSlabs::mapped_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(slabs_.size()) * mapping_bytes_;
+}
+
+int64_t KvBlockSlabs::slab_count() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<int64_t>(slabs_.size());
+}
+
+}  // namespace attnserve::core::internal

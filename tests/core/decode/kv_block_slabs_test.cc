@@ -1,0 +1,168 @@
+#include "core/decode/kv_block_slabs.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/decode/kv_block_pool.h"
+#include "core/decode/kv_layout.h"
+#include "gtest/gtest.h"
+
+namespace attnserve::core::internal {
+namespace {
+
+// A block of the built-in model's FP32 KV: 12 heads of 64, 32 tokens.
+constexpr int64_t kBlockBytes = 196608;
+
+// Whether every whole page of [block, block + bytes) is resident.
+bool PagesResident(const std::byte* block, int64_t bytes, bool* any) {
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  const auto start = reinterpret_cast<uintptr_t>(block);
+  const uintptr_t first = (start + page - 1) / page * page;
+  const uintptr_t last = (start + static_cast<uintptr_t>(bytes)) / page * page;
+  std::vector<unsigned char> resident((last - first) / page);
+  EXPECT_EQ(mincore(reinterpret_cast<void*>(first), last - first, resident.data()), 0);
+  *any = std::any_of(resident.begin(), resident.end(), [](unsigned char r) { return r & 1; });
+  return std::all_of(resident.begin(), resident.end(), [](unsigned char r) { return r & 1; });
+}
+
+TEST(KvBlockSlabs, BlocksTakenOneAfterAnotherLieOneAfterAnotherInAlignedSlabs) {
+  KvBlockSlabs slabs(kBlockBytes);
+  // 8 MiB of 192 KiB blocks: 42 a slab, in a mapping of whole 2 MiB pages.
+  EXPECT_EQ(slabs.slab_blocks(), 42);
+  std::vector<std::byte*> blocks;
+  for (int i = 0; i < 100; ++i) {
+    blocks.push_back(slabs.Allocate());
+    ASSERT_NE(blocks.back(), nullptr);
+  }
+  EXPECT_EQ(slabs.slab_count(), 3);
+  EXPECT_EQ(slabs.mapped_bytes(), 3 * (int64_t{8} << 20));
+  for (int i = 0; i < 100; ++i) {
+    if (i % 42 == 0) {
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(blocks[i]) % KvBlockSlabs::kSlabAlignment, 0u) << i;
+    } else {
+      EXPECT_EQ(blocks[i] - blocks[i - 1], kBlockBytes) << i;
+    }
+  }
+  for (std::byte* block : blocks) slabs.Free(block);
+  EXPECT_EQ(slabs.slab_count(), 0);
+}
+
+TEST(KvBlockSlabs, BlocksNeverOverlapThroughChurn) {
+  // Small blocks (a slab of 4096) and large ones (one a slab), each filled
+  // with its own pattern and checked after random frees and allocations.
+  for (const int64_t block_bytes : {int64_t{64}, int64_t{4160}, int64_t{9} << 20}) {
+    KvBlockSlabs slabs(block_bytes);
+    std::mt19937 random(static_cast<uint32_t>(block_bytes));
+    struct Held {
+      std::byte* block;
+      unsigned char pattern;
+    };
+    std::vector<Held> held;
+    auto check = [&](const Held& h) {
+      for (int64_t at : {int64_t{0}, block_bytes / 2, block_bytes - 1}) {
+        ASSERT_EQ(static_cast<unsigned char>(h.block[at]), h.pattern) << block_bytes;
+      }
+    };
+    const int rounds = block_bytes > (1 << 20) ? 40 : 3000;
+    for (int round = 0; round < rounds; ++round) {
+      if (!held.empty() && random() % 3 == 0) {
+        const size_t victim = random() % held.size();
+        check(held[victim]);
+        slabs.Free(held[victim].block);
+        held[victim] = held.back();
+        held.pop_back();
+        continue;
+      }
+      std::byte* block = slabs.Allocate();
+      ASSERT_NE(block, nullptr);
+      ASSERT_EQ(reinterpret_cast<uintptr_t>(block) % kKvBlockAlignment, 0u);
+      const auto pattern = static_cast<unsigned char>(random());
+      std::memset(block, pattern, static_cast<size_t>(block_bytes));
+      held.push_back({block, pattern});
+    }
+    for (const Held& h : held) check(h);
+    for (const Held& h : held) slabs.Free(h.block);
+    EXPECT_EQ(slabs.slab_count(), 0) << block_bytes;
+  }
+}
+
+TEST(KvBlockSlabs, AFreedBlocksPagesGoBackToTheSystemAndItsSlotIsTheNextTaken) {
+  KvBlockSlabs slabs(kBlockBytes);
+  std::byte* first = slabs.Allocate();
+  std::byte* second = slabs.Allocate();
+  std::byte* third = slabs.Allocate();
+  std::memset(second, 1, kBlockBytes);
+  bool any = false;
+  EXPECT_TRUE(PagesResident(second, kBlockBytes, &any));
+  slabs.Free(second);
+  PagesResident(second, kBlockBytes, &any);
+  EXPECT_FALSE(any) << "the freed block's pages are still resident";
+  // The lowest free slot comes first.
+  EXPECT_EQ(slabs.Allocate(), second);
+  slabs.Free(first);
+  slabs.Free(second);
+  slabs.Free(third);
+  EXPECT_EQ(slabs.slab_count(), 0);
+}
+
+TEST(KvBlockSlabsDeathTest, FreeingABlockNotInUseStopsTheProcess) {
+  KvBlockSlabs slabs(kBlockBytes);
+  std::byte* kept = slabs.Allocate();
+  std::byte* block = slabs.Allocate();
+  slabs.Free(block);
+  EXPECT_DEATH(slabs.Free(block), "not a block of these slabs in use");
+  EXPECT_DEATH(slabs.Free(kept + 64), "not a block of these slabs in use");
+  std::byte elsewhere[64];
+  EXPECT_DEATH(slabs.Free(elsewhere), "not a block of these slabs in use");
+  slabs.Free(kept);
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+// Under AddressSanitizer a block's memory is poisoned while no one holds it:
+// a cache that kept a pointer into a block it gave back is caught.
+TEST(KvBlockSlabsDeathTest, TouchingAFreedBlockIsCaughtUnderAddressSanitizer) {
+  KvBlockSlabs slabs(kBlockBytes);
+  std::byte* kept = slabs.Allocate();
+  std::byte* block = slabs.Allocate();
+  kept[0] = std::byte{1};
+  slabs.Free(block);
+  EXPECT_DEATH(
+      {
+        volatile std::byte* stale = block;
+        stale[kBlockBytes / 2] = std::byte{1};
+      },
+      "use-after-poison");
+  slabs.Free(kept);
+}
+#endif
+
+// The pool's blocks of one layout come from its slabs: a sequence's blocks
+// taken one after another are adjacent, and Trim gives their pages back.
+TEST(KvBlockSlabs, ThePoolsBlocksOfOneLayoutAreAdjacentAndTrimReleasesTheirPages) {
+  const KvLayout layout{12, 64, KvPrecision::kFp32};
+  ASSERT_EQ(KvBlockBytes(layout, 32), kBlockBytes);
+  std::unique_ptr<KvBlockPool> pool = KvBlockPool::Create({64 * kBlockBytes, 32}).value();
+  std::vector<KvBlockHandle> kept, released;
+  ASSERT_TRUE(pool->AllocateBlocks(layout, 4, kept).ok());
+  ASSERT_TRUE(pool->AllocateBlocks(layout, 4, released).ok());
+  for (size_t i = 1; i < kept.size(); ++i) EXPECT_EQ(kept[i].data - kept[i - 1].data, kBlockBytes);
+  for (const KvBlockHandle& block : released) std::memset(block.data, 7, kBlockBytes);
+  pool->Release(released);
+  EXPECT_EQ(pool->Trim(), 4 * kBlockBytes);
+  for (const KvBlockHandle& block : released) {
+    bool any = false;
+    PagesResident(block.data, kBlockBytes, &any);
+    EXPECT_FALSE(any);
+  }
+  pool->Release(kept);
+}
+
+}  // namespace
+}  // namespace attnserve::core::internal
