@@ -140,7 +140,8 @@ struct ServerOptions {
   // acts as max_seq_len. 0: each step in one piece, at most --max_seq_len
   // tokens. 256: with 32 sessions decoding at context 2048 on the built-in
   // model, a 4096-token prefill arriving kept the decode steps' p99 within
-  // 1.5x of their p99 without it, where 512 let it reach 2.2-3.2x
+  // 2x of their p99 without it (six runs), where plain 512-token chunks let
+  // it reach 2.3-4.7x
   // (docs/measurements.md, "Decode steps beside a long prefill").
   int64_t prefill_chunk_tokens = 256;
   // Bytes that admitted requests (queued or running) may hold together, by
