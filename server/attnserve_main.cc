@@ -92,8 +92,10 @@ ABSL_FLAG(int64_t, max_queue_delay_us, kDefaults.max_queue_delay_us,
           "Dynamic batching: how long (microseconds) a batch that is not full may wait for more "
           "requests; 0: a batch is what is queued when the executor is free");
 ABSL_FLAG(int64_t, prefill_chunk_tokens, kDefaults.prefill_chunk_tokens,
-          "Decode sessions: an Extend step of more new tokens (a long prefill) is computed this "
-          "many at a time, decode steps of other sessions running between its chunks (a value over "
+          "Decode sessions: an Extend step of more new tokens (a long prefill) is computed in chunks "
+          "of at most this many, each at most the work of such a chunk at the start of a sequence "
+          "(later chunks, attending to more keys, are shorter), decode steps of other sessions "
+          "running between its chunks (a value over "
           "--max_seq_len acts as --max_seq_len); 0: each step in one piece (at most --max_seq_len tokens)");
 ABSL_FLAG(double, lame_duck_seconds, kDefaults.lame_duck_seconds,
           "On SIGTERM/SIGINT, how long health says NOT_SERVING while the server still listens");

@@ -260,7 +260,10 @@ struct ChunkGroup {
 
 int64_t NextChunk(const ExtendPlan& plan, const ExtendStepPlan& step) {
   const int64_t left = step.tokens - step.done;
-  return plan.chunk_tokens > 0 ? std::min(left, plan.chunk_tokens) : left;
+  if (plan.chunk_tokens == 0 || step.tokens <= plan.chunk_tokens) return left;
+  const core::HeadConfig& config = step.lease->model().layer->config();
+  return std::min(left, PrefillChunkTokens(plan.chunk_tokens, step.lease->cache()->length(),
+                                           config.d_model, config.q_width(), config.kv_width()));
 }
 
 // A step that computes and has not ended.
@@ -517,6 +520,33 @@ void FinishMember(ExtendMember& member, SessionManager& sessions) {
 }
 
 }  // namespace
+
+int64_t PrefillChunkTokens(int64_t chunk_tokens, int64_t keys_before, int64_t d_model,
+                           int64_t q_width, int64_t kv_width) {
+  // A token's projections (Q, K, V and output: 2 d_model (2 q_width +
+  // 2 kv_width) flops) cost as much as attending to this many keys (QK^T and
+  // PV: 4 q_width flops a key).
+  const double projection_keys = static_cast<double>(d_model) *
+                                 static_cast<double>(q_width + kv_width) /
+                                 static_cast<double>(std::max<int64_t>(q_width, 1));
+  // The work of a chunk of chunk_tokens at the start of a sequence (keys:
+  // its own tokens), in (token, key) pairs.
+  const auto chunk = static_cast<double>(chunk_tokens);
+  const double work = chunk * (chunk + projection_keys);
+  // The largest t with t (keys_before + t + projection_keys) <= work: the
+  // root of the quadratic, then settled to the integer exactly (the root's
+  // rounding may be one off).
+  auto fits = [&](int64_t t) {
+    return static_cast<double>(t) * (static_cast<double>(keys_before + t) + projection_keys) <=
+           work;
+  };
+  const double b = static_cast<double>(keys_before) + projection_keys;
+  auto tokens = static_cast<int64_t>((std::sqrt(b * b + 4 * work) - b) / 2);
+  tokens = std::clamp<int64_t>(tokens, 0, chunk_tokens);
+  while (tokens < chunk_tokens && fits(tokens + 1)) ++tokens;
+  while (tokens > 0 && !fits(tokens)) --tokens;
+  return std::max(tokens, std::max<int64_t>(1, chunk_tokens / kMinChunkFraction));
+}
 
 int64_t RoundTokens(const ExtendPlan& plan) {
   int64_t tokens = 0;

@@ -80,7 +80,8 @@ struct ExtendPlan {
 // RunExtend / RunExtendRound, or in EndExtend (as failed).
 //
 // `chunk_tokens` > 0 (--prefill_chunk_tokens): a step of more new tokens is
-// computed chunk_tokens at a time (RunExtendRound), and a step may carry up
+// computed in chunks of at most chunk_tokens (RunExtendRound; their length
+// from PrefillChunkTokens, shorter as the layer grows), and a step may carry up
 // to its session's token limit (BeginStep's OUT_OF_RANGE past it); the
 // memory estimate counts one chunk's compute scratch. 0: each step in one
 // piece, at most limits.max_seq_len tokens.
@@ -151,6 +152,24 @@ void RunExtendRound(absl::Span<ExtendMember> members, SessionManager& sessions,
 
 // New tokens the next RunExtendRound computes for `plan`.
 int64_t RoundTokens(const ExtendPlan& plan);
+
+// A chunk of a prefill is never shorter than chunk_tokens / this (unless it
+// is the step's last).
+inline constexpr int64_t kMinChunkFraction = 8;
+
+// Tokens of a prefill's next chunk (`chunk_tokens`: --prefill_chunk_tokens,
+// > 0) into a layer that holds `keys_before` tokens, for a layer of
+// `d_model`, `q_width` (heads x head_dim) and `kv_width`: at most
+// chunk_tokens, and at most the work of a chunk of chunk_tokens at the start
+// of a sequence, counting a chunk's work as tokens x (keys attended +
+// projection_keys), where projection_keys = d_model (q_width + kv_width) /
+// q_width is what a token's four projections cost in keys attended. So the
+// chunks late in a long prefill, which attend to more keys, are shorter
+// (each costs about as much as the first), and a decode step queued behind
+// one waits about as long wherever the prefill is; never under chunk_tokens /
+// kMinChunkFraction (at least 1). Pure; thread-safe.
+int64_t PrefillChunkTokens(int64_t chunk_tokens, int64_t keys_before, int64_t d_model,
+                           int64_t q_width, int64_t kv_width);
 
 // Ends every step of `plan` that has not ended as failed with `status`,
 // truncating its layer back to the step's expected length (what earlier

@@ -10,6 +10,7 @@
 #include <thread>
 #include <utility>
 
+#include <CivetServer.h>
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
 #include <prometheus/family.h>
@@ -26,8 +27,26 @@
 #include "core/runtime_info.h"
 #include "server/observability/process_metrics.h"
 
+// jemalloc's control interface, when the process runs on jemalloc; null
+// otherwise (a weak reference: the attnserve binary links jemalloc, tests do
+// not).
+extern "C" int mallctl(const char* name, void* oldp, size_t* oldlenp, void* newp, size_t newlen)
+    __attribute__((weak));
+
 namespace attnserve::server {
 namespace {
+
+// civetweb's end_request callback: runs on the endpoint's worker thread that
+// answered a request. Gives that thread's allocator cache (jemalloc's
+// per-thread cache of small freed blocks) back to the shared arena. A scrape
+// allocates and frees thousands of small strings; without this each worker
+// keeps about half a MiB of them cached after its first scrape, and since
+// civetweb hands connections to its --metrics_threads workers in turn, RSS
+// grew by that much for each of the first 256 scrapes on new connections
+// (docs/measurements.md, "Churn: RSS and the pool's bookkeeping").
+void ReleaseWorkerThreadCache(const mg_connection* /*connection*/, int /*status*/) {
+  if (mallctl != nullptr) mallctl("thread.tcache.flush", nullptr, nullptr, nullptr, 0);
+}
 
 using prometheus::Histogram;
 
@@ -415,9 +434,14 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
     try {
       // civetweb's options: request_timeout_ms bounds the time from a
       // request's first byte to the end of its headers, and each read and write.
-      m->exposer_ = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
-          "listening_ports", options.address, "num_threads", std::to_string(options.threads),
-          "request_timeout_ms", std::to_string(MetricsOptions::kRequestTimeoutMs)});
+      // (civetweb copies the callbacks.)
+      CivetCallbacks callbacks;
+      callbacks.end_request = &ReleaseWorkerThreadCache;
+      m->exposer_ = std::make_unique<prometheus::Exposer>(
+          std::vector<std::string>{"listening_ports", options.address, "num_threads",
+                                   std::to_string(options.threads), "request_timeout_ms",
+                                   std::to_string(MetricsOptions::kRequestTimeoutMs)},
+          &callbacks);
     } catch (const std::exception& e) {
       return absl::UnavailableError(
           absl::StrCat("--metrics_address: cannot listen on '", options.address, "': ", e.what()));

@@ -11,6 +11,8 @@
 // a decode step queued behind it is answered before it finishes, a replay of
 // it returns its answer, a cancel or a deadline between chunks leaves the
 // layer as it was; a chunked step may pass --max_seq_len, an unchunked one not;
+// a prefill's chunks shorten as its keys grow (PrefillChunkTokens, against a
+// search over the rule and hand-computed values);
 // Attend calls beside sessions are answered as before.
 #include <grpcpp/client_context.h>
 
@@ -32,6 +34,7 @@
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
 #include "gtest/gtest.h"
+#include "server/api/extend_runner.h"
 #include "server/attn_server.h"
 #include "tests/core/reference_attention.h"
 #include "tests/server/api/attend_requests.h"
@@ -68,6 +71,35 @@ Layer GqaLayer() {
   Layer layer{"gqa", *core::ResolveHeadConfig(requested), {}};
   layer.weights = core::SeededWeights(layer.config, 77);
   return layer;
+}
+
+// The new tokens of each chunk a prefill of `n` tokens into a layer holding
+// `keys` is computed in with --prefill_chunk_tokens=`chunk` (> 0), by the
+// rule PrefillChunkTokens states (server/api/extend_runner.h), found here by
+// search rather than its closed form: a step of at most `chunk` tokens is one
+// piece; else each chunk is the longest t in [max(1, chunk / 8), chunk] (or
+// what is left) with t (keys + t + P) <= chunk (chunk + P), where
+// P = d_model (q_width + kv_width) / q_width.
+std::vector<int64_t> ExpectedChunks(const core::HeadConfig& config, int64_t chunk, int64_t keys,
+                                    int64_t n) {
+  if (n <= chunk) return {n};
+  const double p = static_cast<double>(config.d_model) *
+                   static_cast<double>(config.q_width() + config.kv_width()) /
+                   static_cast<double>(config.q_width());
+  const double work = static_cast<double>(chunk) * (static_cast<double>(chunk) + p);
+  std::vector<int64_t> chunks;
+  for (int64_t done = 0; done < n;) {
+    int64_t t = std::max<int64_t>(1, chunk / 8);
+    while (t < chunk &&
+           static_cast<double>(t + 1) * (static_cast<double>(keys + t + 1) + p) <= work) {
+      ++t;
+    }
+    t = std::min(t, n - done);
+    chunks.push_back(t);
+    done += t;
+    keys += t;
+  }
+  return chunks;
 }
 
 std::shared_ptr<const Model> ModelOf(const Layer& layer) {
@@ -372,12 +404,14 @@ TEST_F(ExtendBatchingTest, ALongPrefillIsComputedInChunksAndMatchesTheReference)
       std::uniform_int_distribution<int64_t> extra(1, chunk - 1);
       for (int64_t n : {chunk * 3 + extra(rng), chunk + extra(rng)}) {
         const double batches = Sample("attnserve_decode_batch_tokens_count" + label);
+        const std::vector<int64_t> chunks =
+            ExpectedChunks(layer->config, chunk, sequence.length(), n);
         auto call = StartStep(sequence, RandomRows(n, layer->config.d_model, rng), /*maps=*/true);
         ExpectMatches(*call, sequence, sequence.length(), tolerance);
         // One core call a chunk.
         EXPECT_EQ(Sample("attnserve_decode_batch_tokens_count" + label),
-                  batches + static_cast<double>((n + chunk - 1) / chunk));
-        EXPECT_EQ(call->response.timing().batch_tokens(), n % chunk);  // its last chunk's
+                  batches + static_cast<double>(chunks.size()));
+        EXPECT_EQ(call->response.timing().batch_tokens(), chunks.back());  // its last chunk's
       }
       // A retry of the chunked step gets its stored answer.
       const int64_t n = chunk + 1;
@@ -416,12 +450,13 @@ TEST_F(ExtendBatchingTest, HeadStatisticsOfAChunkedPrefillMatchTheReference) {
       for (const bool maps : {false, true}) {
         const int64_t n = (maps ? chunk : chunk * 3) + extra(rng);
         const double batches = Sample("attnserve_decode_batch_tokens_count" + label);
+        const size_t chunks = ExpectedChunks(layer->config, chunk, sequence.length(), n).size();
         auto call = StartStep(sequence, RandomRows(n, layer->config.d_model, rng), maps,
                               nullptr, absl::Seconds(300), /*stats=*/true);
         ExpectMatches(*call, sequence, sequence.length(), tolerance);
         // It was chunked: one core call a chunk.
         EXPECT_EQ(Sample("attnserve_decode_batch_tokens_count" + label),
-                  batches + static_cast<double>((n + chunk - 1) / chunk));
+                  batches + static_cast<double>(chunks));
         if (maps) {
           grpc::ClientContext context;
           v1::ExtendResponse replayed;
@@ -601,6 +636,43 @@ TEST_F(ExtendBatchingTest, AChunkedStepMayPassMaxSeqLenAnUnchunkedOneIsRefused) 
   EXPECT_EQ(Length(unchunked.id), 0);
   unchunked.tokens.clear();  // the refused rows were not appended
   ExpectMatches(*StartStep(unchunked, RandomRows(16, width, rng)), unchunked, 16, 1e-5);
+}
+
+// PrefillChunkTokens against a search over its stated rule (random
+// layers, chunk sizes and keys), and two values computed by hand.
+TEST(PrefillChunkTokensTest, EachChunkCostsAtMostTheFirstAndNoLessThanAnEighth) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(absl::StrCat("input seed ", seed));
+  std::mt19937_64 rng(seed);
+  // The built-in model (d_model 768, 12 heads: 1536 keys a token's
+  // projections) at 512: at the start, the whole chunk; after 3584 keys,
+  // 197 tokens: 197 x (3584 + 197 + 1536) = 1047449 <= 512 x (512 + 1536) =
+  // 1048576 < 198 x 5318.
+  EXPECT_EQ(PrefillChunkTokens(512, 0, 768, 768, 768), 512);
+  EXPECT_EQ(PrefillChunkTokens(512, 3584, 768, 768, 768), 197);
+  // Far out, an eighth.
+  EXPECT_EQ(PrefillChunkTokens(512, 1 << 20, 768, 768, 768), 64);
+  EXPECT_EQ(PrefillChunkTokens(3, 1 << 20, 768, 768, 768), 1);
+  std::uniform_int_distribution<int64_t> chunk_of(1, 1024), keys_of(0, 20000), heads_of(1, 16),
+      dim_of(4, 128);
+  for (int i = 0; i < 300; ++i) {
+    core::HeadConfig config;
+    config.num_heads = heads_of(rng);
+    config.num_kv_heads = std::uniform_int_distribution<int64_t>(1, config.num_heads)(rng);
+    config.head_dim = dim_of(rng);
+    config.d_model = std::uniform_int_distribution<int64_t>(16, 4096)(rng);
+    const int64_t chunk = chunk_of(rng), keys = keys_of(rng);
+    SCOPED_TRACE(absl::StrCat("chunk ", chunk, " keys ", keys, " d_model ", config.d_model,
+                              " q ", config.q_width(), " kv ", config.kv_width()));
+    const int64_t tokens = PrefillChunkTokens(chunk, keys, config.d_model, config.q_width(),
+                                              config.kv_width());
+    EXPECT_EQ(tokens, ExpectedChunks(config, chunk, keys, chunk + 1).front());
+    EXPECT_GE(tokens, std::max<int64_t>(1, chunk / kMinChunkFraction));
+    EXPECT_LE(tokens, chunk);
+    EXPECT_LE(PrefillChunkTokens(chunk, keys + 1000, config.d_model, config.q_width(),
+                                 config.kv_width()),
+              tokens);
+  }
 }
 
 }  // namespace
