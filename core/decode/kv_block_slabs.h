@@ -4,11 +4,10 @@
 // Private to core/decode: the memory of KvBlockPool's blocks of one size
 // (core/decode/kv_block_pool.h). A decode step streams every cached block of
 // every sequence in its batch once, so where the blocks lie decides how fast
-// it runs: taken one at a time from the process's allocator, 192 KiB blocks
-// measured up to 35% slower to stream (jemalloc, the server's allocator: every
-// block at an exact multiple of 64 KiB, 4 KiB pages) than blocks in one
-// region backed by transparent huge pages (docs/measurements.md, "The KV
-// pool's memory").
+// it runs: taken one at a time from the process's allocator (jemalloc, the
+// server's), the 192 KiB blocks of a 32-session step streamed 20-35% slower
+// than from glibc's heap with transparent huge pages (docs/measurements.md,
+// "The KV pool's memory").
 //
 // So blocks come from slabs: regions of whole 2 MiB pages mapped from the
 // system (aligned to 2 MiB and advised to be backed by huge pages where the
