@@ -28,29 +28,22 @@ int64_t RoundUp(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
-// `bytes` (a multiple of kSlabAlignment) mapped at a kSlabAlignment
-// boundary, or nullptr: a larger mapping with its unaligned ends unmapped.
-std::byte* MapAligned(int64_t bytes) {
-  const size_t padded = static_cast<size_t>(bytes + KvBlockSlabs::kSlabAlignment);
-  void* mapped = mmap(nullptr, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (mapped == MAP_FAILED) return nullptr;
-  const auto start = reinterpret_cast<uintptr_t>(mapped);
-  const uintptr_t aligned = RoundUp(static_cast<int64_t>(start), KvBlockSlabs::kSlabAlignment);
-  if (aligned > start) munmap(mapped, aligned - start);
-  const uintptr_t end = start + padded, used_end = aligned + static_cast<uintptr_t>(bytes);
-  if (end > used_end) munmap(reinterpret_cast<void*>(used_end), end - used_end);
-  auto* base = reinterpret_cast<std::byte*>(aligned);
-#if defined(MADV_HUGEPAGE)
-  // Advice only: without transparent huge pages the slab has base pages.
-  madvise(base, static_cast<size_t>(bytes), MADV_HUGEPAGE);
-#endif
-  return base;
+// `bytes` (a multiple of the page size) of fresh zeroed memory, or nullptr.
+std::byte* Map(int64_t bytes) {
+  void* mapped = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return mapped == MAP_FAILED ? nullptr : static_cast<std::byte*>(mapped);
+}
+
+int64_t PageBytes() {
+  static const int64_t page = sysconf(_SC_PAGESIZE);
+  return page;
 }
 
 // Gives the whole pages of [block, block + bytes) back to the system; they
 // read as zeros when touched again.
 void ReleasePages(std::byte* block, int64_t bytes) {
-  static const int64_t page = sysconf(_SC_PAGESIZE);
+  const int64_t page = PageBytes();
   const auto start = reinterpret_cast<uintptr_t>(block);
   const uintptr_t first = RoundUp(static_cast<int64_t>(start), page);
   const uintptr_t last = (start + static_cast<uintptr_t>(bytes)) / page * page;
@@ -67,7 +60,7 @@ void ReleasePages(std::byte* block, int64_t bytes) {
 KvBlockSlabs::KvBlockSlabs(int64_t block_bytes)
     : block_bytes_(block_bytes),
       slab_blocks_(std::clamp<int64_t>(kSlabTargetBytes / block_bytes, 1, kMaxSlabBlocks)),
-      mapping_bytes_(RoundUp(slab_blocks_ * block_bytes, kSlabAlignment)) {}
+      mapping_bytes_(RoundUp(slab_blocks_ * block_bytes, PageBytes())) {}
 
 KvBlockSlabs::~KvBlockSlabs() {
   absl::MutexLock lock(&mu_);
@@ -80,7 +73,7 @@ KvBlockSlabs::~KvBlockSlabs() {
 std::byte* KvBlockSlabs::Allocate() {
   absl::MutexLock lock(&mu_);
   if (with_room_.empty()) {
-    std::byte* base = MapAligned(mapping_bytes_);
+    std::byte* base = Map(mapping_bytes_);
     if (base == nullptr) return nullptr;
     Slab slab;
     slab.mapping_bytes = mapping_bytes_;

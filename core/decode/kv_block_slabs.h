@@ -6,16 +6,21 @@
 // every sequence in its batch once, so where the blocks lie decides how fast
 // it runs: taken one at a time from the process's allocator (jemalloc, the
 // server's), the 192 KiB blocks of a 32-session step streamed 20-35% slower
-// than from glibc's heap with transparent huge pages (docs/measurements.md,
-// "The KV pool's memory").
+// than from glibc's heap (docs/measurements.md, "The KV pool's memory").
 //
-// So blocks come from slabs: regions of whole 2 MiB pages mapped from the
-// system (aligned to 2 MiB and advised to be backed by huge pages where the
-// system allows it, MADV_HUGEPAGE), cut into slots one block apart. A slab's
-// lowest free slot is handed out first, so the blocks a sequence takes one
-// after another lie one after another. Freeing a block gives its whole pages
-// back to the system at once (MADV_DONTNEED; the slot stays mapped for the
-// next block), and a slab with no block left is unmapped.
+// So blocks come from slabs: regions of about kSlabTargetBytes mapped from
+// the system, cut into slots one block apart. A slab's lowest free slot is
+// handed out first, so the blocks a sequence takes one after another lie one
+// after another. Freeing a block gives its whole pages back to the system at
+// once (MADV_DONTNEED; the slot stays mapped for the next block), and a slab
+// with no block left is unmapped: the memory resident is the blocks held (and
+// at most one page more each), which is what the pool's budget counts.
+//
+// Not advised into huge pages (MADV_HUGEPAGE): with that advice the kernel's
+// khugepaged fills a 2 MiB range back in, freed blocks and all, as soon as one
+// block in it is still held, and the budget would no longer bound memory (on
+// a system whose transparent huge pages are "always", that is the system's
+// choice for all of the process's memory).
 //
 // Thread-safe (one mutex). Every block must be freed before the slabs are
 // destroyed; the destructor unmaps every slab regardless.
@@ -33,9 +38,6 @@ namespace attnserve::core::internal {
 
 class KvBlockSlabs {
  public:
-  // The alignment of a slab and the size its mapping is a multiple of: a huge
-  // page of x86-64 (and of most 64-bit systems with 4 KiB base pages).
-  static constexpr int64_t kSlabAlignment = int64_t{2} << 20;
   // A slab holds this many bytes of blocks (at most kMaxSlabBlocks of them),
   // or one block when a block is larger.
   static constexpr int64_t kSlabTargetBytes = int64_t{8} << 20;
@@ -51,16 +53,16 @@ class KvBlockSlabs {
   // Blocks per slab.
   int64_t slab_blocks() const { return slab_blocks_; }
 
-  // Memory for one block (contents undefined, kSlabAlignment-aligned slabs,
-  // so every block is aligned to the largest power of two dividing
-  // block_bytes), or nullptr when the system maps no more memory.
+  // Memory for one block (contents undefined; slabs start at a page, so a
+  // block is aligned to the largest power of two dividing block_bytes, up to
+  // the page size), or nullptr when the system maps no more memory.
   std::byte* Allocate();
   // Gives back a block this object allocated (anything else stops the
   // process: a pool's broken invariant).
   void Free(std::byte* block);
 
   // Bytes mapped from the system (whole slabs; a slot's pages are resident
-  // only while it holds a block or until they are first touched).
+  // from when its block is first written until it is freed).
   int64_t mapped_bytes() const;
   int64_t slab_count() const;
 

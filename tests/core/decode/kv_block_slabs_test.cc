@@ -32,9 +32,9 @@ bool PagesResident(const std::byte* block, int64_t bytes, bool* any) {
   return std::all_of(resident.begin(), resident.end(), [](unsigned char r) { return r & 1; });
 }
 
-TEST(KvBlockSlabs, BlocksTakenOneAfterAnotherLieOneAfterAnotherInAlignedSlabs) {
+TEST(KvBlockSlabs, BlocksTakenOneAfterAnotherLieOneAfterAnotherInSlabs) {
   KvBlockSlabs slabs(kBlockBytes);
-  // 8 MiB of 192 KiB blocks: 42 a slab, in a mapping of whole 2 MiB pages.
+  // 8 MiB of 192 KiB blocks: 42 a slab.
   EXPECT_EQ(slabs.slab_blocks(), 42);
   std::vector<std::byte*> blocks;
   for (int i = 0; i < 100; ++i) {
@@ -42,10 +42,10 @@ TEST(KvBlockSlabs, BlocksTakenOneAfterAnotherLieOneAfterAnotherInAlignedSlabs) {
     ASSERT_NE(blocks.back(), nullptr);
   }
   EXPECT_EQ(slabs.slab_count(), 3);
-  EXPECT_EQ(slabs.mapped_bytes(), 3 * (int64_t{8} << 20));
+  EXPECT_EQ(slabs.mapped_bytes(), 3 * 42 * kBlockBytes);
   for (int i = 0; i < 100; ++i) {
     if (i % 42 == 0) {
-      EXPECT_EQ(reinterpret_cast<uintptr_t>(blocks[i]) % KvBlockSlabs::kSlabAlignment, 0u) << i;
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(blocks[i]) % sysconf(_SC_PAGESIZE), 0u) << i;
     } else {
       EXPECT_EQ(blocks[i] - blocks[i - 1], kBlockBytes) << i;
     }
@@ -70,7 +70,7 @@ TEST(KvBlockSlabs, BlocksNeverOverlapThroughChurn) {
         ASSERT_EQ(static_cast<unsigned char>(h.block[at]), h.pattern) << block_bytes;
       }
     };
-    const int rounds = block_bytes > (1 << 20) ? 40 : 3000;
+    const int rounds = block_bytes > (1 << 20) ? 16 : 3000;
     for (int round = 0; round < rounds; ++round) {
       if (!held.empty() && random() % 3 == 0) {
         const size_t victim = random() % held.size();
