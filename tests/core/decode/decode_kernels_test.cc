@@ -7,6 +7,7 @@
 // bound relative to the result alone fails on sums that cancel.
 #include "core/decode/decode_kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -139,6 +140,14 @@ TEST(DecodeKernels, GroupKernelsMatchDoublePrecision) {
               k_blocks.emplace_back(static_cast<size_t>(block_rows * hd), rng);
               v_blocks.emplace_back(static_cast<size_t>(block_rows * hd), rng);
             }
+            // The next span (prefetched as this one is read; it changes no
+            // result): a block and a part, each its own allocation.
+            const int64_t next_keys = block_rows + 3;
+            std::vector<Rows> next_k, next_v;
+            for (int b = 0; b < 2; ++b) {
+              next_k.emplace_back(static_cast<size_t>(block_rows * hd), rng);
+              next_v.emplace_back(static_cast<size_t>(block_rows * hd), rng);
+            }
             const int64_t stride = keys + 3;  // score and p rows, padded
             const std::vector<float> q = RandomNormal(static_cast<size_t>(group * hd), rng);
             const std::vector<float> p = RandomNormal(static_cast<size_t>(group * stride), rng);
@@ -151,30 +160,49 @@ TEST(DecodeKernels, GroupKernelsMatchDoublePrecision) {
                 const size_t at = static_cast<size_t>((j % block_rows) * hd + d);
                 return bf16 ? rows.bf16_widened[at] : rows.fp32[at];
               };
-              std::vector<float> s(static_cast<size_t>(group * stride), -7.0f), acc = acc0;
+              std::vector<float> s(static_cast<size_t>(group * stride), -7.0f);
+              // The rows' accumulators between guards that must stay untouched.
+              constexpr int64_t kGuard = 32;
+              std::vector<float> guarded(static_cast<size_t>(group * hd + 2 * kGuard), -9.0f);
+              std::copy(acc0.begin(), acc0.end(), guarded.begin() + kGuard);
+              float* const acc = guarded.data() + kGuard;
               if (bf16) {
-                std::vector<const Bf16*> kb, vb;
+                std::vector<const Bf16*> kb, vb, nk, nv;
                 for (int64_t b = 0; b < nblocks; ++b) {
                   kb.push_back(k_blocks[b].bf16.data());
                   vb.push_back(v_blocks[b].bf16.data());
                 }
-                DecodeGroupScoresOn(kernel, q.data(), group, BlockRows<Bf16>{kb.data(), block_rows},
+                for (int b = 0; b < 2; ++b) {
+                  nk.push_back(next_k[b].bf16.data());
+                  nv.push_back(next_v[b].bf16.data());
+                }
+                DecodeGroupScoresOn(kernel, q.data(), group,
+                                    BlockRows<Bf16>{kb.data(), block_rows, nk.data(), next_keys},
                                     keys, hd, s.data(), stride);
                 DecodeGroupValuesOn(kernel, p.data(), stride, group,
-                                    BlockRows<Bf16>{vb.data(), block_rows}, keys, hd,
-                                    alpha.data(), acc.data());
+                                    BlockRows<Bf16>{vb.data(), block_rows, nv.data(), next_keys},
+                                    keys, hd, alpha.data(), acc);
               } else {
-                std::vector<const float*> kb, vb;
+                std::vector<const float*> kb, vb, nk, nv;
                 for (int64_t b = 0; b < nblocks; ++b) {
                   kb.push_back(k_blocks[b].fp32.data());
                   vb.push_back(v_blocks[b].fp32.data());
                 }
+                for (int b = 0; b < 2; ++b) {
+                  nk.push_back(next_k[b].fp32.data());
+                  nv.push_back(next_v[b].fp32.data());
+                }
                 DecodeGroupScoresOn(kernel, q.data(), group,
-                                    BlockRows<float>{kb.data(), block_rows}, keys, hd, s.data(),
-                                    stride);
+                                    BlockRows<float>{kb.data(), block_rows, nk.data(), next_keys},
+                                    keys, hd, s.data(), stride);
                 DecodeGroupValuesOn(kernel, p.data(), stride, group,
-                                    BlockRows<float>{vb.data(), block_rows}, keys, hd,
-                                    alpha.data(), acc.data());
+                                    BlockRows<float>{vb.data(), block_rows, nv.data(), next_keys},
+                                    keys, hd, alpha.data(), acc);
+              }
+              for (int64_t g = 0; g < kGuard; ++g) {
+                ASSERT_EQ(guarded[static_cast<size_t>(g)], -9.0f) << "before the rows";
+                ASSERT_EQ(guarded[guarded.size() - 1 - static_cast<size_t>(g)], -9.0f)
+                    << "after the rows";
               }
               for (int64_t h = 0; h < group; ++h) {
                 for (int64_t j = 0; j < keys; ++j) {
