@@ -1,17 +1,20 @@
 #include "core/decode/kv_block_slabs.h"
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <vector>
 
 #include "core/decode/kv_block_pool.h"
 #include "core/decode/kv_layout.h"
+#include "absl/status/status.h"
 #include "gtest/gtest.h"
 
 namespace attnserve::core::internal {
@@ -163,6 +166,37 @@ TEST(KvBlockSlabs, ThePoolsBlocksOfOneLayoutAreAdjacentAndTrimReleasesTheirPages
   }
   pool->Release(kept);
 }
+
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+// When the system maps no more memory, the pool refuses the whole request
+// (RESOURCE_EXHAUSTED) and holds what it held before. In a child process
+// whose address space is capped 64 MiB above what it maps (the sanitizers
+// reserve terabytes of shadow memory, so not under them).
+// Exits 0 when the refusal is as it should be, with another code naming the
+// check that failed otherwise.
+[[noreturn]] void AllocatePastAnAddressSpaceCap() {
+  const KvLayout layout{12, 64, KvPrecision::kFp32};
+  std::unique_ptr<KvBlockPool> pool = KvBlockPool::Create({int64_t{1} << 40, 32}).value();
+  std::vector<KvBlockHandle> kept;
+  if (!pool->AllocateBlocks(layout, 1, kept).ok()) _exit(2);
+  int64_t mapped_pages = 0;
+  std::ifstream("/proc/self/statm") >> mapped_pages;
+  const rlimit cap{static_cast<rlim_t>(mapped_pages * sysconf(_SC_PAGESIZE) + (64 << 20)),
+                   RLIM_INFINITY};
+  if (mapped_pages == 0 || setrlimit(RLIMIT_AS, &cap) != 0) _exit(3);
+  // 4096 blocks of 192 KiB: 768 MiB, far past the cap.
+  std::vector<KvBlockHandle> blocks;
+  const absl::Status status = pool->AllocateBlocks(layout, 4096, blocks);
+  if (status.code() != absl::StatusCode::kResourceExhausted) _exit(4);
+  const KvBlockPoolStats stats = pool->stats();
+  if (!blocks.empty() || stats.blocks_in_use != 1 || stats.bytes_held != kBlockBytes) _exit(5);
+  _exit(0);
+}
+
+TEST(KvBlockSlabsDeathTest, WhenTheSystemMapsNoMoreThePoolRefusesAndKeepsWhatItHeld) {
+  EXPECT_EXIT(AllocatePastAnAddressSpaceCap(), ::testing::ExitedWithCode(0), "");
+}
+#endif
 
 }  // namespace
 }  // namespace attnserve::core::internal
