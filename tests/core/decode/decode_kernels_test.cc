@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <random>
 #include <set>
 #include <string>
@@ -166,38 +167,29 @@ TEST(DecodeKernels, GroupKernelsMatchDoublePrecision) {
               std::vector<float> guarded(static_cast<size_t>(group * hd + 2 * kGuard), -9.0f);
               std::copy(acc0.begin(), acc0.end(), guarded.begin() + kGuard);
               float* const acc = guarded.data() + kGuard;
+              // Both kernels over one precision's rows (`pick` gives a block's).
+              auto run = [&](auto pick) {
+                using T = std::remove_const_t<std::remove_pointer_t<decltype(pick(k_blocks[0]))>>;
+                std::vector<const T*> kb, vb, nk, nv;
+                for (int64_t b = 0; b < nblocks; ++b) {
+                  kb.push_back(pick(k_blocks[b]));
+                  vb.push_back(pick(v_blocks[b]));
+                }
+                for (int b = 0; b < 2; ++b) {
+                  nk.push_back(pick(next_k[b]));
+                  nv.push_back(pick(next_v[b]));
+                }
+                DecodeGroupScoresOn(kernel, q.data(), group,
+                                    BlockRows<T>{kb.data(), block_rows, nk.data(), next_keys}, keys,
+                                    hd, s.data(), stride);
+                DecodeGroupValuesOn(kernel, p.data(), stride, group,
+                                    BlockRows<T>{vb.data(), block_rows, nv.data(), next_keys}, keys,
+                                    hd, alpha.data(), acc);
+              };
               if (bf16) {
-                std::vector<const Bf16*> kb, vb, nk, nv;
-                for (int64_t b = 0; b < nblocks; ++b) {
-                  kb.push_back(k_blocks[b].bf16.data());
-                  vb.push_back(v_blocks[b].bf16.data());
-                }
-                for (int b = 0; b < 2; ++b) {
-                  nk.push_back(next_k[b].bf16.data());
-                  nv.push_back(next_v[b].bf16.data());
-                }
-                DecodeGroupScoresOn(kernel, q.data(), group,
-                                    BlockRows<Bf16>{kb.data(), block_rows, nk.data(), next_keys},
-                                    keys, hd, s.data(), stride);
-                DecodeGroupValuesOn(kernel, p.data(), stride, group,
-                                    BlockRows<Bf16>{vb.data(), block_rows, nv.data(), next_keys},
-                                    keys, hd, alpha.data(), acc);
+                run([](const Rows& rows) { return rows.bf16.data(); });
               } else {
-                std::vector<const float*> kb, vb, nk, nv;
-                for (int64_t b = 0; b < nblocks; ++b) {
-                  kb.push_back(k_blocks[b].fp32.data());
-                  vb.push_back(v_blocks[b].fp32.data());
-                }
-                for (int b = 0; b < 2; ++b) {
-                  nk.push_back(next_k[b].fp32.data());
-                  nv.push_back(next_v[b].fp32.data());
-                }
-                DecodeGroupScoresOn(kernel, q.data(), group,
-                                    BlockRows<float>{kb.data(), block_rows, nk.data(), next_keys},
-                                    keys, hd, s.data(), stride);
-                DecodeGroupValuesOn(kernel, p.data(), stride, group,
-                                    BlockRows<float>{vb.data(), block_rows, nv.data(), next_keys},
-                                    keys, hd, alpha.data(), acc);
+                run([](const Rows& rows) { return rows.fp32.data(); });
               }
               for (int64_t g = 0; g < kGuard; ++g) {
                 ASSERT_EQ(guarded[static_cast<size_t>(g)], -9.0f) << "before the rows";
