@@ -61,9 +61,9 @@ struct KvBlockPoolStats {
 // 2 * block_tokens * num_kv_heads * head_dim * element bytes (8 KiB for 32
 // tokens of one BF16 KV head of 64: 0.4%).
 //
-// The blocks of one layout lie in slabs of huge pages, one after another
-// (core/decode/kv_block_slabs.h): a decode step streams them faster than
-// blocks taken one at a time from the allocator.
+// The blocks of one layout lie one after another in slabs the pool maps
+// itself (core/decode/kv_block_slabs.h): a decode step streams them faster
+// than blocks taken one at a time from the process's allocator.
 //
 // Thread-safe (one mutex; the memory is allocated and freed outside it). The
 // pool must outlive every block handle it gave out (every LayerKvCache over it).
