@@ -7,6 +7,7 @@
 
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "server/common/allocator_control.h"
 
 namespace attnserve::server {
 
@@ -19,15 +20,6 @@ namespace attnserve::server {
 // call after call, so the binary turns it off and AllocatorCacheKeeper gives
 // the cache back instead: once the server has been idle for a moment, and at
 // once whenever the cache passes its bound.
-
-// Bytes of freed memory the allocator holds for reuse (jemalloc's dirty
-// pages, all arenas); -1 when the process does not run on jemalloc (tests, a
-// -DATTNSERVE_MALLOC=system or sanitizer build). Thread-safe.
-int64_t AllocatorCachedBytes();
-
-// Returns the allocator's cache to the system (jemalloc: purges every arena).
-// Does nothing when the process does not run on jemalloc. Thread-safe.
-void ReleaseAllocatorCache();
 
 struct AllocatorCacheOptions {
   // The cache is released whenever it holds more at a look

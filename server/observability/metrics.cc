@@ -25,13 +25,8 @@
 #include "core/attention_inputs.h"
 #include "core/route.h"
 #include "core/runtime_info.h"
+#include "server/common/allocator_control.h"
 #include "server/observability/process_metrics.h"
-
-// jemalloc's control interface, when the process runs on jemalloc; null
-// otherwise (a weak reference: the attnserve binary links jemalloc, tests do
-// not).
-extern "C" int mallctl(const char* name, void* oldp, size_t* oldlenp, void* newp, size_t newlen)
-    __attribute__((weak));
 
 namespace attnserve::server {
 namespace {
@@ -45,7 +40,7 @@ namespace {
 // grew by that much for each of the first 256 scrapes on new connections
 // (docs/measurements.md, "Churn: RSS and the pool's bookkeeping").
 void ReleaseWorkerThreadCache(const mg_connection* /*connection*/, int /*status*/) {
-  if (mallctl != nullptr) mallctl("thread.tcache.flush", nullptr, nullptr, nullptr, 0);
+  ReleaseThreadAllocatorCache();
 }
 
 using prometheus::Histogram;
