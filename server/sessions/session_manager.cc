@@ -6,9 +6,9 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <optional>
 #include <utility>
 
-#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/decode/latest_attention.h"
@@ -53,16 +53,13 @@ struct Session {
 
 namespace {
 
-// Ids of removed sessions remembered for their NOT_FOUND.
-constexpr size_t kRemembered = 16384;
-
-// 128 bits from the kernel's CSPRNG, as 32 hex digits; INTERNAL when the
-// kernel gives none.
-absl::StatusOr<std::string> NewSessionId() {
-  unsigned char bytes[16];
+// 128 bits from the kernel's CSPRNG (a session id is their 32 hex digits);
+// INTERNAL when the kernel gives none.
+absl::StatusOr<SessionKey> NewSessionKey() {
+  SessionKey key;
   size_t got = 0;
-  while (got < sizeof(bytes)) {
-    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+  while (got < key.size()) {
+    const ssize_t n = getrandom(key.data() + got, key.size() - got, 0);
     if (n > 0) {
       got += static_cast<size_t>(n);
     } else if (n < 0 && errno != EINTR) {
@@ -70,8 +67,7 @@ absl::StatusOr<std::string> NewSessionId() {
           absl::StrCat("session ids: getrandom failed: ", std::strerror(errno)));
     }
   }
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+  return key;
 }
 
 // Bytes of the answers a session keeps for retries and of its latest queries.
@@ -81,12 +77,6 @@ int64_t StoredBytes(const Session& session) {
     bytes += static_cast<int64_t>(layer.last_output.size()) + layer.query_bytes;
   }
   return bytes;
-}
-
-bool LooksLikeSessionId(absl::string_view id) {
-  return id.size() == 32 && std::all_of(id.begin(), id.end(), [](char c) {
-           return absl::ascii_isdigit(c) || (c >= 'a' && c <= 'f');
-         });
 }
 
 // OK when `layer` is one of the session's layers; else INVALID_ARGUMENT naming
@@ -192,7 +182,10 @@ absl::StatusOr<std::unique_ptr<SessionManager>> SessionManager::Create(const Ses
 
 SessionManager::SessionManager(const SessionLimits& limits, Upkeep upkeep,
                                std::unique_ptr<core::KvBlockPool> pool)
-    : limits_(limits), upkeep_(std::move(upkeep)), pool_(std::move(pool)) {
+    : limits_(limits),
+      upkeep_(std::move(upkeep)),
+      pool_(std::move(pool)),
+      ended_sessions_(kRememberedEnds) {
   if (upkeep_.period > absl::ZeroDuration()) {
     upkeep_thread_ = std::thread([this] { UpkeepLoop(); });
   }
@@ -214,17 +207,19 @@ void SessionManager::UpkeepLoop() {
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(absl::string_view id,
                                                                     absl::string_view owner) {
-  if (!LooksLikeSessionId(id)) {
+  const std::optional<SessionKey> key = ParseSessionId(id);
+  if (!key.has_value()) {
     return absl::NotFoundError("session_id: not a session id (32 hex digits)");
   }
   const auto it = sessions_.find(id);
   if (it == sessions_.end() || it->second->owner != owner) {
-    const auto gone = gone_index_.find(id);
     // Why a session is gone is its owner's to know; others see "unknown".
-    if (it != sessions_.end() || gone == gone_index_.end() || gone->second.owner != owner) {
+    const std::optional<Why> why =
+        it == sessions_.end() ? ended_sessions_.Find(*key, owner) : std::nullopt;
+    if (!why.has_value()) {
       return absl::NotFoundError(absl::StrCat("session ", id, ": unknown session"));
     }
-    switch (gone->second.why) {
+    switch (*why) {
       case Why::kExpired:
         return absl::NotFoundError(absl::StrCat("session ", id, ": expired (idle past its TTL)"));
       case Why::kEvictedForMemory:
@@ -247,15 +242,11 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(absl::string
 }
 
 void SessionManager::RemoveLocked(const std::string& id, Why why) {
-  if (gone_.size() == kRemembered) {
-    gone_index_.erase(gone_.front());
-    gone_.pop_front();
-  }
   const auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   stored_bytes_ -= StoredBytes(*it->second);
-  gone_.push_back(id);
-  gone_index_[id] = {why, it->second->owner};
+  // Every id in the table is the hex of a NewSessionKey (AddLocked).
+  ended_sessions_.Remember(*ParseSessionId(id), it->second->owner, why);
   sessions_.erase(it);
 }
 
@@ -293,11 +284,14 @@ absl::Status SessionManager::AdmitSessionLocked(absl::string_view owner, const S
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::AddLocked(absl::string_view owner) {
   auto session = std::make_shared<Session>();
+  SessionKey key;
   do {
-    absl::StatusOr<std::string> id = NewSessionId();
-    if (!id.ok()) return id.status();
-    session->id = *std::move(id);
-  } while (sessions_.contains(session->id) || gone_index_.contains(session->id));
+    absl::StatusOr<SessionKey> drawn = NewSessionKey();
+    if (!drawn.ok()) return drawn.status();
+    key = *drawn;
+    session->id = absl::BytesToHexString(
+        absl::string_view(reinterpret_cast<const char*>(key.data()), key.size()));
+  } while (sessions_.contains(session->id) || ended_sessions_.Contains(key));
   session->owner = std::string(owner);
   session->last_used = clock_();
   sessions_[session->id] = session;

@@ -2,7 +2,6 @@
 #define ATTNSERVE_SERVER_SESSIONS_SESSION_MANAGER_H_
 
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
@@ -22,6 +21,7 @@
 #include "core/decode/layer_kv_cache.h"
 #include "server/common/server_options.h"
 #include "server/models/model_registry.h"
+#include "server/sessions/ended_sessions.h"
 
 namespace attnserve::server {
 
@@ -154,7 +154,8 @@ class StepLease {
 // authentication off): any other caller gets NOT_FOUND, as for an unknown id.
 // NOT_FOUND says whether the id is unknown, expired (idle past its TTL),
 // evicted (for the KV cache's memory, or for a new session at
-// --max_sessions) or closed, for ids removed recently.
+// --max_sessions) or closed, for the last kRememberedEnds ids removed (their
+// memory is taken at construction: EndedSessions).
 //
 // Memory: the KV cache never holds more than kv_cache_bytes. A step that
 // needs blocks beyond it evicts idle sessions, least recently used first
@@ -168,6 +169,9 @@ class SessionManager {
   // steps and short chunks; a repeated longer prefill is ABORTED: truncate
   // and send it again).
   static constexpr int64_t kMaxStoredOutputBytes = int64_t{256} << 10;
+  // Ended sessions whose NOT_FOUND says why they ended (older ones: "unknown
+  // session"). About 0.5 MiB, all of it taken at construction.
+  static constexpr size_t kRememberedEnds = 16384;
 
   using Clock = std::function<absl::Time()>;
   using Upkeep = SessionUpkeep;
@@ -269,12 +273,7 @@ class SessionManager {
   // EndStep's work, once per lease (later calls do nothing).
   void EndStepOf(StepLease& lease, const absl::Status& status, std::string output);
 
-  // Why a recently removed id is gone, for its owner's NOT_FOUND.
-  enum class Why { kExpired, kEvictedForMemory, kEvictedForSessions, kClosed };
-  struct Gone {
-    Why why;
-    std::string owner;
-  };
+  using Why = SessionEnd;
 
   // The caller's session, or NOT_FOUND.
   absl::StatusOr<std::shared_ptr<Session>> FindLocked(absl::string_view id,
@@ -307,9 +306,8 @@ class SessionManager {
 
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
-  // Recently removed ids (at most kRemembered), oldest first.
-  std::deque<std::string> gone_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, Gone> gone_index_ ABSL_GUARDED_BY(mu_);
+  // The last kRememberedEnds ids removed, why, and whose.
+  EndedSessions ended_sessions_ ABSL_GUARDED_BY(mu_);
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // The answers kept for retries and the layers' latest queries, every
   // session's (within the KV budget).

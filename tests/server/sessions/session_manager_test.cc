@@ -16,7 +16,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "core/attention_layer.h"
 #include "core/attention_weights.h"
@@ -374,6 +376,47 @@ TEST_F(SessionManagerTest, CloseDuringAStepFreesTheMemoryWhenTheStepEnds) {
   Step(*manager, *std::move(step), 6, "x");
   EXPECT_EQ(manager->stats().pool.bytes_in_use, 0);
   EXPECT_EQ(manager->stats().reserved_bytes, 0);
+}
+
+TEST_F(SessionManagerTest, TheLastEndedSessionsSayWhyAndTheOneBeforeThemIsUnknown) {
+  auto manager = Make();
+  constexpr size_t kRemembered = SessionManager::kRememberedEnds;
+  std::vector<std::string> ids;
+  for (size_t i = 0; i <= kRemembered; ++i) {  // the last one ends the first's record
+    absl::StatusOr<SessionInfo> opened = manager->Open(Spec(1), i % 2 == 0 ? "alice" : "");
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    ids.push_back(opened->id);
+    ASSERT_TRUE(manager->Close(opened->id, i % 2 == 0 ? "alice" : "").ok());
+    if (i == 0) {
+      EXPECT_EQ(manager->Get(ids[0], "alice").status(),
+                absl::NotFoundError(absl::StrCat("session ", ids[0], ": closed")));
+    }
+  }
+  // The first of kRemembered + 1: forgotten, as if it never existed.
+  EXPECT_EQ(manager->Get(ids[0], "alice").status(),
+            absl::NotFoundError(absl::StrCat("session ", ids[0], ": unknown session")));
+  // The second (an owner of "") and the last (alice's): remembered, for their owners.
+  EXPECT_EQ(manager->Get(ids[1], "").status(),
+            absl::NotFoundError(absl::StrCat("session ", ids[1], ": closed")));
+  EXPECT_EQ(manager->Get(ids[1], "alice").status(),
+            absl::NotFoundError(absl::StrCat("session ", ids[1], ": unknown session")));
+  EXPECT_EQ(manager->Close(ids.back(), "alice"),
+            absl::NotFoundError(absl::StrCat("session ", ids.back(), ": closed")));
+  EXPECT_EQ(manager->Get(ids.back(), "").status(),
+            absl::NotFoundError(absl::StrCat("session ", ids.back(), ": unknown session")));
+  // An id that is not 32 lowercase hex digits is answered before any lookup,
+  // a remembered one in capitals included.
+  std::string upper = ids.back();
+  for (char& c : upper) c = absl::ascii_toupper(c);
+  ASSERT_NE(upper, ids.back());
+  for (const std::string& bad :
+       {std::string(), ids.back().substr(1), ids.back() + "0", upper,
+        ids.back().substr(0, 31) + "g", std::string("../etc/passwd")}) {
+    EXPECT_EQ(manager->Get(bad, "alice").status(),
+              absl::NotFoundError("session_id: not a session id (32 hex digits)"))
+        << bad;
+  }
+  EXPECT_EQ(manager->stats().sessions, 0);
 }
 
 TEST_F(SessionManagerTest, QuotasBoundEachCallersSessionsAndKvBytes) {
