@@ -1,12 +1,14 @@
 #include "core/workspace.h"
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <new>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "core/kernels/workspace_state.h"
 #include "core/onednn_util.h"
 #include "core/status_macros.h"
@@ -48,6 +50,29 @@ int64_t Workspace::route_bytes() const {
 
 int64_t Workspace::bytes() const {
   return route_bytes() + state_->scratchpad.capacity() + state_->block_scratchpads.capacity();
+}
+
+absl::StatusOr<int> SetOneDnnPrimitiveCacheCapacityUnlessSet(int capacity) {
+  if (capacity < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("oneDNN's primitive cache capacity: ", capacity, " is negative"));
+  }
+  if (std::getenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == nullptr &&
+      std::getenv("DNNL_PRIMITIVE_CACHE_CAPACITY") == nullptr) {
+    try {
+      dnnl::set_primitive_cache_capacity(capacity);
+    } catch (const dnnl::error& e) {
+      return internal::StatusFromDnnlError(e, "setting its primitive cache's capacity");
+    }
+  }
+  return OneDnnPrimitiveCacheCapacity();
+}
+
+int OneDnnPrimitiveCacheCapacity() {
+  int capacity = 0;
+  // Cannot fail: the C call only reads a value.
+  dnnl_get_primitive_cache_capacity(&capacity);
+  return capacity;
 }
 
 void Workspace::Release() {

@@ -47,6 +47,24 @@ class Workspace {
   std::unique_ptr<internal::WorkspaceState> state_;
 };
 
+// oneDNN keeps a process-wide cache of its own (1024 primitives unless
+// ONEDNN_PRIMITIVE_CACHE_CAPACITY says otherwise) beside each workspace's
+// (a bounded number, least recently used evicted). It only saves work when a
+// primitive is built again: by a workspace that evicted it, or by forwards
+// given no workspace (each makes its own). A process whose forwards all run on
+// a few long-lived workspaces (a server's compute worker) mostly keeps in it
+// a second reference to what the workspaces hold, and up to its capacity of
+// shapes they evicted: memory that grows as new shapes arrive.
+//
+// Sets that capacity (0: oneDNN keeps no primitive of its own) unless the
+// environment sets it (ONEDNN_PRIMITIVE_CACHE_CAPACITY or the older
+// DNNL_PRIMITIVE_CACHE_CAPACITY: a deployment's choice wins). Returns the
+// capacity in force. INVALID_ARGUMENT for a negative capacity. Thread-safe.
+absl::StatusOr<int> SetOneDnnPrimitiveCacheCapacityUnlessSet(int capacity);
+
+// The capacity of oneDNN's own primitive cache in force. Thread-safe.
+int OneDnnPrimitiveCacheCapacity();
+
 }  // namespace attnserve::core
 
 #endif  // ATTNSERVE_CORE_WORKSPACE_H_

@@ -24,6 +24,7 @@
 #include "absl/time/time.h"
 #include "cli/build_info.h"
 #include "core/status_macros.h"
+#include "core/workspace.h"
 #include "server/api/replica_header.h"
 #include "server/explorer/explorer_routes.h"
 #include "server/http/open_inference_rest.h"
@@ -62,6 +63,15 @@ std::string HostOf(absl::string_view address) {
 int ClampedMilliseconds(int64_t seconds) {
   return static_cast<int>(std::min<int64_t>(seconds, std::numeric_limits<int>::max() / 1000) * 1000);
 }
+
+// oneDNN's own primitive cache: off. Every primitive the server runs is built
+// and cached on the compute worker's workspace (core/workspace.h; the
+// warm-up's forwards make a workspace each, once per model), so oneDNN's
+// cache only held second references to those and up to 1024 shapes the
+// workspace had evicted: memory that grew for minutes as new batch shapes
+// came (docs/measurements.md, "Churn"). ONEDNN_PRIMITIVE_CACHE_CAPACITY in the
+// environment still sets it (attnserve logs the capacity in force).
+constexpr int kOneDnnPrimitiveCacheCapacity = 0;
 
 // Start-up queues at most this many loads at once (below ModelLoaderOptions'
 // default max_pending, which refuses more).
@@ -223,6 +233,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
           *tokens, std::move(guarded), OpenInferenceService::OpenMethodPaths()));
     }
   }
+  ATTNSERVE_RETURN_IF_ERROR(
+      core::SetOneDnnPrimitiveCacheCapacityUnlessSet(kOneDnnPrimitiveCacheCapacity).status());
   std::unique_ptr<AttnServer> server(new AttnServer(options));
   ATTNSERVE_ASSIGN_OR_RETURN(
       server->executor_,

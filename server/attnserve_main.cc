@@ -23,6 +23,7 @@
 #include "cli/build_info.h"
 #include "cli/command_line.h"
 #include "core/runtime_info.h"
+#include "core/workspace.h"
 #include "server/attn_server.h"
 #include "server/process_guard.h"
 #include "server/common/server_options.h"
@@ -313,6 +314,10 @@ void LogConfiguration(const attnserve::server::ServerOptions& options,
                            ? absl::StrCat(", GOMP_SPINCOUNT ", std::getenv("GOMP_SPINCOUNT"))
                            : "",
                        " (PASSIVE unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT)"));
+  LogLine(absl::StrCat("oneDNN's own primitive cache holds ",
+                       attnserve::core::OneDnnPrimitiveCacheCapacity(),
+                       " primitives (0 unless the environment sets ONEDNN_PRIMITIVE_CACHE_CAPACITY; "
+                       "the compute worker caches its own)"));
   if (options.tls_cert_file.empty()) {
     LogLine("WARNING: serving plaintext gRPC (no --tls_cert): anyone on the network can read and "
             "alter calls");

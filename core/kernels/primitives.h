@@ -23,8 +23,10 @@ struct Step {
   dnnl::memory::desc scratchpad;
 };
 
-// Primitives by shape key, the least recently used evicted past a bound
-// (oneDNN's own primitive cache makes rebuilding one cheap). A key holds
+// Primitives by shape key, the least recently used evicted past a bound (a
+// rebuild is cheap only while oneDNN's own cache still holds the primitive;
+// the server turns that cache off: SetOneDnnPrimitiveCacheCapacityUnlessSet
+// in core/workspace.h). A key holds
 // everything the primitive depends on (kind, shapes, data types, strides,
 // scale), so one cache serves every layer. Not thread-safe.
 class PrimitiveCache {

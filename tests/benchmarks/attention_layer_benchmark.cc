@@ -378,6 +378,66 @@ BENCHMARK(BM_OnlineSoftmaxRow)
     ->Args({2048, 0})
     ->Args({2048, 1});
 
+// Forwards whose shapes keep changing, as a server's batches do: one sequence
+// of 1..`distinct` tokens (a random order, the same in every run; FP32,
+// d_model 768, 12 heads) per forward, on one workspace kept across them.
+// Every row count is two projection primitives of its own (Q/K/V, output),
+// so past about 128 row counts the workspace's cache of 256 primitives evicts
+// and rebuilds them; whether a rebuild is cheap depends on oneDNN's own
+// primitive cache. Compare processes run with ONEDNN_PRIMITIVE_CACHE_CAPACITY=0
+// (as attnserve sets it) and unset (oneDNN's 1024). Counters: tokens (per
+// second) and us_per_forward. args: distinct row counts.
+void BM_ChangingShapes(benchmark::State& state) {
+  const int64_t distinct = state.range(0);
+  HeadConfig requested;
+  requested.d_model = 768;
+  requested.num_heads = 12;
+  const HeadConfig config = *ResolveHeadConfig(requested);
+  auto layer = *AttentionLayer::Create(config, SeededWeights(config, 1));
+  std::vector<int64_t> order(static_cast<size_t>(4 * distinct));
+  for (size_t i = 0; i < order.size(); ++i) order[i] = 1 + static_cast<int64_t>(i) % distinct;
+  std::shuffle(order.begin(), order.end(), std::mt19937(3));
+  std::vector<float> input(distinct * config.d_model, 0.25f), output(input.size());
+  const std::unique_ptr<Workspace> workspace = *Workspace::Create();
+  const auto forward = [&](int64_t seq) {
+    LayerInputs inputs;
+    inputs.hidden_states = absl::MakeConstSpan(input.data(), seq * config.d_model);
+    inputs.layout = *SequenceLayout::Padded(1, seq);
+    ForwardOutputs outputs;
+    outputs.output = absl::MakeSpan(output.data(), seq * config.d_model);
+    return layer->Forward(inputs, {}, outputs, workspace.get());
+  };
+  for (const int64_t seq : order) {  // warm-up: every shape met once
+    if (absl::Status status = forward(seq).status(); !status.ok()) {
+      state.SkipWithError(std::string(status.message()).c_str());
+      return;
+    }
+  }
+  size_t next = 0;
+  int64_t tokens = 0;
+  for (auto _ : state) {
+    const int64_t seq = order[next];
+    next = (next + 1) % order.size();
+    benchmark::DoNotOptimize(forward(seq));
+    tokens += seq;
+  }
+  state.counters["tokens"] = benchmark::Counter(static_cast<double>(tokens),
+                                                benchmark::Counter::kIsRate);
+  state.counters["us_per_forward"] = benchmark::Counter(
+      static_cast<double>(state.iterations()) * 1e-6,
+      benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  const char* capacity = std::getenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY");
+  state.SetLabel(std::string("ONEDNN_PRIMITIVE_CACHE_CAPACITY=") +
+                 (capacity != nullptr ? capacity : "(unset)"));
+}
+BENCHMARK(BM_ChangingShapes)
+    ->Arg(32)
+    ->Arg(100)
+    ->Arg(200)
+    ->Arg(400)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+
 // The attention alone (AttentionCore, blocked path: scores, online softmax,
 // P V), on dense FP32 Q/K/V [B, H, S, hd] (BF16: converted inside, as the
 // core does). GFLOP counts 4*B*H*S^2*hd (halved when causal); of_ceiling

@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -22,6 +23,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "core/workspace.h"
 #include "gtest/gtest.h"
 #include "server/attn_server.h"
 #include "server/process_guard.h"
@@ -89,6 +91,36 @@ TEST(AttnServerPort, ASecondInstanceOnABusyPortFailsToStartWithAClearMessage) {
       << second.status();
   EXPECT_NE(second.status().message().find("another process"), std::string::npos)
       << second.status();
+}
+
+// The compute worker's workspace caches the primitives it runs; the server
+// turns oneDNN's own cache off (it only held second copies and shapes the
+// workspace had evicted: memory that grew with every new batch shape), unless
+// the environment sets its capacity.
+TEST(AttnServerOneDnn, StartingTurnsOneDnnsOwnPrimitiveCacheOffUnlessTheEnvironmentSetsIt) {
+  if (std::getenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY") != nullptr ||
+      std::getenv("DNNL_PRIMITIVE_CACHE_CAPACITY") != nullptr) {
+    GTEST_SKIP() << "the environment sets oneDNN's primitive cache capacity";
+  }
+  // oneDNN's default, as before the server starts.
+  ASSERT_EQ(core::SetOneDnnPrimitiveCacheCapacityUnlessSet(1024).value_or(-1), 1024);
+  {
+    auto server = AttnServer::Create(TestOptions());
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(core::OneDnnPrimitiveCacheCapacity(), 0);
+  }
+  // A deployment that sets the variable keeps what oneDNN made of it (as if
+  // it had read 77 at its first use).
+  ASSERT_EQ(core::SetOneDnnPrimitiveCacheCapacityUnlessSet(77).value_or(-1), 77);
+  ASSERT_EQ(setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "77", /*overwrite=*/1), 0);
+  {
+    auto server = AttnServer::Create(TestOptions());
+    ASSERT_TRUE(server.ok()) << server.status();
+    EXPECT_EQ(core::OneDnnPrimitiveCacheCapacity(), 77);
+  }
+  unsetenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY");
+  EXPECT_EQ(core::SetOneDnnPrimitiveCacheCapacityUnlessSet(-1).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // The replica's name travels in every answer (what a client behind the proxy
