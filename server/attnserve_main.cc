@@ -316,8 +316,8 @@ void LogConfiguration(const attnserve::server::ServerOptions& options,
                        " (PASSIVE unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT)"));
   LogLine(absl::StrCat("oneDNN's own primitive cache holds ",
                        attnserve::core::OneDnnPrimitiveCacheCapacity(),
-                       " primitives (0 unless the environment sets ONEDNN_PRIMITIVE_CACHE_CAPACITY; "
-                       "the compute worker caches its own)"));
+                       " primitives (0 unless the environment sets "
+                       "ONEDNN_PRIMITIVE_CACHE_CAPACITY; the compute worker caches its own)"));
   if (options.tls_cert_file.empty()) {
     LogLine("WARNING: serving plaintext gRPC (no --tls_cert): anyone on the network can read and "
             "alter calls");

@@ -28,12 +28,12 @@ std::optional<SessionKey> ParseSessionId(absl::string_view id);
 // owner, so that the owner's NOT_FOUND can say why.
 //
 // Its memory, but for the owners' names, is taken at construction and never
-// grows, so a server's RSS does not climb while it fills: a ring of 24-byte records (the binary id, an owner
-// number, why) overwritten oldest first, and an index of ring slots sized for
-// `capacity` records (its own slots are 4-byte slot numbers; a lookup hashes
-// the record's id). Owners are kept once each while a record names them (the
-// distinct callers among the records: "" with authentication off, one per
-// token of --auth_tokens_file with it).
+// grows, so a server's RSS does not climb while it fills: a ring of 24-byte
+// records (the binary id, an owner number, why) overwritten oldest first, and
+// an index of ring slots sized for `capacity` records (its own slots are
+// 4-byte slot numbers; a lookup hashes the record's id). Owners are kept once
+// each while a record names them (the distinct callers among the records: ""
+// with authentication off, one per token of --auth_tokens_file with it).
 //
 // Not thread-safe (SessionManager guards it); neither copyable nor movable
 // (the index's hash and equality point into the ring).
