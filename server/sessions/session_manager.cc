@@ -327,7 +327,39 @@ int64_t SessionManager::OwnerBytesLocked(absl::string_view owner) const {
     if (session->owner != owner) continue;
     for (const SessionLayer& layer : session->layers) bytes += layer.blocks * layer.block_bytes;
   }
+  // A snapshot's blocks count as far as its layer no longer holds them: a
+  // read waiting in the queue would otherwise let its owner close the
+  // session and fill the quota again while the old blocks stay taken.
+  for (const auto& [key, held] : snapshots_) {
+    if (held.owner != owner) continue;
+    int64_t still_held = 0;
+    if (const auto it = sessions_.find(held.session_id); it != sessions_.end()) {
+      const SessionLayer& layer = it->second->layers[static_cast<size_t>(held.layer)];
+      still_held = layer.blocks * layer.block_bytes;
+    }
+    bytes += std::max<int64_t>(0, held.bytes - still_held);
+  }
   return bytes;
+}
+
+void SessionManager::ForgetSnapshot(uint64_t key) {
+  absl::MutexLock lock(&mu_);
+  snapshots_.erase(key);
+}
+
+SnapshotHold& SnapshotHold::operator=(SnapshotHold&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    manager_ = std::exchange(other.manager_, nullptr);
+    key_ = std::exchange(other.key_, 0);
+  }
+  return *this;
+}
+
+void SnapshotHold::Reset() {
+  if (manager_ != nullptr) manager_->ForgetSnapshot(key_);
+  manager_ = nullptr;
+  key_ = 0;
 }
 
 absl::StatusOr<SessionInfo> SessionManager::Open(const SessionSpec& spec,
@@ -531,6 +563,11 @@ absl::StatusOr<LatestSnapshot> SessionManager::SnapshotLatest(absl::string_view 
   snapshot.model = target.model;
   snapshot.position = session.first_position + target.length - 1;
   snapshot.map_bytes = bytes;
+  const uint64_t key = next_snapshot_key_++;
+  snapshots_[key] = HeldSnapshot{session.owner, session.id, layer,
+                                 target.blocks * target.block_bytes};
+  snapshot.hold.manager_ = this;
+  snapshot.hold.key_ = key;
   return snapshot;
 }
 

@@ -68,12 +68,40 @@ struct LatestAttentionRead {
   std::vector<float> max_weight;  // [num_heads]
 };
 
+class SessionManager;
+
+// A snapshot's place in its manager's count of the blocks snapshots hold
+// (SessionManager::SnapshotLatest): leaves it when destroyed or reset.
+// Movable, not copyable.
+class SnapshotHold {
+ public:
+  SnapshotHold() = default;
+  SnapshotHold(SnapshotHold&& other) noexcept { *this = std::move(other); }
+  SnapshotHold& operator=(SnapshotHold&& other) noexcept;
+  ~SnapshotHold() { Reset(); }
+  void Reset();
+
+ private:
+  friend class SessionManager;
+  SessionManager* manager_ = nullptr;
+  uint64_t key_ = 0;
+};
+
 // A layer's latest token taken for a read (SessionManager::SnapshotLatest).
+// Its blocks count against the owner's KV quota for as long as it holds
+// them and the session no longer does (closed, evicted, expired or
+// truncated meanwhile). Release() gives them back (so does destruction).
 struct LatestSnapshot {
   std::unique_ptr<core::LayerKvCache> cache;  // sharing the layer's blocks
   std::shared_ptr<const Model> model;
   int64_t position = 0;  // the latest token's RoPE position
   int64_t map_bytes = 0;  // of the read's maps
+  SnapshotHold hold;
+
+  void Release() {
+    cache.reset();
+    hold.Reset();
+  }
 };
 
 // What the KV cache and the sessions hold, read together (for metrics).
@@ -88,7 +116,6 @@ struct SessionStats {
   int64_t expiries = 0;
 };
 
-class SessionManager;
 struct Session;
 
 // How a SessionManager looks after itself.
@@ -262,6 +289,7 @@ class SessionManager {
 
  private:
   friend class StepLease;
+  friend class SnapshotHold;
   SessionManager(const SessionLimits& limits, Upkeep upkeep,
                  std::unique_ptr<core::KvBlockPool> pool);
   void UpkeepLoop();
@@ -294,8 +322,18 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> AddLocked(absl::string_view owner)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionInfo InfoLocked(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // KV bytes the owner's sessions hold.
+  // KV bytes the owner's sessions hold, and its snapshots hold beyond them.
   int64_t OwnerBytesLocked(absl::string_view owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A snapshot's blocks leave the owners' count (SnapshotHold::Reset).
+  void ForgetSnapshot(uint64_t key);
+
+  // The blocks a snapshot of a layer holds, for its owner's quota.
+  struct HeldSnapshot {
+    std::string owner;
+    std::string session_id;
+    int layer = 0;
+    int64_t bytes = 0;
+  };
 
   // Constant after construction.
   const SessionLimits limits_;
@@ -310,6 +348,9 @@ class SessionManager {
   // Recently removed ids (at most kRemembered), oldest first.
   std::deque<std::string> gone_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Gone> gone_index_ ABSL_GUARDED_BY(mu_);
+  // Snapshots waiting for their read (at most the scheduler's queue).
+  absl::flat_hash_map<uint64_t, HeldSnapshot> snapshots_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_snapshot_key_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // The answers kept for retries and the layers' latest queries, every
   // session's (within the KV budget).

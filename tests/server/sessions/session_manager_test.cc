@@ -642,5 +642,63 @@ TEST_F(SessionManagerTest, LatestAttentionFollowsForksRetriesTruncatesAndSteps) 
   EXPECT_EQ(manager->stats().stored_bytes, 0);
 }
 
+// A read waiting in the queue holds its layer's blocks through a snapshot.
+// While the session holds them too they count once; once the session lets
+// them go (closed here) they count against the owner until the read ends, so
+// closing and reopening cannot take more than the quota.
+TEST_F(SessionManagerTest, BlocksAWaitingReadHoldsCountAgainstItsOwnerOnceTheSessionLetsThemGo) {
+  auto manager = Make({.max_kv_bytes_per_owner = 6 * kBlockBytes});
+  const std::string first = manager->Open(Spec(1), "alice")->id;
+  LatestRows rows;
+  rows.Step(*manager, *manager->BeginStep(first, "alice", 0, 0, 12, 1), 12);  // 3 blocks
+  absl::StatusOr<LatestSnapshot> waiting =
+      manager->SnapshotLatest(first, "alice", 0, kNoMapLimit, kFlags);
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+
+  // The snapshot adds nothing while the session holds its blocks: a second
+  // session takes the other 3 blocks of the quota.
+  const std::string second = manager->Open(Spec(1), "alice")->id;
+  Extend(*manager, second, 0, 0, 12, "alice");
+  absl::Status full = manager->BeginStep(second, "alice", 0, 12, 1, 7).status();
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  ASSERT_TRUE(manager->Close(second, "alice").ok());
+
+  // Closed, the first session's 3 blocks stay taken by the read: they count.
+  ASSERT_TRUE(manager->Close(first, "alice").ok());
+  EXPECT_EQ(manager->stats().pool.blocks_in_use, 3);
+  const std::string third = manager->Open(Spec(1), "alice")->id;
+  Extend(*manager, third, 0, 0, 12, "alice");  // 3 + 3 blocks: the quota
+  absl::Status over = manager->BeginStep(third, "alice", 0, 12, 1, 7).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(over.message(), "--max_kv_bytes_per_token")) << over;
+  // Another owner's quota is its own.
+  const std::string bobs = manager->Open(Spec(1), "bob")->id;
+  Extend(*manager, bobs, 0, 0, 24, "bob");  // 6 blocks
+
+  // The read still sees what it took, against the reference.
+  absl::StatusOr<LatestAttentionRead> read = SessionManager::ReadLatest(*waiting);
+  ASSERT_TRUE(read.ok()) << read.status();
+  const std::vector<double> reference = rows.Reference(12);
+  ASSERT_EQ(read->maps.size(), reference.size());
+  for (size_t i = 0; i < reference.size(); ++i) {
+    EXPECT_NEAR(read->maps[i], reference[i], 1e-6) << "at " << i;
+  }
+
+  // The read ends: its blocks go back to the pool and leave alice's count.
+  waiting->Release();
+  EXPECT_EQ(manager->stats().pool.blocks_in_use, 3 + 6);
+  rows.Step(*manager, *manager->BeginStep(third, "alice", 0, 12, 1, 9), 1);  // 4 blocks
+  // A snapshot destroyed without Release leaves the count as well.
+  {
+    absl::StatusOr<LatestSnapshot> dropped =
+        manager->SnapshotLatest(third, "alice", 0, kNoMapLimit, kFlags);
+    ASSERT_TRUE(dropped.ok()) << dropped.status();
+    ASSERT_TRUE(manager->Truncate(third, "alice", 0, 0).ok());
+    absl::Status taken = manager->BeginStep(third, "alice", 0, 0, 9, 8).status();
+    EXPECT_EQ(taken.code(), absl::StatusCode::kResourceExhausted) << taken;
+  }
+  Extend(*manager, third, 0, 0, 24, "alice");  // 6 blocks: the whole quota again
+}
+
 }  // namespace
 }  // namespace attnserve::server
