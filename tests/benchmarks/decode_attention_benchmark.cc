@@ -9,7 +9,8 @@
 // the L3 cache (read from sysfs and printed), so each call reads from memory.
 //
 // BM_ReadProbe: a large-array sum on all OpenMP threads (GB/s), the ceiling
-// (four accumulators in the CPU's widest vectors: bounded by memory, not adds).
+// (independent accumulators in the CPU's widest vectors: bounded by memory,
+// not by the adds).
 // BM_PagedDecode/seqs/context/heads/kv_heads/bf16: one decode step (n = 1 new
 // query row per sequence, head_dim 64) of a micro-batch of `seqs` sequences.
 // Counters:
@@ -82,29 +83,46 @@ std::string CpuModel() {
   return "unknown";
 }
 
-// Sums n floats with four independent accumulators of 16 lanes, in the
-// widest vectors this CPU has (a clone per ISA, chosen at load time), so that
-// the loop waits on memory, not on the adds: a plain sum with one accumulator
-// in baseline x86-64 vectors is bounded by the add's latency on some CPUs
-// (18-19 GB/s on two threads of an Intel Xeon that delivers 26-29 GB/s, where
-// the decode kernels read 21 GB/s and the "ceiling" read below them).
-using Lanes16 = float __attribute__((vector_size(64)));
-__attribute__((target_clones("avx512f", "avx2", "default"))) float SumFloats(const float* data,
-                                                                             int64_t n) {
-  Lanes16 acc[4] = {};
+// Sums n floats with independent accumulators in the widest vectors this CPU
+// has, so that the loop waits on memory, not on the adds: a plain sum with
+// one accumulator in baseline x86-64 vectors is bounded by the add's latency
+// on some CPUs (18-19 GB/s on two threads of an Intel Xeon whose decode
+// kernels read 21 GB/s, where this reads 24-27 GB/s; there the width counts
+// too: eight 4-lane accumulators read about a fifth less than four 16-lane
+// ones). Each ISA gets the vector width GCC lowers well under its target.
+template <typename Lanes, int kAccumulators>
+[[gnu::always_inline]] inline float SumFloatsWith(const float* data, int64_t n) {
+  constexpr int64_t kLanes = sizeof(Lanes) / sizeof(float);
+  constexpr int64_t kStride = kLanes * kAccumulators;
+  Lanes acc[kAccumulators] = {};
   int64_t i = 0;
-  for (; i + 64 <= n; i += 64) {
-    for (int k = 0; k < 4; ++k) {
-      Lanes16 x;
-      std::memcpy(&x, data + i + 16 * k, sizeof(x));
+  for (; i + kStride <= n; i += kStride) {
+    for (int k = 0; k < kAccumulators; ++k) {
+      Lanes x;
+      std::memcpy(&x, data + i + kLanes * k, sizeof(x));
       acc[k] += x;
     }
   }
-  const Lanes16 all = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  for (int k = 1; k < kAccumulators; ++k) acc[0] += acc[k];
   float sum = 0.0f;
-  for (int j = 0; j < 16; ++j) sum += all[j];
+  for (int64_t j = 0; j < kLanes; ++j) sum += acc[0][j];
   for (; i < n; ++i) sum += data[i];
   return sum;
+}
+using Lanes4 = float __attribute__((vector_size(16)));
+using Lanes8 = float __attribute__((vector_size(32)));
+using Lanes16 = float __attribute__((vector_size(64)));
+__attribute__((target("avx512f"))) float SumFloatsAvx512(const float* data, int64_t n) {
+  return SumFloatsWith<Lanes16, 4>(data, n);
+}
+__attribute__((target("avx2"))) float SumFloatsAvx2(const float* data, int64_t n) {
+  return SumFloatsWith<Lanes8, 8>(data, n);
+}
+float SumFloats(const float* data, int64_t n) {
+  static const auto sum = __builtin_cpu_supports("avx512f") ? &SumFloatsAvx512
+                          : __builtin_cpu_supports("avx2")  ? &SumFloatsAvx2
+                                                            : &SumFloatsWith<Lanes4, 8>;
+  return sum(data, n);
 }
 
 // Sums a large array on all OpenMP threads, each its own contiguous part; the
