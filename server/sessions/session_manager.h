@@ -72,10 +72,13 @@ class SessionManager;
 
 // A snapshot's place in its manager's count of the blocks snapshots hold
 // (SessionManager::SnapshotLatest): leaves it when destroyed or reset.
-// Movable, not copyable.
+// Movable, not copyable; must not outlive its manager. Not thread-safe (one
+// owner at a time); Reset takes the manager's lock.
 class SnapshotHold {
  public:
   SnapshotHold() = default;
+  SnapshotHold(const SnapshotHold&) = delete;
+  SnapshotHold& operator=(const SnapshotHold&) = delete;
   SnapshotHold(SnapshotHold&& other) noexcept { *this = std::move(other); }
   SnapshotHold& operator=(SnapshotHold&& other) noexcept;
   ~SnapshotHold() { Reset(); }
@@ -88,15 +91,15 @@ class SnapshotHold {
 };
 
 // A layer's latest token taken for a read (SessionManager::SnapshotLatest).
-// Its blocks count against the owner's KV quota for as long as it holds
-// them and the session no longer does (closed, evicted, expired or
-// truncated meanwhile). Release() gives them back (so does destruction).
+// Its blocks count against the owner's KV quota once no session holds them
+// any more (closed, evicted, expired, truncated, or copied before a write)
+// while it does. Release() gives them back (so does destruction).
 struct LatestSnapshot {
+  SnapshotHold hold;  // declared first: destroyed after the blocks go back
   std::unique_ptr<core::LayerKvCache> cache;  // sharing the layer's blocks
   std::shared_ptr<const Model> model;
   int64_t position = 0;  // the latest token's RoPE position
   int64_t map_bytes = 0;  // of the read's maps
-  SnapshotHold hold;
 
   void Release() {
     cache.reset();
@@ -322,18 +325,17 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> AddLocked(absl::string_view owner)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionInfo InfoLocked(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // KV bytes the owner's sessions hold, and its snapshots hold beyond them.
-  int64_t OwnerBytesLocked(absl::string_view owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A snapshot's blocks leave the owners' count (SnapshotHold::Reset).
-  void ForgetSnapshot(uint64_t key);
-
-  // The blocks a snapshot of a layer holds, for its owner's quota.
-  struct HeldSnapshot {
-    std::string owner;
-    std::string session_id;
-    int layer = 0;
-    int64_t bytes = 0;
+  // KV bytes an owner holds: its sessions' blocks, and the blocks its
+  // waiting reads' snapshots hold that no session holds any more.
+  struct OwnerKvBytes {
+    int64_t sessions = 0;
+    int64_t waiting_reads = 0;
+    int64_t total() const { return sessions + waiting_reads; }
   };
+  OwnerKvBytes OwnerBytesLocked(absl::string_view owner) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A snapshot's blocks leave the owners' count (SnapshotHold::Reset).
+  void ForgetSnapshot(uint64_t key) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   const SessionLimits limits_;
@@ -348,7 +350,13 @@ class SessionManager {
   // Recently removed ids (at most kRemembered), oldest first.
   std::deque<std::string> gone_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Gone> gone_index_ ABSL_GUARDED_BY(mu_);
-  // Snapshots waiting for their read (at most the scheduler's queue).
+  // The blocks of each snapshot not yet released (the reads queued or
+  // running), for their owners' quota.
+  struct HeldSnapshot {
+    std::string owner;
+    std::vector<core::KvBlockHandle> blocks;
+    int64_t block_bytes = 0;
+  };
   absl::flat_hash_map<uint64_t, HeldSnapshot> snapshots_ ABSL_GUARDED_BY(mu_);
   uint64_t next_snapshot_key_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -671,6 +671,9 @@ TEST_F(SessionManagerTest, BlocksAWaitingReadHoldsCountAgainstItsOwnerOnceTheSes
   absl::Status over = manager->BeginStep(third, "alice", 0, 12, 1, 7).status();
   EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(over.message(), "--max_kv_bytes_per_token")) << over;
+  EXPECT_TRUE(absl::StrContains(over.message(), "sessions hold 3072 bytes of KV cache and its "
+                                                "waiting GetLatestAttention reads 3072 more"))
+      << over;
   // Another owner's quota is its own.
   const std::string bobs = manager->Open(Spec(1), "bob")->id;
   Extend(*manager, bobs, 0, 0, 24, "bob");  // 6 blocks
@@ -698,6 +701,45 @@ TEST_F(SessionManagerTest, BlocksAWaitingReadHoldsCountAgainstItsOwnerOnceTheSes
     EXPECT_EQ(taken.code(), absl::StatusCode::kResourceExhausted) << taken;
   }
   Extend(*manager, third, 0, 0, 24, "alice");  // 6 blocks: the whole quota again
+}
+
+// The blocks count by which ones no session holds: two reads of one layer
+// count its blocks once, a fork that still holds them keeps them uncounted,
+// and a layer truncated and extended again does not hide the old blocks the
+// read still holds.
+TEST_F(SessionManagerTest, WaitingReadsCountEachBlockOnceAndOnlyWhenNoSessionHoldsIt) {
+  auto manager = Make({.max_kv_bytes_per_owner = 8 * kBlockBytes});
+  LatestRows rows;
+  const std::string a = manager->Open(Spec(1), "alice")->id;
+  rows.Step(*manager, *manager->BeginStep(a, "alice", 0, 0, 16, 1), 16);  // 4 blocks
+  const std::string fork = manager->Fork(a, "alice")->id;  // counts its 4 shared blocks too
+  absl::StatusOr<LatestSnapshot> one = manager->SnapshotLatest(a, "alice", 0, kNoMapLimit, kFlags);
+  absl::StatusOr<LatestSnapshot> two = manager->SnapshotLatest(a, "alice", 0, kNoMapLimit, kFlags);
+  ASSERT_TRUE(one.ok() && two.ok());
+  ASSERT_TRUE(manager->Close(a, "alice").ok());
+  // The fork holds the blocks: the reads add nothing, the fork may grow into
+  // the 4 blocks a's close gave back.
+  Extend(*manager, fork, 0, 16, 16, "alice");
+  ASSERT_TRUE(manager->Close(fork, "alice").ok());
+  // Now only the two reads hold a's 4 blocks: counted once.
+  const std::string b = manager->Open(Spec(1), "alice")->id;
+  rows.Step(*manager, *manager->BeginStep(b, "alice", 0, 0, 16, 2), 16);  // 4 + 4: the quota
+  EXPECT_EQ(manager->BeginStep(b, "alice", 0, 16, 1, 3).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  one->Release();
+  two->Release();
+
+  // A read of b, then b truncated and extended again: the read's 4 old
+  // blocks are no session's, though b holds as many blocks as before.
+  absl::StatusOr<LatestSnapshot> three =
+      manager->SnapshotLatest(b, "alice", 0, kNoMapLimit, kFlags);
+  ASSERT_TRUE(three.ok()) << three.status();
+  ASSERT_TRUE(manager->Truncate(b, "alice", 0, 0).ok());
+  Extend(*manager, b, 0, 0, 16, "alice");  // 4 + 4: the quota
+  absl::Status over = manager->BeginStep(b, "alice", 0, 16, 1, 4).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted) << over;
+  three->Release();
+  Extend(*manager, b, 0, 16, 16, "alice");  // 8 blocks: the whole quota again
 }
 
 }  // namespace
