@@ -1,6 +1,7 @@
 #include "client/session_command.h"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <string>
 #include <utility>
@@ -193,12 +194,16 @@ absl::StatusOr<std::string> RunLatest(const AttentionClient& client, const Sessi
       TensorValues(latest->head_statistics().max_weight());
   if (!max_weight.ok()) return max_weight.status();
   const int64_t length = latest->length();
-  if (maps_tensor.shape_size() != 2 || maps_tensor.shape(1) != length || length < 1 ||
+  if (maps_tensor.shape_size() != 2 || maps_tensor.shape(0) < 1 ||
+      maps_tensor.shape(1) != length || length < 1 ||
       static_cast<int64_t>(maps->size()) != maps_tensor.shape(0) * length ||
       static_cast<int64_t>(entropy->size()) != maps_tensor.shape(0) ||
       max_weight->size() != entropy->size()) {
     return absl::InternalError(
         "the server's latest attention is not [heads, length] maps with a statistic per head");
+  }
+  if (!std::all_of(maps->begin(), maps->end(), [](float p) { return std::isfinite(p); })) {
+    return absl::InternalError("the server's latest attention holds a weight that is not finite");
   }
   const int64_t heads = maps_tensor.shape(0);
   std::string text = absl::StrCat(c.session_id, " layer ", layer, ": the latest token (position ",
@@ -210,8 +215,9 @@ absl::StatusOr<std::string> RunLatest(const AttentionClient& client, const Sessi
     const float* row = maps->data() + h * length;
     for (int64_t j = 0; j < length; ++j) order[static_cast<size_t>(j)] = j;
     const int64_t shown = std::min(length, kShownKeys);
-    std::partial_sort(order.begin(), order.begin() + shown, order.end(),
-                      [&](int64_t a, int64_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); });
+    std::partial_sort(order.begin(), order.begin() + shown, order.end(), [&](int64_t a, int64_t b) {
+      return row[a] > row[b] || (row[a] == row[b] && a < b);
+    });
     absl::StrAppendFormat(&text, "  head %2d: %.4f %.4f;", h, (*entropy)[static_cast<size_t>(h)],
                           (*max_weight)[static_cast<size_t>(h)]);
     for (int64_t i = 0; i < shown; ++i) {
@@ -273,6 +279,7 @@ absl::Status ValidateSessionCommand(const SessionCommand& c) {
         only(c.first_position != 0, "--first_position", {"open"})}) {
     if (!status.ok()) return status;
   }
+  if (c.layer < -1) return FlagError("--layer", "must be >= 0");
   if (c.verb == "extend") {
     if (c.tokens < 0) return FlagError("--tokens", "must be >= 1");
     if ((c.tokens > 0) == !c.input.empty()) {
