@@ -367,6 +367,14 @@ absl::Status AttentionClient::CloseSession(absl::string_view session_id) const {
   return Call(*stub_, &v1::AttentionService::Stub::CloseSession, request, options_).status();
 }
 
+absl::StatusOr<v1::LatestAttention> AttentionClient::GetLatestAttention(
+    absl::string_view session_id, int layer) const {
+  v1::LatestAttentionRequest request;
+  request.set_session_id(std::string(session_id));
+  request.set_layer(layer);
+  return Call(*stub_, &v1::AttentionService::Stub::GetLatestAttention, request, options_);
+}
+
 absl::StatusOr<v1::AttendResponse> AttentionClient::AttendStream(
     const v1::AttendRequest& request, int64_t* chunks) const {
   grpc::ClientContext context;

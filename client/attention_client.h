@@ -146,6 +146,9 @@ class AttentionClient {
   absl::StatusOr<v1::Session> ForkSession(absl::string_view session_id) const;
   absl::StatusOr<v1::Session> TruncateSession(const v1::TruncateSessionRequest& request) const;
   absl::Status CloseSession(absl::string_view session_id) const;
+  // What layer `layer`'s latest token attends to (GetLatestAttention).
+  absl::StatusOr<v1::LatestAttention> GetLatestAttention(absl::string_view session_id,
+                                                         int layer) const;
 
   // Starts an Attend call and returns at once; `done` runs on a gRPC thread
   // with the call's status when it ends. `context` (fresh), `request` and

@@ -144,7 +144,8 @@ ABSL_FLAG(bool, stats, false,
           "attend: per-head statistics (entropy, max weight, contribution), printed as a table; "
           "session extend: each new row's entropy and max weight per head");
 ABSL_FLAG(std::string, save_output, "", "attend: write the output to this .npy file ('<f4')");
-ABSL_FLAG(std::string, save_maps, "", "attend: write the maps to this .npy file ('<f4')");
+ABSL_FLAG(std::string, save_maps, "",
+          "attend, session latest: write the maps to this .npy file ('<f4')");
 ABSL_FLAG(std::string, maps_png, "",
           "attend: draw the maps as a heatmap PNG, one tile per head (one for --maps=mean)");
 ABSL_FLAG(int64_t, png_sequence, 0, "attend --maps_png: the batch entry to draw");
@@ -180,7 +181,7 @@ ABSL_FLAG(int64_t, tokens, 0,
           "session extend: append this many random new tokens (normal, seeded by --seed); or "
           "--input");
 ABSL_FLAG(int, layer, -1,
-          "session extend: the session's layer (default 0); session truncate: the layer to "
+          "session extend, latest: the session's layer (default 0); session truncate: the layer to "
           "truncate (default: every layer)");
 ABSL_FLAG(int64_t, expected_length, -1,
           "session extend: the layer's length the step expects (default: as the server says "
@@ -235,6 +236,10 @@ Commands:
                           (--stats: each new row's entropy and max weight per head)
   session get|fork|close --session_id=ID
                           describe the session; fork it (prints the new one); end it
+  session latest --session_id=ID [--layer=L] [--save_maps=M.npy]
+                          what the layer's latest token attends to: each head's entropy,
+                          max weight and the keys it weighs most (--save_maps: the maps
+                          [heads, length])
   session truncate --session_id=ID --length=N [--layer=L]
                           keep the first N tokens of every layer (or of layer L)
   help                    print this text (as --help does)
@@ -575,6 +580,7 @@ int RunSessionCommandLine(const AttentionClient& client, const std::string& verb
   command.stats = absl::GetFlag(FLAGS_stats);
   command.precision = absl::GetFlag(FLAGS_precision);
   command.save_output = absl::GetFlag(FLAGS_save_output);
+  command.save_maps = absl::GetFlag(FLAGS_save_maps);
   command.length = absl::GetFlag(FLAGS_length);
   command.json = absl::GetFlag(FLAGS_json);
   // Flag mistakes first, before any call.

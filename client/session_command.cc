@@ -1,6 +1,7 @@
 #include "client/session_command.h"
 
 #include <algorithm>
+#include <cmath>
 #include <random>
 #include <string>
 #include <utility>
@@ -177,6 +178,63 @@ absl::StatusOr<std::string> RunExtend(const AttentionClient& client, const Sessi
   return Print(*response, c.json, std::move(text));
 }
 
+// The latest token's attention: a line per head with its entropy, max weight
+// and the kShownKeys keys it weighs most (position: weight).
+absl::StatusOr<std::string> RunLatest(const AttentionClient& client, const SessionCommand& c) {
+  constexpr int64_t kShownKeys = 3;
+  const int layer = c.layer < 0 ? 0 : c.layer;
+  absl::StatusOr<v1::LatestAttention> latest = client.GetLatestAttention(c.session_id, layer);
+  if (!latest.ok()) return latest.status();
+  const v1::Tensor& maps_tensor = latest->maps();
+  absl::StatusOr<std::vector<float>> maps = TensorValues(maps_tensor);
+  if (!maps.ok()) return maps.status();
+  absl::StatusOr<std::vector<float>> entropy = TensorValues(latest->head_statistics().entropy());
+  if (!entropy.ok()) return entropy.status();
+  absl::StatusOr<std::vector<float>> max_weight =
+      TensorValues(latest->head_statistics().max_weight());
+  if (!max_weight.ok()) return max_weight.status();
+  const int64_t length = latest->length();
+  if (maps_tensor.shape_size() != 2 || maps_tensor.shape(0) < 1 ||
+      maps_tensor.shape(1) != length || length < 1 ||
+      static_cast<int64_t>(maps->size()) != maps_tensor.shape(0) * length ||
+      static_cast<int64_t>(entropy->size()) != maps_tensor.shape(0) ||
+      max_weight->size() != entropy->size()) {
+    return absl::InternalError(
+        "the server's latest attention is not [heads, length] maps with a statistic per head");
+  }
+  if (!std::all_of(maps->begin(), maps->end(), [](float p) { return std::isfinite(p); })) {
+    return absl::InternalError("the server's latest attention holds a weight that is not finite");
+  }
+  const int64_t heads = maps_tensor.shape(0);
+  std::string text = absl::StrCat(c.session_id, " layer ", layer, ": the latest token (position ",
+                                  latest->position(), ") over ", length, " tokens, ", heads,
+                                  " heads (entropy nats, max weight; the keys weighed most, as "
+                                  "token index: weight)\n");
+  std::vector<int64_t> order(static_cast<size_t>(length));
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* row = maps->data() + h * length;
+    for (int64_t j = 0; j < length; ++j) order[static_cast<size_t>(j)] = j;
+    const int64_t shown = std::min(length, kShownKeys);
+    std::partial_sort(order.begin(), order.begin() + shown, order.end(), [&](int64_t a, int64_t b) {
+      return row[a] > row[b] || (row[a] == row[b] && a < b);
+    });
+    absl::StrAppendFormat(&text, "  head %2d: %.4f %.4f;", h, (*entropy)[static_cast<size_t>(h)],
+                          (*max_weight)[static_cast<size_t>(h)]);
+    for (int64_t i = 0; i < shown; ++i) {
+      absl::StrAppendFormat(&text, " %d: %.4f", order[static_cast<size_t>(i)],
+                            row[order[static_cast<size_t>(i)]]);
+    }
+    absl::StrAppend(&text, "\n");
+  }
+  if (!c.save_maps.empty()) {
+    if (absl::Status saved = WriteNpyFile(c.save_maps, {heads, length}, *maps); !saved.ok()) {
+      return saved;
+    }
+    absl::StrAppend(&text, "maps saved to ", c.save_maps, " [", heads, ", ", length, "]\n");
+  }
+  return Print(*latest, c.json, std::move(text));
+}
+
 }  // namespace
 
 absl::Status ValidateSessionCommand(const SessionCommand& c) {
@@ -211,7 +269,8 @@ absl::Status ValidateSessionCommand(const SessionCommand& c) {
         only(!c.head_mask.empty(), "--head_mask", {"extend"}),
         only(c.stats, "--stats", {"extend"}),
         only(!c.save_output.empty(), "--save_output", {"extend"}),
-        only(c.layer >= 0, "--layer", {"extend", "truncate"}),
+        only(c.layer >= 0, "--layer", {"extend", "latest", "truncate"}),
+        only(!c.save_maps.empty(), "--save_maps", {"latest"}),
         only(c.length >= 0, "--length", {"truncate"}),
         only(c.precision != "fp32", "--precision", {"extend"}),
         only(c.kv_dtype != "fp32", "--kv_dtype", {"open"}),
@@ -220,6 +279,7 @@ absl::Status ValidateSessionCommand(const SessionCommand& c) {
         only(c.first_position != 0, "--first_position", {"open"})}) {
     if (!status.ok()) return status;
   }
+  if (c.layer < -1) return FlagError("--layer", "must be >= 0");
   if (c.verb == "extend") {
     if (c.tokens < 0) return FlagError("--tokens", "must be >= 1");
     if ((c.tokens > 0) == !c.input.empty()) {
@@ -256,6 +316,7 @@ absl::StatusOr<std::string> RunSessionCommand(const AttentionClient& client,
     return Print(*session, c.json, SessionText(*session));
   }
   if (c.verb == "extend") return RunExtend(client, c);
+  if (c.verb == "latest") return RunLatest(client, c);
   if (c.verb == "close") {
     if (absl::Status closed = client.CloseSession(c.session_id); !closed.ok()) return closed;
     return c.json ? absl::StrCat("{\"closed\": \"", c.session_id, "\"}\n")

@@ -16,7 +16,7 @@ namespace attnserve::client {
 
 // What `attnctl session <verb>` was asked to do, from its flags.
 struct SessionCommand {
-  // open, extend, get, fork, truncate or close.
+  // open, extend, get, latest, fork, truncate or close.
   std::string verb;
   // open: the layers' models, in order (--model, comma-separated).
   std::vector<std::string> models;
@@ -26,7 +26,7 @@ struct SessionCommand {
   int64_t first_position = 0;     // open
   // Every verb but open.
   std::string session_id;
-  // extend: the layer (-1: 0); truncate: the layer (-1: every layer).
+  // extend and latest: the layer (-1: 0); truncate: the layer (-1: every layer).
   int layer = -1;
   // extend: `tokens` random new tokens (normal, seeded by `seed`), or the
   // rows of `input` ([n, d_model] .npy); exactly one of them.
@@ -40,11 +40,12 @@ struct SessionCommand {
   std::string precision = "fp32";   // extend: fp32 or bf16
   std::string save_output;          // extend: write the output [n, d_model] as .npy
   int64_t length = -1;              // truncate: tokens to keep (required)
+  std::string save_maps;            // latest: write the maps [heads, length] as .npy
   bool json = false;                // print the server's answer as one JSON line
 };
 
 // The verbs, in the order the usage lists them.
-inline constexpr const char* kSessionVerbs[] = {"open", "extend", "get",
+inline constexpr const char* kSessionVerbs[] = {"open", "extend", "get", "latest",
                                                 "fork", "truncate", "close"};
 
 // OK when `command` can be run; else INVALID_ARGUMENT naming the flag (or
@@ -59,6 +60,8 @@ absl::Status ValidateSessionCommand(const SessionCommand& command);
 // session's id alone on its first line; extend the step's length, the
 // output's shape and first values (and the file written with save_output;
 // with stats, each head's entropy and max weight of each new row);
+// latest what the layer's latest token attends to (per head: entropy, max
+// weight and the keys it weighs most; the maps written with save_maps);
 // get, fork and truncate the session (fork: the new one); close "closed ID".
 // Errors: the calls' statuses as the server gave them; an extend step the
 // server refused, with its code and message; the --input or --save_output

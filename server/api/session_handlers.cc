@@ -356,9 +356,9 @@ struct AttentionServiceImpl::LatestAttentionJob final : ScheduledWork {
     Finish(std::move(status));
   }
   // Answers with `status` (the response filled when OK); the snapshot's
-  // blocks go back first.
+  // blocks go back first, and leave its owner's quota.
   void Finish(absl::Status status) {
-    snapshot.cache.reset();
+    snapshot.Release();
     if (!status.ok()) response->Clear();
     reactor->FinishCall(ToGrpcStatus(status));
     service->EndCall();

@@ -315,13 +315,58 @@ SessionInfo SessionManager::InfoLocked(const Session& session) const {
   return info;
 }
 
-int64_t SessionManager::OwnerBytesLocked(absl::string_view owner) const {
-  int64_t bytes = 0;
+SessionManager::OwnerKvBytes SessionManager::OwnerBytesLocked(absl::string_view owner) const {
+  OwnerKvBytes bytes;
   for (const auto& [id, session] : sessions_) {
     if (session->owner != owner) continue;
-    for (const SessionLayer& layer : session->layers) bytes += layer.blocks * layer.block_bytes;
+    for (const SessionLayer& layer : session->layers) {
+      bytes.sessions += layer.blocks * layer.block_bytes;
+    }
+  }
+  // A block of a waiting read's snapshot counts once every reference to it
+  // is a snapshot's: its session let it go (closed, truncated, evicted, or
+  // copied it before writing) and no fork holds it. Otherwise a read waiting
+  // in the queue would let its owner close the session and fill the quota
+  // again while the old blocks stay taken. Each block counts once, however
+  // many reads hold it.
+  if (std::none_of(snapshots_.begin(), snapshots_.end(),
+                   [&](const auto& entry) { return entry.second.owner == owner; })) {
+    return bytes;
+  }
+  absl::flat_hash_map<int32_t, int> snapshot_references;
+  for (const auto& [key, held] : snapshots_) {
+    for (const core::KvBlockHandle& block : held.blocks) ++snapshot_references[block.id];
+  }
+  for (const auto& [key, held] : snapshots_) {
+    if (held.owner != owner) continue;
+    for (const core::KvBlockHandle& block : held.blocks) {
+      auto it = snapshot_references.find(block.id);
+      if (it->second == 0) continue;  // counted already
+      if (pool_->ReferenceCount(block) == it->second) bytes.waiting_reads += held.block_bytes;
+      it->second = 0;
+    }
   }
   return bytes;
+}
+
+void SessionManager::ForgetSnapshot(uint64_t key) {
+  absl::MutexLock lock(&mu_);
+  snapshots_.erase(key);
+}
+
+SnapshotHold& SnapshotHold::operator=(SnapshotHold&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    manager_ = std::exchange(other.manager_, nullptr);
+    key_ = std::exchange(other.key_, 0);
+  }
+  return *this;
+}
+
+void SnapshotHold::Reset() {
+  if (manager_ != nullptr) manager_->ForgetSnapshot(key_);
+  manager_ = nullptr;
+  key_ = 0;
 }
 
 absl::StatusOr<SessionInfo> SessionManager::Open(const SessionSpec& spec,
@@ -525,6 +570,12 @@ absl::StatusOr<LatestSnapshot> SessionManager::SnapshotLatest(absl::string_view 
   snapshot.model = target.model;
   snapshot.position = session.first_position + target.length - 1;
   snapshot.map_bytes = bytes;
+  const uint64_t key = next_snapshot_key_++;
+  const absl::Span<const core::KvBlockHandle> blocks = snapshot.cache->blocks();
+  snapshots_[key] = HeldSnapshot{session.owner, {blocks.begin(), blocks.end()},
+                                 target.block_bytes};
+  snapshot.hold.manager_ = this;
+  snapshot.hold.key_ = key;
   return snapshot;
 }
 
@@ -597,11 +648,18 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
     // And for the latest query it keeps.
     const int64_t query = target.model->layer->config().q_width() * 4;
     const int64_t bytes = kv_bytes + (answer <= kMaxStoredOutputBytes ? answer : 0) + query;
-    if (limits_.max_kv_bytes_per_owner > 0 &&
-        OwnerBytesLocked(owner) + kv_bytes > limits_.max_kv_bytes_per_owner) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "this caller's sessions hold ", OwnerBytesLocked(owner), " bytes of KV cache; ", kv_bytes,
-          " more pass its quota (--max_kv_bytes_per_token); close or truncate sessions"));
+    if (limits_.max_kv_bytes_per_owner > 0) {
+      const OwnerKvBytes held = OwnerBytesLocked(owner);
+      if (held.total() + kv_bytes > limits_.max_kv_bytes_per_owner) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "this caller's sessions hold ", held.sessions, " bytes of KV cache",
+            held.waiting_reads > 0
+                ? absl::StrCat(" and its waiting GetLatestAttention reads ", held.waiting_reads,
+                               " more (until they end)")
+                : "",
+            "; ", kv_bytes,
+            " more pass its quota (--max_kv_bytes_per_token); close or truncate sessions"));
+      }
     }
     while (pool_->stats().bytes_in_use + reserved_bytes_ + stored_bytes_ + bytes >
            limits_.kv_cache_bytes) {

@@ -68,12 +68,43 @@ struct LatestAttentionRead {
   std::vector<float> max_weight;  // [num_heads]
 };
 
+class SessionManager;
+
+// A snapshot's place in its manager's count of the blocks snapshots hold
+// (SessionManager::SnapshotLatest): leaves it when destroyed or reset.
+// Movable, not copyable; must not outlive its manager. Not thread-safe (one
+// owner at a time); Reset takes the manager's lock.
+class SnapshotHold {
+ public:
+  SnapshotHold() = default;
+  SnapshotHold(const SnapshotHold&) = delete;
+  SnapshotHold& operator=(const SnapshotHold&) = delete;
+  SnapshotHold(SnapshotHold&& other) noexcept { *this = std::move(other); }
+  SnapshotHold& operator=(SnapshotHold&& other) noexcept;
+  ~SnapshotHold() { Reset(); }
+  void Reset();
+
+ private:
+  friend class SessionManager;
+  SessionManager* manager_ = nullptr;
+  uint64_t key_ = 0;
+};
+
 // A layer's latest token taken for a read (SessionManager::SnapshotLatest).
+// Its blocks count against the owner's KV quota once no session holds them
+// any more (closed, evicted, expired, truncated, or copied before a write)
+// while it does. Release() gives them back (so does destruction).
 struct LatestSnapshot {
+  SnapshotHold hold;  // declared first: destroyed after the blocks go back
   std::unique_ptr<core::LayerKvCache> cache;  // sharing the layer's blocks
   std::shared_ptr<const Model> model;
   int64_t position = 0;  // the latest token's RoPE position
   int64_t map_bytes = 0;  // of the read's maps
+
+  void Release() {
+    cache.reset();
+    hold.Reset();
+  }
 };
 
 // What the KV cache and the sessions hold, read together (for metrics).
@@ -88,7 +119,6 @@ struct SessionStats {
   int64_t expiries = 0;
 };
 
-class SessionManager;
 struct Session;
 
 // How a SessionManager looks after itself.
@@ -266,6 +296,7 @@ class SessionManager {
 
  private:
   friend class StepLease;
+  friend class SnapshotHold;
   SessionManager(const SessionLimits& limits, Upkeep upkeep,
                  std::unique_ptr<core::KvBlockPool> pool);
   void UpkeepLoop();
@@ -293,8 +324,17 @@ class SessionManager {
   absl::StatusOr<std::shared_ptr<Session>> AddLocked(absl::string_view owner)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionInfo InfoLocked(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // KV bytes the owner's sessions hold.
-  int64_t OwnerBytesLocked(absl::string_view owner) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // KV bytes an owner holds: its sessions' blocks, and the blocks its
+  // waiting reads' snapshots hold that no session holds any more.
+  struct OwnerKvBytes {
+    int64_t sessions = 0;
+    int64_t waiting_reads = 0;
+    int64_t total() const { return sessions + waiting_reads; }
+  };
+  OwnerKvBytes OwnerBytesLocked(absl::string_view owner) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A snapshot's blocks leave the owners' count (SnapshotHold::Reset).
+  void ForgetSnapshot(uint64_t key) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Constant after construction.
   const SessionLimits limits_;
@@ -308,6 +348,15 @@ class SessionManager {
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   // The last kRememberedEnds ids removed, why, and whose.
   EndedSessions ended_sessions_ ABSL_GUARDED_BY(mu_);
+  // The blocks of each snapshot not yet released (the reads queued or
+  // running), for their owners' quota.
+  struct HeldSnapshot {
+    std::string owner;
+    std::vector<core::KvBlockHandle> blocks;
+    int64_t block_bytes = 0;
+  };
+  absl::flat_hash_map<uint64_t, HeldSnapshot> snapshots_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_snapshot_key_ ABSL_GUARDED_BY(mu_) = 1;
   int64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // The answers kept for retries and the layers' latest queries, every
   // session's (within the KV budget).

@@ -6,7 +6,8 @@ attnserve, built-in model: d_model 768, 12 heads, head_dim 64, no RoPE, seeded
 weights) on a loopback port, with --compute_threads=T, against PyTorch in a
 process of its own with torch.set_num_threads(T), in alternating rounds of one
 run. For a micro-batch of --sessions sessions at --context tokens (one new token
-each per step) and for one session, each peer decodes --steps steps:
+each per step) and for one session, each peer decodes --steps steps (one
+session: at least --single_steps):
 
   attnserve FP32 KV, BF16 KV  `attnctl bench --decode` (C++ client): every step
                               is one Extend message carrying the whole micro-batch
@@ -47,6 +48,7 @@ ratio p50 / (in-process + empty call), whose target is <= 1.3. attnctl's
 Usage:
   /usr/bin/python3 tests/benchmarks/compare_decode_with_pytorch.py [--build build]
       [--rounds 3] [--threads 2] [--sessions 32] [--context 2048] [--steps 32]
+      [--single_steps 256]
       [--resend_calls 2] [--over_the_wire [--wire_steps 300]] [--quick]
 Installs python3-torch (with OpenBLAS) through deploy/install_deps.sh when torch
 cannot be imported.
@@ -407,6 +409,9 @@ def main():
     parser.add_argument("--sessions", type=int, default=32, help="the micro-batch")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=32, help="decode steps per peer per round")
+    parser.add_argument("--single_steps", type=int, default=256,
+                        help="the same for one session (its steps are short: 32 of them are over "
+                             "in about 50 ms, where one pause of the machine weighs on the mean)")
     parser.add_argument("--resend_calls", type=int, default=2, help="Attend calls per round")
     parser.add_argument("--over_the_wire", action="store_true",
                         help="also time one session's step round trip, unary and streamed")
@@ -418,6 +423,7 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.sessions, args.context, args.steps, args.rounds = 2, 64, 2, 1
+        args.single_steps = 2
         args.resend_calls, args.wire_steps = 1, 5  # the wire's shape stays (one session)
     ensure_torch()
     attnserve = os.path.join(args.build, "server", "attnserve")
@@ -425,7 +431,8 @@ def main():
     benchmark = os.path.join(args.build, "tests", "benchmarks", "decode_attention_benchmark")
     server = Server(attnserve, f"--compute_threads={args.threads}",
                     f"--max_seq_len={max(args.context + 1, 2048)}",
-                    f"--max_session_tokens={max(args.context + args.steps + 8, 32768)}",
+                    f"--max_session_tokens="
+                    f"{max(args.context + max(args.steps, args.single_steps) + 8, 32768)}",
                     f"--kv_cache_bytes={4 << 30}", f"--max_receive_message_bytes={2**31 - 1}",
                     f"--max_send_message_bytes={2**31 - 1}", f"--max_request_bytes={8 << 30}",
                     f"--max_transport_bytes={4 << 30}")
@@ -448,13 +455,14 @@ def main():
     for _ in range(args.rounds):
         probes.append(probe_gbps(benchmark, args.threads))
         for b in batches:
+            steps = args.steps if b > 1 else max(args.steps, args.single_steps)
             for kv in ("fp32", "bf16"):
-                r = attnctl_decode(attnctl, server.target, b, args.context, args.steps, kv)
+                r = attnctl_decode(attnctl, server.target, b, args.context, steps, kv)
                 ms[(b, f"attnserve {kv.upper()} KV")].append(1e3 * b / r["tokens_per_second"])
             ms[(b, "PyTorch, preallocated")].append(
-                run_torch("prealloc", b, args.context, args.steps, args.threads))
+                run_torch("prealloc", b, args.context, steps, args.threads))
             ms[(b, "PyTorch, torch.cat")].append(
-                run_torch("cat", b, args.context, args.steps, args.threads))
+                run_torch("cat", b, args.context, steps, args.threads))
             ms[(b, "resend to Attend")].append(
                 attnctl_resend(attnctl, server.target, b, args.context, args.resend_calls))
     gbps = max(probes)

@@ -24,7 +24,8 @@ import unittest
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import Server, metric, run_tests_with_stubs, wait_serving  # noqa: E402
+from harness import (Server, metric, reference_attention, rel_error, run_tests_with_stubs,  # noqa: E402
+                     seeded_weights, wait_serving)
 
 ARGS = None
 
@@ -162,6 +163,8 @@ class UsageErrors(unittest.TestCase):
                            (["session", "fork", "--session_id=ab", "--kv_dtype=bf16"], "--kv_dtype"),
                            (["session", "close", "--session_id=ab", "--precision=bf16"], "--precision"),
                            (["session", "get", "--session_id=ab", "--stats"], "--stats"),
+                           (["session", "get", "--session_id=ab", "--save_maps=m.npy"],
+                            "--save_maps"),
                            (["session", "open", "--model="], "--model"),
                            (["session", "open", "--kv_dtype=fp8"], "--kv_dtype")]:
             self.check_usage_error(ARGS.attnctl, [*args, target], flag)
@@ -493,6 +496,64 @@ class WithServer(unittest.TestCase):
         self.assertEqual(code, 1, out + err)
         self.assertIn("NOT_FOUND", err)
         self.assertIn("closed", err)
+
+    def test_session_latest_prints_what_the_latest_token_attends_to_and_saves_the_maps(self):
+        # Against the float64 reference of the seeded built-in model (no RoPE):
+        # the latest token's row of the causal maps over the rows sent.
+        seed = int(np.random.default_rng().integers(0, 2**32))
+        rows = np.random.default_rng(seed).standard_normal((6, 768)).astype(np.float32)
+        path = os.path.join(self.tmp.name, "latest_rows.npy")
+        maps_path = os.path.join(self.tmp.name, "latest_maps.npy")
+        np.save(path, rows)
+        code, out, err = self.attnctl("session", "open", "--model=default")
+        self.assertEqual(code, 0, err)
+        session = out.splitlines()[0]
+        code, out, err = self.attnctl("session", "extend", f"--session_id={session}",
+                                      f"--input={path}")
+        self.assertEqual(code, 0, err)
+        code, out, err = self.attnctl("session", "latest", f"--session_id={session}",
+                                      f"--save_maps={maps_path}")
+        self.assertEqual(code, 0, err)
+        weights = seeded_weights(self.server.seed, 768, 12, 12, 64)
+        _, p = reference_attention(rows[None], weights, 12, 12, 64, 1 / 8.0, causal=True)
+        expected = p[0, :, -1, :]  # [heads, 6]
+        maps = np.load(maps_path)
+        self.assertEqual(maps.shape, (12, 6))
+        self.assertLess(rel_error(maps, expected), 1e-5, f"rows seed {seed}")
+        self.assertIn(f"{session} layer 0: the latest token (position 5) over 6 tokens, 12 heads", out)
+        self.assertIn(f"maps saved to {maps_path} [12, 6]", out)
+        heads = [line for line in out.splitlines() if line.startswith("  head ")]
+        self.assertEqual(len(heads), 12)
+        for h, line in enumerate(heads):
+            stats, top = line.split(":", 1)[1].split(";")
+            entropy, max_weight = map(float, stats.split())
+            row = expected[h]
+            self.assertAlmostEqual(entropy, -(row * np.log(row)).sum(), delta=2e-4)
+            self.assertAlmostEqual(max_weight, row.max(), delta=2e-4)
+            keys = [(int(k), float(w)) for k, w in
+                    (pair.split(":") for pair in top.replace(": ", ":").split())]
+            # The three largest weights, largest first (near-ties may swap
+            # their keys between float32 and float64: compare the weights).
+            self.assertEqual(len(keys), 3, line)
+            self.assertEqual(len({k for k, _ in keys}), 3, line)
+            largest = np.sort(row)[::-1][:3]
+            for (k, w), reference_w in zip(keys, largest):
+                self.assertAlmostEqual(w, row[k], delta=2e-4, msg=f"{line} (seed {seed})")
+                self.assertAlmostEqual(w, reference_w, delta=2e-4, msg=f"{line} (seed {seed})")
+        # A layer the session does not have: the server's INVALID_ARGUMENT;
+        # a flag the verb does not take: a usage error before any call.
+        code, out, err = self.attnctl("session", "latest", f"--session_id={session}", "--layer=1")
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("INVALID_ARGUMENT", err)
+        self.assertIn("layer", err)
+        code, out, err = self.attnctl("session", "latest", f"--session_id={session}", "--tokens=2")
+        self.assertEqual(code, 2, out + err)
+        self.assertIn("--tokens: session latest does not take it", err)
+        code, out, err = self.attnctl("session", "latest", f"--session_id={session}", "--layer=-2")
+        self.assertEqual(code, 2, out + err)
+        self.assertIn("--layer: must be >= 0", err)
+        code, out, err = self.attnctl("session", "close", f"--session_id={session}")
+        self.assertEqual(code, 0, err)
 
     def test_a_response_over_the_clients_limit_names_its_flag(self):
         # 16 tokens x 768 floats: about 49 KB of output, over a 10000-byte limit.

@@ -685,5 +685,105 @@ TEST_F(SessionManagerTest, LatestAttentionFollowsForksRetriesTruncatesAndSteps) 
   EXPECT_EQ(manager->stats().stored_bytes, 0);
 }
 
+// A read waiting in the queue holds its layer's blocks through a snapshot.
+// While the session holds them too they count once; once the session lets
+// them go (closed here) they count against the owner until the read ends, so
+// closing and reopening cannot take more than the quota.
+TEST_F(SessionManagerTest, BlocksAWaitingReadHoldsCountAgainstItsOwnerOnceTheSessionLetsThemGo) {
+  auto manager = Make({.max_kv_bytes_per_owner = 6 * kBlockBytes});
+  const std::string first = manager->Open(Spec(1), "alice")->id;
+  LatestRows rows;
+  rows.Step(*manager, *manager->BeginStep(first, "alice", 0, 0, 12, 1), 12);  // 3 blocks
+  absl::StatusOr<LatestSnapshot> waiting =
+      manager->SnapshotLatest(first, "alice", 0, kNoMapLimit, kFlags);
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+
+  // The snapshot adds nothing while the session holds its blocks: a second
+  // session takes the other 3 blocks of the quota.
+  const std::string second = manager->Open(Spec(1), "alice")->id;
+  Extend(*manager, second, 0, 0, 12, "alice");
+  absl::Status full = manager->BeginStep(second, "alice", 0, 12, 1, 7).status();
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  ASSERT_TRUE(manager->Close(second, "alice").ok());
+
+  // Closed, the first session's 3 blocks stay taken by the read: they count.
+  ASSERT_TRUE(manager->Close(first, "alice").ok());
+  EXPECT_EQ(manager->stats().pool.blocks_in_use, 3);
+  const std::string third = manager->Open(Spec(1), "alice")->id;
+  Extend(*manager, third, 0, 0, 12, "alice");  // 3 + 3 blocks: the quota
+  absl::Status over = manager->BeginStep(third, "alice", 0, 12, 1, 7).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(absl::StrContains(over.message(), "--max_kv_bytes_per_token")) << over;
+  EXPECT_TRUE(absl::StrContains(over.message(), "sessions hold 3072 bytes of KV cache and its "
+                                                "waiting GetLatestAttention reads 3072 more"))
+      << over;
+  // Another owner's quota is its own.
+  const std::string bobs = manager->Open(Spec(1), "bob")->id;
+  Extend(*manager, bobs, 0, 0, 24, "bob");  // 6 blocks
+
+  // The read still sees what it took, against the reference.
+  absl::StatusOr<LatestAttentionRead> read = SessionManager::ReadLatest(*waiting);
+  ASSERT_TRUE(read.ok()) << read.status();
+  const std::vector<double> reference = rows.Reference(12);
+  ASSERT_EQ(read->maps.size(), reference.size());
+  for (size_t i = 0; i < reference.size(); ++i) {
+    EXPECT_NEAR(read->maps[i], reference[i], 1e-6) << "at " << i;
+  }
+
+  // The read ends: its blocks go back to the pool and leave alice's count.
+  waiting->Release();
+  EXPECT_EQ(manager->stats().pool.blocks_in_use, 3 + 6);
+  rows.Step(*manager, *manager->BeginStep(third, "alice", 0, 12, 1, 9), 1);  // 4 blocks
+  // A snapshot destroyed without Release leaves the count as well.
+  {
+    absl::StatusOr<LatestSnapshot> dropped =
+        manager->SnapshotLatest(third, "alice", 0, kNoMapLimit, kFlags);
+    ASSERT_TRUE(dropped.ok()) << dropped.status();
+    ASSERT_TRUE(manager->Truncate(third, "alice", 0, 0).ok());
+    absl::Status taken = manager->BeginStep(third, "alice", 0, 0, 9, 8).status();
+    EXPECT_EQ(taken.code(), absl::StatusCode::kResourceExhausted) << taken;
+  }
+  Extend(*manager, third, 0, 0, 24, "alice");  // 6 blocks: the whole quota again
+}
+
+// The blocks count by which ones no session holds: two reads of one layer
+// count its blocks once, a fork that still holds them keeps them uncounted,
+// and a layer truncated and extended again does not hide the old blocks the
+// read still holds.
+TEST_F(SessionManagerTest, WaitingReadsCountEachBlockOnceAndOnlyWhenNoSessionHoldsIt) {
+  auto manager = Make({.max_kv_bytes_per_owner = 8 * kBlockBytes});
+  LatestRows rows;
+  const std::string a = manager->Open(Spec(1), "alice")->id;
+  rows.Step(*manager, *manager->BeginStep(a, "alice", 0, 0, 16, 1), 16);  // 4 blocks
+  const std::string fork = manager->Fork(a, "alice")->id;  // counts its 4 shared blocks too
+  absl::StatusOr<LatestSnapshot> one = manager->SnapshotLatest(a, "alice", 0, kNoMapLimit, kFlags);
+  absl::StatusOr<LatestSnapshot> two = manager->SnapshotLatest(a, "alice", 0, kNoMapLimit, kFlags);
+  ASSERT_TRUE(one.ok() && two.ok());
+  ASSERT_TRUE(manager->Close(a, "alice").ok());
+  // The fork holds the blocks: the reads add nothing, the fork may grow into
+  // the 4 blocks a's close gave back.
+  Extend(*manager, fork, 0, 16, 16, "alice");
+  ASSERT_TRUE(manager->Close(fork, "alice").ok());
+  // Now only the two reads hold a's 4 blocks: counted once.
+  const std::string b = manager->Open(Spec(1), "alice")->id;
+  rows.Step(*manager, *manager->BeginStep(b, "alice", 0, 0, 16, 2), 16);  // 4 + 4: the quota
+  EXPECT_EQ(manager->BeginStep(b, "alice", 0, 16, 1, 3).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  one->Release();
+  two->Release();
+
+  // A read of b, then b truncated and extended again: the read's 4 old
+  // blocks are no session's, though b holds as many blocks as before.
+  absl::StatusOr<LatestSnapshot> three =
+      manager->SnapshotLatest(b, "alice", 0, kNoMapLimit, kFlags);
+  ASSERT_TRUE(three.ok()) << three.status();
+  ASSERT_TRUE(manager->Truncate(b, "alice", 0, 0).ok());
+  Extend(*manager, b, 0, 0, 16, "alice");  // 4 + 4: the quota
+  absl::Status over = manager->BeginStep(b, "alice", 0, 16, 1, 4).status();
+  EXPECT_EQ(over.code(), absl::StatusCode::kResourceExhausted) << over;
+  three->Release();
+  Extend(*manager, b, 0, 16, 16, "alice");  // 8 blocks: the whole quota again
+}
+
 }  // namespace
 }  // namespace attnserve::server
