@@ -10,7 +10,9 @@
 #include <vector>
 
 #include <grpcpp/create_channel.h>
+#include <grpcpp/impl/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
+#include <grpcpp/support/client_callback.h>
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
@@ -30,6 +32,8 @@ namespace attnserve::client {
 using ::attnserve::cli::ReadFileBytes;
 
 namespace {
+
+constexpr char kAttendMethod[] = "/attnserve.v1.AttentionService/Attend";
 
 absl::Status FromGrpc(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
@@ -300,6 +304,8 @@ AttentionClient::AttentionClient(const ClientOptions& options,
     : options_(options),
       channel_(std::move(channel)),
       stub_(v1::AttentionService::NewStub(channel_)),
+      attend_bytes_method_(kAttendMethod, /*suffix_for_stats=*/nullptr,
+                           grpc::internal::RpcMethod::NORMAL_RPC, channel_),
       health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
 
 absl::StatusOr<v1::ListModelsResponse> AttentionClient::ListModels() const {
@@ -326,6 +332,27 @@ absl::Status AttentionClient::UnloadModel(absl::string_view name) const {
 
 absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendRequest& request) const {
   return Call(*stub_, &v1::AttentionService::Stub::Attend, request, options_);
+}
+
+absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const WireRequest& request) const {
+  grpc::ClientContext context;
+  AddCallMetadata(options_, context);
+  context.set_deadline(
+      std::chrono::system_clock::now() +
+      std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
+  const grpc::ByteBuffer bytes = request.Bytes();
+  v1::AttendResponse response;
+  // The generated stub's blocking call with the request as bytes: gRPC takes
+  // the ByteBuffer's slices as they are (no copy).
+  const grpc::Status status =
+      grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::AttendResponse, grpc::ByteBuffer,
+                                        grpc::protobuf::MessageLite>(
+          channel_.get(), attend_bytes_method_, &context, bytes, &response);
+  if (!status.ok()) {
+    return ExplainMessageSizeError(FromGrpc(status), request.size(),
+                                   options_.max_receive_message_bytes);
+  }
+  return response;
 }
 
 absl::StatusOr<v1::Session> AttentionClient::OpenSession(
@@ -407,6 +434,20 @@ void AttentionClient::AttendAsync(grpc::ClientContext* context, const v1::Attend
   context->set_deadline(std::chrono::system_clock::now() +
                         std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
   stub_->async()->Attend(context, request, response, std::move(done));
+}
+
+void AttentionClient::AttendAsync(grpc::ClientContext* context, const WireRequest* request,
+                                  v1::AttendResponse* response,
+                                  std::function<void(grpc::Status)> done) const {
+  AddCallMetadata(options_, *context);
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
+  // The slices refer to `request`'s bytes; the ByteBuffer lives until done.
+  auto bytes = std::make_shared<grpc::ByteBuffer>(request->Bytes());
+  grpc::internal::CallbackUnaryCall<grpc::ByteBuffer, v1::AttendResponse, grpc::ByteBuffer,
+                                    grpc::protobuf::MessageLite>(
+      channel_.get(), attend_bytes_method_, context, bytes.get(), response,
+      [bytes, done = std::move(done)](grpc::Status status) { done(std::move(status)); });
 }
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> AttentionClient::CheckHealth(

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <grpcpp/client_context.h>
+#include <grpcpp/impl/rpc_method.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -15,6 +16,7 @@
 #include "absl/types/span.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/extend_stream.h"
+#include "client/wire_request.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace attnserve::client {
@@ -127,6 +129,10 @@ class AttentionClient {
   absl::StatusOr<v1::LoadModelResponse> LoadModel(absl::string_view name) const;
   absl::Status UnloadModel(absl::string_view name) const;
   absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request) const;
+  // The same call with a request prepared once (WireRequest): its tensors go
+  // to gRPC without a copy. For a request sent many times, or whose tensors
+  // are large.
+  absl::StatusOr<v1::AttendResponse> Attend(const WireRequest& request) const;
   // Attend through AttendStream: the maps come in chunks (each a message
   // under gRPC's usual 4 MiB) and are put back in place (MapAssembler), so
   // maps larger than one message arrive whole. `chunks`, when given, gets the
@@ -156,6 +162,10 @@ class AttentionClient {
   // (timeout_seconds) and the bearer token, like Attend's.
   void AttendAsync(grpc::ClientContext* context, const v1::AttendRequest* request,
                    v1::AttendResponse* response, std::function<void(grpc::Status)> done) const;
+  // The same with a prepared request (see Attend(const WireRequest&)), which
+  // must live until `done` runs.
+  void AttendAsync(grpc::ClientContext* context, const WireRequest* request,
+                   v1::AttendResponse* response, std::function<void(grpc::Status)> done) const;
   // The health of `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> CheckHealth(
       absl::string_view service) const;
@@ -167,6 +177,9 @@ class AttentionClient {
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
+  // Attend, for calls that send a WireRequest's bytes (the response is
+  // received and parsed as the generated stub does).
+  grpc::internal::RpcMethod attend_bytes_method_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
 };
 

@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "client/attend_report.h"
+#include "client/wire_request.h"
 
 namespace attnserve::client {
 namespace {
@@ -25,7 +26,7 @@ class Recorder {
  public:
   Recorder(const AttentionClient& client, const v1::AttendRequest& request,
            const BenchOptions& options)
-      : client_(client), request_(request), options_(options), start_(Clock::now()) {
+      : client_(client), request_(v1::AttendRequest(request)), options_(options), start_(Clock::now()) {
     if (options.requests == 0) {
       end_ = start_ + std::chrono::microseconds(static_cast<int64_t>(options.duration_seconds * 1e6));
     }
@@ -138,7 +139,9 @@ class Recorder {
   }
 
   const AttentionClient& client_;
-  const v1::AttendRequest& request_;
+  // Prepared once (one copy of the request): every call sends its bytes
+  // without copying them again, as a client sending the same tensors would.
+  const WireRequest request_;
   const BenchOptions options_;
   const Clock::time_point start_;
   Clock::time_point end_;

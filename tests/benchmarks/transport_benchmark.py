@@ -9,10 +9,11 @@ port and, for each request below, one at a time:
 
   - Python (grpcio): the median round trip of --calls Attend calls, and the
     server's compute for each (the response's timing.compute);
-  - C++ (attnctl bench --concurrency=1): its mean round trip and the
-    server's mean compute (attnctl reports the compute's mean only); streamed,
-    attnctl attend --repeat: the median round trip and the median of each
-    call's round trip minus its compute;
+  - C++ (attnctl attend --repeat, one call at a time on one connection, Attend
+    or AttendStream): the median round trip and the median of each call's
+    round trip minus its compute, over --calls calls after the warm-up ones
+    (the median of all: attnctl's first call on a new connection reads its
+    response in 8 KiB pieces, and a mean would count it);
   - the loopback socket: the median time a TCP connection on 127.0.0.1 with
     warm buffers takes to carry the same request bytes one way and the
     response bytes back (one process, a thread at each end);
@@ -134,27 +135,19 @@ def grpcio_calls(stub, pb, batch, seq, maps, dtype, streamed, calls, pid):
             size, faults)
 
 
-def attnctl_bench(attnctl, target, batch, seq, maps, dtype, streamed, calls):
-    """(mean round trip ms, mean compute ms) from attnctl bench; streamed: (median
-    round trip ms, that minus the median of each call's transport) from attnctl
-    attend --stream_maps --repeat (bench sends Attend only)."""
-    if streamed:
-        done = subprocess.run([attnctl, "attend", f"--target={target}", "--stream_maps",
-                               f"--repeat={calls + WARM_UP_CALLS}", f"--batch={batch}",
-                               f"--seq={seq}", f"--maps={maps}", f"--output_dtype={dtype}", "--json"],
-                              capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            raise RuntimeError(f"attnctl attend failed: {done.stderr[-500:]}")
-        report = json.loads(done.stdout.strip().splitlines()[-1])
-        trip = report["latency_ms"]["p50"]
-        return trip, trip - report["transport_ms"]["p50"]
-    done = subprocess.run([attnctl, "bench", f"--target={target}", "--concurrency=1",
-                           f"--requests={calls + 2}", f"--batch={batch}", f"--seq={seq}",
-                           f"--maps={maps}", f"--output_dtype={dtype}", "--json"], capture_output=True, text=True, timeout=1800)
+def attnctl_calls(attnctl, target, batch, seq, maps, dtype, streamed, calls):
+    """(median round trip ms, that minus the median of each call's round trip
+    less its compute) from attnctl attend --repeat (--stream_maps: through
+    AttendStream), on one connection, one call at a time."""
+    done = subprocess.run([attnctl, "attend", f"--target={target}", *(["--stream_maps"] if streamed else []),
+                           f"--repeat={calls + WARM_UP_CALLS}", f"--batch={batch}",
+                           f"--seq={seq}", f"--maps={maps}", f"--output_dtype={dtype}", "--json"],
+                          capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
-        raise RuntimeError(f"attnctl bench failed: {done.stderr[-500:]}")
+        raise RuntimeError(f"attnctl attend failed: {done.stderr[-500:]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    return report["latency_ms"]["mean"], report["server"]["compute_ms"]
+    trip = report["latency_ms"]["p50"]
+    return trip, trip - report["transport_ms"]["p50"]
 
 
 def main():
@@ -190,7 +183,7 @@ def main():
                     trip, compute, req_bytes, resp_bytes, faults = grpcio_calls(
                         stub, pb, batch, seq, maps, dtype, streamed, args.calls, server.proc.pid)
                     sock = socket_round_trip_ms(req_bytes, resp_bytes, args.calls)
-                    cc_trip, cc_compute = attnctl_bench(args.attnctl, server.target, batch, seq, maps,
+                    cc_trip, cc_compute = attnctl_calls(args.attnctl, server.target, batch, seq, maps,
                                                         dtype, streamed, args.calls)
                     py_transport, cc_transport = trip - compute, cc_trip - cc_compute
                     pages = resp_bytes / PAGE
