@@ -442,7 +442,7 @@ void AttentionClient::AttendAsync(grpc::ClientContext* context, const WireReques
   AddCallMetadata(options_, *context);
   context->set_deadline(std::chrono::system_clock::now() +
                         std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
-  // The slices refer to `request`'s bytes; the ByteBuffer lives until done.
+  // The slices hold `request`'s bytes; the ByteBuffer lives until done.
   auto bytes = std::make_shared<grpc::ByteBuffer>(request->Bytes());
   grpc::internal::CallbackUnaryCall<grpc::ByteBuffer, v1::AttendResponse, grpc::ByteBuffer,
                                     grpc::protobuf::MessageLite>(

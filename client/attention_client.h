@@ -162,8 +162,8 @@ class AttentionClient {
   // (timeout_seconds) and the bearer token, like Attend's.
   void AttendAsync(grpc::ClientContext* context, const v1::AttendRequest* request,
                    v1::AttendResponse* response, std::function<void(grpc::Status)> done) const;
-  // The same with a prepared request (see Attend(const WireRequest&)), which
-  // must live until `done` runs.
+  // The same with a prepared request (see Attend(const WireRequest&)); the
+  // call holds the request's bytes, so `request` need not outlive it.
   void AttendAsync(grpc::ClientContext* context, const WireRequest* request,
                    v1::AttendResponse* response, std::function<void(grpc::Status)> done) const;
   // The health of `service` ("" for the whole server).

@@ -1,5 +1,6 @@
 #include "client/wire_request.h"
 
+#include <memory>
 #include <utility>
 
 #include <grpcpp/support/slice.h>
@@ -23,6 +24,10 @@ std::string FieldStart(int field_number, size_t body_size) {
   return std::string(reinterpret_cast<const char*>(bytes), static_cast<size_t>(end - bytes));
 }
 
+// A slice's hold on the pieces, dropped by gRPC when it lets the slice go.
+using PiecesHold = std::shared_ptr<const std::vector<std::string>>;
+void DropPiecesHold(void* hold) { delete static_cast<PiecesHold*>(hold); }
+
 }  // namespace
 
 WireRequest::WireRequest(v1::AttendRequest request) {
@@ -44,25 +49,31 @@ WireRequest::WireRequest(v1::AttendRequest request) {
     if (field_number == v1::AttendRequest::kHiddenStatesFieldNumber) request.clear_hidden_states();
     if (field_number == v1::AttendRequest::kContextFieldNumber) request.clear_context();
   }
-  pieces_.push_back(request.SerializeAsString());
+  std::vector<std::string> pieces;
+  pieces.push_back(request.SerializeAsString());
   for (auto& [field_number, tensor] : taken) {
     std::string bytes = std::move(*tensor.mutable_raw_data());
     tensor.clear_raw_data();
     // The tensor's body: its other fields, then raw_data.
     std::string inner = tensor.SerializeAsString();
     inner += FieldStart(v1::Tensor::kRawDataFieldNumber, bytes.size());
-    pieces_.push_back(FieldStart(field_number, inner.size() + bytes.size()) + inner);
-    pieces_.push_back(std::move(bytes));
+    pieces.push_back(FieldStart(field_number, inner.size() + bytes.size()) + inner);
+    pieces.push_back(std::move(bytes));
   }
-  for (const std::string& piece : pieces_) size_ += static_cast<int64_t>(piece.size());
+  for (const std::string& piece : pieces) size_ += static_cast<int64_t>(piece.size());
+  pieces_ = std::make_shared<const std::vector<std::string>>(std::move(pieces));
 }
 
 grpc::ByteBuffer WireRequest::Bytes() const {
   std::vector<grpc::Slice> slices;
-  slices.reserve(pieces_.size());
-  for (const std::string& piece : pieces_) {
-    // Not copied, not freed by gRPC: the pieces live as long as this object.
-    slices.emplace_back(piece.data(), piece.size(), grpc::Slice::STATIC_SLICE);
+  slices.reserve(pieces_->size());
+  for (const std::string& piece : *pieces_) {
+    if (piece.empty()) continue;
+    // Not copied: each slice holds the pieces until gRPC lets it go, which
+    // may be after its call ended (a write cut short by a deadline or a
+    // cancel can still sit in the transport's queue).
+    slices.emplace_back(const_cast<char*>(piece.data()), piece.size(), &DropPiecesHold,
+                        new PiecesHold(pieces_));
   }
   return grpc::ByteBuffer(slices.data(), slices.size());
 }

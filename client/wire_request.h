@@ -2,6 +2,7 @@
 #define ATTNSERVE_CLIENT_WIRE_REQUEST_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -24,7 +25,8 @@ namespace attnserve::client {
 // field order being free).
 //
 // Immutable after construction, so thread-safe: many calls may send it at
-// once. It must outlive every call that sends its Bytes().
+// once. The slices of Bytes() hold the bytes themselves (gRPC may keep a
+// slice after its call ended), so the object may go before the calls do.
 class WireRequest {
  public:
   // Takes `request`'s raw tensors without copying them (pass an rvalue, or
@@ -42,7 +44,7 @@ class WireRequest {
   // In order: the message without its raw tensors, then for each raw tensor
   // the start of its field (tag, length, its header, raw_data's start) and
   // its bytes.
-  std::vector<std::string> pieces_;
+  std::shared_ptr<const std::vector<std::string>> pieces_;
   int64_t size_ = 0;
 };
 
