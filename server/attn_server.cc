@@ -77,8 +77,10 @@ constexpr int kOneDnnPrimitiveCacheCapacity = 0;
 // default max_pending, which refuses more).
 constexpr size_t kStartupLoadsInFlight = 32;
 
-// Runs one small forward pass so OpenMP's threads and oneDNN's kernels exist
-// before the first request.
+// Runs one small forward pass so OpenMP's threads exist and the layer's
+// weights are touched before the first request. (oneDNN's primitives it
+// builds are not kept: the warm-up has no workspace and oneDNN's own cache is
+// off, so the first request of each shape builds its own.)
 absl::Status WarmUp(const Model& model, ComputeExecutor& executor) {
   ATTNSERVE_ASSIGN_OR_RETURN(core::SequenceLayout layout, core::SequenceLayout::Padded(1, 16));
   const int64_t d_model = model.layer->config().d_model;

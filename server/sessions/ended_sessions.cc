@@ -54,13 +54,16 @@ EndedSessions::EndedSessions(size_t capacity)
 void EndedSessions::Remember(const SessionKey& id, absl::string_view owner, SessionEnd why) {
   if (records_.empty()) return;
   Record& record = records_[next_];
+  // The new owner is held first: if that throws, the ring and the index are
+  // as they were (and an owner whose last record this replaces is kept).
+  const uint32_t held = HoldOwner(owner);
   if (size_ == records_.size()) {  // the oldest record goes
     index_.erase(static_cast<uint32_t>(next_));  // hashed by the id it still holds
     ReleaseOwner(record.owner);
   } else {
     ++size_;
   }
-  record = {.id = id, .owner = HoldOwner(owner), .why = why};
+  record = {.id = id, .owner = held, .why = why};
   index_.insert(static_cast<uint32_t>(next_));
   next_ = (next_ + 1) % records_.size();
 }
