@@ -40,6 +40,13 @@ absl::Status FromGrpc(const grpc::Status& status) {
 }
 
 // One blocking unary call with a deadline `timeout_seconds` from now.
+// The call's deadline: --timeout_seconds from now.
+void SetCallDeadline(const ClientOptions& options, grpc::ClientContext& context) {
+  context.set_deadline(
+      std::chrono::system_clock::now() +
+      std::chrono::microseconds(static_cast<int64_t>(options.timeout_seconds * 1e6)));
+}
+
 template <typename Response, typename Stub, typename Request>
 absl::StatusOr<Response> Call(Stub& stub,
                               grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
@@ -48,9 +55,7 @@ absl::StatusOr<Response> Call(Stub& stub,
                               bool with_token = true) {
   grpc::ClientContext context;
   if (with_token) AddCallMetadata(options, context);
-  context.set_deadline(
-      std::chrono::system_clock::now() +
-      std::chrono::microseconds(static_cast<int64_t>(options.timeout_seconds * 1e6)));
+  SetCallDeadline(options, context);
   Response response;
   grpc::Status status = (stub.*method)(&context, request, &response);
   if (!status.ok()) {
@@ -139,6 +144,16 @@ void AddCallMetadata(const ClientOptions& options, grpc::ClientContext& context)
   }
   if (!options.routing_key.empty()) context.AddMetadata(kRoutingKeyHeader, options.routing_key);
 }
+
+namespace {
+
+// The bearer token, the routing key and the deadline of a call.
+void PrepareCall(const ClientOptions& options, grpc::ClientContext& context) {
+  AddCallMetadata(options, context);
+  SetCallDeadline(options, context);
+}
+
+}  // namespace
 
 absl::Status ExplainMessageSizeError(const absl::Status& status, int64_t request_bytes,
                                      int64_t client_limit) {
@@ -336,10 +351,7 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendReque
 
 absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const WireRequest& request) const {
   grpc::ClientContext context;
-  AddCallMetadata(options_, context);
-  context.set_deadline(
-      std::chrono::system_clock::now() +
-      std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
+  PrepareCall(options_, context);
   const grpc::ByteBuffer bytes = request.Bytes();
   v1::AttendResponse response;
   // The generated stub's blocking call with the request as bytes: gRPC takes
@@ -405,9 +417,7 @@ absl::StatusOr<v1::LatestAttention> AttentionClient::GetLatestAttention(
 absl::StatusOr<v1::AttendResponse> AttentionClient::AttendStream(
     const v1::AttendRequest& request, int64_t* chunks) const {
   grpc::ClientContext context;
-  AddCallMetadata(options_, context);
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
+  PrepareCall(options_, context);
   std::unique_ptr<grpc::ClientReader<v1::AttendStreamResponse>> reader =
       stub_->AttendStream(&context, request);
   MapAssembler assembler;
@@ -430,18 +440,14 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::AttendStream(
 void AttentionClient::AttendAsync(grpc::ClientContext* context, const v1::AttendRequest* request,
                                   v1::AttendResponse* response,
                                   std::function<void(grpc::Status)> done) const {
-  AddCallMetadata(options_, *context);
-  context->set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
+  PrepareCall(options_, *context);
   stub_->async()->Attend(context, request, response, std::move(done));
 }
 
 void AttentionClient::AttendAsync(grpc::ClientContext* context, const WireRequest* request,
                                   v1::AttendResponse* response,
                                   std::function<void(grpc::Status)> done) const {
-  AddCallMetadata(options_, *context);
-  context->set_deadline(std::chrono::system_clock::now() +
-                        std::chrono::microseconds(static_cast<int64_t>(options_.timeout_seconds * 1e6)));
+  PrepareCall(options_, *context);
   // The slices hold `request`'s bytes; the ByteBuffer lives until done.
   auto bytes = std::make_shared<grpc::ByteBuffer>(request->Bytes());
   grpc::internal::CallbackUnaryCall<grpc::ByteBuffer, v1::AttendResponse, grpc::ByteBuffer,
