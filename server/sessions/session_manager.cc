@@ -8,6 +8,7 @@
 #include <cstring>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -250,14 +251,37 @@ void SessionManager::RemoveLocked(const std::string& id, Why why) {
   sessions_.erase(it);
 }
 
-bool SessionManager::EvictOneLocked(const Session* keep, Why why) {
-  const Session* oldest = nullptr;
-  for (const auto& [id, session] : sessions_) {
-    if (session.get() == keep || session->steps_in_flight > 0) continue;
-    if (oldest == nullptr || session->last_used < oldest->last_used) oldest = session.get();
+bool SessionManager::FreesKvBlockLocked(const Session& session) const {
+  for (const SessionLayer& layer : session.layers) {
+    for (const core::KvBlockHandle& block : layer.cache->blocks()) {
+      if (pool_->ReferenceCount(block) == 1) return true;
+    }
   }
-  if (oldest == nullptr) return false;
-  RemoveLocked(oldest->id, why);
+  return false;
+}
+
+bool SessionManager::EvictOneLocked(const Session* keep, Why why) {
+  std::vector<const Session*> idle;
+  for (const auto& [id, session] : sessions_) {
+    if (session.get() != keep && session->steps_in_flight == 0) idle.push_back(session.get());
+  }
+  if (idle.empty()) return false;
+  std::sort(idle.begin(), idle.end(),
+            [](const Session* a, const Session* b) { return a->last_used < b->last_used; });
+  const Session* victim = idle.front();
+  if (why == Why::kEvictedForMemory) {
+    // A session whose every block a fork or a waiting read also holds gives
+    // no memory back: evicting it would lose it for nothing. The least
+    // recently used one that frees a block goes; when none does (sessions
+    // that share all their blocks with each other), the least recently used
+    // one, so that its sharers' blocks become theirs alone.
+    const auto frees = std::find_if(idle.begin(), idle.end(), [this](const Session* session) {
+      mu_.AssertHeld();
+      return FreesKvBlockLocked(*session);
+    });
+    if (frees != idle.end()) victim = *frees;
+  }
+  RemoveLocked(victim->id, why);
   ++(why == Why::kEvictedForMemory ? evictions_for_memory_ : evictions_for_sessions_);
   return true;
 }

@@ -313,9 +313,13 @@ class SessionManager {
   // Removes a session from the table (its memory goes with its last lease),
   // remembering why.
   void RemoveLocked(const std::string& id, Why why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Evicts the least recently used idle session other than `keep`; false
-  // when there is none.
+  // Evicts the least recently used idle session other than `keep` (for
+  // memory: the least recently used whose eviction frees a KV block, if one
+  // does); false when there is none.
   bool EvictOneLocked(const Session* keep, Why why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a block of the idle `session` has no other holder (a fork, a
+  // waiting read's snapshot).
+  bool FreesKvBlockLocked(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes room for a new session: the owner's quota, then --max_sessions
   // (never evicting `keep`).
   absl::Status AdmitSessionLocked(absl::string_view owner, const Session* keep)

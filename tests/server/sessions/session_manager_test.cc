@@ -283,6 +283,45 @@ TEST_F(SessionManagerTest, AFullCacheEvictsTheLeastRecentlyUsedIdleSession) {
                                 "unknown session"));
 }
 
+TEST_F(SessionManagerTest, EvictionForMemorySparesSessionsWhoseBlocksAForkAlsoHolds) {
+  // Room for 7 KiB. A prefix of 8 tokens (2 KiB) and a fork of it share the
+  // same two blocks; a third session holds 2 KiB of its own. A newcomer's
+  // step of 8 tokens needs about 4.3 KiB (2 KiB of blocks, 2 KiB reserved for
+  // its answer, its query): something must go. The prefix and its fork are
+  // the least recently used, but evicting either gives nothing back while
+  // the other holds the blocks: the third session goes, alone.
+  auto manager = Make({.kv_cache_bytes = 7 * kBlockBytes});
+  const std::string prefix = manager->Open(Spec(1), "")->id;
+  Extend(*manager, prefix, 0, 0, 8);
+  clock_.Advance(absl::Seconds(1));
+  absl::StatusOr<SessionInfo> fork = manager->Fork(prefix, "");
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  clock_.Advance(absl::Seconds(1));
+  const std::string own = manager->Open(Spec(1), "")->id;
+  Extend(*manager, own, 0, 0, 8);
+  clock_.Advance(absl::Seconds(1));
+  const int64_t own_bytes = 2 * kBlockBytes;
+  const int64_t in_use = manager->stats().pool.bytes_in_use;
+  const std::string newcomer = manager->Open(Spec(1), "")->id;
+  Extend(*manager, newcomer, 0, 0, 8);
+  EXPECT_EQ(manager->Get(own, "").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(manager->Get(prefix, "").ok());
+  EXPECT_TRUE(manager->Get(fork->id, "").ok());
+  EXPECT_EQ(manager->stats().evictions_for_memory, 1);
+  EXPECT_EQ(manager->stats().pool.bytes_in_use, in_use - own_bytes + 2 * kBlockBytes);
+
+  // With only the sharing pair left, they still give way to a step of 12
+  // tokens (3 KiB of blocks, 3 KiB for its answer): the first one evicted
+  // frees nothing, the second then frees the blocks.
+  ASSERT_TRUE(manager->Close(newcomer, "").ok());
+  const std::string next = manager->Open(Spec(1), "")->id;
+  Extend(*manager, next, 0, 0, 12);
+  EXPECT_EQ(manager->Get(prefix, "").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(manager->Get(fork->id, "").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(manager->stats().evictions_for_memory, 3);
+  EXPECT_LE(manager->stats().pool.bytes_held, 7 * kBlockBytes);
+}
+
 TEST_F(SessionManagerTest, OpeningAtMaxSessionsEvictsTheLeastRecentlyUsedIdleOne) {
   auto manager = Make({.max_sessions = 2});
   const std::string a = manager->Open(Spec(1), "")->id;
