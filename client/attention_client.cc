@@ -10,7 +10,7 @@
 #include <vector>
 
 #include <grpcpp/create_channel.h>
-#include <grpcpp/impl/client_unary_call.h>
+#include <grpcpp/completion_queue.h>
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/client_callback.h>
 
@@ -319,8 +319,7 @@ AttentionClient::AttentionClient(const ClientOptions& options,
     : options_(options),
       channel_(std::move(channel)),
       stub_(v1::AttentionService::NewStub(channel_)),
-      attend_bytes_method_(kAttendMethod, /*suffix_for_stats=*/nullptr,
-                           grpc::internal::RpcMethod::NORMAL_RPC, channel_),
+      attend_bytes_stub_(std::make_unique<BytesToAttendResponseStub>(channel_)),
       health_stub_(grpc::health::v1::Health::NewStub(channel_)) {}
 
 absl::StatusOr<v1::ListModelsResponse> AttentionClient::ListModels() const {
@@ -354,12 +353,25 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const WireRequest& re
   PrepareCall(options_, context);
   const grpc::ByteBuffer bytes = request.Bytes();
   v1::AttendResponse response;
-  // The generated stub's blocking call with the request as bytes: gRPC takes
-  // the ByteBuffer's slices as they are (no copy).
-  const grpc::Status status =
-      grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, v1::AttendResponse, grpc::ByteBuffer,
-                                        grpc::protobuf::MessageLite>(
-          channel_.get(), attend_bytes_method_, &context, bytes, &response);
+  // The request as bytes: gRPC takes the ByteBuffer's slices as they are (no
+  // copy). Waited for on this thread, on a queue of the call's own, as the
+  // generated stub's blocking calls do.
+  grpc::CompletionQueue queue;
+  grpc::Status status;
+  std::unique_ptr<grpc::ClientAsyncResponseReader<v1::AttendResponse>> call =
+      attend_bytes_stub_->PrepareUnaryCall(&context, kAttendMethod, bytes, &queue);
+  call->StartCall();
+  call->Finish(&response, &status, /*tag=*/&status);
+  void* tag = nullptr;
+  bool ok = false;
+  // Finish's tag always comes back, ok, once the call has ended.
+  const bool answered = queue.Next(&tag, &ok) && tag == &status && ok;
+  queue.Shutdown();
+  while (queue.Next(&tag, &ok)) {
+  }
+  if (!answered) {
+    return absl::InternalError("Attend: the call's completion queue ended without its answer");
+  }
   if (!status.ok()) {
     return ExplainMessageSizeError(FromGrpc(status), request.size(),
                                    options_.max_receive_message_bytes);
@@ -450,9 +462,8 @@ void AttentionClient::AttendAsync(grpc::ClientContext* context, const WireReques
   PrepareCall(options_, *context);
   // The slices hold `request`'s bytes; the ByteBuffer lives until done.
   auto bytes = std::make_shared<grpc::ByteBuffer>(request->Bytes());
-  grpc::internal::CallbackUnaryCall<grpc::ByteBuffer, v1::AttendResponse, grpc::ByteBuffer,
-                                    grpc::protobuf::MessageLite>(
-      channel_.get(), attend_bytes_method_, context, bytes.get(), response,
+  attend_bytes_stub_->UnaryCall(
+      context, kAttendMethod, grpc::StubOptions(), bytes.get(), response,
       [bytes, done = std::move(done)](grpc::Status status) { done(std::move(status)); });
 }
 

@@ -8,7 +8,8 @@
 #include <vector>
 
 #include <grpcpp/client_context.h>
-#include <grpcpp/impl/rpc_method.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/support/byte_buffer.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -177,9 +178,10 @@ class AttentionClient {
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
-  // Attend, for calls that send a WireRequest's bytes (the response is
+  // Calls that send a WireRequest's bytes as they are (the response is
   // received and parsed as the generated stub does).
-  grpc::internal::RpcMethod attend_bytes_method_;
+  using BytesToAttendResponseStub = grpc::TemplatedGenericStub<grpc::ByteBuffer, v1::AttendResponse>;
+  std::unique_ptr<BytesToAttendResponseStub> attend_bytes_stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
 };
 
