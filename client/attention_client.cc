@@ -33,7 +33,13 @@ using ::attnserve::cli::ReadFileBytes;
 
 namespace {
 
-constexpr char kAttendMethod[] = "/attnserve.v1.AttentionService/Attend";
+// The generic stub's calls keep a pointer to the method's name in the call's
+// ClientRpcInfo (for interceptors) for as long as the call lives: a string
+// that outlives every call.
+const std::string& AttendMethod() {
+  static const std::string* const method = new std::string("/attnserve.v1.AttentionService/Attend");
+  return *method;
+}
 
 absl::Status FromGrpc(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
@@ -359,7 +365,7 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const WireRequest& re
   grpc::CompletionQueue queue;
   grpc::Status status;
   std::unique_ptr<grpc::ClientAsyncResponseReader<v1::AttendResponse>> call =
-      attend_bytes_stub_->PrepareUnaryCall(&context, kAttendMethod, bytes, &queue);
+      attend_bytes_stub_->PrepareUnaryCall(&context, AttendMethod(), bytes, &queue);
   call->StartCall();
   call->Finish(&response, &status, /*tag=*/&status);
   void* tag = nullptr;
@@ -463,7 +469,7 @@ void AttentionClient::AttendAsync(grpc::ClientContext* context, const WireReques
   // The slices hold `request`'s bytes; the ByteBuffer lives until done.
   auto bytes = std::make_shared<grpc::ByteBuffer>(request->Bytes());
   attend_bytes_stub_->UnaryCall(
-      context, kAttendMethod, grpc::StubOptions(), bytes.get(), response,
+      context, AttendMethod(), grpc::StubOptions(), bytes.get(), response,
       [bytes, done = std::move(done)](grpc::Status status) { done(std::move(status)); });
 }
 

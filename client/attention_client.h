@@ -179,7 +179,8 @@ class AttentionClient {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
   // Calls that send a WireRequest's bytes as they are (the response is
-  // received and parsed as the generated stub does).
+  // received and parsed as the generated stub does). Thread-safe; held by
+  // pointer because its calls are not const.
   using BytesToAttendResponseStub = grpc::TemplatedGenericStub<grpc::ByteBuffer, v1::AttendResponse>;
   std::unique_ptr<BytesToAttendResponseStub> attend_bytes_stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;

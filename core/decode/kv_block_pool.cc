@@ -170,6 +170,18 @@ int KvBlockPool::ReferenceCount(const KvBlockHandle& block) const {
   return records_[block.id].references;
 }
 
+bool KvBlockPool::AnyUnshared(absl::Span<const KvBlockHandle> blocks) const {
+  absl::MutexLock lock(&mu_);
+  for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) {
+    if (it->id < 0 || it->id >= static_cast<int32_t>(records_.size()) ||
+        records_[it->id].references < 1) {
+      DieOnBadHandle("AnyUnshared", it->id);
+    }
+    if (records_[it->id].references == 1) return true;
+  }
+  return false;
+}
+
 int64_t KvBlockPool::Trim() {
   std::vector<BlockMemory> to_free;
   int64_t freed = 0;

@@ -100,6 +100,9 @@ class KvBlockPool {
   void Release(const KvBlockHandle& block) { Release(absl::MakeConstSpan(&block, 1)); }
   // The reference count of a block in use (> 1: shared, must not be written).
   int ReferenceCount(const KvBlockHandle& block) const;
+  // Whether one of `blocks` (each in use) has a reference count of 1, looked
+  // at from the last: a fork's own blocks follow the prefix it shares.
+  bool AnyUnshared(absl::Span<const KvBlockHandle> blocks) const;
 
   // Frees every free-listed block's memory; returns the bytes freed.
   int64_t Trim();

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/decode/latest_attention.h"
@@ -253,11 +254,45 @@ void SessionManager::RemoveLocked(const std::string& id, Why why) {
 
 bool SessionManager::FreesKvBlockLocked(const Session& session) const {
   for (const SessionLayer& layer : session.layers) {
-    for (const core::KvBlockHandle& block : layer.cache->blocks()) {
-      if (pool_->ReferenceCount(block) == 1) return true;
-    }
+    if (pool_->AnyUnshared(layer.cache->blocks())) return true;
   }
   return false;
+}
+
+absl::flat_hash_map<int32_t, SessionManager::BlockUse> SessionManager::BlockUsesLocked() const {
+  absl::flat_hash_map<int32_t, BlockUse> uses;
+  auto note = [&uses](const core::KvBlockHandle& block, absl::Time when) {
+    BlockUse& use = uses[block.id];
+    use.latest = std::max(use.latest, when);
+    ++use.holders;
+  };
+  for (const auto& [id, session] : sessions_) {
+    for (const SessionLayer& layer : session->layers) {
+      // A layer in a step is the compute's until the step ends: its blocks
+      // are not read here (its sharers see a holder they cannot name).
+      if (layer.step_in_flight) continue;
+      for (const core::KvBlockHandle& block : layer.cache->blocks()) note(block, session->last_used);
+    }
+  }
+  for (const auto& [key, held] : snapshots_) {
+    for (const core::KvBlockHandle& block : held.blocks) note(block, absl::InfiniteFuture());
+  }
+  return uses;
+}
+
+absl::Time SessionManager::SharersLastUseLocked(
+    const Session& session, const absl::flat_hash_map<int32_t, BlockUse>& uses) const {
+  absl::Time latest = session.last_used;
+  for (const SessionLayer& layer : session.layers) {
+    for (const core::KvBlockHandle& block : layer.cache->blocks()) {
+      const auto it = uses.find(block.id);
+      // Held by no one else in sight: by a layer in a step, a step's lease
+      // or a read: in use now.
+      if (it == uses.end() || it->second.holders < 2) return absl::InfiniteFuture();
+      latest = std::max(latest, it->second.latest);
+    }
+  }
+  return latest;
 }
 
 bool SessionManager::EvictOneLocked(const Session* keep, Why why) {
@@ -266,20 +301,32 @@ bool SessionManager::EvictOneLocked(const Session* keep, Why why) {
     if (session.get() != keep && session->steps_in_flight == 0) idle.push_back(session.get());
   }
   if (idle.empty()) return false;
-  std::sort(idle.begin(), idle.end(),
-            [](const Session* a, const Session* b) { return a->last_used < b->last_used; });
-  const Session* victim = idle.front();
+  const auto by_last_use = [](const Session* a, const Session* b) {
+    return a->last_used < b->last_used;
+  };
+  const Session* victim = *std::min_element(idle.begin(), idle.end(), by_last_use);
   if (why == Why::kEvictedForMemory) {
-    // A session whose every block a fork or a waiting read also holds gives
-    // no memory back: evicting it would lose it for nothing. The least
-    // recently used one that frees a block goes; when none does (sessions
-    // that share all their blocks with each other), the least recently used
-    // one, so that its sharers' blocks become theirs alone.
-    const auto frees = std::find_if(idle.begin(), idle.end(), [this](const Session* session) {
-      mu_.AssertHeld();
-      return FreesKvBlockLocked(*session);
-    });
-    if (frees != idle.end()) victim = *frees;
+    // Evicting a session whose every block others hold (forks, reads) gives
+    // no block back until they go too: such a session counts as used when
+    // the latest of them was. The least recently used by that measure goes.
+    // A session that frees a block counts as its own last use, and every
+    // session after it in the order of last use counts later.
+    std::sort(idle.begin(), idle.end(), by_last_use);
+    std::optional<absl::flat_hash_map<int32_t, BlockUse>> uses;  // built when first needed
+    victim = nullptr;
+    absl::Time victim_use;
+    for (const Session* session : idle) {
+      if (victim != nullptr && session->last_used >= victim_use) break;
+      absl::Time use = session->last_used;
+      if (!FreesKvBlockLocked(*session)) {
+        if (!uses) uses = BlockUsesLocked();
+        use = SharersLastUseLocked(*session, *uses);
+      }
+      if (victim == nullptr || use < victim_use) {
+        victim = session;
+        victim_use = use;
+      }
+    }
   }
   RemoveLocked(victim->id, why);
   ++(why == Why::kEvictedForMemory ? evictions_for_memory_ : evictions_for_sessions_);

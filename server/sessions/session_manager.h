@@ -189,8 +189,10 @@ class StepLease {
 //
 // Memory: the KV cache never holds more than kv_cache_bytes. A step that
 // needs blocks beyond it evicts idle sessions, least recently used first
-// (never one with a step in flight); only when none is left does it get
-// RESOURCE_EXHAUSTED.
+// (never one with a step in flight); a session whose every block a fork or a
+// waiting read also holds counts as used when the latest of them was (its
+// eviction alone gives no block back). Only when none is left does the step
+// get RESOURCE_EXHAUSTED.
 //
 // Thread-safe. The models a session holds live as long as it does.
 class SessionManager {
@@ -314,12 +316,25 @@ class SessionManager {
   // remembering why.
   void RemoveLocked(const std::string& id, Why why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Evicts the least recently used idle session other than `keep` (for
-  // memory: the least recently used whose eviction frees a KV block, if one
-  // does); false when there is none.
+  // memory, a session whose every block others also hold counts as used when
+  // the latest of them was); false when there is none.
   bool EvictOneLocked(const Session* keep, Why why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether a block of the idle `session` has no other holder (a fork, a
   // waiting read's snapshot).
   bool FreesKvBlockLocked(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Of a KV block: the latest use of the sessions (and waiting reads: now)
+  // that hold it, and how many do (layers in a step not counted).
+  struct BlockUse {
+    absl::Time latest = absl::InfinitePast();
+    int holders = 0;
+  };
+  absl::flat_hash_map<int32_t, BlockUse> BlockUsesLocked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The latest use of the idle `session` and of everything that shares its
+  // blocks (infinite future when one of them is held out of sight).
+  absl::Time SharersLastUseLocked(const Session& session,
+                                  const absl::flat_hash_map<int32_t, BlockUse>& uses) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes room for a new session: the owner's quota, then --max_sessions
   // (never evicting `keep`).
   absl::Status AdmitSessionLocked(absl::string_view owner, const Session* keep)

@@ -133,6 +133,10 @@ TEST(KvBlockPool, ASharedBlockCountsAsSharedAndIsFreedByItsLastReleaseOnly) {
   EXPECT_EQ(pool->stats().shared_blocks, 1);
   pool->Share(*block);
   EXPECT_EQ(pool->ReferenceCount(*block), 3);
+  EXPECT_FALSE(pool->AnyUnshared({*block}));
+  EXPECT_TRUE(pool->AnyUnshared({*block, *alone}));
+  EXPECT_TRUE(pool->AnyUnshared({*alone, *block}));
+  EXPECT_FALSE(pool->AnyUnshared({}));
   EXPECT_EQ(pool->stats().blocks_in_use, 2);
   EXPECT_EQ(pool->stats().shared_blocks, 1);  // a block, however many share it
   pool->Release(*block);

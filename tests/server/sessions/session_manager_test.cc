@@ -283,43 +283,46 @@ TEST_F(SessionManagerTest, AFullCacheEvictsTheLeastRecentlyUsedIdleSession) {
                                 "unknown session"));
 }
 
-TEST_F(SessionManagerTest, EvictionForMemorySparesSessionsWhoseBlocksAForkAlsoHolds) {
-  // Room for 7 KiB. A prefix of 8 tokens (2 KiB) and a fork of it share the
-  // same two blocks; a third session holds 2 KiB of its own. A newcomer's
-  // step of 8 tokens needs about 4.3 KiB (2 KiB of blocks, 2 KiB reserved for
-  // its answer, its query): something must go. The prefix and its fork are
-  // the least recently used, but evicting either gives nothing back while
-  // the other holds the blocks: the third session goes, alone.
-  auto manager = Make({.kv_cache_bytes = 7 * kBlockBytes});
+// Room for 8 KiB here. A step of 8 tokens needs 4352 bytes: 2 KiB of blocks,
+// 2 KiB reserved for its answer (8 x 64 x 4), 256 for its query.
+TEST_F(SessionManagerTest, EvictionForMemoryCountsASharedSessionAsUsedWhenItsSharersWere) {
+  auto manager = Make({.kv_cache_bytes = 8 * kBlockBytes});
+  // A prefix and its fork share two blocks; a fork of the fork uses them
+  // later, after another session of 2 blocks of its own.
   const std::string prefix = manager->Open(Spec(1), "")->id;
   Extend(*manager, prefix, 0, 0, 8);
-  clock_.Advance(absl::Seconds(1));
-  absl::StatusOr<SessionInfo> fork = manager->Fork(prefix, "");
-  ASSERT_TRUE(fork.ok()) << fork.status();
+  const std::string fork = manager->Fork(prefix, "")->id;
   clock_.Advance(absl::Seconds(1));
   const std::string own = manager->Open(Spec(1), "")->id;
   Extend(*manager, own, 0, 0, 8);
   clock_.Advance(absl::Seconds(1));
-  const int64_t own_bytes = 2 * kBlockBytes;
-  const int64_t in_use = manager->stats().pool.bytes_in_use;
+  const std::string fork_of_fork = manager->Fork(fork, "")->id;
+  clock_.Advance(absl::Seconds(1));
+
+  // The prefix is the least recently used, but evicting it gives nothing
+  // back while its forks hold its blocks, and they were used after `own`:
+  // `own` goes, alone (least recently used first took the prefix as well).
   const std::string newcomer = manager->Open(Spec(1), "")->id;
   Extend(*manager, newcomer, 0, 0, 8);
   EXPECT_EQ(manager->Get(own, "").status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(manager->Get(prefix, "").ok());
-  EXPECT_TRUE(manager->Get(fork->id, "").ok());
+  EXPECT_TRUE(manager->Get(fork, "").ok());
+  EXPECT_TRUE(manager->Get(fork_of_fork, "").ok());
   EXPECT_EQ(manager->stats().evictions_for_memory, 1);
-  EXPECT_EQ(manager->stats().pool.bytes_in_use, in_use - own_bytes + 2 * kBlockBytes);
+  EXPECT_EQ(manager->stats().pool.blocks_in_use, 4);
+  clock_.Advance(absl::Seconds(1));
 
-  // With only the sharing pair left, they still give way to a step of 12
-  // tokens (3 KiB of blocks, 3 KiB for its answer): the first one evicted
-  // frees nothing, the second then frees the blocks.
-  ASSERT_TRUE(manager->Close(newcomer, "").ok());
+  // The three sharers, all used before the newcomer, go before it: the first
+  // two give nothing back, the third then frees the blocks.
   const std::string next = manager->Open(Spec(1), "")->id;
-  Extend(*manager, next, 0, 0, 12);
-  EXPECT_EQ(manager->Get(prefix, "").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(manager->Get(fork->id, "").status().code(), absl::StatusCode::kNotFound);
-  EXPECT_EQ(manager->stats().evictions_for_memory, 3);
-  EXPECT_LE(manager->stats().pool.bytes_held, 7 * kBlockBytes);
+  Extend(*manager, next, 0, 0, 8);
+  for (const std::string& id : {prefix, fork, fork_of_fork}) {
+    EXPECT_EQ(manager->Get(id, "").status().code(), absl::StatusCode::kNotFound) << id;
+  }
+  EXPECT_TRUE(manager->Get(newcomer, "").ok());
+  EXPECT_EQ(manager->stats().evictions_for_memory, 4);
+  EXPECT_EQ(manager->stats().pool.blocks_in_use, 4);
+  EXPECT_LE(manager->stats().pool.bytes_held, 8 * kBlockBytes);
 }
 
 TEST_F(SessionManagerTest, OpeningAtMaxSessionsEvictsTheLeastRecentlyUsedIdleOne) {
@@ -824,5 +827,34 @@ TEST_F(SessionManagerTest, WaitingReadsCountEachBlockOnceAndOnlyWhenNoSessionHol
   Extend(*manager, b, 0, 16, 16, "alice");  // 8 blocks: the whole quota again
 }
 
+
+// A session whose blocks a waiting GetLatestAttention read also holds gives
+// nothing back while the read waits: it counts as used now.
+TEST_F(SessionManagerTest, EvictionForMemoryPassesOverASessionAWaitingReadHolds) {
+  auto manager = Make({.kv_cache_bytes = 8 * kBlockBytes});
+  LatestRows rows;
+  const std::string read_one = manager->Open(Spec(1), "")->id;
+  rows.Step(*manager, *manager->BeginStep(read_one, "", 0, 0, 8, 1), 8);  // 2 blocks
+  absl::StatusOr<LatestSnapshot> waiting =
+      manager->SnapshotLatest(read_one, "", 0, kNoMapLimit, kFlags);
+  ASSERT_TRUE(waiting.ok()) << waiting.status();
+  clock_.Advance(absl::Seconds(1));
+  const std::string own = manager->Open(Spec(1), "")->id;
+  Extend(*manager, own, 0, 0, 8);
+  clock_.Advance(absl::Seconds(1));
+  const std::string newcomer = manager->Open(Spec(1), "")->id;
+  Extend(*manager, newcomer, 0, 0, 8);
+  EXPECT_EQ(manager->Get(own, "").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(manager->Get(read_one, "").ok());
+  EXPECT_EQ(manager->stats().evictions_for_memory, 1);
+  // The read still answers against the reference.
+  absl::StatusOr<LatestAttentionRead> read = SessionManager::ReadLatest(*waiting);
+  ASSERT_TRUE(read.ok()) << read.status();
+  const std::vector<double> reference = rows.Reference(8);
+  ASSERT_EQ(read->maps.size(), reference.size());
+  for (size_t i = 0; i < reference.size(); ++i) {
+    EXPECT_NEAR(read->maps[i], reference[i], 1e-6) << "at " << i;
+  }
+}
 }  // namespace
 }  // namespace attnserve::server
