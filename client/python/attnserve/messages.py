@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from . import tensors
+from . import _wire, tensors
 from .errors import error_for_status
 from .v1 import attention_pb2 as pb
 
@@ -100,6 +100,26 @@ class AttendResult:
     message: Optional[pb.AttendResponse] = dataclasses.field(default=None, repr=False)
 
 
+class _ResponseMessage:
+    """AttendResult.message: the AttendResponse. Given an
+    _wire.AttendWireResponse (the output read in place from the received
+    bytes), protobuf parses the whole response the first time it is read, so
+    that a caller who never reads it never pays for that copy."""
+
+    def __get__(self, result, owner=None):
+        if result is None:
+            return None  # the field's default
+        value = result.__dict__.get("_message")
+        return value.message if isinstance(value, _wire.AttendWireResponse) else value
+
+    def __set__(self, result, value):
+        result.__dict__["_message"] = value
+
+
+# After the dataclass is made: its __init__ (default None) sets the field through this.
+AttendResult.message = _ResponseMessage()
+
+
 def _list(values, what, cast):
     if values is None:
         return []
@@ -111,11 +131,18 @@ def _list(values, what, cast):
         raise TypeError(f"{what}: expected a sequence of numbers, got {values!r}") from None
 
 
-def build_attend_request(x=None, *, model="default", lengths=None, packed=None, causal=False, context=None,
-                         context_lengths=None, mask=None, mask_kind=None, head_mask=None, position_offsets=None,
-                         maps=None, heads=None, rows=None, stats=False, precision=None, input_dtype=None,
-                         output_dtype=None, layer=None, projected=None):
+def build_attend_request(*args, **kwargs):
     """An AttendRequest from Client.attend's arguments (see there)."""
+    return build_attend_wire(*args, **kwargs).message()
+
+
+def build_attend_wire(x=None, *, model="default", lengths=None, packed=None, causal=False, context=None,
+                      context_lengths=None, mask=None, mask_kind=None, head_mask=None, position_offsets=None,
+                      maps=None, heads=None, rows=None, stats=False, precision=None, input_dtype=None,
+                      output_dtype=None, layer=None, projected=None):
+    """The AttendRequest of Client.attend's arguments as an _wire.AttendWire:
+    its tensors are written around the arrays' memory when it is serialized."""
+    big = []  # (path of field numbers, WireTensor)
     request = pb.AttendRequest(causal=bool(causal), precision=precision_enum(precision),
                                output_dtype=_output_dtype(output_dtype))
     if layer is not None:
@@ -127,15 +154,15 @@ def build_attend_request(x=None, *, model="default", lengths=None, packed=None, 
         if packed is not None and x.ndim != (2 if packed else 3):
             raise ValueError(f"x: packed={packed} needs a {'[tokens, d_model]' if packed else '[batch, seq, d_model]'}"
                              f" array, got shape {x.shape}")
-        request.hidden_states.CopyFrom(tensors.encode(x, input_dtype, "x"))
+        big.append(((2,), tensors.encode_wire(x, input_dtype, "x")))
     if projected is not None:
         q, k, v = projected
-        request.projected.q.CopyFrom(tensors.encode(q, input_dtype, "projected"))
-        request.projected.k.CopyFrom(tensors.encode(k, input_dtype, "projected"))
-        request.projected.v.CopyFrom(tensors.encode(v, input_dtype, "projected"))
+        big += [((14, 1), tensors.encode_wire(q, input_dtype, "projected")),
+                ((14, 2), tensors.encode_wire(k, input_dtype, "projected")),
+                ((14, 3), tensors.encode_wire(v, input_dtype, "projected"))]
     request.sequence_lengths.extend(_list(lengths, "lengths", int))
     if context is not None:
-        request.context.CopyFrom(tensors.encode(context, input_dtype, "context"))
+        big.append(((5,), tensors.encode_wire(context, input_dtype, "context")))
     request.context_lengths.extend(_list(context_lengths, "context_lengths", int))
     if mask is not None:
         mask = np.asarray(mask)
@@ -149,7 +176,7 @@ def build_attend_request(x=None, *, model="default", lengths=None, packed=None, 
         if kind not in kinds:
             raise ValueError(f"mask_kind: {mask_kind!r} is not 'allowed' or 'additive'")
         request.mask.kind = kinds[kind]
-        request.mask.values.CopyFrom(tensors.encode(mask, None, "mask"))
+        big.append(((8, 2), tensors.encode_wire(mask, None, "mask")))
     request.head_mask.extend(_list(head_mask, "head_mask", float))
     request.position_offsets.extend(_list(position_offsets, "position_offsets", int))
     key = maps.lower() if isinstance(maps, str) else maps
@@ -160,17 +187,17 @@ def build_attend_request(x=None, *, model="default", lengths=None, packed=None, 
         request.attention_maps.heads.extend(_list(heads, "heads", int))
         request.attention_maps.query_rows.extend(_list(rows, "rows", int))
         request.attention_maps.head_statistics = bool(stats)
-    return request
+    return _wire.AttendWire(request, big)
 
 
 def read_attend_response(response, bf16_words=False, maps=None, maps_words=None):
-    """An AttendResult from an AttendResponse. `maps` (and `maps_words`), when
-    given, are maps assembled from a stream (the response then has none)."""
-    stats = None
-    if response.HasField("head_statistics"):
-        s = response.head_statistics
-        stats = HeadStatistics(tensors.decode(s.entropy), tensors.decode(s.max_weight),
-                               tensors.decode(s.contribution))
+    """An AttendResult from an AttendResponse, or from an _wire.AttendWireResponse
+    (its output and maps then are views of the received bytes). `maps` (and
+    `maps_words`), when given, are maps assembled from a stream (the response
+    then has none)."""
+    if isinstance(response, _wire.AttendWireResponse):
+        return _read_wire_response(response, bf16_words, maps, maps_words)
+    stats = _head_statistics(response)
     if maps is None and (response.attention_maps.raw_data or response.attention_maps.float_data):
         maps = tensors.decode(response.attention_maps)
         maps_words = tensors.decode_words(response.attention_maps) if bf16_words else None
@@ -179,6 +206,32 @@ def read_attend_response(response, bf16_words=False, maps=None, maps_words=None)
         timing=Timing.from_message(response.timing), kernel_path=response.kernel_path,
         precision=_PRECISION_NAMES.get(response.precision, "fp32"), model=response.model,
         output_words=tensors.decode_words(response.output) if bf16_words else None,
+        maps_words=maps_words if bf16_words else None, message=response)
+
+
+def _head_statistics(response):
+    if not response.HasField("head_statistics"):
+        return None
+    s = response.head_statistics
+    return HeadStatistics(tensors.decode(s.entropy), tensors.decode(s.max_weight), tensors.decode(s.contribution))
+
+
+def _read_wire_response(response, bf16_words, maps, maps_words):
+    """read_attend_response of an AttendWireResponse: the same AttendResult,
+    its message parsed only when read."""
+    rest = response.rest
+    output_dtype, output_shape, *_ = response.tensors.get(2, (0, (), 0, 0))
+    output_raw = response.raw(2)
+    maps_dtype, maps_shape, maps_start, maps_end = response.tensors.get(3, (0, (), 0, 0))
+    if maps is None and maps_end > maps_start:
+        maps_raw = response.raw(3)
+        maps = tensors.decode_raw(maps_dtype, maps_shape, maps_raw)
+        maps_words = tensors.decode_raw_words(maps_dtype, maps_shape, maps_raw) if bf16_words else None
+    return AttendResult(
+        output=tensors.decode_raw(output_dtype, output_shape, output_raw), maps=maps,
+        stats=_head_statistics(rest), timing=Timing.from_message(rest.timing), kernel_path=rest.kernel_path,
+        precision=_PRECISION_NAMES.get(rest.precision, "fp32"), model=rest.model,
+        output_words=tensors.decode_raw_words(output_dtype, output_shape, output_raw) if bf16_words else None,
         maps_words=maps_words if bf16_words else None, message=response)
 
 

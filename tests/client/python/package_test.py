@@ -36,6 +36,7 @@ from harness import (Server, machine_runs_bf16, metric, parse_exposition, refere
 
 import attnserve  # noqa: E402
 import attnserve.aio  # noqa: E402
+import google.protobuf.message  # noqa: E402
 import grpc  # noqa: E402
 
 ARGS = None
@@ -129,6 +130,206 @@ class WithoutServer(unittest.TestCase):
             self.assertEqual((error.field, error.flag), (field, flag), message)
         self.assertIsInstance(attnserve.errors.error_for_status(5, "x"), attnserve.NotFoundError)
         self.assertEqual(attnserve.errors.error_for_status(5, "x").code, grpc.StatusCode.NOT_FOUND)
+
+
+def tensor_of(values, dtype="fp32"):
+    """The Tensor message of an array built directly with protobuf, values
+    encoded independently of the package (BF16 by independent_bf16_words)."""
+    pb = attnserve.v1.attention_pb2
+    values = np.asarray(values)
+    if values.dtype == np.bool_:
+        return pb.Tensor(dtype=pb.DATA_TYPE_BOOL, shape=values.shape, raw_data=values.astype(np.uint8).tobytes())
+    if dtype == "bf16":
+        words = np.array(independent_bf16_words(values), np.uint16).astype("<u2")
+        return pb.Tensor(dtype=pb.DATA_TYPE_BF16, shape=values.shape, raw_data=words.tobytes())
+    return pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=values.shape, raw_data=values.astype("<f4").tobytes())
+
+
+def _varint(value):
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(number, wire_type, payload):
+    """A protobuf field written by hand: payload an int (varint) or bytes (length-delimited)."""
+    if wire_type == 0:
+        return _varint(number << 3) + _varint(payload)
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+class WireFormat(unittest.TestCase):
+    """Attend's requests and responses as the package writes and reads them
+    itself (attnserve._wire): protobuf's parse of the package's request bytes
+    is the message built with protobuf's setters from the same arrays, and the
+    package's reading of a response equals its reading of protobuf's parse."""
+
+    def setUp(self):
+        self.rng = np.random.default_rng()
+        self.pb = attnserve.v1.attention_pb2
+
+    def normal(self, *shape):
+        return self.rng.standard_normal(shape)
+
+    def test_attend_requests_parse_to_the_message_protobufs_setters_build(self):
+        from attnserve import messages
+        pb = self.pb
+        x, context = self.normal(2, 7, D_MODEL), self.normal(2, 5, D_MODEL).astype(np.float32)
+        bool_mask, float_mask = self.rng.random((2, 1, 5)) < 0.5, self.normal(1, 7, 7).astype(np.float32)
+        q, kv = self.normal(1, HEADS, 4, HEAD_DIM).astype(np.float32), self.normal(1, HEADS, 6, HEAD_DIM)
+        transposed = self.normal(D_MODEL, 3, 2).astype(np.float32).T  # not C-contiguous
+        big_endian = self.normal(1, 3, D_MODEL).astype(">f4")
+        small_bf16 = self.normal(1, 3, D_MODEL)
+        cases = [  # (name, package arguments, the reference message)
+            ("FP32, ragged, causal, maps, statistics, every scalar",
+             dict(x=x, lengths=[7, 4], causal=True, maps="per-head", heads=[0, 3], rows=[1], stats=True,
+                  precision="bf16", output_dtype="bf16", position_offsets=[3, 0], head_mask=[1.0, 0.5]),
+             pb.AttendRequest(model="default", hidden_states=tensor_of(x), sequence_lengths=[7, 4], causal=True,
+                              attention_maps=pb.AttentionMapRequest(
+                                  mode=pb.ATTENTION_MAP_MODE_PER_HEAD, heads=[0, 3], query_rows=[1],
+                                  head_statistics=True),
+                              precision=pb.PRECISION_BF16, output_dtype=pb.DATA_TYPE_BF16,
+                              position_offsets=[3, 0], head_mask=[1.0, 0.5])),
+            ("BF16 on the wire, cross-attention, a bool mask",
+             dict(x=small_bf16, input_dtype="bf16", context=context[:1, :, :], context_lengths=[4],
+                  mask=bool_mask[:1], maps="mean"),
+             pb.AttendRequest(model="default", hidden_states=tensor_of(small_bf16, "bf16"),
+                              context=tensor_of(context[:1], "bf16"), context_lengths=[4],
+                              mask=pb.AttentionMask(kind=pb.AttentionMask.KIND_ALLOWED, values=tensor_of(
+                                  bool_mask[:1])),
+                              attention_maps=pb.AttentionMapRequest(mode=pb.ATTENTION_MAP_MODE_MEAN))),
+            ("an additive mask, cross-attention in FP32",
+             dict(x=x, mask=float_mask, context=context),
+             pb.AttendRequest(model="default", hidden_states=tensor_of(x), context=tensor_of(context),
+                              mask=pb.AttentionMask(kind=pb.AttentionMask.KIND_ADDITIVE,
+                                                    values=tensor_of(float_mask)))),
+            ("projected heads, no model's states",
+             dict(projected=(q, kv, kv)),
+             pb.AttendRequest(model="default", projected=pb.ProjectedHeads(
+                 q=tensor_of(q), k=tensor_of(kv), v=tensor_of(kv)))),
+            ("an ad-hoc layer, a non-contiguous and a big-endian array",
+             dict(x=transposed, layer=pb.LayerSpec(seed=7, head_config=pb.HeadConfig(d_model=2))),
+             pb.AttendRequest(hidden_states=tensor_of(transposed),
+                              layer=pb.LayerSpec(seed=7, head_config=pb.HeadConfig(d_model=2)))),
+            ("big-endian", dict(x=big_endian), pb.AttendRequest(model="default", hidden_states=tensor_of(big_endian))),
+            ("empty shapes", dict(x=np.zeros((0, D_MODEL)), packed=True, mask=np.zeros((1, 0, 3), bool)),
+             pb.AttendRequest(model="default", hidden_states=tensor_of(np.zeros((0, D_MODEL))),
+                              mask=pb.AttentionMask(kind=pb.AttentionMask.KIND_ALLOWED,
+                                                    values=tensor_of(np.zeros((1, 0, 3), bool))))),
+            ("a zero-sized sequence", dict(x=np.zeros((1, 0, D_MODEL), np.float32)),
+             pb.AttendRequest(model="default", hidden_states=tensor_of(np.zeros((1, 0, D_MODEL))))),
+            ("nothing but a model", dict(model="m"), pb.AttendRequest(model="m")),
+        ]
+        for name, kwargs, reference in cases:
+            with self.subTest(name):
+                wire = messages.build_attend_wire(**kwargs)
+                parsed = pb.AttendRequest.FromString(wire.SerializeToString())
+                self.assertEqual(parsed, reference)
+                self.assertEqual(parsed.SerializeToString(deterministic=True),
+                                 reference.SerializeToString(deterministic=True))
+                self.assertEqual(messages.build_attend_request(**kwargs), reference)
+                self.assertEqual(len(wire.SerializeToString()), reference.ByteSize())
+
+    def random_response(self, output_dtype="fp32", maps=None, stats=False, shape=(2, 5, D_MODEL)):
+        """An AttendResponse with random values (BF16 words: any 16 bits)."""
+        pb = self.pb
+
+        def tensor(dtype, shape):
+            if dtype == "bf16":
+                words = self.rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).astype("<u2")
+                return pb.Tensor(dtype=pb.DATA_TYPE_BF16, shape=shape, raw_data=words.tobytes())
+            return tensor_of(self.rng.standard_normal(shape))
+
+        response = pb.AttendResponse(model="default", kernel_path="fp32/blocked", precision=pb.PRECISION_FP32,
+                                     output=tensor(output_dtype, shape))
+        response.timing.compute.FromNanoseconds(int(self.rng.integers(1, 10 ** 9)))
+        response.timing.batch_size = 3
+        if maps is not None:
+            response.attention_maps.CopyFrom(tensor(maps, (shape[0], HEADS, shape[1], shape[1])))
+        if stats:
+            for name in ("entropy", "max_weight", "contribution"):
+                getattr(response.head_statistics, name).CopyFrom(tensor("fp32", (shape[0], HEADS)))
+        return response
+
+    def assert_same_result(self, got, want):
+        for name in ("output", "maps", "output_words", "maps_words"):
+            a, b = getattr(got, name), getattr(want, name)
+            self.assertEqual(a is None, b is None, name)
+            if a is not None:
+                self.assertEqual((a.dtype, a.shape, a.tobytes()), (b.dtype, b.shape, b.tobytes()), name)
+        self.assertEqual(got.stats is None, want.stats is None)
+        if got.stats is not None:
+            for name in ("entropy", "max_weight", "contribution"):
+                np.testing.assert_array_equal(getattr(got.stats, name), getattr(want.stats, name))
+        self.assertEqual((got.timing, got.kernel_path, got.precision, got.model),
+                         (want.timing, want.kernel_path, want.precision, want.model))
+        self.assertEqual(got.message, want.message)
+
+    def test_attend_responses_are_read_in_place_as_protobuf_reads_them(self):
+        from attnserve import _wire, messages
+        pb = self.pb
+        cases = [("FP32", self.random_response()),
+                 ("BF16 output, FP32 maps, statistics", self.random_response("bf16", "fp32", True)),
+                 ("FP32 output, BF16 maps", self.random_response("fp32", "bf16", shape=(1, 3, D_MODEL))),
+                 ("empty output", self.random_response(shape=(0, D_MODEL))),
+                 ("no output at all", pb.AttendResponse(model="m", kernel_path="k"))]
+        for name, response in cases:
+            data = response.SerializeToString()
+            # The same fields in the opposite order, each its own piece (protobuf allows any order).
+            reversed_data = b"".join(pb.AttendResponse(**{f.name: v}).SerializeToString()
+                                     for f, v in reversed(response.ListFields()))
+            for layout, wire_bytes in (("protobuf's order", data), ("reversed", reversed_data)):
+                for words in (False, True):
+                    with self.subTest(name, layout=layout, bf16_words=words):
+                        fast = _wire.parse_attend_response(wire_bytes)
+                        self.assertIsInstance(fast, _wire.AttendWireResponse)
+                        got = messages.read_attend_response(fast, words)
+                        self.assert_same_result(got, messages.read_attend_response(
+                            pb.AttendResponse.FromString(wire_bytes), words))
+                        self.assertEqual(got.message, response)
+                        if got.output is not None and got.output.size and response.output.dtype == 1:
+                            # A view of the received bytes: no copy, read-only.
+                            self.assertTrue(np.shares_memory(got.output, np.frombuffer(wire_bytes, np.uint8)))
+                            self.assertFalse(got.output.flags.writeable)
+
+    def test_a_response_the_fast_reader_does_not_expect_is_read_by_protobuf(self):
+        from attnserve import _wire, messages
+        pb = self.pb
+        response = self.random_response("fp32", "fp32", True, shape=(1, 3, D_MODEL))
+        data = response.SerializeToString()
+        output = response.output
+        shape = b"".join(_varint(d) for d in output.shape)
+        head = _field(1, 0, output.dtype) + _field(2, 2, shape)
+        cases = [
+            ("an unknown field", data + _field(99, 0, 5)),
+            ("an unknown field inside the output", data + _field(2, 2, _field(9, 0, 1))),
+            ("the output in two occurrences (merged)",
+             pb.AttendResponse(model="m").SerializeToString() + _field(2, 2, head) +
+             _field(2, 2, _field(3, 2, output.raw_data))),
+            ("float_data", _field(2, 2, _field(1, 0, 1) + _field(2, 2, b"\x03") +
+                                  _field(4, 2, np.ones(3, "<f4").tobytes()))),
+            ("an unpacked shape", _field(2, 2, _field(1, 0, 1) + b"".join(_field(2, 0, d) for d in (1, 3)) +
+                                         _field(3, 2, np.arange(3, dtype="<f4").tobytes()))),
+            ("a known field with another wire type", data + _field(4, 0, 1)),
+            ("a negative dtype", _field(2, 2, _field(1, 0, (1 << 64) - 1) + _field(2, 2, b"\x02") +
+                                        _field(3, 2, bytes(8)))),
+            ("the raw data twice", _field(2, 2, head + _field(3, 2, bytes(12)) + _field(3, 2, output.raw_data))),
+        ]
+        for name, wire_bytes in cases:
+            with self.subTest(name):
+                parsed = pb.AttendResponse.FromString(wire_bytes)
+                got = _wire.parse_attend_response(wire_bytes)
+                self.assertIsInstance(got, pb.AttendResponse)
+                self.assertEqual(got, parsed)
+                self.assert_same_result(messages.read_attend_response(got, True),
+                                        messages.read_attend_response(parsed, True))
+        for cut in (1, 7, len(data) // 2, len(data) - 1):  # truncated: protobuf's DecodeError, as before
+            with self.subTest(truncated_at=cut):
+                with self.assertRaises(google.protobuf.message.DecodeError):
+                    _wire.parse_attend_response(data[:cut])
 
 
 # The name the test server answers with in its attnserve-replica header.
