@@ -1,20 +1,24 @@
-"""Attend's messages on the wire without copying their tensors through protobuf.
+"""Attend's and Extend's messages on the wire without copying their tensors
+through protobuf.
 
 Python's protobuf copies a tensor's bytes at every step: ndarray.tobytes(),
 the Tensor message's raw_data, CopyFrom into the request, SerializeToString;
-and on the way back ParseFromString and reading raw_data. Each copy costs
-about as much as moving the bytes over a loopback socket. Here:
+and on the way back ParseFromString and reading raw_data (about 0.3 ms per
+copy of 3 MB; docs/measurements.md). Here:
 
 - a request is its small fields, serialized by protobuf, followed by its big
   tensors' (tag, length, Tensor{dtype, shape, raw_data}) framing written here
   around the arrays' own memory, all joined into one bytes object (the one
   copy before gRPC's own);
-- a response's output and attention maps are found inside the received bytes
-  and read with np.frombuffer (no copy); protobuf parses everything else.
+- a response's tensors (Attend's output and maps, each Extend result's) are
+  found inside the received bytes and read with np.frombuffer (no copy);
+  protobuf parses everything else. Responses under IN_PLACE_MIN_BYTES, and
+  Extend requests whose tensors are, go through protobuf: for a few decode
+  tokens protobuf's C++ is faster than framing them in Python.
 
-Protobuf lets fields come in any order, so the request parses to exactly the
+Protobuf lets fields come in any order, so a request parses to exactly the
 message protobuf's setters build (tests/client/python/package_test.py checks
-it). The response reader knows AttendResponse's fields as the package's
+it). The response reader knows the response fields as the package's
 attention.proto has them; anything else (an unknown or repeated field, a
 tensor with float_data or an unpacked shape, a wire type it does not expect,
 truncated bytes) makes it hand the whole bytes to protobuf instead, so an
@@ -22,7 +26,8 @@ answer never differs from protobuf's parse of the same bytes.
 """
 from .v1 import attention_pb2 as pb
 
-__all__ = ["WireTensor", "AttendWire", "AttendWireResponse", "serialize", "parse_attend_response"]
+__all__ = ["WireTensor", "MessageWire", "WireMessage", "serialize", "parse_attend_response", "parse_extend_response",
+           "callables"]
 
 _VARINT, _LEN = 0, 2
 
@@ -73,65 +78,52 @@ class WireTensor:
         return [bytes(header), self.data], len(header) + size
 
 
-class AttendWire:
-    """An AttendRequest as its small fields (`request`, a message without the
-    big tensors) and its big tensors (`tensors`: [(path, WireTensor)], a path
-    the field numbers from AttendRequest down to the Tensor, e.g. (2,) for
-    hidden_states, (8, 2) for mask.values). SerializeToString() gives bytes
-    that protobuf parses to the whole request; message() builds it."""
+class MessageWire:
+    """A message as its small fields (`small`, a protobuf message holding none
+    of the fields below) and its big parts (`parts`: {field number: a
+    WireTensor, a MessageWire, or a list of MessageWire for a repeated field},
+    in the order they go on the wire). SerializeToString() gives bytes that
+    protobuf parses to the whole message; message() builds it with protobuf."""
 
-    def __init__(self, request, tensors):
-        self.request = request
-        self.tensors = list(tensors)
+    def __init__(self, small, parts):
+        self.small = small
+        self.parts = dict(parts)
 
     def message(self):
-        """The whole AttendRequest, built by protobuf's setters."""
-        whole = pb.AttendRequest()
-        whole.CopyFrom(self.request)
-        for path, tensor in self.tensors:
-            target = whole
-            for number in path:
-                target = getattr(target, target.DESCRIPTOR.fields_by_number[number].name)
-            target.CopyFrom(tensor.message())
+        """The whole message, built by protobuf's setters (copies every tensor)."""
+        whole = type(self.small)()
+        whole.CopyFrom(self.small)
+        fields = whole.DESCRIPTOR.fields_by_number
+        for number, part in self.parts.items():
+            target = getattr(whole, fields[number].name)
+            if isinstance(part, list):
+                for element in part:
+                    target.add().CopyFrom(element.message())
+            else:
+                target.CopyFrom(part.message())
         return whole
 
-    def SerializeToString(self):  # noqa: N802 (protobuf's name, so that gRPC's serializer takes either)
-        """The request's wire bytes: its small fields, then each tensor's field
-        (a nested one, such as mask.values, inside its parent's field with the
-        parent's small fields), with the arrays' memory joined in once."""
-        small = pb.AttendRequest()
-        small.CopyFrom(self.request)
-        nested = {}  # parent field number -> [(child number, tensor)]
-        top = []
-        for path, tensor in self.tensors:
-            if len(path) == 1:
-                top.append((path[0], tensor))
-            elif len(path) == 2:
-                nested.setdefault(path[0], []).append((path[1], tensor))
-            else:
-                raise ValueError(f"tensor path {path}: at most one message between the request and the tensor")
-        pieces = []
-        for parent, children in nested.items():
-            # The parent's own small fields (mask.kind) go in the same field
-            # occurrence; the small message then leaves the parent out.
-            name = small.DESCRIPTOR.fields_by_number[parent].name
-            prefix = getattr(small, name).SerializeToString() if small.HasField(name) else b""
-            small.ClearField(name)
-            inner, inner_size = [prefix], len(prefix)
-            for number, tensor in children:
-                parts, size = tensor.pieces()
-                head = _key(number, _LEN) + _varint(size)
-                inner += [head, *parts]
-                inner_size += len(head) + size
-            pieces += [_key(parent, _LEN) + _varint(inner_size), *inner]
-        for number, tensor in top:
-            parts, size = tensor.pieces()
-            pieces += [_key(number, _LEN) + _varint(size), *parts]
-        return b"".join([small.SerializeToString(), *pieces])
+    def pieces(self):
+        """([the encoding's pieces], their total length); the arrays are pieces
+        of their own, not copied."""
+        small = self.small.SerializeToString()
+        pieces, size = [small], len(small)
+        for number, part in self.parts.items():
+            for element in part if isinstance(part, list) else [part]:
+                parts, part_size = element.pieces()
+                head = _key(number, _LEN) + _varint(part_size)
+                pieces += [head, *parts]
+                size += len(head) + part_size
+        return pieces, size
+
+    def SerializeToString(self):  # noqa: N802 (protobuf's name: gRPC's serializer takes a message or this)
+        """The wire bytes: the small fields, then each big part's field, with
+        the arrays' memory joined in once."""
+        return b"".join(self.pieces()[0])
 
 
 def serialize(request):
-    """gRPC's request serializer for Attend: a pb.AttendRequest or an AttendWire."""
+    """gRPC's request serializer: a protobuf message or a MessageWire."""
     return request.SerializeToString()
 
 
@@ -202,85 +194,113 @@ def _read_tensor(data, pos, end):
     return dtype, shape, raw[0], raw[1]
 
 
-# AttendResponse: the tensors read in place, and the other fields' wire types.
-_TENSORS = (2, 3)  # output, attention_maps
-_OTHERS = {1: _LEN, 4: _LEN, 5: _LEN, 6: _LEN, 7: _VARINT}  # model, timing, kernel_path, head_statistics, precision
+# Responses smaller than this are parsed by protobuf: below it, copying the
+# bytes costs less than reading the fields in Python (about 5 us).
+IN_PLACE_MIN_BYTES = 64 << 10
+
+# The layouts the fast reader knows: {field number: the wire type of a field
+# protobuf parses (_VARINT, _LEN), _TENSOR for a Tensor read in place, or
+# (message class, layout) for a repeated message read the same way}.
+_TENSOR = "tensor"
+_ATTEND_RESPONSE = {1: _LEN, 2: _TENSOR, 3: _TENSOR, 4: _LEN, 5: _LEN, 6: _LEN, 7: _VARINT}
+_EXTEND_RESULT = {1: _VARINT, 2: _LEN, 3: _TENSOR, 4: _TENSOR, 5: _VARINT, 6: _VARINT, 7: _LEN}
+_EXTEND_RESPONSE = {1: (pb.ExtendResult, _EXTEND_RESULT), 2: _LEN, 3: _LEN, 4: _VARINT}
 
 
-class AttendWireResponse:
-    """An AttendResponse read from its bytes: `rest` (protobuf's parse of every
-    field but the output and the maps), `tensors` ({2: output, 3: maps}, each
-    (dtype, shape, raw start, raw end) into `data`), `data` (the bytes).
-    `message` parses the whole response with protobuf when first read."""
-    __slots__ = ("data", "rest", "tensors", "_message")
+class WireMessage:
+    """A message read from data[start:end]: `rest` (protobuf's parse of every
+    field but the tensors and repeated messages read here), `tensors`
+    ({field number: (dtype, shape, raw start, raw end) into `data`}),
+    `children` ({field number: [WireMessage]}, for a repeated message field)
+    and `data` (the received bytes). `message` parses the whole message with
+    protobuf when first read."""
+    __slots__ = ("data", "start", "end", "rest", "tensors", "children", "_message")
 
-    def __init__(self, data, rest, tensors):
-        self.data = data
-        self.rest = rest
-        self.tensors = tensors
+    def __init__(self, data, start, end, rest, tensors, children):
+        self.data, self.start, self.end = data, start, end
+        self.rest, self.tensors, self.children = rest, tensors, children
         self._message = None
 
     @property
     def message(self):
         if self._message is None:
-            self._message = pb.AttendResponse.FromString(self.data)
+            whole = self.data if (self.start, self.end) == (0, len(self.data)) else self.data[self.start:self.end]
+            self._message = type(self.rest).FromString(whole)
         return self._message
 
-    def raw(self, field):
-        """A memoryview of a tensor's raw_data inside `data` (empty when absent)."""
-        _, _, start, end = self.tensors.get(field, (0, (), 0, 0))
-        return memoryview(self.data)[start:end]
+    def tensor(self, field):
+        """(dtype, shape, raw_data as a memoryview of `data`) of a tensor field
+        ((0, (), empty) when absent)."""
+        dtype, shape, start, end = self.tensors.get(field, (0, (), 0, 0))
+        return dtype, shape, memoryview(self.data)[start:end]
 
 
-def parse_attend_response(data):
-    """gRPC's response deserializer for Attend: an AttendWireResponse, or
-    protobuf's AttendResponse when the bytes hold anything the fast reader
-    does not expect (see the module's comment). `data` must be immutable
-    (gRPC hands over bytes)."""
-    if not isinstance(data, bytes):
-        return pb.AttendResponse.FromString(data)
-    try:
-        return _parse_fast(data)
-    except _Unexpected:
-        return pb.AttendResponse.FromString(data)
-
-
-def _parse_fast(data):
-    end, pos = len(data), 0
-    tensors, spans = {}, []  # spans: the other fields' [start, stop), neighbours merged
+def _read(data, pos, end, message_class, layout):
+    """The WireMessage of the message_class encoded in data[pos:end]."""
+    start, tensors, children, spans = pos, {}, {}, []  # spans: [start, stop) of fields protobuf parses
     while pos < end:
-        start = pos
+        field_start = pos
         key, pos = _read_varint(data, pos, end)
         field, wire_type = key >> 3, key & 7
-        if field in _TENSORS:
+        kind = layout.get(field)
+        if kind == _TENSOR or isinstance(kind, tuple):
             if wire_type != _LEN or field in tensors:
                 raise _Unexpected()
             length, pos = _read_varint(data, pos, end)
             if pos + length > end:
                 raise _Unexpected()
-            tensors[field] = _read_tensor(data, pos, pos + length)
+            if kind == _TENSOR:
+                tensors[field] = _read_tensor(data, pos, pos + length)
+            else:
+                children.setdefault(field, []).append(_read(data, pos, pos + length, *kind))
             pos += length
-        elif _OTHERS.get(field) == wire_type:
+        elif kind == wire_type:
             pos = _skip(data, pos, end, wire_type)
-            if spans and spans[-1][1] == start:
+            if spans and spans[-1][1] == field_start:
                 spans[-1][1] = pos
             else:
-                spans.append([start, pos])
+                spans.append([field_start, pos])
         else:
             raise _Unexpected()
     view = memoryview(data)
-    rest = pb.AttendResponse.FromString(b"".join(view[a:b] for a, b in spans))
-    return AttendWireResponse(data, rest, tensors)
+    rest = message_class.FromString(b"".join(view[a:b] for a, b in spans))
+    return WireMessage(data, start, end, rest, tensors, children)
 
 
-def attend_callables(channel):
-    """(Attend, AttendStream) on `channel` (grpc or grpc.aio) taking a
-    pb.AttendRequest or an AttendWire; Attend answers with
-    parse_attend_response's result, AttendStream with AttendStreamResponse
-    messages."""
+def _parse(message_class, layout, data):
+    if not isinstance(data, bytes) or len(data) < IN_PLACE_MIN_BYTES:
+        return message_class.FromString(data)
+    try:
+        return _read(data, 0, len(data), message_class, layout)
+    except _Unexpected:
+        return message_class.FromString(data)
+
+
+def parse_attend_response(data):
+    """gRPC's response deserializer for Attend: a WireMessage of the
+    AttendResponse, or protobuf's AttendResponse when the bytes are small or
+    hold anything the fast reader does not expect (see the module's comment).
+    `data` must be immutable (gRPC hands over bytes)."""
+    return _parse(pb.AttendResponse, _ATTEND_RESPONSE, data)
+
+
+def parse_extend_response(data):
+    """parse_attend_response for Extend: a WireMessage of the ExtendResponse
+    (its results children, each with its output and maps in place) or
+    protobuf's ExtendResponse."""
+    return _parse(pb.ExtendResponse, _EXTEND_RESPONSE, data)
+
+
+def callables(channel):
+    """(Attend, AttendStream, Extend) on `channel` (grpc or grpc.aio), each
+    taking a protobuf request or a MessageWire of one. Attend and Extend answer
+    with parse_attend_response's and parse_extend_response's result,
+    AttendStream with AttendStreamResponse messages."""
     service = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
     attend = channel.unary_unary(f"/{service}/Attend", request_serializer=serialize,
                                  response_deserializer=parse_attend_response)
     stream = channel.unary_stream(f"/{service}/AttendStream", request_serializer=serialize,
                                   response_deserializer=pb.AttendStreamResponse.FromString)
-    return attend, stream
+    extend = channel.unary_unary(f"/{service}/Extend", request_serializer=serialize,
+                                 response_deserializer=parse_extend_response)
+    return attend, stream, extend

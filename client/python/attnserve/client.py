@@ -99,8 +99,8 @@ class Client:
         self._channel = make_channel(grpc, target, tls, options, max_receive_message_bytes)
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._check, self._watch = _health.callables(self._channel)
-        # Attend and AttendStream write and read the tensors themselves (_wire).
-        self._attend, self._attend_stream = _wire.attend_callables(self._channel)
+        # Attend, AttendStream and Extend write and read the tensors themselves (_wire).
+        self._attend, self._attend_stream, self._extend = _wire.callables(self._channel)
 
     def close(self):
         """Closes the channel; calls in flight are cancelled."""
@@ -266,8 +266,8 @@ class Client:
         The steps' sessions must share one routing key (ValueError otherwise)."""
         steps = list(steps)
         key = steps_routing_key(steps)
-        request = messages.build_extend_request(step_tuples(steps), precision, input_dtype, output_dtype)
-        results = messages.read_extend_response(self._call(self._stub.Extend, request, timeout, key), bf16_words)
+        request = messages.build_extend_wire(step_tuples(steps), precision, input_dtype, output_dtype)
+        results = messages.read_extend_response(self._call(self._extend, request, timeout, key), bf16_words)
         record_steps(steps, results)
         return results
 

@@ -101,16 +101,15 @@ class AttendResult:
 
 
 class _ResponseMessage:
-    """AttendResult.message: the AttendResponse. Given an
-    _wire.AttendWireResponse (the output read in place from the received
-    bytes), protobuf parses the whole response the first time it is read, so
+    """AttendResult.message: the AttendResponse. Given an _wire.WireMessage
+    (the output read in place from the received bytes), protobuf parses the whole response the first time it is read, so
     that a caller who never reads it never pays for that copy."""
 
     def __get__(self, result, owner=None):
         if result is None:
             return None  # the field's default
         value = result.__dict__.get("_message")
-        return value.message if isinstance(value, _wire.AttendWireResponse) else value
+        return value.message if isinstance(value, _wire.WireMessage) else value
 
     def __set__(self, result, value):
         result.__dict__["_message"] = value
@@ -140,9 +139,9 @@ def build_attend_wire(x=None, *, model="default", lengths=None, packed=None, cau
                       context_lengths=None, mask=None, mask_kind=None, head_mask=None, position_offsets=None,
                       maps=None, heads=None, rows=None, stats=False, precision=None, input_dtype=None,
                       output_dtype=None, layer=None, projected=None):
-    """The AttendRequest of Client.attend's arguments as an _wire.AttendWire:
+    """The AttendRequest of Client.attend's arguments as an _wire.MessageWire:
     its tensors are written around the arrays' memory when it is serialized."""
-    big = []  # (path of field numbers, WireTensor)
+    big = {}  # AttendRequest's field number -> WireTensor or MessageWire
     request = pb.AttendRequest(causal=bool(causal), precision=precision_enum(precision),
                                output_dtype=_output_dtype(output_dtype))
     if layer is not None:
@@ -154,15 +153,14 @@ def build_attend_wire(x=None, *, model="default", lengths=None, packed=None, cau
         if packed is not None and x.ndim != (2 if packed else 3):
             raise ValueError(f"x: packed={packed} needs a {'[tokens, d_model]' if packed else '[batch, seq, d_model]'}"
                              f" array, got shape {x.shape}")
-        big.append(((2,), tensors.encode_wire(x, input_dtype, "x")))
+        big[2] = tensors.encode_wire(x, input_dtype, "x")  # hidden_states
     if projected is not None:
         q, k, v = projected
-        big += [((14, 1), tensors.encode_wire(q, input_dtype, "projected")),
-                ((14, 2), tensors.encode_wire(k, input_dtype, "projected")),
-                ((14, 3), tensors.encode_wire(v, input_dtype, "projected"))]
+        big[14] = _wire.MessageWire(pb.ProjectedHeads(), {  # projected: q, k, v
+            number: tensors.encode_wire(t, input_dtype, "projected") for number, t in ((1, q), (2, k), (3, v))})
     request.sequence_lengths.extend(_list(lengths, "lengths", int))
     if context is not None:
-        big.append(((5,), tensors.encode_wire(context, input_dtype, "context")))
+        big[5] = tensors.encode_wire(context, input_dtype, "context")
     request.context_lengths.extend(_list(context_lengths, "context_lengths", int))
     if mask is not None:
         mask = np.asarray(mask)
@@ -175,8 +173,7 @@ def build_attend_wire(x=None, *, model="default", lengths=None, packed=None, cau
         kinds = {"allowed": pb.AttentionMask.KIND_ALLOWED, "additive": pb.AttentionMask.KIND_ADDITIVE}
         if kind not in kinds:
             raise ValueError(f"mask_kind: {mask_kind!r} is not 'allowed' or 'additive'")
-        request.mask.kind = kinds[kind]
-        big.append(((8, 2), tensors.encode_wire(mask, None, "mask")))
+        big[8] = _wire.MessageWire(pb.AttentionMask(kind=kinds[kind]), {2: tensors.encode_wire(mask, None, "mask")})
     request.head_mask.extend(_list(head_mask, "head_mask", float))
     request.position_offsets.extend(_list(position_offsets, "position_offsets", int))
     key = maps.lower() if isinstance(maps, str) else maps
@@ -187,15 +184,15 @@ def build_attend_wire(x=None, *, model="default", lengths=None, packed=None, cau
         request.attention_maps.heads.extend(_list(heads, "heads", int))
         request.attention_maps.query_rows.extend(_list(rows, "rows", int))
         request.attention_maps.head_statistics = bool(stats)
-    return _wire.AttendWire(request, big)
+    return _wire.MessageWire(request, big)
 
 
 def read_attend_response(response, bf16_words=False, maps=None, maps_words=None):
-    """An AttendResult from an AttendResponse, or from an _wire.AttendWireResponse
-    (its output and maps then are views of the received bytes). `maps` (and
+    """An AttendResult from an AttendResponse, or from an _wire.WireMessage of
+    one (its output and maps then are views of the received bytes). `maps` (and
     `maps_words`), when given, are maps assembled from a stream (the response
     then has none)."""
-    if isinstance(response, _wire.AttendWireResponse):
+    if isinstance(response, _wire.WireMessage):
         return _read_wire_response(response, bf16_words, maps, maps_words)
     stats = _head_statistics(response)
     if maps is None and (response.attention_maps.raw_data or response.attention_maps.float_data):
@@ -217,14 +214,12 @@ def _head_statistics(response):
 
 
 def _read_wire_response(response, bf16_words, maps, maps_words):
-    """read_attend_response of an AttendWireResponse: the same AttendResult,
-    its message parsed only when read."""
+    """read_attend_response of a WireMessage: the same AttendResult, its
+    message parsed only when read."""
     rest = response.rest
-    output_dtype, output_shape, *_ = response.tensors.get(2, (0, (), 0, 0))
-    output_raw = response.raw(2)
-    maps_dtype, maps_shape, maps_start, maps_end = response.tensors.get(3, (0, (), 0, 0))
-    if maps is None and maps_end > maps_start:
-        maps_raw = response.raw(3)
+    output_dtype, output_shape, output_raw = response.tensor(2)
+    maps_dtype, maps_shape, maps_raw = response.tensor(3)
+    if maps is None and maps_raw:
         maps = tensors.decode_raw(maps_dtype, maps_shape, maps_raw)
         maps_words = tensors.decode_raw_words(maps_dtype, maps_shape, maps_raw) if bf16_words else None
     return AttendResult(
@@ -406,28 +401,56 @@ def loaded_models(response):
 def build_extend_request(steps, precision=None, input_dtype=None, output_dtype=None):
     """An ExtendRequest from (session_id, layer, expected_length, x, maps,
     head_mask[, stats]) tuples."""
-    request = pb.ExtendRequest(precision=precision_enum(precision),
-                               output_dtype=_output_dtype(output_dtype))
+    request = build_extend_wire(steps, precision, input_dtype, output_dtype)
+    return request.message() if isinstance(request, _wire.MessageWire) else request
+
+
+def build_extend_wire(steps, precision=None, input_dtype=None, output_dtype=None):
+    """build_extend_request's ExtendRequest as an _wire.MessageWire (each
+    step's hidden states written around the array's memory when it is
+    serialized), or as the message itself when the steps' tensors are smaller
+    than _wire.IN_PLACE_MIN_BYTES."""
+    request = pb.ExtendRequest(precision=precision_enum(precision), output_dtype=_output_dtype(output_dtype))
+    steps_read = []  # (ExtendStep's small fields, its hidden states as a WireTensor)
     for i, (session_id, layer, expected_length, x, maps, head_mask, *stats) in enumerate(steps):
-        request.steps.add(session_id=session_id, layer=int(layer), expected_length=int(expected_length),
-                          hidden_states=tensors.encode(x, input_dtype, f"steps[{i}].x"),
-                          attention_maps=bool(maps), head_mask=_list(head_mask, "head_mask", float),
-                          head_statistics=bool(stats and stats[0]))
-    return request
+        layer, expected_length = int(layer), int(expected_length)
+        x = tensors.encode_wire(x, input_dtype, f"steps[{i}].x")
+        steps_read.append((dict(session_id=session_id, layer=layer, expected_length=expected_length,
+                                attention_maps=bool(maps), head_mask=_list(head_mask, "head_mask", float),
+                                head_statistics=bool(stats and stats[0])), x))
+    if sum(x.data.nbytes for _, x in steps_read) < _wire.IN_PLACE_MIN_BYTES:
+        # A few decode tokens: protobuf writes them faster than Python frames them.
+        for fields, x in steps_read:
+            request.steps.add(hidden_states=x.message(), **fields)
+        return request
+    return _wire.MessageWire(request, {1: [_wire.MessageWire(pb.ExtendStep(**fields), {4: x})  # steps, hidden_states
+                                           for fields, x in steps_read]})
 
 
 def read_extend_response(response, bf16_words=False) -> List[StepResult]:
-    """StepResults of an ExtendResponse, in the request's order."""
-    timing = Timing.from_message(response.timing)
-    precision = _PRECISION_NAMES.get(response.precision, "fp32")
+    """StepResults of an ExtendResponse (or of an _wire.WireMessage of one:
+    the outputs and maps then are views of the received bytes), in the
+    request's order."""
+    wire = isinstance(response, _wire.WireMessage)
+    top = response.rest if wire else response
+    timing = Timing.from_message(top.timing)
+    precision = _PRECISION_NAMES.get(top.precision, "fp32")
     results = []
-    for r in response.results:
+    for r in response.children.get(1, []) if wire else response.results:
+        if wire:
+            output, maps, r = r.tensor(3), r.tensor(4), r.rest
+            output_values, maps_values = tensors.decode_raw(*output), tensors.decode_raw(*maps)
+            output_words = tensors.decode_raw_words(*output) if bf16_words else None
+            maps_words = tensors.decode_raw_words(*maps) if bf16_words else None
+        else:
+            output_values, maps_values = tensors.decode(r.output), tensors.decode(r.attention_maps)
+            output_words = tensors.decode_words(r.output) if bf16_words else None
+            maps_words = tensors.decode_words(r.attention_maps) if bf16_words else None
         error = error_for_status(r.code, r.message) if r.code != 0 else None
         results.append(StepResult(
-            error=error, output=tensors.decode(r.output), maps=tensors.decode(r.attention_maps),
-            length=r.length, replayed=r.replayed, timing=timing, kernel_path=response.kernel_path,
-            precision=precision, output_words=tensors.decode_words(r.output) if bf16_words else None,
-            maps_words=tensors.decode_words(r.attention_maps) if bf16_words else None,
+            error=error, output=output_values, maps=maps_values, length=r.length, replayed=r.replayed,
+            timing=timing, kernel_path=top.kernel_path, precision=precision, output_words=output_words,
+            maps_words=maps_words,
             stats=HeadStatistics(tensors.decode(r.head_statistics.entropy),
                                  tensors.decode(r.head_statistics.max_weight), None)
             if r.HasField("head_statistics") else None))

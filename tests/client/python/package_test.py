@@ -168,8 +168,13 @@ class WireFormat(unittest.TestCase):
     package's reading of a response equals its reading of protobuf's parse."""
 
     def setUp(self):
+        from attnserve import _wire
         self.rng = np.random.default_rng()
         self.pb = attnserve.v1.attention_pb2
+        # The in-place reader takes responses of every size here (by default
+        # protobuf parses the small ones: test_small_responses_...).
+        self.addCleanup(setattr, _wire, "IN_PLACE_MIN_BYTES", _wire.IN_PLACE_MIN_BYTES)
+        _wire.IN_PLACE_MIN_BYTES = 0
 
     def normal(self, *shape):
         return self.rng.standard_normal(shape)
@@ -285,7 +290,7 @@ class WireFormat(unittest.TestCase):
                 for words in (False, True):
                     with self.subTest(name, layout=layout, bf16_words=words):
                         fast = _wire.parse_attend_response(wire_bytes)
-                        self.assertIsInstance(fast, _wire.AttendWireResponse)
+                        self.assertIsInstance(fast, _wire.WireMessage)
                         got = messages.read_attend_response(fast, words)
                         self.assert_same_result(got, messages.read_attend_response(
                             pb.AttendResponse.FromString(wire_bytes), words))
@@ -330,6 +335,96 @@ class WireFormat(unittest.TestCase):
             with self.subTest(truncated_at=cut):
                 with self.assertRaises(google.protobuf.message.DecodeError):
                     _wire.parse_attend_response(data[:cut])
+
+    def test_small_responses_are_left_to_protobuf(self):
+        from attnserve import _wire
+        _wire.IN_PLACE_MIN_BYTES = 64 << 10
+        small = self.random_response(shape=(1, 4, D_MODEL)).SerializeToString()  # 12 KiB
+        large = self.random_response(shape=(1, 32, D_MODEL)).SerializeToString()  # 96 KiB
+        self.assertIsInstance(_wire.parse_attend_response(small), self.pb.AttendResponse)
+        self.assertIsInstance(_wire.parse_attend_response(large), _wire.WireMessage)
+
+    def random_extend_response(self, dtype):
+        """An ExtendResponse of four results: FP32 or BF16 outputs, one with
+        maps, one with statistics, one failed step (no tensors)."""
+        pb = self.pb
+        response = pb.ExtendResponse(kernel_path="fp32/blocked", precision=pb.PRECISION_FP32)
+        response.timing.compute.FromNanoseconds(int(self.rng.integers(1, 10 ** 9)))
+        for i, (n, length) in enumerate([(3, 10), (1, 4), (0, 0), (40, 40)]):
+            result = response.results.add(length=length, replayed=i == 1)
+            if i == 2:
+                result.code, result.message = 9, "steps[2]: expected_length 7, the layer holds 8"
+                continue
+            other = self.random_response(dtype, dtype if i == 0 else None, shape=(1, n, D_MODEL))
+            result.output.CopyFrom(other.output)
+            if i == 0:
+                result.attention_maps.CopyFrom(other.attention_maps)
+            if i == 3:
+                result.head_statistics.entropy.CopyFrom(tensor_of(self.rng.random((HEADS, n))))
+                result.head_statistics.max_weight.CopyFrom(tensor_of(self.rng.random((HEADS, n))))
+        return response
+
+    def assert_same_steps(self, got, want):
+        self.assertEqual(len(got), len(want))
+        for a, b in zip(got, want):
+            for name in ("output", "maps", "output_words", "maps_words"):
+                x, y = getattr(a, name), getattr(b, name)
+                self.assertEqual(x is None, y is None, name)
+                if x is not None:
+                    self.assertEqual((x.dtype, x.shape, x.tobytes()), (y.dtype, y.shape, y.tobytes()), name)
+            self.assertEqual((type(a.error), str(a.error), a.length, a.replayed, a.timing, a.kernel_path, a.precision),
+                             (type(b.error), str(b.error), b.length, b.replayed, b.timing, b.kernel_path, b.precision))
+            self.assertEqual(a.stats is None, b.stats is None)
+            if a.stats is not None:
+                np.testing.assert_array_equal(a.stats.entropy, b.stats.entropy)
+                np.testing.assert_array_equal(a.stats.max_weight, b.stats.max_weight)
+
+    def test_extend_responses_are_read_in_place_as_protobuf_reads_them(self):
+        from attnserve import _wire, messages
+        pb = self.pb
+        for dtype in ("fp32", "bf16"):
+            response = self.random_extend_response(dtype)
+            data = response.SerializeToString()
+            for words in (False, True):
+                with self.subTest(dtype=dtype, bf16_words=words):
+                    fast = _wire.parse_extend_response(data)
+                    self.assertIsInstance(fast, _wire.WireMessage)
+                    self.assertEqual(fast.message, response)
+                    got = messages.read_extend_response(fast, words)
+                    self.assert_same_steps(got, messages.read_extend_response(pb.ExtendResponse.FromString(data),
+                                                                              words))
+                    if dtype == "fp32":
+                        self.assertTrue(np.shares_memory(got[3].output, np.frombuffer(data, np.uint8)))
+        # An unknown field inside a result, or a result's output in two occurrences: protobuf reads it.
+        response = self.random_extend_response("fp32")
+        first = response.results[0]
+        split = pb.ExtendResult(output=pb.Tensor(dtype=first.output.dtype, shape=first.output.shape))
+        merged = _field(1, 2, split.SerializeToString() + _field(3, 2, _field(3, 2, first.output.raw_data)))
+        for name, data in [("unknown", response.SerializeToString() + _field(1, 2, _field(12, 0, 1))),
+                           ("merged", merged)]:
+            with self.subTest(name):
+                got = _wire.parse_extend_response(data)
+                self.assertIsInstance(got, pb.ExtendResponse)
+                self.assertEqual(got, pb.ExtendResponse.FromString(data))
+
+    def test_extend_requests_parse_to_the_message_protobufs_setters_build(self):
+        from attnserve import _wire, messages
+        pb = self.pb
+        cases = [(n, dtype, least) for n, dtype in [(1, None), (3, "bf16"), (600, None), (0, None)]
+                 for least in (0, 64 << 10)]  # every request framed by the package; only 600 tokens' (1.8 MB)
+        for n, dtype, least in cases:
+            _wire.IN_PLACE_MIN_BYTES = least
+            xs = [self.normal(n, D_MODEL), self.normal(n, D_MODEL).astype(np.float32)]
+            steps = [("s0", 0, 5, xs[0], True, [1.0, 0.0], True), ("s1", 2, 0, xs[1], False, None)]
+            reference = pb.ExtendRequest(precision=pb.PRECISION_BF16, steps=[
+                pb.ExtendStep(session_id="s0", layer=0, expected_length=5, hidden_states=tensor_of(xs[0], dtype),
+                              attention_maps=True, head_mask=[1.0, 0.0], head_statistics=True),
+                pb.ExtendStep(session_id="s1", layer=2, expected_length=0, hidden_states=tensor_of(xs[1], dtype))])
+            with self.subTest(tokens=n, input_dtype=dtype, in_place_min_bytes=least):
+                wire = messages.build_extend_wire(steps, "bf16", dtype)
+                self.assertEqual(isinstance(wire, _wire.MessageWire), n == 600 or least == 0)
+                self.assertEqual(pb.ExtendRequest.FromString(wire.SerializeToString()), reference)
+                self.assertEqual(messages.build_extend_request(steps, "bf16", dtype), reference)
 
 
 # The name the test server answers with in its attnserve-replica header.
@@ -533,14 +628,15 @@ class AgainstServer(unittest.TestCase):
         return self.reference(sequence[None], causal=True)[0][0, first:first + n]
 
     def test_a_session_prefills_decodes_forks_and_closes(self):
-        prompt = self.rng.standard_normal((12, D_MODEL)).astype(np.float32)
+        # 40 tokens (123 kB): the prefill's request and response go through attnserve._wire's framing.
+        prompt = self.rng.standard_normal((40, D_MODEL)).astype(np.float32)
         with self.client.open_session() as session:
             self.assertRegex(session.id, r"^[0-9a-f]{32}$")
             self.assertEqual((session.routing_key, session.replica), (None, REPLICA))
             step = session.extend(prompt, maps=True)
-            self.assertLessEqual(rel_error(step.output, self.reference_rows(prompt, 0, 12)), 1e-5)
-            self.assertEqual(step.maps.shape, (HEADS, 12, 12))
-            self.assertEqual((step.length, session.lengths, step.kernel_path), (12, [12], "fp32/paged"))
+            self.assertLessEqual(rel_error(step.output, self.reference_rows(prompt, 0, 40)), 1e-5)
+            self.assertEqual(step.maps.shape, (HEADS, 40, 40))
+            self.assertEqual((step.length, session.lengths, step.kernel_path), (40, [40], "fp32/paged"))
             sequence = prompt
             for _ in range(4):
                 token = self.rng.standard_normal((1, D_MODEL)).astype(np.float32)
@@ -548,16 +644,16 @@ class AgainstServer(unittest.TestCase):
                 sequence = np.concatenate([sequence, token])
                 step = session.extend(token)
                 self.assertLessEqual(rel_error(step.output, self.reference_rows(sequence, before, 1)), 1e-5)
-            self.assertEqual(session.info().layer_lengths, (16,))
+            self.assertEqual(session.info().layer_lengths, (44,))
             # A fork shares the prefix and diverges.
             fork = session.fork()
-            self.assertEqual(fork.lengths, [16])
+            self.assertEqual(fork.lengths, [44])
             a, b = (self.rng.standard_normal((2, D_MODEL)).astype(np.float32) for _ in range(2))
             out_a, out_b = session.extend(a).output, fork.extend(b).output
-            self.assertLessEqual(rel_error(out_a, self.reference_rows(np.concatenate([sequence, a]), 16, 2)), 1e-5)
-            self.assertLessEqual(rel_error(out_b, self.reference_rows(np.concatenate([sequence, b]), 16, 2)), 1e-5)
+            self.assertLessEqual(rel_error(out_a, self.reference_rows(np.concatenate([sequence, a]), 44, 2)), 1e-5)
+            self.assertLessEqual(rel_error(out_b, self.reference_rows(np.concatenate([sequence, b]), 44, 2)), 1e-5)
             # A lost answer: the same step again is replayed, not appended twice.
-            session.lengths[0] = 16
+            session.lengths[0] = 44
             again = session.extend(a)
             self.assertTrue(again.replayed)
             np.testing.assert_array_equal(again.output, out_a)
