@@ -10,7 +10,8 @@ copy of 3 MB; docs/measurements.md). Here:
   tensors' (tag, length, Tensor{dtype, shape, raw_data}) framing written here
   around the arrays' own memory, all joined into one bytes object (the one
   copy before gRPC's own);
-- a response's tensors (Attend's output and maps, each Extend result's) are
+- a response's tensors (Attend's output and maps, AttendStream's map chunks,
+  each Extend result's) are
   found inside the received bytes and read with np.frombuffer (no copy);
   protobuf parses everything else. Responses under IN_PLACE_MIN_BYTES, and
   Extend requests whose tensors are, go through protobuf: for a few decode
@@ -27,7 +28,7 @@ answer never differs from protobuf's parse of the same bytes.
 from .v1 import attention_pb2 as pb
 
 __all__ = ["WireTensor", "MessageWire", "WireMessage", "serialize", "parse_attend_response", "parse_extend_response",
-           "callables"]
+           "parse_attend_stream_response", "callables"]
 
 _VARINT, _LEN = 0, 2
 
@@ -200,18 +201,21 @@ IN_PLACE_MIN_BYTES = 64 << 10
 
 # The layouts the fast reader knows: {field number: the wire type of a field
 # protobuf parses (_VARINT, _LEN), _TENSOR for a Tensor read in place, or
-# (message class, layout) for a repeated message read the same way}.
+# (message class, layout, repeated) for a message field read the same way}.
 _TENSOR = "tensor"
 _ATTEND_RESPONSE = {1: _LEN, 2: _TENSOR, 3: _TENSOR, 4: _LEN, 5: _LEN, 6: _LEN, 7: _VARINT}
 _EXTEND_RESULT = {1: _VARINT, 2: _LEN, 3: _TENSOR, 4: _TENSOR, 5: _VARINT, 6: _VARINT, 7: _LEN}
-_EXTEND_RESPONSE = {1: (pb.ExtendResult, _EXTEND_RESULT), 2: _LEN, 3: _LEN, 4: _VARINT}
+_EXTEND_RESPONSE = {1: (pb.ExtendResult, _EXTEND_RESULT, True), 2: _LEN, 3: _LEN, 4: _VARINT}
+# AttendStreamResponse: the response (no map values in it) parsed by protobuf; a map chunk's maps in place.
+_MAP_CHUNK = {1: _VARINT, 2: _VARINT, 3: _VARINT, 4: _TENSOR}
+_ATTEND_STREAM_RESPONSE = {1: _LEN, 2: (pb.AttentionMapChunk, _MAP_CHUNK, False)}
 
 
 class WireMessage:
     """A message read from data[start:end]: `rest` (protobuf's parse of every
     field but the tensors and repeated messages read here), `tensors`
     ({field number: (dtype, shape, raw start, raw end) into `data`}),
-    `children` ({field number: [WireMessage]}, for a repeated message field)
+    `children` ({field number: [WireMessage]}, for a message field)
     and `data` (the received bytes). `message` parses the whole message with
     protobuf when first read."""
     __slots__ = ("data", "start", "end", "rest", "tensors", "children", "_message")
@@ -244,15 +248,15 @@ def _read(data, pos, end, message_class, layout):
         field, wire_type = key >> 3, key & 7
         kind = layout.get(field)
         if kind == _TENSOR or isinstance(kind, tuple):
-            if wire_type != _LEN or field in tensors:
-                raise _Unexpected()
+            if wire_type != _LEN or field in tensors or (field in children and not kind[2]):
+                raise _Unexpected()  # a second occurrence of a singular field would merge
             length, pos = _read_varint(data, pos, end)
             if pos + length > end:
                 raise _Unexpected()
             if kind == _TENSOR:
                 tensors[field] = _read_tensor(data, pos, pos + length)
             else:
-                children.setdefault(field, []).append(_read(data, pos, pos + length, *kind))
+                children.setdefault(field, []).append(_read(data, pos, pos + length, kind[0], kind[1]))
             pos += length
         elif kind == wire_type:
             pos = _skip(data, pos, end, wire_type)
@@ -291,16 +295,26 @@ def parse_extend_response(data):
     return _parse(pb.ExtendResponse, _EXTEND_RESPONSE, data)
 
 
+def parse_attend_stream_response(data):
+    """parse_attend_response for AttendStream's messages: a WireMessage of
+    the AttendStreamResponse (a map chunk's maps in place, in children[2][0])
+    or protobuf's AttendStreamResponse."""
+    message = _parse(pb.AttendStreamResponse, _ATTEND_STREAM_RESPONSE, data)
+    if isinstance(message, WireMessage) and message.children and message.rest.HasField("response"):
+        return pb.AttendStreamResponse.FromString(data)  # both parts of the oneof: protobuf keeps the last
+    return message
+
+
 def callables(channel):
     """(Attend, AttendStream, Extend) on `channel` (grpc or grpc.aio), each
     taking a protobuf request or a MessageWire of one. Attend and Extend answer
     with parse_attend_response's and parse_extend_response's result,
-    AttendStream with AttendStreamResponse messages."""
+    AttendStream with parse_attend_stream_response's."""
     service = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
     attend = channel.unary_unary(f"/{service}/Attend", request_serializer=serialize,
                                  response_deserializer=parse_attend_response)
     stream = channel.unary_stream(f"/{service}/AttendStream", request_serializer=serialize,
-                                  response_deserializer=pb.AttendStreamResponse.FromString)
+                                  response_deserializer=parse_attend_stream_response)
     extend = channel.unary_unary(f"/{service}/Extend", request_serializer=serialize,
                                  response_deserializer=parse_extend_response)
     return attend, stream, extend

@@ -242,17 +242,26 @@ class MapAssembler:
         self._words = None
 
     def add(self, message):
-        if message.HasField("response"):
-            self._response = message.response
+        """Takes the stream's next message: an AttendStreamResponse, or an
+        _wire.WireMessage of one (its chunk's maps read in place)."""
+        wire = isinstance(message, _wire.WireMessage)
+        if (message.rest if wire else message).HasField("response"):
+            self._response = (message.rest if wire else message).response
             shape = tuple(self._response.attention_maps.shape)
             if shape:
                 self._maps = np.empty(shape, np.float32)
                 if self._bf16_words and self._response.attention_maps.dtype == pb.DATA_TYPE_BF16:
                     self._words = np.empty(shape, "<u2")
             return
-        chunk = message.map_chunk
-        part = tensors.decode(chunk.maps)[0]  # [heads, rows, keys], or [rows, keys] for mean maps
-        words = tensors.decode_words(chunk.maps) if self._words is not None else None
+        if wire and message.children:
+            chunk_wire = message.children[2][0]
+            chunk, maps = chunk_wire.rest, chunk_wire.tensor(4)
+            part = tensors.decode_raw(*maps)[0]  # [heads, rows, keys], or [rows, keys] for mean maps
+            words = tensors.decode_raw_words(*maps) if self._words is not None else None
+        else:
+            chunk = (message.rest if wire else message).map_chunk
+            part = tensors.decode(chunk.maps)[0]
+            words = tensors.decode_words(chunk.maps) if self._words is not None else None
         if self._maps.ndim == 4:
             where = (chunk.sequence, slice(chunk.first_head, chunk.first_head + part.shape[0]),
                      slice(chunk.first_row, chunk.first_row + part.shape[1]))

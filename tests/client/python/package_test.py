@@ -407,6 +407,37 @@ class WireFormat(unittest.TestCase):
                 self.assertIsInstance(got, pb.ExtendResponse)
                 self.assertEqual(got, pb.ExtendResponse.FromString(data))
 
+    def test_streamed_map_chunks_are_read_in_place_as_protobuf_reads_them(self):
+        from attnserve import _wire, messages
+        pb = self.pb
+        for dtype in ("fp32", "bf16"):
+            batch, seq, rows = 2, 6, 4  # two chunks of rows per sequence
+            head = self.random_response(dtype, dtype, shape=(batch, seq, D_MODEL))
+            maps = head.attention_maps
+            full = (np.frombuffer(maps.raw_data, "<u2" if dtype == "bf16" else "<f4")
+                    .reshape(batch, HEADS, seq, seq))
+            head.attention_maps.ClearField("raw_data")  # the stream's response carries the maps' shape only
+            stream = [pb.AttendStreamResponse(response=head).SerializeToString()]
+            for b in range(batch):
+                for first in range(0, seq, rows):
+                    part = full[b:b + 1, :, first:first + rows]
+                    stream.append(pb.AttendStreamResponse(map_chunk=pb.AttentionMapChunk(
+                        sequence=b, first_head=0, first_row=first, maps=pb.Tensor(
+                            dtype=maps.dtype, shape=part.shape, raw_data=part.tobytes()))).SerializeToString())
+            for words in (False, True):
+                with self.subTest(dtype=dtype, bf16_words=words):
+                    fast, slow = messages.MapAssembler(words), messages.MapAssembler(words)
+                    for data in stream:
+                        message = _wire.parse_attend_stream_response(data)
+                        self.assertIsInstance(message, _wire.WireMessage)
+                        fast.add(message)
+                        slow.add(pb.AttendStreamResponse.FromString(data))
+                    self.assert_same_result(fast.result(), slow.result())
+        # Both parts of the oneof in one message: protobuf keeps the last, and reads it.
+        both = stream[1] + stream[0]
+        self.assertIsInstance(_wire.parse_attend_stream_response(both), pb.AttendStreamResponse)
+        self.assertEqual(_wire.parse_attend_stream_response(both), pb.AttendStreamResponse.FromString(both))
+
     def test_extend_requests_parse_to_the_message_protobufs_setters_build(self):
         from attnserve import _wire, messages
         pb = self.pb
