@@ -86,7 +86,9 @@ class AttendResult:
     model: the model that ran ("" for an ad-hoc layer).
     output_words, maps_words: with bf16_words=True and BF16 on the wire, the raw
       bfloat16 words (uint16 arrays of the same shapes); None otherwise.
-    message: the AttendResponse message itself.
+    message: the AttendResponse message itself (when the output was read in
+      place from the received bytes, protobuf parses them when this is first
+      read).
     """
     output: np.ndarray
     maps: Optional[np.ndarray]

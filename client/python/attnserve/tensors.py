@@ -56,7 +56,11 @@ def to_bf16_words(array):
 def from_bf16_words(words):
     """bfloat16 words (uint16) widened to float32 (exactly)."""
     words = np.asarray(words, dtype="<u2")
-    return (words.astype("<u4") << np.uint32(16)).view("<f4").reshape(words.shape)
+    # Shifted straight into the result (astype then << made a second array of
+    # the result's size: 50 MB for B=4 S=512 maps).
+    widened = np.empty(words.shape, "<u4")
+    np.left_shift(words, np.uint32(16), out=widened, dtype="<u4")
+    return widened.view("<f4")
 
 
 def bf16_round(array):
