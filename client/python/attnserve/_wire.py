@@ -124,8 +124,11 @@ class MessageWire:
 
 
 def serialize(request):
-    """gRPC's request serializer: a protobuf message or a MessageWire."""
-    return request.SerializeToString()
+    """gRPC's request serializer: a protobuf message, a MessageWire, or bytes
+    already serialized (grpc.aio serializes in a task of its own, after the
+    caller has gone on: its callers pass bytes, taken while the arrays are as
+    they were at the call)."""
+    return request if isinstance(request, bytes) else request.SerializeToString()
 
 
 class _Unexpected(Exception):

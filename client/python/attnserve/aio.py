@@ -79,7 +79,7 @@ class Client:
             context_lengths=context_lengths, mask=mask, mask_kind=mask_kind, head_mask=head_mask,
             position_offsets=position_offsets, maps=maps, heads=heads, rows=rows, stats=stats,
             precision=precision, input_dtype=input_dtype, output_dtype=output_dtype, layer=layer,
-            projected=projected)
+            projected=projected).SerializeToString()  # now: grpc.aio serializes later, in a task of its own
         return await self.attend_request(request, bf16_words=bf16_words, stream_maps=stream_maps,
                                          timeout=timeout)
 
@@ -146,7 +146,8 @@ class Client:
         """attnserve.Client.extend, awaited."""
         steps = list(steps)
         key = steps_routing_key(steps)
-        request = messages.build_extend_wire(step_tuples(steps), precision, input_dtype, output_dtype)
+        request = messages.build_extend_wire(step_tuples(steps), precision, input_dtype,
+                                             output_dtype).SerializeToString()  # now, as attend's
         results = messages.read_extend_response(await self._call(self._extend, request, timeout, key),
                                                 bf16_words)
         record_steps(steps, results)

@@ -754,6 +754,13 @@ class AgainstServer(unittest.TestCase):
                 self.assertEqual(await client.health(), "SERVING")
                 self.assertEqual((await client.model()).d_model, D_MODEL)
                 results = await asyncio.gather(*[client.attend(x[i:i + 1], maps="mean") for i in range(3)])
+                # What is sent is x as it was when attend was called: overwritten once attend waits for
+                # the answer (grpc.aio serializes in a task of its own, later), x still goes out whole.
+                scratch = x.copy()
+                pending = asyncio.ensure_future(client.attend(scratch))
+                await asyncio.sleep(0)  # one turn of the loop: attend runs up to its first wait
+                scratch[:] = 0
+                overwritten = await pending
                 streamed = await client.attend(x, maps="per-head", stream_maps=True)
                 with self.assertRaises(attnserve.NotFoundError) as caught:
                     await client.attend(x, model="no-such-model")
@@ -765,10 +772,11 @@ class AgainstServer(unittest.TestCase):
                     fork = await session.fork()
                     self.assertEqual((fork.routing_key, fork.replica), ("key-1", REPLICA))
                     await fork.close()
-                return results, streamed, caught.exception, step, info, latest
+                return results, streamed, caught.exception, step, info, latest, overwritten
 
-        results, streamed, error, step, info, latest = asyncio.run(main())
+        results, streamed, error, step, info, latest, overwritten = asyncio.run(main())
         ref_out, ref_maps = self.reference(x)
+        self.assertLessEqual(rel_error(overwritten.output, ref_out), 1e-5)
         for i, r in enumerate(results):
             self.assertLessEqual(rel_error(r.output[0], ref_out[i]), 1e-5)
             self.assertLessEqual(rel_error(r.maps[0], ref_maps[i].mean(axis=0)), 1e-5)
