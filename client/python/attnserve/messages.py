@@ -3,6 +3,7 @@ shared by the blocking client (attnserve.Client) and the asyncio one
 (attnserve.aio.Client). No I/O here."""
 import dataclasses
 import datetime
+import inspect
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -187,6 +188,9 @@ def build_attend_wire(x=None, *, model="default", lengths=None, packed=None, cau
         request.attention_maps.query_rows.extend(_list(rows, "rows", int))
         request.attention_maps.head_statistics = bool(stats)
     return _wire.MessageWire(request, big)
+
+
+build_attend_request.__signature__ = inspect.signature(build_attend_wire)  # for help(): the same arguments
 
 
 def read_attend_response(response, bf16_words=False, maps=None, maps_words=None):
