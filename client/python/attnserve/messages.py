@@ -78,7 +78,8 @@ class AttendResult:
     output: float32 [batch, seq, d_model] (packed: [tokens, d_model]; projected:
       [batch, heads, seq_q, head_dim]). FP32 on the wire comes back as a
       read-only view of the response's bytes (no copy: `.copy()` it to write);
-      BF16 is widened to float32.
+      BF16 is widened to float32. A view keeps the whole response's bytes
+      alive (maps included): copy what you keep if you drop the rest.
     maps: float32 attention maps ([batch, heads, seq_q, seq_kv] per head,
       [batch, seq_q, seq_kv] mean), or None when none were asked for.
     stats: HeadStatistics, or None when not asked for.
