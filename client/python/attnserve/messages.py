@@ -357,7 +357,9 @@ class StepResult:
       own status: one failed step never fails its neighbours); the fields
       below are then empty.
     output: float32 [n, d_model], the layer's output for the new tokens (FP32 a
-      read-only view, BF16 widened). maps: float32 [heads, n, length] when
+      read-only view of the response's bytes, which it keeps alive, every
+      step's and their maps; a copy where they are not aligned; BF16
+      widened). maps: float32 [heads, n, length] when
       asked for (not on a replay). stats: HeadStatistics with entropy and
       max_weight float32 [heads, n], each new row's, after head_mask, when
       asked for (not on a replay); None otherwise. length: the layer's

@@ -88,24 +88,40 @@ def encode(array, dtype=None, what="tensor"):
     return encode_wire(array, dtype, what).message()
 
 
+def _aligned_view(raw, dtype):
+    """`raw` as a read-only array of `dtype`: a view of it where its address is
+    a multiple of the element's size, else a copy. A tensor's bytes sit in a
+    response at an offset the fields before them decide (the model's name,
+    for one); NumPy reads a misaligned view correctly, but slowly, and code
+    that takes NumPy's memory as it is (C extensions, torch.from_numpy) may
+    assume alignment."""
+    array = np.frombuffer(raw, dtype=dtype)
+    if not array.flags.aligned:
+        array = array.copy()
+        array.flags.writeable = False
+    return array
+
+
 def decode_raw(dtype, shape, raw):
     """Raw data (any bytes-like object) of a Tensor with this DataType and
     shape (a tuple) as decode() reads it; None for an empty shape. FP32 is a
-    view of `raw` (read-only when raw is)."""
+    read-only view of `raw` (a copy where raw's address is not a multiple of
+    4)."""
     if not shape:
         return None
     if dtype == pb.DATA_TYPE_BF16:
         return from_bf16_words(np.frombuffer(raw, dtype="<u2")).reshape(shape)
     if dtype == pb.DATA_TYPE_BOOL:
         return np.frombuffer(raw, dtype=np.uint8).reshape(shape).astype(bool)
-    return np.frombuffer(raw, dtype="<f4").reshape(shape)
+    return _aligned_view(raw, "<f4").reshape(shape)
 
 
 def decode_raw_words(dtype, shape, raw):
-    """decode_words() of raw data: a BF16 tensor's words as a uint16 view."""
+    """decode_words() of raw data: a BF16 tensor's words as a read-only uint16
+    view (a copy where raw's address is odd)."""
     if not shape or dtype != pb.DATA_TYPE_BF16:
         return None
-    return np.frombuffer(raw, dtype="<u2").reshape(shape)
+    return _aligned_view(raw, "<u2").reshape(shape)
 
 
 def decode(tensor):

@@ -132,6 +132,11 @@ class WithoutServer(unittest.TestCase):
         self.assertEqual(attnserve.errors.error_for_status(5, "x").code, grpc.StatusCode.NOT_FOUND)
 
 
+def address_in(data, part):
+    """The address of `part`'s first occurrence in the bytes `data`."""
+    return np.frombuffer(data, np.uint8).ctypes.data + data.find(part)
+
+
 def tensor_of(values, dtype="fp32"):
     """The Tensor message of an array built directly with protobuf, values
     encoded independently of the package (BF16 by independent_bf16_words)."""
@@ -296,9 +301,37 @@ class WireFormat(unittest.TestCase):
                             pb.AttendResponse.FromString(wire_bytes), words))
                         self.assertEqual(got.message, response)
                         if got.output is not None and got.output.size and response.output.dtype == 1:
-                            # A view of the received bytes: no copy, read-only.
-                            self.assertTrue(np.shares_memory(got.output, np.frombuffer(wire_bytes, np.uint8)))
+                            # Read-only and aligned: a view of the received bytes (no copy) where
+                            # they are aligned.
                             self.assertFalse(got.output.flags.writeable)
+                            self.assertTrue(got.output.flags.aligned)
+                            self.assertEqual(np.shares_memory(got.output, np.frombuffer(wire_bytes, np.uint8)),
+                                             address_in(wire_bytes, response.output.raw_data) % 4 == 0)
+
+    def test_arrays_read_in_place_are_aligned_wherever_the_bytes_fall(self):
+        # The server writes the big tensors last (after the model's name, for
+        # one): names of 1-4 characters put the output's bytes at every offset
+        # modulo 4.
+        from attnserve import _wire, messages
+        pb = self.pb
+        x = self.normal(1, 3, D_MODEL).astype(np.float32)
+        offsets = set()
+        for name in ("m", "mo", "mod", "mode"):
+            for dtype in (pb.DATA_TYPE_FP32, pb.DATA_TYPE_BF16):
+                values = tensor_of(x, "fp32" if dtype == pb.DATA_TYPE_FP32 else "bf16")
+                data = (pb.AttendResponse(model=name).SerializeToString() +
+                        pb.AttendResponse(output=values).SerializeToString())
+                offsets.add(address_in(data, values.raw_data) % 4)
+                with self.subTest(model=name, dtype=dtype):
+                    got = messages.read_attend_response(_wire.parse_attend_response(data), True)
+                    # FP32 output and BF16 words are read in place (BF16 output is widened anew).
+                    in_place = got.output if dtype == pb.DATA_TYPE_FP32 else got.output_words
+                    self.assertTrue(got.output.flags.aligned)
+                    self.assertTrue(in_place.flags.aligned)
+                    self.assertFalse(in_place.flags.writeable)
+                    expected = messages.read_attend_response(pb.AttendResponse.FromString(data), True)
+                    np.testing.assert_array_equal(got.output, expected.output)
+        self.assertEqual(offsets, {0, 1, 2, 3})  # every offset was met
 
     def test_a_response_the_fast_reader_does_not_expect_is_read_by_protobuf(self):
         from attnserve import _wire, messages
@@ -310,7 +343,8 @@ class WireFormat(unittest.TestCase):
         head = _field(1, 0, output.dtype) + _field(2, 2, shape)
         cases = [
             ("an unknown field", data + _field(99, 0, 5)),
-            ("an unknown field inside the output", data + _field(2, 2, _field(9, 0, 1))),
+            ("an unknown field inside the output",
+             _field(2, 2, head + _field(3, 2, output.raw_data) + _field(9, 0, 1))),
             ("the output in two occurrences (merged)",
              pb.AttendResponse(model="m").SerializeToString() + _field(2, 2, head) +
              _field(2, 2, _field(3, 2, output.raw_data))),
@@ -393,8 +427,10 @@ class WireFormat(unittest.TestCase):
                     got = messages.read_extend_response(fast, words)
                     self.assert_same_steps(got, messages.read_extend_response(pb.ExtendResponse.FromString(data),
                                                                               words))
-                    if dtype == "fp32":
-                        self.assertTrue(np.shares_memory(got[3].output, np.frombuffer(data, np.uint8)))
+                    if dtype == "fp32":  # in place where aligned
+                        self.assertTrue(got[3].output.flags.aligned)
+                        self.assertEqual(np.shares_memory(got[3].output, np.frombuffer(data, np.uint8)),
+                                         address_in(data, response.results[3].output.raw_data) % 4 == 0)
         # An unknown field inside a result, or a result's output in two occurrences: protobuf reads it.
         response = self.random_extend_response("fp32")
         first = response.results[0]
