@@ -4,8 +4,8 @@
   tests/benchmarks/python_client_benchmark.py --server build/server/attnserve [--rounds 5]
 
 Starts attnserve (the built-in model, d_model 768, 12 heads) on a free loopback
-port and times Attend calls one at a time, for B=1 S=16 and B=8 S=128 without
-maps, two ways on channels of their own:
+port and times Attend calls one at a time, for B=1 S=16, B=8 S=128 and B=1
+S=2048 without maps, two ways on channels of their own:
 
   - raw stubs: the generated AttentionServiceStub with an AttendRequest built
     by hand (float32 bytes) and the output read with np.frombuffer, as a user
@@ -16,8 +16,10 @@ maps, two ways on channels of their own:
 The two alternate in blocks within each round (raw, package, package, raw, ...)
 so that a slow spell of the machine hits both. Prints each way's median round
 trip over all rounds, the difference and the ratio, the median of the
-per-round ratios, and the package's own client-side time per call (request
-built and response read, without the network) measured apart. The CPU model
+per-round ratios, and the client-side time per call (request built and
+response read, without the network) measured apart: the package's, the
+package's through protobuf as before attnserve._wire (the round-trip ways
+of that are in transport_benchmark.py), and the raw stubs'. The CPU model
 goes on top: compare figures of one run only.
 """
 import argparse
@@ -35,11 +37,12 @@ from harness import PACKAGE_DIR, Server, cpu_model  # noqa: E402
 sys.path.insert(0, PACKAGE_DIR)
 import attnserve  # noqa: E402
 import grpc  # noqa: E402
-from attnserve import messages  # noqa: E402
+from attnserve import _wire, messages  # noqa: E402
 from attnserve.v1 import attention_pb2 as pb, attention_pb2_grpc as pb_grpc  # noqa: E402
 
 D_MODEL = 768
-SHAPES = [("B=1 S=16", 1, 16, 400), ("B=8 S=128", 8, 128, 40)]  # name, batch, seq, calls per block
+SHAPES = [("B=1 S=16", 1, 16, 400), ("B=8 S=128", 8, 128, 40), ("B=1 S=2048", 1, 2048, 20)]  # name, batch,
+# seq, calls per block
 OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", -1)]
 
 
@@ -62,17 +65,23 @@ def timed(call, x, n):
 
 
 def client_side_seconds(x, n=200):
-    """Median time the package spends per call on its own side: the request
-    built and serialized, a response of the same size parsed and read."""
+    """Median time per call on the client's own side, the request built and
+    serialized and a response of the same size parsed and read: (the package
+    as it is, the package through protobuf as before attnserve._wire, raw
+    stubs)."""
     response = pb.AttendResponse(model="default", kernel_path="fp32/blocked",
                                  output=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=x.shape, raw_data=x.tobytes()))
     wire = response.SerializeToString()
-    times = []
+    times, before = [], []
     for _ in range(n):
+        start = time.perf_counter()
+        _wire.serialize(messages.build_attend_wire(x))
+        messages.read_attend_response(_wire.parse_attend_response(wire))
+        times.append(time.perf_counter() - start)
         start = time.perf_counter()
         messages.build_attend_request(x).SerializeToString()
         messages.read_attend_response(pb.AttendResponse.FromString(wire))
-        times.append(time.perf_counter() - start)
+        before.append(time.perf_counter() - start)
     raw = []
     for _ in range(n):
         start = time.perf_counter()
@@ -81,7 +90,7 @@ def client_side_seconds(x, n=200):
         r = pb.AttendResponse.FromString(wire)
         np.frombuffer(r.output.raw_data, "<f4").reshape(tuple(r.output.shape))
         raw.append(time.perf_counter() - start)
-    return statistics.median(times), statistics.median(raw)
+    return statistics.median(times), statistics.median(before), statistics.median(raw)
 
 
 def main():
@@ -121,16 +130,17 @@ def main():
             print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr, flush=True)
         print(f"\nRound-trip p50 over {args.rounds} rounds, one call at a time (B x S x {D_MODEL}, no maps):")
         print("| request | calls per way | raw stubs p50 | package p50 | difference | ratio | median of per-round "
-              "ratios | raw code on the package's channel p50 | package's own side per call (raw stubs') |")
+              "ratios | raw code on the package's channel p50 | own side per call: package (through protobuf; "
+          "raw stubs) |")
         print("|---|---|---|---|---|---|---|---|---|")
         for name, *_ in SHAPES:
             raw = statistics.median(times[(name, "raw stubs")])
             package = statistics.median(times[(name, "package")])
-            own, raw_own = client_side_seconds(inputs[name])
+            own, before_own, raw_own = client_side_seconds(inputs[name])
             print(f"| {name} | {len(times[(name, 'package')])} | {raw * 1e3:.3f} ms | {package * 1e3:.3f} ms | "
                   f"{(package - raw) * 1e6:+.0f} us | {package / raw:.3f} | {statistics.median(ratios[name]):.3f} | "
                   f"{statistics.median(times[(name, 'raw on the package' + chr(39) + 's channel')]) * 1e3:.3f} ms | "
-                  f"{own * 1e6:.0f} us ({raw_own * 1e6:.0f} us) |")
+                  f"{own * 1e6:.0f} us ({before_own * 1e6:.0f} us; {raw_own * 1e6:.0f} us) |")
         channel.close()
         client.close()
     finally:

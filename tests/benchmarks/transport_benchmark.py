@@ -7,8 +7,15 @@
 Starts attnserve (the built-in model, d_model 768, 12 heads) on a free loopback
 port and, for each request below, one at a time:
 
-  - Python (grpcio): the median round trip of --calls Attend calls, and the
-    server's compute for each (the response's timing.compute);
+  - Python, three ways taking turns call by call on one grpcio channel:
+    "stubs", the raw generated stubs (a request built by hand, the response
+    parsed by protobuf); "pkg/pb", the package through protobuf, as it was
+    before attnserve._wire (messages.build_attend_request sent on the
+    generated stub, messages.read_attend_response of protobuf's parse); and
+    "package", attnserve.Client.attend as it is (the tensors written and read
+    around the arrays' memory). For each: the median of each call's round trip
+    minus the server's compute for that call (the response's timing.compute)
+    over --calls calls;
   - C++ (attnctl attend --repeat, one call at a time on one connection, Attend
     or AttendStream): the median round trip and the median of each call's
     round trip minus its compute, over --calls calls after the warm-up ones
@@ -23,12 +30,14 @@ port and, for each request below, one at a time:
 The maps request runs four times: FP32 on the wire, then BF16 (output_dtype),
 which halves the bytes, each as one Attend response and streamed (AttendStream:
 the response, then the maps in chunks of at most 1 MiB, put back in place by
-the client as they arrive; Python with harness.attend_stream, C++ with attnctl
+the client as they arrive; Python with harness.attend_stream and the package's
+MapAssembler, C++ with attnctl
 attend --stream_maps --repeat).
 
-Prints per request: bytes (request + response), socket ms, transport ms (round
-trip minus compute) and its ratio to the socket, for Python and C++, and the
-faults. The CPU model goes on top: compare figures of one run only.
+Prints per request: bytes (request + response), socket ms, the server's
+compute (median of the stubs' calls), then for each Python way and for C++
+the transport ms (round trip minus compute) and its ratio to the socket, and
+the faults. The CPU model goes on top: compare figures of one run only.
 """
 import argparse
 import json
@@ -103,36 +112,74 @@ def socket_round_trip_ms(request_bytes, response_bytes, calls):
     return statistics.median(times) * 1e3
 
 
-def grpcio_calls(stub, pb, batch, seq, maps, dtype, streamed, calls, pid):
-    """(median round trip ms, median compute ms, request bytes, response
-    bytes, minor faults per call) of `calls` Attend (or AttendStream) calls
-    after WARM_UP_CALLS (the server's threads each reach a steady state: its
-    allocator then reuses the buffers of earlier calls)."""
+def python_ways(client, stub, pb, batch, seq, maps, dtype, streamed):
+    """({way: call}, request bytes), each call one Attend (or AttendStream) of the same request
+    returning (compute seconds, response bytes): the raw generated stubs, the
+    package through protobuf (its way before attnserve._wire: the request built
+    with protobuf's setters and serialized by protobuf, the response parsed by
+    protobuf and read from raw_data), and the package as it is
+    (client.attend)."""
+    from attnserve import messages
     x = np.random.default_rng(0).standard_normal((batch, seq, D_MODEL)).astype(np.float32)
     request = pb.AttendRequest(model="default", hidden_states=to_tensor(pb, x),
                                attention_maps=pb.AttentionMapRequest(
                                    mode=pb.ATTENTION_MAP_MODE_PER_HEAD if maps == "per-head"
                                    else pb.ATTENTION_MAP_MODE_NONE),
                                output_dtype=pb.DATA_TYPE_BF16 if dtype == "bf16" else pb.DATA_TYPE_FP32)
-    def call():
+    map_bytes = 2 if dtype == "bf16" else 4
+    arguments = dict(maps=None if maps == "none" else maps, output_dtype=dtype)
+
+    def stubs():
         if not streamed:
             response = stub.Attend(request, timeout=600)
-            return response, response.ByteSize()
-        response, maps, _ = attend_stream(stub, pb, request, timeout=600)
-        return response, response.ByteSize() + maps.size * (2 if dtype == "bf16" else 4)
+            return response.timing.compute.ToNanoseconds() * 1e-9, response.ByteSize()
+        response, maps_array, _ = attend_stream(stub, pb, request, timeout=600)
+        return response.timing.compute.ToNanoseconds() * 1e-9, response.ByteSize() + maps_array.size * map_bytes
 
-    for _ in range(WARM_UP_CALLS):
-        call()
-    trips, computes, size = [], [], 0
+    def through_protobuf():
+        wire = messages.build_attend_request(x, **arguments)
+        if not streamed:
+            result = messages.read_attend_response(client.stub.Attend(wire, timeout=600))
+        else:
+            assembler = messages.MapAssembler()
+            for message in client.stub.AttendStream(wire, timeout=600):
+                assembler.add(message)
+            result = assembler.result()
+        return result.timing.compute_seconds, 0
+
+    def package():
+        return client.attend(x, stream_maps=streamed, timeout=600, **arguments).timing.compute_seconds, 0
+
+    return {"stubs": stubs, "package via protobuf": through_protobuf, "package": package}, request.ByteSize()
+
+
+def python_calls(ways, calls, pid):
+    """{way: (median round trip ms, median of each call's round trip less its
+    compute ms, median compute ms)}, the response's bytes, and the server's
+    minor faults per call: `calls` calls of each way after WARM_UP_CALLS, the
+    ways taking turns call by call (a slow spell of the machine hits them all;
+    the server's threads each reach a steady state first: its allocator then
+    reuses the buffers of earlier calls)."""
+    for call in ways.values():
+        for _ in range(WARM_UP_CALLS):
+            call()
+    trips = {way: [] for way in ways}
+    transports = {way: [] for way in ways}
+    computes = {way: [] for way in ways}
+    size = 0
     faults_before = minor_faults(pid)
     for _ in range(calls):
-        t0 = time.perf_counter()
-        response, size = call()
-        trips.append(time.perf_counter() - t0)
-        computes.append(response.timing.compute.ToNanoseconds() * 1e-9)
-    faults = (minor_faults(pid) - faults_before) / calls
-    return (statistics.median(trips) * 1e3, statistics.median(computes) * 1e3, request.ByteSize(),
-            size, faults)
+        for way, call in ways.items():
+            t0 = time.perf_counter()
+            compute, got = call()
+            trip = time.perf_counter() - t0
+            trips[way].append(trip)
+            transports[way].append(trip - compute)
+            computes[way].append(compute)
+            size = max(size, got)
+    faults = (minor_faults(pid) - faults_before) / (calls * len(ways))
+    return ({way: (statistics.median(trips[way]) * 1e3, statistics.median(transports[way]) * 1e3,
+                   statistics.median(computes[way]) * 1e3) for way in ways}, size, faults)
 
 
 def attnctl_calls(attnctl, target, batch, seq, maps, dtype, streamed, calls):
@@ -165,6 +212,7 @@ def main():
         import health_pb2_grpc
         from attnserve.v1 import attention_pb2 as pb
         from attnserve.v1 import attention_pb2_grpc
+        import attnserve
         server = Server(args.server, "--max_receive_message_bytes=1073741824",
                         "--max_send_message_bytes=1073741824")
         try:
@@ -173,25 +221,30 @@ def main():
             with grpc.insecure_channel(server.target, options=options) as channel:
                 wait_serving(health_pb2_grpc.HealthStub(channel), health_pb2)
                 stub = attention_pb2_grpc.AttentionServiceStub(channel)
-                print(f"CPU: {cpu_model()}; {args.calls} calls per request, one at a time, medians")
-                print(f"{'request':26} {'bytes':>9} {'socket':>8} | {'py trip':>8} {'compute':>8} "
-                      f"{'transport':>9} {'ratio':>6} | {'C++ trip':>8} {'compute':>8} {'transport':>9} "
-                      f"{'ratio':>6} | {'faults/call':>11} {'% of pages':>10}")
+                client = attnserve.Client(server.target, timeout=600, max_receive_message_bytes=1 << 30)
+                print(f"CPU: {cpu_model()}; {args.calls} calls per request and way, one at a time, the Python "
+                      "ways taking turns; medians; transport = round trip - the server's compute "
+                      "(Python: each call's; C++: attnctl's); ratio = transport / socket")
+                print(f"{'request':26} {'bytes':>9} {'socket':>8} {'compute':>8} | {'stubs':>8} {'ratio':>5} | "
+                      f"{'pkg/pb':>8} {'ratio':>5} | {'package':>8} {'ratio':>5} | {'C++':>8} {'ratio':>5} | "
+                      f"{'faults/call':>11} {'% of pages':>10}")
                 for name, batch, seq, maps, dtype, streamed in REQUESTS:
                     if args.only and not re.search(args.only, name):
                         continue
-                    trip, compute, req_bytes, resp_bytes, faults = grpcio_calls(
-                        stub, pb, batch, seq, maps, dtype, streamed, args.calls, server.proc.pid)
+                    ways, req_bytes = python_ways(client, stub, pb, batch, seq, maps, dtype, streamed)
+                    measured, resp_bytes, faults = python_calls(ways, args.calls, server.proc.pid)
                     sock = socket_round_trip_ms(req_bytes, resp_bytes, args.calls)
                     cc_trip, cc_compute = attnctl_calls(args.attnctl, server.target, batch, seq, maps,
                                                         dtype, streamed, args.calls)
-                    py_transport, cc_transport = trip - compute, cc_trip - cc_compute
+                    compute = measured["stubs"][2]
+                    columns = " | ".join(f"{measured[way][1]:7.2f}ms {measured[way][1] / sock:5.2f}"
+                                         for way in ("stubs", "package via protobuf", "package"))
+                    cc_transport = cc_trip - cc_compute
                     pages = resp_bytes / PAGE
-                    print(f"{name:26} {(req_bytes + resp_bytes) / 1e6:8.1f}M {sock:7.2f}ms | "
-                          f"{trip:7.2f}ms {compute:7.2f}ms {py_transport:8.2f}ms "
-                          f"{py_transport / sock:6.1f} | {cc_trip:7.2f}ms {cc_compute:7.2f}ms "
-                          f"{cc_transport:8.2f}ms {cc_transport / sock:6.1f} | {faults:11.0f} "
+                    print(f"{name:26} {(req_bytes + resp_bytes) / 1e6:8.1f}M {sock:7.2f}ms {compute:7.2f}ms | "
+                          f"{columns} | {cc_transport:7.2f}ms {cc_transport / sock:5.2f} | {faults:11.0f} "
                           f"{100 * faults / pages:9.1f}%", flush=True)
+                client.close()
         finally:
             server.stop()
     return 0

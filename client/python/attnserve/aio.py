@@ -13,7 +13,7 @@ from typing import List
 import grpc
 import grpc.aio
 
-from . import _health, messages
+from . import _health, _wire, messages
 from ._channel import DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, call_metadata, make_channel, replica_of, token_metadata
 from .client import SessionState, Step, record_steps, step_tuples, steps_routing_key
 from .errors import NotFoundError, UnavailableError, error_from_rpc
@@ -33,6 +33,8 @@ class Client:
         self._channel = make_channel(grpc.aio, target, tls, options, max_receive_message_bytes)
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._check, self._watch = _health.callables(self._channel)
+        # Attend, AttendStream and Extend write and read the tensors themselves (_wire).
+        self._attend, self._attend_stream, self._extend = _wire.callables(self._channel)
 
     async def close(self):
         """Closes the channel; calls in flight are cancelled."""
@@ -72,23 +74,23 @@ class Client:
                      output_dtype=None, bf16_words=False, layer=None, projected=None, stream_maps=False,
                      timeout=None) -> messages.AttendResult:
         """attnserve.Client.attend, awaited."""
-        request = messages.build_attend_request(
+        request = messages.build_attend_wire(
             x, model=model, lengths=lengths, packed=packed, causal=causal, context=context,
             context_lengths=context_lengths, mask=mask, mask_kind=mask_kind, head_mask=head_mask,
             position_offsets=position_offsets, maps=maps, heads=heads, rows=rows, stats=stats,
             precision=precision, input_dtype=input_dtype, output_dtype=output_dtype, layer=layer,
-            projected=projected)
+            projected=projected).SerializeToString()  # now: grpc.aio serializes later, in a task of its own
         return await self.attend_request(request, bf16_words=bf16_words, stream_maps=stream_maps,
                                          timeout=timeout)
 
     async def attend_request(self, request, *, bf16_words=False, stream_maps=False, timeout=None):
         """attnserve.Client.attend_request, awaited."""
         if not stream_maps:
-            return messages.read_attend_response(await self._call(self._stub.Attend, request, timeout),
+            return messages.read_attend_response(await self._call(self._attend, request, timeout),
                                                  bf16_words)
         assembler = messages.MapAssembler(bf16_words)
         try:
-            async for message in self._stub.AttendStream(
+            async for message in self._attend_stream(
                     request, timeout=self.timeout if timeout is None else timeout, metadata=self._metadata):
                 assembler.add(message)
         except grpc.RpcError as e:
@@ -144,8 +146,9 @@ class Client:
         """attnserve.Client.extend, awaited."""
         steps = list(steps)
         key = steps_routing_key(steps)
-        request = messages.build_extend_request(step_tuples(steps), precision, input_dtype, output_dtype)
-        results = messages.read_extend_response(await self._call(self._stub.Extend, request, timeout, key),
+        request = messages.build_extend_wire(step_tuples(steps), precision, input_dtype,
+                                             output_dtype).SerializeToString()  # now, as attend's
+        results = messages.read_extend_response(await self._call(self._extend, request, timeout, key),
                                                 bf16_words)
         record_steps(steps, results)
         return results

@@ -4,7 +4,7 @@ from typing import Any, List, Optional, Sequence
 
 import grpc
 
-from . import _health, messages
+from . import _health, _wire, messages
 from ._channel import DEFAULT_MAX_RECEIVE_MESSAGE_BYTES, call_metadata, make_channel, replica_of, token_metadata
 from .errors import NotFoundError, UnavailableError, error_from_rpc
 from .v1 import attention_pb2 as pb, attention_pb2_grpc as pb_grpc
@@ -99,6 +99,8 @@ class Client:
         self._channel = make_channel(grpc, target, tls, options, max_receive_message_bytes)
         self._stub = pb_grpc.AttentionServiceStub(self._channel)
         self._check, self._watch = _health.callables(self._channel)
+        # Attend, AttendStream and Extend write and read the tensors themselves (_wire).
+        self._attend, self._attend_stream, self._extend = _wire.callables(self._channel)
 
     def close(self):
         """Closes the channel; calls in flight are cancelled."""
@@ -164,7 +166,7 @@ class Client:
           result).
         timeout: this call's deadline in seconds (default: the client's).
         """
-        request = messages.build_attend_request(
+        request = messages.build_attend_wire(
             x, model=model, lengths=lengths, packed=packed, causal=causal, context=context,
             context_lengths=context_lengths, mask=mask, mask_kind=mask_kind, head_mask=head_mask,
             position_offsets=position_offsets, maps=maps, heads=heads, rows=rows, stats=stats,
@@ -176,10 +178,10 @@ class Client:
         """Sends a ready attention_pb2.AttendRequest (every field of the API)
         and returns its AttendResult."""
         if not stream_maps:
-            return messages.read_attend_response(self._call(self._stub.Attend, request, timeout), bf16_words)
+            return messages.read_attend_response(self._call(self._attend, request, timeout), bf16_words)
         assembler = messages.MapAssembler(bf16_words)
         try:
-            for message in self._stub.AttendStream(request, timeout=self.timeout if timeout is None else timeout,
+            for message in self._attend_stream(request, timeout=self.timeout if timeout is None else timeout,
                                                    metadata=self._metadata):
                 assembler.add(message)
         except grpc.RpcError as e:
@@ -264,8 +266,8 @@ class Client:
         The steps' sessions must share one routing key (ValueError otherwise)."""
         steps = list(steps)
         key = steps_routing_key(steps)
-        request = messages.build_extend_request(step_tuples(steps), precision, input_dtype, output_dtype)
-        results = messages.read_extend_response(self._call(self._stub.Extend, request, timeout, key), bf16_words)
+        request = messages.build_extend_wire(step_tuples(steps), precision, input_dtype, output_dtype)
+        results = messages.read_extend_response(self._call(self._extend, request, timeout, key), bf16_words)
         record_steps(steps, results)
         return results
 

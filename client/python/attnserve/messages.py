@@ -3,11 +3,12 @@ shared by the blocking client (attnserve.Client) and the asyncio one
 (attnserve.aio.Client). No I/O here."""
 import dataclasses
 import datetime
+import inspect
 from typing import List, Optional, Tuple
 
 import numpy as np
 
-from . import tensors
+from . import _wire, tensors
 from .errors import error_for_status
 from .v1 import attention_pb2 as pb
 
@@ -77,7 +78,8 @@ class AttendResult:
     output: float32 [batch, seq, d_model] (packed: [tokens, d_model]; projected:
       [batch, heads, seq_q, head_dim]). FP32 on the wire comes back as a
       read-only view of the response's bytes (no copy: `.copy()` it to write);
-      BF16 is widened to float32.
+      BF16 is widened to float32. A view keeps the whole response's bytes
+      alive (maps included): copy what you keep if you drop the rest.
     maps: float32 attention maps ([batch, heads, seq_q, seq_kv] per head,
       [batch, seq_q, seq_kv] mean), or None when none were asked for.
     stats: HeadStatistics, or None when not asked for.
@@ -86,7 +88,9 @@ class AttendResult:
     model: the model that ran ("" for an ad-hoc layer).
     output_words, maps_words: with bf16_words=True and BF16 on the wire, the raw
       bfloat16 words (uint16 arrays of the same shapes); None otherwise.
-    message: the AttendResponse message itself.
+    message: the AttendResponse message itself (when the output was read in
+      place from the received bytes, protobuf parses them when this is first
+      read).
     """
     output: np.ndarray
     maps: Optional[np.ndarray]
@@ -100,6 +104,25 @@ class AttendResult:
     message: Optional[pb.AttendResponse] = dataclasses.field(default=None, repr=False)
 
 
+class _ResponseMessage:
+    """AttendResult.message: the AttendResponse. Given an _wire.WireMessage
+    (the output read in place from the received bytes), protobuf parses the whole response the first time it is read, so
+    that a caller who never reads it never pays for that copy."""
+
+    def __get__(self, result, owner=None):
+        if result is None:
+            return None  # the field's default
+        value = result.__dict__.get("_message")
+        return value.message if isinstance(value, _wire.WireMessage) else value
+
+    def __set__(self, result, value):
+        result.__dict__["_message"] = value
+
+
+# After the dataclass is made: its __init__ (default None) sets the field through this.
+AttendResult.message = _ResponseMessage()
+
+
 def _list(values, what, cast):
     if values is None:
         return []
@@ -111,11 +134,18 @@ def _list(values, what, cast):
         raise TypeError(f"{what}: expected a sequence of numbers, got {values!r}") from None
 
 
-def build_attend_request(x=None, *, model="default", lengths=None, packed=None, causal=False, context=None,
-                         context_lengths=None, mask=None, mask_kind=None, head_mask=None, position_offsets=None,
-                         maps=None, heads=None, rows=None, stats=False, precision=None, input_dtype=None,
-                         output_dtype=None, layer=None, projected=None):
+def build_attend_request(*args, **kwargs):
     """An AttendRequest from Client.attend's arguments (see there)."""
+    return build_attend_wire(*args, **kwargs).message()
+
+
+def build_attend_wire(x=None, *, model="default", lengths=None, packed=None, causal=False, context=None,
+                      context_lengths=None, mask=None, mask_kind=None, head_mask=None, position_offsets=None,
+                      maps=None, heads=None, rows=None, stats=False, precision=None, input_dtype=None,
+                      output_dtype=None, layer=None, projected=None):
+    """The AttendRequest of Client.attend's arguments as an _wire.MessageWire:
+    its tensors are written around the arrays' memory when it is serialized."""
+    big = {}  # AttendRequest's field number -> WireTensor or MessageWire
     request = pb.AttendRequest(causal=bool(causal), precision=precision_enum(precision),
                                output_dtype=_output_dtype(output_dtype))
     if layer is not None:
@@ -127,15 +157,14 @@ def build_attend_request(x=None, *, model="default", lengths=None, packed=None, 
         if packed is not None and x.ndim != (2 if packed else 3):
             raise ValueError(f"x: packed={packed} needs a {'[tokens, d_model]' if packed else '[batch, seq, d_model]'}"
                              f" array, got shape {x.shape}")
-        request.hidden_states.CopyFrom(tensors.encode(x, input_dtype, "x"))
+        big[2] = tensors.encode_wire(x, input_dtype, "x")  # hidden_states
     if projected is not None:
         q, k, v = projected
-        request.projected.q.CopyFrom(tensors.encode(q, input_dtype, "projected"))
-        request.projected.k.CopyFrom(tensors.encode(k, input_dtype, "projected"))
-        request.projected.v.CopyFrom(tensors.encode(v, input_dtype, "projected"))
+        big[14] = _wire.MessageWire(pb.ProjectedHeads(), {  # projected: q, k, v
+            number: tensors.encode_wire(t, input_dtype, "projected") for number, t in ((1, q), (2, k), (3, v))})
     request.sequence_lengths.extend(_list(lengths, "lengths", int))
     if context is not None:
-        request.context.CopyFrom(tensors.encode(context, input_dtype, "context"))
+        big[5] = tensors.encode_wire(context, input_dtype, "context")
     request.context_lengths.extend(_list(context_lengths, "context_lengths", int))
     if mask is not None:
         mask = np.asarray(mask)
@@ -148,8 +177,7 @@ def build_attend_request(x=None, *, model="default", lengths=None, packed=None, 
         kinds = {"allowed": pb.AttentionMask.KIND_ALLOWED, "additive": pb.AttentionMask.KIND_ADDITIVE}
         if kind not in kinds:
             raise ValueError(f"mask_kind: {mask_kind!r} is not 'allowed' or 'additive'")
-        request.mask.kind = kinds[kind]
-        request.mask.values.CopyFrom(tensors.encode(mask, None, "mask"))
+        big[8] = _wire.MessageWire(pb.AttentionMask(kind=kinds[kind]), {2: tensors.encode_wire(mask, None, "mask")})
     request.head_mask.extend(_list(head_mask, "head_mask", float))
     request.position_offsets.extend(_list(position_offsets, "position_offsets", int))
     key = maps.lower() if isinstance(maps, str) else maps
@@ -160,17 +188,20 @@ def build_attend_request(x=None, *, model="default", lengths=None, packed=None, 
         request.attention_maps.heads.extend(_list(heads, "heads", int))
         request.attention_maps.query_rows.extend(_list(rows, "rows", int))
         request.attention_maps.head_statistics = bool(stats)
-    return request
+    return _wire.MessageWire(request, big)
+
+
+build_attend_request.__signature__ = inspect.signature(build_attend_wire)  # for help(): the same arguments
 
 
 def read_attend_response(response, bf16_words=False, maps=None, maps_words=None):
-    """An AttendResult from an AttendResponse. `maps` (and `maps_words`), when
-    given, are maps assembled from a stream (the response then has none)."""
-    stats = None
-    if response.HasField("head_statistics"):
-        s = response.head_statistics
-        stats = HeadStatistics(tensors.decode(s.entropy), tensors.decode(s.max_weight),
-                               tensors.decode(s.contribution))
+    """An AttendResult from an AttendResponse, or from an _wire.WireMessage of
+    one (its output and maps then are views of the received bytes). `maps` (and
+    `maps_words`), when given, are maps assembled from a stream (the response
+    then has none)."""
+    if isinstance(response, _wire.WireMessage):
+        return _read_wire_response(response, bf16_words, maps, maps_words)
+    stats = _head_statistics(response)
     if maps is None and (response.attention_maps.raw_data or response.attention_maps.float_data):
         maps = tensors.decode(response.attention_maps)
         maps_words = tensors.decode_words(response.attention_maps) if bf16_words else None
@@ -179,6 +210,30 @@ def read_attend_response(response, bf16_words=False, maps=None, maps_words=None)
         timing=Timing.from_message(response.timing), kernel_path=response.kernel_path,
         precision=_PRECISION_NAMES.get(response.precision, "fp32"), model=response.model,
         output_words=tensors.decode_words(response.output) if bf16_words else None,
+        maps_words=maps_words if bf16_words else None, message=response)
+
+
+def _head_statistics(response):
+    if not response.HasField("head_statistics"):
+        return None
+    s = response.head_statistics
+    return HeadStatistics(tensors.decode(s.entropy), tensors.decode(s.max_weight), tensors.decode(s.contribution))
+
+
+def _read_wire_response(response, bf16_words, maps, maps_words):
+    """read_attend_response of a WireMessage: the same AttendResult, its
+    message parsed only when read."""
+    rest = response.rest
+    output_dtype, output_shape, output_raw = response.tensor(2)
+    maps_dtype, maps_shape, maps_raw = response.tensor(3)
+    if maps is None and maps_raw:
+        maps = tensors.decode_raw(maps_dtype, maps_shape, maps_raw)
+        maps_words = tensors.decode_raw_words(maps_dtype, maps_shape, maps_raw) if bf16_words else None
+    return AttendResult(
+        output=tensors.decode_raw(output_dtype, output_shape, output_raw), maps=maps,
+        stats=_head_statistics(rest), timing=Timing.from_message(rest.timing), kernel_path=rest.kernel_path,
+        precision=_PRECISION_NAMES.get(rest.precision, "fp32"), model=rest.model,
+        output_words=tensors.decode_raw_words(output_dtype, output_shape, output_raw) if bf16_words else None,
         maps_words=maps_words if bf16_words else None, message=response)
 
 
@@ -194,17 +249,26 @@ class MapAssembler:
         self._words = None
 
     def add(self, message):
-        if message.HasField("response"):
-            self._response = message.response
+        """Takes the stream's next message: an AttendStreamResponse, or an
+        _wire.WireMessage of one (its chunk's maps read in place)."""
+        wire = isinstance(message, _wire.WireMessage)
+        if (message.rest if wire else message).HasField("response"):
+            self._response = (message.rest if wire else message).response
             shape = tuple(self._response.attention_maps.shape)
             if shape:
                 self._maps = np.empty(shape, np.float32)
                 if self._bf16_words and self._response.attention_maps.dtype == pb.DATA_TYPE_BF16:
                     self._words = np.empty(shape, "<u2")
             return
-        chunk = message.map_chunk
-        part = tensors.decode(chunk.maps)[0]  # [heads, rows, keys], or [rows, keys] for mean maps
-        words = tensors.decode_words(chunk.maps) if self._words is not None else None
+        if wire and message.children:
+            chunk_wire = message.children[2][0]
+            chunk, maps = chunk_wire.rest, chunk_wire.tensor(4)
+            part = tensors.decode_raw(*maps)[0]  # [heads, rows, keys], or [rows, keys] for mean maps
+            words = tensors.decode_raw_words(*maps) if self._words is not None else None
+        else:
+            chunk = (message.rest if wire else message).map_chunk
+            part = tensors.decode(chunk.maps)[0]
+            words = tensors.decode_words(chunk.maps) if self._words is not None else None
         if self._maps.ndim == 4:
             where = (chunk.sequence, slice(chunk.first_head, chunk.first_head + part.shape[0]),
                      slice(chunk.first_row, chunk.first_row + part.shape[1]))
@@ -293,7 +357,9 @@ class StepResult:
       own status: one failed step never fails its neighbours); the fields
       below are then empty.
     output: float32 [n, d_model], the layer's output for the new tokens (FP32 a
-      read-only view, BF16 widened). maps: float32 [heads, n, length] when
+      read-only view of the response's bytes, which it keeps alive, every
+      step's and their maps; a copy where they are not aligned; BF16
+      widened). maps: float32 [heads, n, length] when
       asked for (not on a replay). stats: HeadStatistics with entropy and
       max_weight float32 [heads, n], each new row's, after head_mask, when
       asked for (not on a replay); None otherwise. length: the layer's
@@ -353,28 +419,56 @@ def loaded_models(response):
 def build_extend_request(steps, precision=None, input_dtype=None, output_dtype=None):
     """An ExtendRequest from (session_id, layer, expected_length, x, maps,
     head_mask[, stats]) tuples."""
-    request = pb.ExtendRequest(precision=precision_enum(precision),
-                               output_dtype=_output_dtype(output_dtype))
+    request = build_extend_wire(steps, precision, input_dtype, output_dtype)
+    return request.message() if isinstance(request, _wire.MessageWire) else request
+
+
+def build_extend_wire(steps, precision=None, input_dtype=None, output_dtype=None):
+    """build_extend_request's ExtendRequest as an _wire.MessageWire (each
+    step's hidden states written around the array's memory when it is
+    serialized), or as the message itself when the steps' tensors are smaller
+    than _wire.IN_PLACE_MIN_BYTES."""
+    request = pb.ExtendRequest(precision=precision_enum(precision), output_dtype=_output_dtype(output_dtype))
+    steps_read = []  # (ExtendStep's small fields, its hidden states as a WireTensor)
     for i, (session_id, layer, expected_length, x, maps, head_mask, *stats) in enumerate(steps):
-        request.steps.add(session_id=session_id, layer=int(layer), expected_length=int(expected_length),
-                          hidden_states=tensors.encode(x, input_dtype, f"steps[{i}].x"),
-                          attention_maps=bool(maps), head_mask=_list(head_mask, "head_mask", float),
-                          head_statistics=bool(stats and stats[0]))
-    return request
+        layer, expected_length = int(layer), int(expected_length)
+        x = tensors.encode_wire(x, input_dtype, f"steps[{i}].x")
+        steps_read.append((dict(session_id=session_id, layer=layer, expected_length=expected_length,
+                                attention_maps=bool(maps), head_mask=_list(head_mask, "head_mask", float),
+                                head_statistics=bool(stats and stats[0])), x))
+    if sum(x.data.nbytes for _, x in steps_read) < _wire.IN_PLACE_MIN_BYTES:
+        # A few decode tokens: protobuf writes them faster than Python frames them.
+        for fields, x in steps_read:
+            request.steps.add(hidden_states=x.message(), **fields)
+        return request
+    return _wire.MessageWire(request, {1: [_wire.MessageWire(pb.ExtendStep(**fields), {4: x})  # steps, hidden_states
+                                           for fields, x in steps_read]})
 
 
 def read_extend_response(response, bf16_words=False) -> List[StepResult]:
-    """StepResults of an ExtendResponse, in the request's order."""
-    timing = Timing.from_message(response.timing)
-    precision = _PRECISION_NAMES.get(response.precision, "fp32")
+    """StepResults of an ExtendResponse (or of an _wire.WireMessage of one:
+    the outputs and maps then are views of the received bytes), in the
+    request's order."""
+    wire = isinstance(response, _wire.WireMessage)
+    top = response.rest if wire else response
+    timing = Timing.from_message(top.timing)
+    precision = _PRECISION_NAMES.get(top.precision, "fp32")
     results = []
-    for r in response.results:
+    for r in response.children.get(1, []) if wire else response.results:
+        if wire:
+            output, maps, r = r.tensor(3), r.tensor(4), r.rest
+            output_values, maps_values = tensors.decode_raw(*output), tensors.decode_raw(*maps)
+            output_words = tensors.decode_raw_words(*output) if bf16_words else None
+            maps_words = tensors.decode_raw_words(*maps) if bf16_words else None
+        else:
+            output_values, maps_values = tensors.decode(r.output), tensors.decode(r.attention_maps)
+            output_words = tensors.decode_words(r.output) if bf16_words else None
+            maps_words = tensors.decode_words(r.attention_maps) if bf16_words else None
         error = error_for_status(r.code, r.message) if r.code != 0 else None
         results.append(StepResult(
-            error=error, output=tensors.decode(r.output), maps=tensors.decode(r.attention_maps),
-            length=r.length, replayed=r.replayed, timing=timing, kernel_path=response.kernel_path,
-            precision=precision, output_words=tensors.decode_words(r.output) if bf16_words else None,
-            maps_words=tensors.decode_words(r.attention_maps) if bf16_words else None,
+            error=error, output=output_values, maps=maps_values, length=r.length, replayed=r.replayed,
+            timing=timing, kernel_path=top.kernel_path, precision=precision, output_words=output_words,
+            maps_words=maps_words,
             stats=HeadStatistics(tensors.decode(r.head_statistics.entropy),
                                  tensors.decode(r.head_statistics.max_weight), None)
             if r.HasField("head_statistics") else None))

@@ -36,6 +36,7 @@ from harness import (Server, machine_runs_bf16, metric, parse_exposition, refere
 
 import attnserve  # noqa: E402
 import attnserve.aio  # noqa: E402
+import google.protobuf.message  # noqa: E402
 import grpc  # noqa: E402
 
 ARGS = None
@@ -129,6 +130,368 @@ class WithoutServer(unittest.TestCase):
             self.assertEqual((error.field, error.flag), (field, flag), message)
         self.assertIsInstance(attnserve.errors.error_for_status(5, "x"), attnserve.NotFoundError)
         self.assertEqual(attnserve.errors.error_for_status(5, "x").code, grpc.StatusCode.NOT_FOUND)
+
+
+def address_in(data, part):
+    """The address of `part`'s first occurrence in the bytes `data`."""
+    return np.frombuffer(data, np.uint8).ctypes.data + data.find(part)
+
+
+def tensor_of(values, dtype="fp32"):
+    """The Tensor message of an array built directly with protobuf, values
+    encoded independently of the package (BF16 by independent_bf16_words)."""
+    pb = attnserve.v1.attention_pb2
+    values = np.asarray(values)
+    if values.dtype == np.bool_:
+        return pb.Tensor(dtype=pb.DATA_TYPE_BOOL, shape=values.shape, raw_data=values.astype(np.uint8).tobytes())
+    if dtype == "bf16":
+        words = np.array(independent_bf16_words(values), np.uint16).astype("<u2")
+        return pb.Tensor(dtype=pb.DATA_TYPE_BF16, shape=values.shape, raw_data=words.tobytes())
+    return pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=values.shape, raw_data=values.astype("<f4").tobytes())
+
+
+def _varint(value):
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _field(number, wire_type, payload):
+    """A protobuf field written by hand: payload an int (varint) or bytes (length-delimited)."""
+    if wire_type == 0:
+        return _varint(number << 3) + _varint(payload)
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+class WireFormat(unittest.TestCase):
+    """Attend's requests and responses as the package writes and reads them
+    itself (attnserve._wire): protobuf's parse of the package's request bytes
+    is the message built with protobuf's setters from the same arrays, and the
+    package's reading of a response equals its reading of protobuf's parse."""
+
+    def setUp(self):
+        from attnserve import _wire
+        self.rng = np.random.default_rng()
+        self.pb = attnserve.v1.attention_pb2
+        # The in-place reader takes responses of every size here (by default
+        # protobuf parses the small ones: test_small_responses_...).
+        self.addCleanup(setattr, _wire, "IN_PLACE_MIN_BYTES", _wire.IN_PLACE_MIN_BYTES)
+        _wire.IN_PLACE_MIN_BYTES = 0
+
+    def normal(self, *shape):
+        return self.rng.standard_normal(shape)
+
+    def test_attend_requests_parse_to_the_message_protobufs_setters_build(self):
+        from attnserve import messages
+        pb = self.pb
+        x, context = self.normal(2, 7, D_MODEL), self.normal(2, 5, D_MODEL).astype(np.float32)
+        bool_mask, float_mask = self.rng.random((2, 1, 5)) < 0.5, self.normal(1, 7, 7).astype(np.float32)
+        q, kv = self.normal(1, HEADS, 4, HEAD_DIM).astype(np.float32), self.normal(1, HEADS, 6, HEAD_DIM)
+        transposed = self.normal(D_MODEL, 3, 2).astype(np.float32).T  # not C-contiguous
+        big_endian = self.normal(1, 3, D_MODEL).astype(">f4")
+        small_bf16 = self.normal(1, 3, D_MODEL)
+        cases = [  # (name, package arguments, the reference message)
+            ("FP32, ragged, causal, maps, statistics, every scalar",
+             dict(x=x, lengths=[7, 4], causal=True, maps="per-head", heads=[0, 3], rows=[1], stats=True,
+                  precision="bf16", output_dtype="bf16", position_offsets=[3, 0], head_mask=[1.0, 0.5]),
+             pb.AttendRequest(model="default", hidden_states=tensor_of(x), sequence_lengths=[7, 4], causal=True,
+                              attention_maps=pb.AttentionMapRequest(
+                                  mode=pb.ATTENTION_MAP_MODE_PER_HEAD, heads=[0, 3], query_rows=[1],
+                                  head_statistics=True),
+                              precision=pb.PRECISION_BF16, output_dtype=pb.DATA_TYPE_BF16,
+                              position_offsets=[3, 0], head_mask=[1.0, 0.5])),
+            ("BF16 on the wire, cross-attention, a bool mask",
+             dict(x=small_bf16, input_dtype="bf16", context=context[:1, :, :], context_lengths=[4],
+                  mask=bool_mask[:1], maps="mean"),
+             pb.AttendRequest(model="default", hidden_states=tensor_of(small_bf16, "bf16"),
+                              context=tensor_of(context[:1], "bf16"), context_lengths=[4],
+                              mask=pb.AttentionMask(kind=pb.AttentionMask.KIND_ALLOWED, values=tensor_of(
+                                  bool_mask[:1])),
+                              attention_maps=pb.AttentionMapRequest(mode=pb.ATTENTION_MAP_MODE_MEAN))),
+            ("an additive mask, cross-attention in FP32",
+             dict(x=x, mask=float_mask, context=context),
+             pb.AttendRequest(model="default", hidden_states=tensor_of(x), context=tensor_of(context),
+                              mask=pb.AttentionMask(kind=pb.AttentionMask.KIND_ADDITIVE,
+                                                    values=tensor_of(float_mask)))),
+            ("projected heads, no model's states",
+             dict(projected=(q, kv, kv)),
+             pb.AttendRequest(model="default", projected=pb.ProjectedHeads(
+                 q=tensor_of(q), k=tensor_of(kv), v=tensor_of(kv)))),
+            ("an ad-hoc layer, a non-contiguous and a big-endian array",
+             dict(x=transposed, layer=pb.LayerSpec(seed=7, head_config=pb.HeadConfig(d_model=2))),
+             pb.AttendRequest(hidden_states=tensor_of(transposed),
+                              layer=pb.LayerSpec(seed=7, head_config=pb.HeadConfig(d_model=2)))),
+            ("big-endian", dict(x=big_endian), pb.AttendRequest(model="default", hidden_states=tensor_of(big_endian))),
+            ("empty shapes", dict(x=np.zeros((0, D_MODEL)), packed=True, mask=np.zeros((1, 0, 3), bool)),
+             pb.AttendRequest(model="default", hidden_states=tensor_of(np.zeros((0, D_MODEL))),
+                              mask=pb.AttentionMask(kind=pb.AttentionMask.KIND_ALLOWED,
+                                                    values=tensor_of(np.zeros((1, 0, 3), bool))))),
+            ("a zero-sized sequence", dict(x=np.zeros((1, 0, D_MODEL), np.float32)),
+             pb.AttendRequest(model="default", hidden_states=tensor_of(np.zeros((1, 0, D_MODEL))))),
+            ("nothing but a model", dict(model="m"), pb.AttendRequest(model="m")),
+        ]
+        for name, kwargs, reference in cases:
+            with self.subTest(name):
+                wire = messages.build_attend_wire(**kwargs)
+                parsed = pb.AttendRequest.FromString(wire.SerializeToString())
+                self.assertEqual(parsed, reference)
+                self.assertEqual(parsed.SerializeToString(deterministic=True),
+                                 reference.SerializeToString(deterministic=True))
+                self.assertEqual(messages.build_attend_request(**kwargs), reference)
+                self.assertEqual(len(wire.SerializeToString()), reference.ByteSize())
+
+    def random_response(self, output_dtype="fp32", maps=None, stats=False, shape=(2, 5, D_MODEL)):
+        """An AttendResponse with random values (BF16 words: any 16 bits)."""
+        pb = self.pb
+
+        def tensor(dtype, shape):
+            if dtype == "bf16":
+                words = self.rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).astype("<u2")
+                return pb.Tensor(dtype=pb.DATA_TYPE_BF16, shape=shape, raw_data=words.tobytes())
+            return tensor_of(self.rng.standard_normal(shape))
+
+        response = pb.AttendResponse(model="default", kernel_path="fp32/blocked", precision=pb.PRECISION_FP32,
+                                     output=tensor(output_dtype, shape))
+        response.timing.compute.FromNanoseconds(int(self.rng.integers(1, 10 ** 9)))
+        response.timing.batch_size = 3
+        if maps is not None:
+            response.attention_maps.CopyFrom(tensor(maps, (shape[0], HEADS, shape[1], shape[1])))
+        if stats:
+            for name in ("entropy", "max_weight", "contribution"):
+                getattr(response.head_statistics, name).CopyFrom(tensor("fp32", (shape[0], HEADS)))
+        return response
+
+    def assert_same_result(self, got, want):
+        for name in ("output", "maps", "output_words", "maps_words"):
+            a, b = getattr(got, name), getattr(want, name)
+            self.assertEqual(a is None, b is None, name)
+            if a is not None:
+                self.assertEqual((a.dtype, a.shape, a.tobytes()), (b.dtype, b.shape, b.tobytes()), name)
+        self.assertEqual(got.stats is None, want.stats is None)
+        if got.stats is not None:
+            for name in ("entropy", "max_weight", "contribution"):
+                np.testing.assert_array_equal(getattr(got.stats, name), getattr(want.stats, name))
+        self.assertEqual((got.timing, got.kernel_path, got.precision, got.model),
+                         (want.timing, want.kernel_path, want.precision, want.model))
+        self.assertEqual(got.message, want.message)
+
+    def test_attend_responses_are_read_in_place_as_protobuf_reads_them(self):
+        from attnserve import _wire, messages
+        pb = self.pb
+        cases = [("FP32", self.random_response()),
+                 ("BF16 output, FP32 maps, statistics", self.random_response("bf16", "fp32", True)),
+                 ("FP32 output, BF16 maps", self.random_response("fp32", "bf16", shape=(1, 3, D_MODEL))),
+                 ("empty output", self.random_response(shape=(0, D_MODEL))),
+                 ("no output at all", pb.AttendResponse(model="m", kernel_path="k"))]
+        for name, response in cases:
+            data = response.SerializeToString()
+            # The same fields in the opposite order, each its own piece (protobuf allows any order).
+            reversed_data = b"".join(pb.AttendResponse(**{f.name: v}).SerializeToString()
+                                     for f, v in reversed(response.ListFields()))
+            for layout, wire_bytes in (("protobuf's order", data), ("reversed", reversed_data)):
+                for words in (False, True):
+                    with self.subTest(name, layout=layout, bf16_words=words):
+                        fast = _wire.parse_attend_response(wire_bytes)
+                        self.assertIsInstance(fast, _wire.WireMessage)
+                        got = messages.read_attend_response(fast, words)
+                        self.assert_same_result(got, messages.read_attend_response(
+                            pb.AttendResponse.FromString(wire_bytes), words))
+                        self.assertEqual(got.message, response)
+                        if got.output is not None and got.output.size and response.output.dtype == 1:
+                            # Read-only and aligned: a view of the received bytes (no copy) where
+                            # they are aligned.
+                            self.assertFalse(got.output.flags.writeable)
+                            self.assertTrue(got.output.flags.aligned)
+                            self.assertEqual(np.shares_memory(got.output, np.frombuffer(wire_bytes, np.uint8)),
+                                             address_in(wire_bytes, response.output.raw_data) % 4 == 0)
+
+    def test_arrays_read_in_place_are_aligned_wherever_the_bytes_fall(self):
+        # The server writes the big tensors last (after the model's name, for
+        # one): names of 1-4 characters put the output's bytes at every offset
+        # modulo 4.
+        from attnserve import _wire, messages
+        pb = self.pb
+        x = self.normal(1, 3, D_MODEL).astype(np.float32)
+        offsets = set()
+        for name in ("m", "mo", "mod", "mode"):
+            for dtype in (pb.DATA_TYPE_FP32, pb.DATA_TYPE_BF16):
+                values = tensor_of(x, "fp32" if dtype == pb.DATA_TYPE_FP32 else "bf16")
+                data = (pb.AttendResponse(model=name).SerializeToString() +
+                        pb.AttendResponse(output=values).SerializeToString())
+                offsets.add(address_in(data, values.raw_data) % 4)
+                with self.subTest(model=name, dtype=dtype):
+                    got = messages.read_attend_response(_wire.parse_attend_response(data), True)
+                    # FP32 output and BF16 words are read in place (BF16 output is widened anew).
+                    in_place = got.output if dtype == pb.DATA_TYPE_FP32 else got.output_words
+                    self.assertTrue(got.output.flags.aligned)
+                    self.assertTrue(in_place.flags.aligned)
+                    self.assertFalse(in_place.flags.writeable)
+                    expected = messages.read_attend_response(pb.AttendResponse.FromString(data), True)
+                    np.testing.assert_array_equal(got.output, expected.output)
+        self.assertEqual(offsets, {0, 1, 2, 3})  # every offset was met
+
+    def test_a_response_the_fast_reader_does_not_expect_is_read_by_protobuf(self):
+        from attnserve import _wire, messages
+        pb = self.pb
+        response = self.random_response("fp32", "fp32", True, shape=(1, 3, D_MODEL))
+        data = response.SerializeToString()
+        output = response.output
+        shape = b"".join(_varint(d) for d in output.shape)
+        head = _field(1, 0, output.dtype) + _field(2, 2, shape)
+        cases = [
+            ("an unknown field", data + _field(99, 0, 5)),
+            ("an unknown field inside the output",
+             _field(2, 2, head + _field(3, 2, output.raw_data) + _field(9, 0, 1))),
+            ("the output in two occurrences (merged)",
+             pb.AttendResponse(model="m").SerializeToString() + _field(2, 2, head) +
+             _field(2, 2, _field(3, 2, output.raw_data))),
+            ("float_data", _field(2, 2, _field(1, 0, 1) + _field(2, 2, b"\x03") +
+                                  _field(4, 2, np.ones(3, "<f4").tobytes()))),
+            ("an unpacked shape", _field(2, 2, _field(1, 0, 1) + b"".join(_field(2, 0, d) for d in (1, 3)) +
+                                         _field(3, 2, np.arange(3, dtype="<f4").tobytes()))),
+            ("a known field with another wire type", data + _field(4, 0, 1)),
+            ("a negative dtype", _field(2, 2, _field(1, 0, (1 << 64) - 1) + _field(2, 2, b"\x02") +
+                                        _field(3, 2, bytes(8)))),
+            ("the raw data twice", _field(2, 2, head + _field(3, 2, bytes(12)) + _field(3, 2, output.raw_data))),
+        ]
+        for name, wire_bytes in cases:
+            with self.subTest(name):
+                parsed = pb.AttendResponse.FromString(wire_bytes)
+                got = _wire.parse_attend_response(wire_bytes)
+                self.assertIsInstance(got, pb.AttendResponse)
+                self.assertEqual(got, parsed)
+                self.assert_same_result(messages.read_attend_response(got, True),
+                                        messages.read_attend_response(parsed, True))
+        for cut in (1, 7, len(data) // 2, len(data) - 1):  # truncated: protobuf's DecodeError, as before
+            with self.subTest(truncated_at=cut):
+                with self.assertRaises(google.protobuf.message.DecodeError):
+                    _wire.parse_attend_response(data[:cut])
+
+    def test_small_responses_are_left_to_protobuf(self):
+        from attnserve import _wire
+        _wire.IN_PLACE_MIN_BYTES = 64 << 10
+        small = self.random_response(shape=(1, 4, D_MODEL)).SerializeToString()  # 12 KiB
+        large = self.random_response(shape=(1, 32, D_MODEL)).SerializeToString()  # 96 KiB
+        self.assertIsInstance(_wire.parse_attend_response(small), self.pb.AttendResponse)
+        self.assertIsInstance(_wire.parse_attend_response(large), _wire.WireMessage)
+
+    def random_extend_response(self, dtype):
+        """An ExtendResponse of four results: FP32 or BF16 outputs, one with
+        maps, one with statistics, one failed step (no tensors)."""
+        pb = self.pb
+        response = pb.ExtendResponse(kernel_path="fp32/blocked", precision=pb.PRECISION_FP32)
+        response.timing.compute.FromNanoseconds(int(self.rng.integers(1, 10 ** 9)))
+        for i, (n, length) in enumerate([(3, 10), (1, 4), (0, 0), (40, 40)]):
+            result = response.results.add(length=length, replayed=i == 1)
+            if i == 2:
+                result.code, result.message = 9, "steps[2]: expected_length 7, the layer holds 8"
+                continue
+            other = self.random_response(dtype, dtype if i == 0 else None, shape=(1, n, D_MODEL))
+            result.output.CopyFrom(other.output)
+            if i == 0:
+                result.attention_maps.CopyFrom(other.attention_maps)
+            if i == 3:
+                result.head_statistics.entropy.CopyFrom(tensor_of(self.rng.random((HEADS, n))))
+                result.head_statistics.max_weight.CopyFrom(tensor_of(self.rng.random((HEADS, n))))
+        return response
+
+    def assert_same_steps(self, got, want):
+        self.assertEqual(len(got), len(want))
+        for a, b in zip(got, want):
+            for name in ("output", "maps", "output_words", "maps_words"):
+                x, y = getattr(a, name), getattr(b, name)
+                self.assertEqual(x is None, y is None, name)
+                if x is not None:
+                    self.assertEqual((x.dtype, x.shape, x.tobytes()), (y.dtype, y.shape, y.tobytes()), name)
+            self.assertEqual((type(a.error), str(a.error), a.length, a.replayed, a.timing, a.kernel_path, a.precision),
+                             (type(b.error), str(b.error), b.length, b.replayed, b.timing, b.kernel_path, b.precision))
+            self.assertEqual(a.stats is None, b.stats is None)
+            if a.stats is not None:
+                np.testing.assert_array_equal(a.stats.entropy, b.stats.entropy)
+                np.testing.assert_array_equal(a.stats.max_weight, b.stats.max_weight)
+
+    def test_extend_responses_are_read_in_place_as_protobuf_reads_them(self):
+        from attnserve import _wire, messages
+        pb = self.pb
+        for dtype in ("fp32", "bf16"):
+            response = self.random_extend_response(dtype)
+            data = response.SerializeToString()
+            for words in (False, True):
+                with self.subTest(dtype=dtype, bf16_words=words):
+                    fast = _wire.parse_extend_response(data)
+                    self.assertIsInstance(fast, _wire.WireMessage)
+                    self.assertEqual(fast.message, response)
+                    got = messages.read_extend_response(fast, words)
+                    self.assert_same_steps(got, messages.read_extend_response(pb.ExtendResponse.FromString(data),
+                                                                              words))
+                    if dtype == "fp32":  # in place where aligned
+                        self.assertTrue(got[3].output.flags.aligned)
+                        self.assertEqual(np.shares_memory(got[3].output, np.frombuffer(data, np.uint8)),
+                                         address_in(data, response.results[3].output.raw_data) % 4 == 0)
+        # An unknown field inside a result, or a result's output in two occurrences: protobuf reads it.
+        response = self.random_extend_response("fp32")
+        first = response.results[0]
+        split = pb.ExtendResult(output=pb.Tensor(dtype=first.output.dtype, shape=first.output.shape))
+        merged = _field(1, 2, split.SerializeToString() + _field(3, 2, _field(3, 2, first.output.raw_data)))
+        for name, data in [("unknown", response.SerializeToString() + _field(1, 2, _field(12, 0, 1))),
+                           ("merged", merged)]:
+            with self.subTest(name):
+                got = _wire.parse_extend_response(data)
+                self.assertIsInstance(got, pb.ExtendResponse)
+                self.assertEqual(got, pb.ExtendResponse.FromString(data))
+
+    def test_streamed_map_chunks_are_read_in_place_as_protobuf_reads_them(self):
+        from attnserve import _wire, messages
+        pb = self.pb
+        for dtype in ("fp32", "bf16"):
+            batch, seq, rows = 2, 6, 4  # two chunks of rows per sequence
+            head = self.random_response(dtype, dtype, shape=(batch, seq, D_MODEL))
+            maps = head.attention_maps
+            full = (np.frombuffer(maps.raw_data, "<u2" if dtype == "bf16" else "<f4")
+                    .reshape(batch, HEADS, seq, seq))
+            head.attention_maps.ClearField("raw_data")  # the stream's response carries the maps' shape only
+            stream = [pb.AttendStreamResponse(response=head).SerializeToString()]
+            for b in range(batch):
+                for first in range(0, seq, rows):
+                    part = full[b:b + 1, :, first:first + rows]
+                    stream.append(pb.AttendStreamResponse(map_chunk=pb.AttentionMapChunk(
+                        sequence=b, first_head=0, first_row=first, maps=pb.Tensor(
+                            dtype=maps.dtype, shape=part.shape, raw_data=part.tobytes()))).SerializeToString())
+            for words in (False, True):
+                with self.subTest(dtype=dtype, bf16_words=words):
+                    fast, slow = messages.MapAssembler(words), messages.MapAssembler(words)
+                    for data in stream:
+                        message = _wire.parse_attend_stream_response(data)
+                        self.assertIsInstance(message, _wire.WireMessage)
+                        fast.add(message)
+                        slow.add(pb.AttendStreamResponse.FromString(data))
+                    self.assert_same_result(fast.result(), slow.result())
+        # Both parts of the oneof in one message: protobuf keeps the last, and reads it.
+        both = stream[1] + stream[0]
+        self.assertIsInstance(_wire.parse_attend_stream_response(both), pb.AttendStreamResponse)
+        self.assertEqual(_wire.parse_attend_stream_response(both), pb.AttendStreamResponse.FromString(both))
+
+    def test_extend_requests_parse_to_the_message_protobufs_setters_build(self):
+        from attnserve import _wire, messages
+        pb = self.pb
+        cases = [(n, dtype, least) for n, dtype in [(1, None), (3, "bf16"), (600, None), (0, None)]
+                 for least in (0, 64 << 10)]  # every request framed by the package; only 600 tokens' (1.8 MB)
+        for n, dtype, least in cases:
+            _wire.IN_PLACE_MIN_BYTES = least
+            xs = [self.normal(n, D_MODEL), self.normal(n, D_MODEL).astype(np.float32)]
+            steps = [("s0", 0, 5, xs[0], True, [1.0, 0.0], True), ("s1", 2, 0, xs[1], False, None)]
+            reference = pb.ExtendRequest(precision=pb.PRECISION_BF16, steps=[
+                pb.ExtendStep(session_id="s0", layer=0, expected_length=5, hidden_states=tensor_of(xs[0], dtype),
+                              attention_maps=True, head_mask=[1.0, 0.0], head_statistics=True),
+                pb.ExtendStep(session_id="s1", layer=2, expected_length=0, hidden_states=tensor_of(xs[1], dtype))])
+            with self.subTest(tokens=n, input_dtype=dtype, in_place_min_bytes=least):
+                wire = messages.build_extend_wire(steps, "bf16", dtype)
+                self.assertEqual(isinstance(wire, _wire.MessageWire), n == 600 or least == 0)
+                self.assertEqual(pb.ExtendRequest.FromString(wire.SerializeToString()), reference)
+                self.assertEqual(messages.build_extend_request(steps, "bf16", dtype), reference)
 
 
 # The name the test server answers with in its attnserve-replica header.
@@ -332,14 +695,15 @@ class AgainstServer(unittest.TestCase):
         return self.reference(sequence[None], causal=True)[0][0, first:first + n]
 
     def test_a_session_prefills_decodes_forks_and_closes(self):
-        prompt = self.rng.standard_normal((12, D_MODEL)).astype(np.float32)
+        # 40 tokens (123 kB): the prefill's request and response go through attnserve._wire's framing.
+        prompt = self.rng.standard_normal((40, D_MODEL)).astype(np.float32)
         with self.client.open_session() as session:
             self.assertRegex(session.id, r"^[0-9a-f]{32}$")
             self.assertEqual((session.routing_key, session.replica), (None, REPLICA))
             step = session.extend(prompt, maps=True)
-            self.assertLessEqual(rel_error(step.output, self.reference_rows(prompt, 0, 12)), 1e-5)
-            self.assertEqual(step.maps.shape, (HEADS, 12, 12))
-            self.assertEqual((step.length, session.lengths, step.kernel_path), (12, [12], "fp32/paged"))
+            self.assertLessEqual(rel_error(step.output, self.reference_rows(prompt, 0, 40)), 1e-5)
+            self.assertEqual(step.maps.shape, (HEADS, 40, 40))
+            self.assertEqual((step.length, session.lengths, step.kernel_path), (40, [40], "fp32/paged"))
             sequence = prompt
             for _ in range(4):
                 token = self.rng.standard_normal((1, D_MODEL)).astype(np.float32)
@@ -347,16 +711,16 @@ class AgainstServer(unittest.TestCase):
                 sequence = np.concatenate([sequence, token])
                 step = session.extend(token)
                 self.assertLessEqual(rel_error(step.output, self.reference_rows(sequence, before, 1)), 1e-5)
-            self.assertEqual(session.info().layer_lengths, (16,))
+            self.assertEqual(session.info().layer_lengths, (44,))
             # A fork shares the prefix and diverges.
             fork = session.fork()
-            self.assertEqual(fork.lengths, [16])
+            self.assertEqual(fork.lengths, [44])
             a, b = (self.rng.standard_normal((2, D_MODEL)).astype(np.float32) for _ in range(2))
             out_a, out_b = session.extend(a).output, fork.extend(b).output
-            self.assertLessEqual(rel_error(out_a, self.reference_rows(np.concatenate([sequence, a]), 16, 2)), 1e-5)
-            self.assertLessEqual(rel_error(out_b, self.reference_rows(np.concatenate([sequence, b]), 16, 2)), 1e-5)
+            self.assertLessEqual(rel_error(out_a, self.reference_rows(np.concatenate([sequence, a]), 44, 2)), 1e-5)
+            self.assertLessEqual(rel_error(out_b, self.reference_rows(np.concatenate([sequence, b]), 44, 2)), 1e-5)
             # A lost answer: the same step again is replayed, not appended twice.
-            session.lengths[0] = 16
+            session.lengths[0] = 44
             again = session.extend(a)
             self.assertTrue(again.replayed)
             np.testing.assert_array_equal(again.output, out_a)
@@ -426,6 +790,13 @@ class AgainstServer(unittest.TestCase):
                 self.assertEqual(await client.health(), "SERVING")
                 self.assertEqual((await client.model()).d_model, D_MODEL)
                 results = await asyncio.gather(*[client.attend(x[i:i + 1], maps="mean") for i in range(3)])
+                # What is sent is x as it was when attend was called: overwritten once attend waits for
+                # the answer (grpc.aio serializes in a task of its own, later), x still goes out whole.
+                scratch = x.copy()
+                pending = asyncio.ensure_future(client.attend(scratch))
+                await asyncio.sleep(0)  # one turn of the loop: attend runs up to its first wait
+                scratch[:] = 0
+                overwritten = await pending
                 streamed = await client.attend(x, maps="per-head", stream_maps=True)
                 with self.assertRaises(attnserve.NotFoundError) as caught:
                     await client.attend(x, model="no-such-model")
@@ -437,10 +808,11 @@ class AgainstServer(unittest.TestCase):
                     fork = await session.fork()
                     self.assertEqual((fork.routing_key, fork.replica), ("key-1", REPLICA))
                     await fork.close()
-                return results, streamed, caught.exception, step, info, latest
+                return results, streamed, caught.exception, step, info, latest, overwritten
 
-        results, streamed, error, step, info, latest = asyncio.run(main())
+        results, streamed, error, step, info, latest, overwritten = asyncio.run(main())
         ref_out, ref_maps = self.reference(x)
+        self.assertLessEqual(rel_error(overwritten.output, ref_out), 1e-5)
         for i, r in enumerate(results):
             self.assertLessEqual(rel_error(r.output[0], ref_out[i]), 1e-5)
             self.assertLessEqual(rel_error(r.maps[0], ref_maps[i].mean(axis=0)), 1e-5)
