@@ -25,6 +25,7 @@
 #include "core/runtime_info.h"
 #include "core/workspace.h"
 #include "server/attn_server.h"
+#include "server/openmp_wait.h"
 #include "server/process_guard.h"
 #include "server/common/server_options.h"
 #include "server/observability/log.h"
@@ -33,6 +34,9 @@ namespace {
 const attnserve::server::ServerOptions kDefaults;
 // The watchdog stopped the server (see --watchdog_interval_seconds).
 constexpr int kExitWatchdog = 3;
+// --openmp_spin_us above this is a spin that outlasts most requests: PASSIVE's
+// opposite, which the environment can still ask for (OMP_WAIT_POLICY=ACTIVE).
+constexpr int64_t kMaxOpenMpSpinUs = 100000;
 
 constexpr char kUsage[] = R"(attnserve: serves multi-head attention over gRPC
 (attnserve.v1.AttentionService, grpc.health.v1.Health, server reflection) and,
@@ -46,8 +50,9 @@ Exit status: 0 after a stop by signal (and for --help, --version); 1 when the
 server cannot start or load its models; 2 for a mistake on the command line;
 3 when the watchdog stopped it (the gRPC port no longer accepted connections,
 or memory stayed over --max_rss_bytes): its supervisor should restart it.
-OpenMP threads sleep between requests (OMP_WAIT_POLICY=PASSIVE) unless the
-environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT.)";
+OpenMP threads sleep between requests (OMP_WAIT_POLICY=PASSIVE) unless
+--openmp_spin_us asks for a spin or the environment sets OMP_WAIT_POLICY or
+GOMP_SPINCOUNT.)";
 
 // The --version lines after the version, revision and build type.
 std::vector<attnserve::cli::Component> LibraryVersions() {
@@ -67,6 +72,12 @@ ABSL_FLAG(int64_t, max_send_message_bytes, kDefaults.max_send_message_bytes,
           "larger are refused before compute (INVALID_ARGUMENT)");
 ABSL_FLAG(int, compute_threads, kDefaults.compute_threads,
           "Threads the compute executor gives oneDNN (0: one per core)");
+ABSL_FLAG(int64_t, openmp_spin_us, 0,
+          "How long (microseconds) the compute threads spin waiting for the next parallel region "
+          "before they sleep, timed with the spin loop's cost measured at start (GOMP_SPINCOUNT "
+          "set to match, whatever the CPU's pause costs); 0: sleep at once "
+          "(OMP_WAIT_POLICY=PASSIVE), which measured best on a shared 2-core machine. Ignored "
+          "when the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT");
 ABSL_FLAG(int64_t, max_queued_requests, kDefaults.max_queued_requests,
           "Requests that may wait for the compute executor; more are refused "
           "(RESOURCE_EXHAUSTED)");
@@ -207,20 +218,47 @@ ABSL_FLAG(std::string, model_repository, "",
           "Folder of models (one subfolder each: config.json and safetensors weights; README "
           "'Model repository'): all are loaded at start-up, LoadModel/UnloadModel manage them. "
           "Empty: the built-in model serves");
-// OpenMP threads that spin between requests take the cores from gRPC's
-// threads (and from each other, when anything else runs): on 2 cores the
-// default wait policy made the p99 of small requests 20-100x worse and
-// throughput under load 1.5-4x worse than PASSIVE (docs/measurements.md,
-// "Thread arrangement"). libgomp reads its environment when it is loaded, so
-// the policy is set by running this binary again with it, unless the caller
-// chose one.
-void UsePassiveOpenMpWaitUnlessSet(char** argv) {
-  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) {
-    return;
+// How the compute executor's OpenMP threads wait between parallel regions
+// (server/openmp_wait.h): libgomp reads its environment when it is loaded, so
+// the choice is made here, before any OpenMP code runs, and the binary runs
+// again with it, unless the caller's environment chose already. Threads that
+// spin long between requests take the cores from gRPC's threads (on 2 cores
+// libgomp's default spin made the p99 of small requests 20-100x worse,
+// docs/measurements.md "Thread arrangement"); threads that sleep at once pay a
+// wake-up at every parallel region of a forward ("A spin bounded in time").
+// The second start finds the variable set and logs the first's reason, which
+// it receives in ATTNSERVE_OPENMP_WAIT_CHOICE.
+constexpr char kOpenMpWaitChoiceVariable[] = "ATTNSERVE_OPENMP_WAIT_CHOICE";
+
+void ChooseOpenMpWait(char** argv) {
+  const attnserve::server::OpenMpWaitPlan plan = attnserve::server::PlanOpenMpWait(
+      std::getenv("OMP_WAIT_POLICY"), std::getenv("GOMP_SPINCOUNT"),
+      absl::Microseconds(absl::GetFlag(FLAGS_openmp_spin_us)), attnserve::server::MeasurePauseCost);
+  if (plan.environment.empty()) return;
+  for (const auto& [name, value] : plan.environment) {
+    setenv(name.c_str(), value.c_str(), /*overwrite=*/1);
   }
-  setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
+  setenv(kOpenMpWaitChoiceVariable, plan.description.c_str(), /*overwrite=*/1);
   execv("/proc/self/exe", argv);
-  // exec failed: carry on with the default policy.
+  // exec failed: carry on with libgomp's default policy (the log says so).
+  for (const auto& [name, value] : plan.environment) unsetenv(name.c_str());
+  unsetenv(kOpenMpWaitChoiceVariable);
+}
+
+// The start-up log's line on the OpenMP wait: the first start's choice, or
+// what the environment set.
+std::string OpenMpWaitDescription() {
+  if (const char* chosen = std::getenv(kOpenMpWaitChoiceVariable); chosen != nullptr) {
+    return chosen;
+  }
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  const char* spin_count = std::getenv("GOMP_SPINCOUNT");
+  if (wait_policy == nullptr && spin_count == nullptr) {
+    return "OpenMP wait policy: libgomp's default (the server could not run itself again with "
+           "its choice)";
+  }
+  return attnserve::server::PlanOpenMpWait(wait_policy, spin_count, absl::ZeroDuration(), nullptr)
+      .description;
 }
 
 // The server's options from the flags and, for the block kernels, the
@@ -308,12 +346,7 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
 void LogConfiguration(const attnserve::server::ServerOptions& options,
                       const attnserve::server::AttnServer& server) {
   using attnserve::server::LogLine;
-  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
-  LogLine(absl::StrCat("OpenMP wait policy ", wait_policy != nullptr ? wait_policy : "(libgomp default)",
-                       std::getenv("GOMP_SPINCOUNT") != nullptr
-                           ? absl::StrCat(", GOMP_SPINCOUNT ", std::getenv("GOMP_SPINCOUNT"))
-                           : "",
-                       " (PASSIVE unless the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT)"));
+  LogLine(OpenMpWaitDescription());
   LogLine(absl::StrCat("oneDNN's own primitive cache holds ",
                        attnserve::core::OneDnnPrimitiveCacheCapacity(),
                        " primitives (0 unless the environment sets "
@@ -434,7 +467,12 @@ int main(int argc, char** argv) {
                                                      command_line->positional[0],
                                                      "' (attnserve takes only flags)"));
   }
-  UsePassiveOpenMpWaitUnlessSet(argv);
+  if (const int64_t spin_us = absl::GetFlag(FLAGS_openmp_spin_us);
+      spin_us < 0 || spin_us > kMaxOpenMpSpinUs) {
+    return cli::UsageError("attnserve", absl::StrCat("--openmp_spin_us must be 0 to ",
+                                                     kMaxOpenMpSpinUs, ", not ", spin_us));
+  }
+  ChooseOpenMpWait(argv);
   const absl::Time process_start = absl::Now();
   attnserve::server::LimitProtobufLogs();
 

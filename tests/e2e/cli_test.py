@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import unittest
+import unittest.mock
 
 import numpy as np
 
@@ -120,6 +121,8 @@ class UsageErrors(unittest.TestCase):
     def test_bad_values_exit_two_naming_the_flag(self):
         self.check_usage_error(ARGS.server, ["--max_batch=lots"], "--max_batch: bad value 'lots'")
         self.check_usage_error(ARGS.server, ["--access_log=maybe"], "--access_log: bad value")
+        self.check_usage_error(ARGS.server, ["--openmp_spin_us=-5"],
+                               "--openmp_spin_us must be 0 to 100000, not -5")
         self.check_usage_error(ARGS.attnctl, ["attend", "--batch=two"], "--batch: bad value 'two'")
         self.check_usage_error(ARGS.attnctl, ["models", "--target"], "--target needs a value")
         self.check_usage_error(ARGS.attnctl, ["models", "--version=3"], "--version takes no value")
@@ -216,6 +219,51 @@ class Version(unittest.TestCase):
             if installed.returncode == 0:
                 self.assertEqual(grpc_version, installed.stdout.strip())
         return fields
+
+    def test_attnserve_chooses_the_openmp_wait_before_libgomp_reads_it(self):
+        """The running process' environment holds what its log says: a spin count
+        for --openmp_spin_us, PASSIVE for 0, and the environment's own choice."""
+        def started(*flags, env=None):
+            server = serving(Server(ARGS.server, *flags, env=env))
+            try:
+                with open(f"/proc/{server.proc.pid}/environ", "rb") as f:
+                    environ = dict(item.decode().split("=", 1)
+                                   for item in f.read().split(b"\0") if b"=" in item)
+                lines = [line for line in server.log if "OpenMP" in line]
+                self.assertEqual(len(lines), 1, server.log)
+                return environ, lines[0]
+            finally:
+                server.stop()
+        # Whatever this test's own environment says, the server is to choose.
+        clean = {name: value for name, value in os.environ.items()
+                 if name not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        for spin_us in (20, 100):
+            with self.subTest(spin_us=spin_us):
+                with unittest.mock.patch.dict(os.environ, clean, clear=True):
+                    environ, line = started(f"--openmp_spin_us={spin_us}")
+                count = int(environ["GOMP_SPINCOUNT"])
+                m = re.search(r"spin (\d+)us before they sleep .*GOMP_SPINCOUNT=(\d+) at "
+                              r"([0-9.]+) ns per spin iteration", line)
+                self.assertIsNotNone(m, line)
+                self.assertEqual(int(m.group(1)), spin_us)
+                self.assertEqual(int(m.group(2)), count)
+                # The count is the time over the measured cost, rounded; the log
+                # rounds the cost to 0.1 ns, which moves the quotient by up to
+                # count * 0.05 / ns.
+                ns = max(float(m.group(3)), 1.0)
+                self.assertAlmostEqual(count, spin_us * 1000 / ns, delta=1 + count * 0.05 / ns)
+                self.assertNotIn("OMP_WAIT_POLICY", environ)
+        with unittest.mock.patch.dict(os.environ, clean, clear=True):
+            environ, line = started("--openmp_spin_us=0")
+        self.assertEqual(environ.get("OMP_WAIT_POLICY"), "PASSIVE")
+        self.assertNotIn("GOMP_SPINCOUNT", environ)
+        self.assertIn("OMP_WAIT_POLICY=PASSIVE", line)
+        with unittest.mock.patch.dict(os.environ, clean, clear=True):
+            environ, line = started("--openmp_spin_us=100", env={"GOMP_SPINCOUNT": "7"})
+        self.assertEqual(environ.get("GOMP_SPINCOUNT"), "7")
+        self.assertNotIn("OMP_WAIT_POLICY", environ)
+        self.assertIn("from the environment", line)
+        self.assertIn("GOMP_SPINCOUNT 7", line)
 
     def test_attnctl_says_version_revision_build_type_and_grpc(self):
         fields = self.check_version(ARGS.attnctl, "attnctl")
