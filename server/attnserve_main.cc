@@ -11,12 +11,15 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -76,8 +79,11 @@ ABSL_FLAG(int64_t, openmp_spin_us, 0,
           "How long (microseconds) the compute threads spin waiting for the next parallel region "
           "before they sleep, timed with the spin loop's cost measured at start (GOMP_SPINCOUNT "
           "set to match, whatever the CPU's pause costs); 0: sleep at once "
-          "(OMP_WAIT_POLICY=PASSIVE), which measured best on a shared 2-core machine. Ignored "
-          "when the environment sets OMP_WAIT_POLICY or GOMP_SPINCOUNT");
+          "(OMP_WAIT_POLICY=PASSIVE). On 2 shared cores no spin measured better than 0; on a quiet "
+          "machine a spin of about 20 us helped a 32-session decode step and lone small requests "
+          "(docs/measurements.md). libgomp cuts any spin to ~100 iterations while it runs more "
+          "threads than CPUs (--compute_threads above the cores). Ignored when the environment sets "
+          "OMP_WAIT_POLICY or GOMP_SPINCOUNT");
 ABSL_FLAG(int64_t, max_queued_requests, kDefaults.max_queued_requests,
           "Requests that may wait for the compute executor; more are refused "
           "(RESOURCE_EXHAUSTED)");
@@ -227,7 +233,9 @@ ABSL_FLAG(std::string, model_repository, "",
 // docs/measurements.md "Thread arrangement"); threads that sleep at once pay a
 // wake-up at every parallel region of a forward ("A spin bounded in time").
 // The second start finds the variable set and logs the first's reason, which
-// it receives in ATTNSERVE_OPENMP_WAIT_CHOICE.
+// it receives in ATTNSERVE_OPENMP_WAIT_CHOICE as "<pid> <reason>" (execv keeps
+// the pid): a value of another process's (an environment copied from a running
+// server's) is not believed.
 constexpr char kOpenMpWaitChoiceVariable[] = "ATTNSERVE_OPENMP_WAIT_CHOICE";
 
 void ChooseOpenMpWait(char** argv) {
@@ -238,18 +246,22 @@ void ChooseOpenMpWait(char** argv) {
   for (const auto& [name, value] : plan.environment) {
     setenv(name.c_str(), value.c_str(), /*overwrite=*/1);
   }
-  setenv(kOpenMpWaitChoiceVariable, plan.description.c_str(), /*overwrite=*/1);
+  setenv(kOpenMpWaitChoiceVariable, absl::StrCat(getpid(), " ", plan.description).c_str(),
+         /*overwrite=*/1);
   execv("/proc/self/exe", argv);
   // exec failed: carry on with libgomp's default policy (the log says so).
   for (const auto& [name, value] : plan.environment) unsetenv(name.c_str());
   unsetenv(kOpenMpWaitChoiceVariable);
 }
 
-// The start-up log's line on the OpenMP wait: the first start's choice, or
-// what the environment set.
-std::string OpenMpWaitDescription() {
-  if (const char* chosen = std::getenv(kOpenMpWaitChoiceVariable); chosen != nullptr) {
-    return chosen;
+// The start-up log's line on the OpenMP wait: the first start's choice (taken
+// out of the environment), or what the environment set.
+std::string TakeOpenMpWaitDescription() {
+  if (const char* handed = std::getenv(kOpenMpWaitChoiceVariable); handed != nullptr) {
+    const std::pair<std::string, std::string> parts = absl::StrSplit(handed, absl::MaxSplits(' ', 1));
+    unsetenv(kOpenMpWaitChoiceVariable);
+    int64_t pid = 0;
+    if (absl::SimpleAtoi(parts.first, &pid) && pid == getpid()) return parts.second;
   }
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
   const char* spin_count = std::getenv("GOMP_SPINCOUNT");
@@ -344,9 +356,10 @@ absl::StatusOr<attnserve::server::ServerOptions> OptionsFromFlags() {
 
 // What the server runs with and what it leaves open, logged at start-up.
 void LogConfiguration(const attnserve::server::ServerOptions& options,
-                      const attnserve::server::AttnServer& server) {
+                      const attnserve::server::AttnServer& server,
+                      const std::string& openmp_wait) {
   using attnserve::server::LogLine;
-  LogLine(OpenMpWaitDescription());
+  LogLine(openmp_wait);
   LogLine(absl::StrCat("oneDNN's own primitive cache holds ",
                        attnserve::core::OneDnnPrimitiveCacheCapacity(),
                        " primitives (0 unless the environment sets "
@@ -473,6 +486,7 @@ int main(int argc, char** argv) {
                                                      kMaxOpenMpSpinUs, ", not ", spin_us));
   }
   ChooseOpenMpWait(argv);
+  const std::string openmp_wait = TakeOpenMpWaitDescription();
   const absl::Time process_start = absl::Now();
   attnserve::server::LimitProtobufLogs();
 
@@ -512,7 +526,7 @@ int main(int argc, char** argv) {
                        ") as replica '", options.replica_name,
                        "'; health NOT_SERVING until the models are loaded; open-file limit ",
                        *open_files));
-  LogConfiguration(options, **server);
+  LogConfiguration(options, **server, openmp_wait);
   if (absl::Status loaded = (*server)->LoadModelsAndServe(); !loaded.ok()) {
     LogLine(absl::StrCat("cannot load models: ", loaded.ToString()));
     return cli::kExitFailure;

@@ -10,7 +10,9 @@
 // bridge the gaps between one forward's parallel regions spares each region
 // the wake-up of sleeping threads; a spin that outlasts a request takes the
 // cores from gRPC's threads between requests (docs/measurements.md, "Thread
-// arrangement" and "A spin bounded in time"). What a count means in time
+// arrangement" and "A spin bounded in time"). While libgomp runs more threads
+// than there are CPUs it cuts every spin to at most 100 iterations, whatever
+// GOMP_SPINCOUNT says. What a count means in time
 // depends on the CPU (a `pause` takes ~5 ns on some, ~40 ns on others), so the
 // server measures the loop's cost at start and asks for a time, not a count.
 

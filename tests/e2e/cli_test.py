@@ -236,7 +236,7 @@ class Version(unittest.TestCase):
                 server.stop()
         # Whatever this test's own environment says, the server is to choose.
         clean = {name: value for name, value in os.environ.items()
-                 if name not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+                 if name not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "ATTNSERVE_OPENMP_WAIT_CHOICE")}
         for spin_us in (20, 100):
             with self.subTest(spin_us=spin_us):
                 with unittest.mock.patch.dict(os.environ, clean, clear=True):
@@ -264,6 +264,13 @@ class Version(unittest.TestCase):
         self.assertNotIn("OMP_WAIT_POLICY", environ)
         self.assertIn("from the environment", line)
         self.assertIn("GOMP_SPINCOUNT 7", line)
+        # An environment copied from a running server's carries its first
+        # start's reason too: another process's, so not believed.
+        with unittest.mock.patch.dict(os.environ, clean, clear=True):
+            environ, line = started("--openmp_spin_us=100", env={
+                "GOMP_SPINCOUNT": "7", "ATTNSERVE_OPENMP_WAIT_CHOICE": "1 copied from another server"})
+        self.assertIn("from the environment", line)
+        self.assertNotIn("copied", line)
 
     def test_attnctl_says_version_revision_build_type_and_grpc(self):
         fields = self.check_version(ARGS.attnctl, "attnctl")
