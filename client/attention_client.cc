@@ -45,7 +45,6 @@ absl::Status FromGrpc(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-// One blocking unary call with a deadline `timeout_seconds` from now.
 // The call's deadline: --timeout_seconds from now.
 void SetCallDeadline(const ClientOptions& options, grpc::ClientContext& context) {
   context.set_deadline(
@@ -53,6 +52,7 @@ void SetCallDeadline(const ClientOptions& options, grpc::ClientContext& context)
       std::chrono::microseconds(static_cast<int64_t>(options.timeout_seconds * 1e6)));
 }
 
+// One blocking unary call with a deadline `timeout_seconds` from now.
 template <typename Response, typename Stub, typename Request>
 absl::StatusOr<Response> Call(Stub& stub,
                               grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
