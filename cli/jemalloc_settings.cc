@@ -26,23 +26,20 @@
 // which frees their pages at once: a response's output and maps (up to
 // --max_attention_map_bytes) would be fresh pages on every call.
 //
-// attnctl (ATTNSERVE_ALLOCATOR_CLIENT) adds lg_extent_max_active_fit:30: a
-// freed extent may serve a request of any smaller size (jemalloc's default
-// refuses one over 64 times the request). Receiving a 50 MB map response,
-// gRPC's and protobuf's buffers of many sizes otherwise left the last call's
-// extents unused: `attnctl attend --repeat=20` of B=4 S=512 per-head maps
-// faulted 300,000 pages and grew to 1.2 GB; with it 71,000 (most in the first
-// call) and 300 MB, and the transport's median fell from 820 to 80 ms
-// (docs/measurements.md, "attnctl's large responses"). The server keeps the
-// default: there the same setting raised the faults of one-message map
-// responses (its keeper returns the cache between calls anyway).
+// lg_extent_max_active_fit:30: a freed extent may serve a request of any
+// smaller size (jemalloc's default refuses one over 64 times the request).
+// gRPC sizes its read buffers call by call from a running average of what the
+// socket held, so the sizes of a call's buffers drift; with the default, the
+// freed extents often did not fit the next call's and jemalloc mapped fresh
+// pages. The server at B=1 S=2048 (12.6 MB a call): 315-323 page faults a
+// call after 30 warm-up calls and RSS growing by ~0.5 MB a call, against 0-26
+// with the setting; one-message map responses 57-128 against 0
+// (docs/measurements.md, "The server's read buffers"). In attnctl receiving
+// 50 MB map responses it cut the faults of 20 calls from 300,000 to 71,000
+// and RSS from 1.2 GB to 300 MB ("attnctl's large responses").
 extern "C" {
 // NOLINTNEXTLINE: the name is jemalloc's.
 extern const char* malloc_conf;
-#ifdef ATTNSERVE_ALLOCATOR_CLIENT
 const char* malloc_conf =
     "narenas:1,dirty_decay_ms:-1,muzzy_decay_ms:0,oversize_threshold:0,lg_extent_max_active_fit:30";
-#else
-const char* malloc_conf = "narenas:1,dirty_decay_ms:-1,muzzy_decay_ms:0,oversize_threshold:0";
-#endif
 }

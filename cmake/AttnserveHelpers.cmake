@@ -8,19 +8,14 @@ function(attnserve_warnings target)
   endif()
 endfunction()
 
-# attnserve_link_allocator(<executable> [CLIENT]): links ATTNSERVE_MALLOC's
-# allocator (jemalloc, with its settings in cli/jemalloc_settings.cc; CLIENT:
-# the client's) into a binary; nothing for "system" and for sanitizer builds
-# (they bring their own).
+# attnserve_link_allocator(<executable>): links ATTNSERVE_MALLOC's allocator
+# (jemalloc, with its settings in cli/jemalloc_settings.cc) into a binary;
+# nothing for "system" and for sanitizer builds (they bring their own).
 function(attnserve_link_allocator target)
-  cmake_parse_arguments(ALLOCATOR "CLIENT" "" "" ${ARGN})
   if(ATTNSERVE_MALLOC STREQUAL "jemalloc" AND NOT ATTNSERVE_SANITIZE)
     find_package(PkgConfig REQUIRED)
     pkg_check_modules(JEMALLOC REQUIRED IMPORTED_TARGET jemalloc)
     target_sources(${target} PRIVATE ${PROJECT_SOURCE_DIR}/cli/jemalloc_settings.cc)
-    if(ALLOCATOR_CLIENT)
-      target_compile_definitions(${target} PRIVATE ATTNSERVE_ALLOCATOR_CLIENT)
-    endif()
     target_link_libraries(${target} PRIVATE PkgConfig::JEMALLOC)
   elseif(NOT ATTNSERVE_MALLOC STREQUAL "system" AND NOT ATTNSERVE_SANITIZE)
     message(FATAL_ERROR "ATTNSERVE_MALLOC must be jemalloc or system, not '${ATTNSERVE_MALLOC}'")

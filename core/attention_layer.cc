@@ -19,6 +19,7 @@
 #include "core/attention_layer_impl.h"
 #include "core/attention_weights.h"
 #include "core/checked_math.h"
+#include "core/fork_grain.h"
 #include "core/forward_common.h"
 #include "core/head_config.h"
 #include "core/head_contributions.h"
@@ -417,7 +418,7 @@ void AttentionLayer::Impl::ConcatHeads(const Pass& pass, int64_t first, int64_t 
   const int64_t q_width = config_.q_width();
   const float* const context = pass.workspace.data<float>(Scratch::kContextHeads);
   T* const out = pass.workspace.data<T>(Scratch::kContextTokens);
-#pragma omp parallel for schedule(static) if (n * s * q_width > (int64_t{1} << 14))
+#pragma omp parallel for schedule(static) if (n * s * q_width > internal::kCopyForkGrain)
   for (int64_t item = 0; item < n * s; ++item) {
     const int64_t c = item / s;
     const int64_t pos = item % s;

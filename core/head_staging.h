@@ -14,6 +14,7 @@
 #include "absl/types/span.h"
 #include "core/attention_inputs.h"
 #include "core/bf16.h"
+#include "core/fork_grain.h"
 #include "core/head_config.h"
 
 namespace attnserve::core::internal {
@@ -50,7 +51,7 @@ struct HeadRow {
 template <typename T, typename RowOf>
 void StageHeads(int64_t n, int64_t heads, int64_t len, int64_t hd, int64_t half, RowOf row_of,
                 T* out) {
-#pragma omp parallel for schedule(static) if (n * heads * len * hd > (int64_t{1} << 14))
+#pragma omp parallel for schedule(static) if (n * heads * len * hd > kCopyForkGrain)
   for (int64_t item = 0; item < n * heads * len; ++item) {
     const int64_t c = item / (heads * len);
     const int64_t h = item / len % heads;

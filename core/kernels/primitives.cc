@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "core/fork_grain.h"
 #include "core/kernels/workspace_state.h"
 #include "core/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -14,9 +15,6 @@ namespace {
 
 using dnnl::memory;
 using Tag = memory::format_tag;
-
-// Below this many elements a loop runs on one thread (forking costs more).
-constexpr int64_t kParallelGrain = int64_t{1} << 14;
 
 }  // namespace
 
@@ -61,11 +59,11 @@ absl::Status Linear(WorkspaceState& workspace, int64_t rows, int64_t in, int64_t
 }
 
 void ConvertToBf16(const float* from, int64_t n, Bf16* to) {
-  const int64_t pieces = (n + kParallelGrain - 1) / kParallelGrain;
+  const int64_t pieces = (n + kCopyForkGrain - 1) / kCopyForkGrain;
 #pragma omp parallel for schedule(static) if (pieces > 1)
   for (int64_t piece = 0; piece < pieces; ++piece) {
-    const int64_t begin = piece * kParallelGrain;
-    FloatsToBf16(from + begin, std::min(kParallelGrain, n - begin), to + begin);
+    const int64_t begin = piece * kCopyForkGrain;
+    FloatsToBf16(from + begin, std::min(kCopyForkGrain, n - begin), to + begin);
   }
 }
 

@@ -153,15 +153,15 @@ def python_ways(client, stub, pb, batch, seq, maps, dtype, streamed):
     return {"stubs": stubs, "package via protobuf": through_protobuf, "package": package}, request.ByteSize()
 
 
-def python_calls(ways, calls, pid):
+def python_calls(ways, calls, pid, warm_up_calls):
     """{way: (median round trip ms, median of each call's round trip less its
     compute ms, median compute ms)}, the response's bytes, and the server's
-    minor faults per call: `calls` calls of each way after WARM_UP_CALLS, the
+    minor faults per call: `calls` calls of each way after `warm_up_calls`, the
     ways taking turns call by call (a slow spell of the machine hits them all;
     the server's threads each reach a steady state first: its allocator then
     reuses the buffers of earlier calls)."""
     for call in ways.values():
-        for _ in range(WARM_UP_CALLS):
+        for _ in range(warm_up_calls):
             call()
     trips = {way: [] for way in ways}
     transports = {way: [] for way in ways}
@@ -204,6 +204,9 @@ def main():
     parser.add_argument("--proto_dir", required=True)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--only", default="", help="the requests whose name matches this regex")
+    parser.add_argument("--warm_up_calls", type=int, default=WARM_UP_CALLS,
+                        help="uncounted calls of each Python way before the counted ones (the server's "
+                        "allocator reaches its steady state over the first few dozen calls of a size)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as stubs:
         generate_stubs(stubs, args.proto_dir)
@@ -232,7 +235,8 @@ def main():
                     if args.only and not re.search(args.only, name):
                         continue
                     ways, req_bytes = python_ways(client, stub, pb, batch, seq, maps, dtype, streamed)
-                    measured, resp_bytes, faults = python_calls(ways, args.calls, server.proc.pid)
+                    measured, resp_bytes, faults = python_calls(ways, args.calls, server.proc.pid,
+                                                                args.warm_up_calls)
                     sock = socket_round_trip_ms(req_bytes, resp_bytes, args.calls)
                     cc_trip, cc_compute = attnctl_calls(args.attnctl, server.target, batch, seq, maps,
                                                         dtype, streamed, args.calls)
