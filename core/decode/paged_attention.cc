@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -68,6 +69,7 @@ struct Unit {
   int64_t key_begin = 0;
   int64_t key_end = 0;
   int64_t partial = -1;
+  int64_t merge = -1;  // the Merge of its splits (a split unit)
 };
 
 // The splits of one (item, KV head) to merge: units [first_unit, first_unit + splits).
@@ -200,10 +202,11 @@ int64_t PlanUnits(absl::Span<const ItemView> views, int64_t threads, std::vector
         units.push_back(Unit{item, g, 0, view.length, -1});
         continue;
       }
+      const int64_t merge = static_cast<int64_t>(merges.size());
       merges.push_back(Merge{item, g, static_cast<int64_t>(units.size()), splits});
       for (int64_t s = 0; s < splits; ++s) {
         units.push_back(Unit{item, g, s * chunk, std::min(view.length, (s + 1) * chunk),
-                             partial_floats});
+                             partial_floats, merge});
         partial_floats += view.group * view.n * (view.head_dim + 2);
       }
     }
@@ -483,20 +486,30 @@ absl::Status PagedAttention(absl::Span<const PagedAttentionItem> items) {
   const int64_t partial_floats = PlanUnits(views, threads, units, merges);
   std::vector<float> partials(static_cast<size_t>(partial_floats));
   const int64_t unit_count = static_cast<int64_t>(units.size());
-  const int64_t merge_count = static_cast<int64_t>(merges.size());
+  // The thread that finishes the last split of an (item, KV head) merges them
+  // at once: no barrier between the splits and the merges. Under the server's
+  // PASSIVE wait each barrier is a futex sleep and wake-up, ~80 us on a
+  // 2-vCPU virtual machine (docs/measurements.md, "Decode steps: copies that
+  // forked"). The splits' partial states are written before the release of
+  // their count and read after the last one's acquire.
+  std::vector<std::atomic<int64_t>> splits_left(merges.size());
+  for (size_t m = 0; m < merges.size(); ++m) {
+    splits_left[m].store(merges[m].splits, std::memory_order_relaxed);
+  }
 #pragma omp parallel if (unit_count > 1)
   {
     TileState state;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t u = 0; u < unit_count; ++u) {
       const Unit& unit = units[static_cast<size_t>(u)];
-      RunUnit(views[static_cast<size_t>(unit.item)], unit, state, partials.data());
-    }
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t m = 0; m < merge_count; ++m) {
-      const Merge& merge = merges[static_cast<size_t>(m)];
-      MergeSplits(views[static_cast<size_t>(merge.item)], merge, units, partials.data(),
-                  state.acc);
+      const ItemView& view = views[static_cast<size_t>(unit.item)];
+      RunUnit(view, unit, state, partials.data());
+      if (unit.merge >= 0 &&
+          splits_left[static_cast<size_t>(unit.merge)].fetch_sub(1, std::memory_order_acq_rel) ==
+              1) {
+        MergeSplits(view, merges[static_cast<size_t>(unit.merge)], units, partials.data(),
+                    state.acc);
+      }
     }
   }
   return absl::OkStatus();
