@@ -8,7 +8,7 @@
 
 namespace attnserve::core::internal {
 
-// A loop over fewer elements than this runs on the calling thread. Forking
+// A loop over at most this many elements runs on the calling thread. Forking
 // wakes the team's other threads and joins them again; the server runs OpenMP
 // with OMP_WAIT_POLICY=PASSIVE, so they sleep between regions and each fork is
 // a futex wake-up: 4-6 us back to back and 70-80 us at p99 on a 2-vCPU virtual

@@ -490,8 +490,9 @@ absl::Status PagedAttention(absl::Span<const PagedAttentionItem> items) {
   // at once: no barrier between the splits and the merges. Under the server's
   // PASSIVE wait each barrier is a futex sleep and wake-up, ~80 us on a
   // 2-vCPU virtual machine (docs/measurements.md, "Decode steps: copies that
-  // forked"). The splits' partial states are written before the release of
-  // their count and read after the last one's acquire.
+  // forked"). The splits' partial states, and the raw scores they write into
+  // map rows, are written before the release of their count and read after
+  // the last one's acquire.
   std::vector<std::atomic<int64_t>> splits_left(merges.size());
   for (size_t m = 0; m < merges.size(); ++m) {
     splits_left[m].store(merges[m].splits, std::memory_order_relaxed);

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "core/fork_grain.h"
 #include "core/kernels/primitives.h"
 #include "core/kernels/row_statistics.h"
 #include "core/status_macros.h"
@@ -43,7 +44,8 @@ using Tag = memory::format_tag;
 constexpr memory::data_type kF32 = memory::data_type::f32;
 constexpr memory::data_type kBf16 = memory::data_type::bf16;
 
-// Below this many elements a loop runs on one thread (forking costs more).
+// Below this many elements a loop that computes per element (scaling, masks,
+// statistics) runs on one thread; loops that only copy take kCopyForkGrain.
 constexpr int64_t kParallelGrain = int64_t{1} << 14;
 
 constexpr float kMasked = -std::numeric_limits<float>::infinity();
@@ -168,7 +170,7 @@ void GatherMaps(const HeadConfig& config, const SdpaCall& call, int64_t first, i
   float* const out = call.attention_maps.data();
   if (maps.mode == AttentionMapMode::kPerHead) {
     const int64_t selected = maps.heads.empty() ? heads : static_cast<int64_t>(maps.heads.size());
-#pragma omp parallel for schedule(static) if (n * selected * rows * t > kParallelGrain)
+#pragma omp parallel for schedule(static) if (n * selected * rows * t > kCopyForkGrain)
     for (int64_t item = 0; item < n * selected * rows; ++item) {
       const int64_t c = item / (selected * rows);
       const int64_t sh = item / rows % selected;

@@ -59,11 +59,12 @@ absl::Status Linear(WorkspaceState& workspace, int64_t rows, int64_t in, int64_t
 }
 
 void ConvertToBf16(const float* from, int64_t n, Bf16* to) {
-  const int64_t pieces = (n + kCopyForkGrain - 1) / kCopyForkGrain;
-#pragma omp parallel for schedule(static) if (pieces > 1)
+  constexpr int64_t kPiece = int64_t{1} << 14;  // small enough to share out evenly
+  const int64_t pieces = (n + kPiece - 1) / kPiece;
+#pragma omp parallel for schedule(static) if (n > kCopyForkGrain)
   for (int64_t piece = 0; piece < pieces; ++piece) {
-    const int64_t begin = piece * kCopyForkGrain;
-    FloatsToBf16(from + begin, std::min(kCopyForkGrain, n - begin), to + begin);
+    const int64_t begin = piece * kPiece;
+    FloatsToBf16(from + begin, std::min(kPiece, n - begin), to + begin);
   }
 }
 

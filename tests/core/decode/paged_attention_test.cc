@@ -231,6 +231,31 @@ TEST(PagedAttention, SplitKeyRangesOfOneLongContextMatchReference) {
   }
 }
 
+// Several long sequences of several KV heads on more threads than cores:
+// many splits and merges in one call, each merge run by whichever thread
+// finishes its last split, often between units of other merges.
+TEST(PagedAttention, ManyMergesFinishedByWhicheverThreadEndsTheLastSplitMatchReference) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  std::unique_ptr<KvBlockPool> pool = MakePool(32);
+  const std::vector<Shape> shapes = {{"Gqa8to2Hd64Long", 8, 2, 64, KvPrecision::kFp32, 32},
+                                     {"Mha4Hd32Long", 4, 4, 32, KvPrecision::kBf16, 32},
+                                     {"Gqa6to3Hd40Long", 6, 3, 40, KvPrecision::kFp32, 32}};
+  const int64_t prefix[] = {2500, 1800, 3100};
+  std::vector<std::unique_ptr<Sequence>> batch;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    batch.push_back(std::make_unique<Sequence>(pool.get(), shapes[i]));
+    batch.back()->Step(prefix[i], /*with_map=*/false, rng);
+    batch.back()->Step(1 + static_cast<int64_t>(i), /*with_map=*/i != 1, rng);
+  }
+  std::vector<PagedAttentionItem> items;
+  for (auto& sequence : batch) items.push_back(sequence->Item());
+  for (int64_t splits : internal::PagedAttentionSplits(items, 4)) EXPECT_GT(splits, 1);
+  WithThreads(4, [&] { ASSERT_THAT(PagedAttention(items), IsOk()); });
+  for (auto& sequence : batch) sequence->ExpectMatchesReference();
+}
+
 // Sequences of different shapes, precisions and lengths (1 to a few hundred,
 // decode steps and chunks) in one call: each as its own reference says.
 TEST(PagedAttention, MicroBatchMixingLengthsMatchesEachSequenceAlone) {
