@@ -11,9 +11,9 @@ call and gives it back when idle (server/allocator_cache.h).
     pages in faults: gRPC's read buffers, sized call by call, reuse freed
     extents of other sizes (with jemalloc's default lg_extent_max_active_fit
     four runs in five faulted 89-272 pages a call, 5.8-18%, and RSS grew;
-    2-5 with the server's setting; the server keeps its cache throughout
-    and the test checks that it released none; docs/measurements.md, "The server's read
-    buffers");
+    1-5 with the server's setting; docs/measurements.md, "The server's read
+    buffers"); the server keeps its cache throughout, and the test checks
+    that it released none;
   - visible: attnserve_allocator_cached_bytes shows at least half a
     response's bytes after the calls, before the idle release (the server
     runs with --allocator_cache_idle_ms=5000);
@@ -133,7 +133,7 @@ class AllocatorCacheTest(unittest.TestCase):
         attend(calls)
         faults = (minor_faults(server.proc.pid) - before) / calls
         self.assertEqual(releases(), released_before, "the cache was given back during the measured calls")
-        pages = 2048 * 768 * 4 / PAGE  # the response's output alone
+        pages = 2048 * 768 * 4 / PAGE  # the response's output alone (the built-in model's d_model 768)
         print(f"B=1 S=2048: {faults:.0f} server page faults a call ({100 * faults / pages:.2f}% of the "
               "response's pages)")
         self.assertLessEqual(faults, 0.05 * pages)
