@@ -3,13 +3,10 @@
 
 // Paths the client tests read and write.
 
-#include <unistd.h>
-
-#include <filesystem>
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "gtest/gtest.h"
+#include "tests/temp_path.h"
 
 namespace attnserve::client {
 
@@ -18,10 +15,7 @@ inline std::string TestData(const std::string& name) {
   return absl::StrCat(ATTNSERVE_CLIENT_TESTDATA, "/", name);
 }
 
-// A path in the test's temporary directory, unique to this process.
-inline std::string TempPath(const std::string& name) {
-  return (std::filesystem::path(::testing::TempDir()) / absl::StrCat(getpid(), "_", name)).string();
-}
+using ::attnserve::testing::TempPath;
 
 }  // namespace attnserve::client
 

@@ -39,6 +39,7 @@
 #include "tests/core/reference_attention.h"
 #include "tests/server/api/attend_requests.h"
 #include "tests/server/api/blockable_server.h"
+#include "tests/temp_path.h"
 
 namespace attnserve::server {
 namespace {
@@ -420,8 +421,7 @@ TEST_F(SessionServiceTest, OpenRefusesWhatItCannotServeNamingTheField) {
 }
 
 TEST_F(SessionServiceTest, ASessionBelongsToTheTokenThatOpenedIt) {
-  const std::string dir = ::testing::TempDir();
-  const std::string tokens = dir + "/session_tokens";
+  const std::string tokens = testing::TempPath("session_tokens");
   std::ofstream(tokens) << "alice-token\nbob-token\n";
   Start(tokens);
   const std::string id = Open(v1::DATA_TYPE_FP32, "alice-token");
@@ -442,8 +442,7 @@ TEST_F(SessionServiceTest, ASessionBelongsToTheTokenThatOpenedIt) {
 // (FP32 KV within 1e-5, BF16 within 2e-2, relative Frobenius); the session's
 // owner alone; the codes; its own metrics method.
 TEST_F(SessionServiceTest, GetLatestAttentionReadsTheLastRowOfTheLatestStepsMaps) {
-  const std::string dir = ::testing::TempDir();
-  const std::string tokens = dir + "/latest_tokens";
+  const std::string tokens = testing::TempPath("latest_tokens");
   std::ofstream(tokens) << "alice-token\nbob-token\n";
   // Room for the prefill's maps (12 heads x 7 x 7 x 4 bytes = 2352) and
   // reads of up to 50 tokens (12 x 50 x 4 = 2400 bytes).
@@ -711,8 +710,7 @@ TEST_F(SessionServiceTest, ExtendStreamAnswersEachMessageInOrderAsExtendDoes) {
 }
 
 TEST_F(SessionServiceTest, ExtendStreamAnswersABadStepWithItsCodeAndGoesOn) {
-  const std::string dir = ::testing::TempDir();
-  const std::string tokens = dir + "/stream_tokens";
+  const std::string tokens = testing::TempPath("stream_tokens");
   std::ofstream(tokens) << "alice-token\nbob-token\n";
   Start(tokens);
   std::mt19937_64 rng(std::random_device{}());

@@ -18,6 +18,7 @@
 #include "server/api/open_inference_service.h"
 #include "server/attn_server.h"
 #include "server/security/auth.h"
+#include "tests/temp_path.h"
 
 namespace attnserve::server {
 namespace {
@@ -103,7 +104,7 @@ TEST(TokenSet, AFileWithoutTokensOrWithABadLineIsRefused) {
 }
 
 std::string WriteFile(const std::string& name, const std::string& contents) {
-  const std::string path = absl::StrCat(::testing::TempDir(), "/", name);
+  const std::string path = testing::TempPath(name);
   std::ofstream(path) << contents;
   return path;
 }
