@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -20,6 +19,7 @@
 #include "tests/core/checkpoint_writer.h"
 #include "tests/core/sparse_checkpoint.h"
 #include "tests/core/status_matchers.h"
+#include "tests/temp_path.h"
 
 namespace attnserve::core {
 namespace {
@@ -35,10 +35,7 @@ using ::attnserve::testing::WriteLayout;
 using ::attnserve::testing::WriteSparseCheckpoint;
 using ::testing::HasSubstr;
 
-std::string TempPath(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/attnserve_budget_", ::getpid(), "_", name);
-}
+using ::attnserve::testing::TempPath;
 
 // Bytes this process has read from files so far (rchar of /proc/self/io:
 // every read and pread), or -1 where the kernel does not account them.

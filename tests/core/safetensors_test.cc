@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -19,6 +18,7 @@
 #include "tests/core/checkpoint_writer.h"
 #include "tests/core/safetensors_writer.h"
 #include "tests/core/status_matchers.h"
+#include "tests/temp_path.h"
 
 namespace attnserve::core {
 namespace {
@@ -32,10 +32,7 @@ using ::attnserve::testing::WriteLayout;
 using ::attnserve::testing::SafetensorsWriter;
 using ::attnserve::testing::StatusIs;
 
-std::string TempPath(const std::string& name) {
-  const char* dir = std::getenv("TEST_TMPDIR");
-  return absl::StrCat(dir != nullptr ? dir : "/tmp", "/attnserve_st_", ::getpid(), "_", name);
-}
+using ::attnserve::testing::TempPath;
 
 std::vector<float> Ramp(int64_t n, float scale) {
   std::vector<float> v(n);
