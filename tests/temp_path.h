@@ -18,7 +18,8 @@
 namespace attnserve::testing {
 
 inline std::string TempPath(const std::string& name) {
-  return (std::filesystem::path(::testing::TempDir()) / absl::StrCat(getpid(), "_", name)).string();
+  const std::string file = absl::StrCat("attnserve_", getpid(), "_", name);
+  return (std::filesystem::path(::testing::TempDir()) / file).string();
 }
 
 }  // namespace attnserve::testing

@@ -1,7 +1,5 @@
 #include "cli/npy.h"
 
-#include <unistd.h>
-
 #include <bit>
 #include <cmath>
 #include <cstdint>

@@ -1,9 +1,6 @@
 #include "client/attend_report.h"
 
-#include <unistd.h>
-
 #include <cstring>
-#include <filesystem>
 #include <string>
 #include <vector>
 

@@ -1,12 +1,10 @@
 #include "client/png.h"
 
-#include <unistd.h>
 #include <zlib.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <filesystem>
 #include <string>
 #include <vector>
 

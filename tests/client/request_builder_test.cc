@@ -1,11 +1,8 @@
 #include "client/request_builder.h"
 
-#include <unistd.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
