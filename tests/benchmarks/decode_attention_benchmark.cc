@@ -20,6 +20,10 @@
 //              this process before the benchmarks: a ceiling is what the
 //              machine can deliver; a run slowed by a neighbour on the shared
 //              core would lower the ceiling and flatter every fraction)
+//   of_alongside  KV_GBps / the GB/s of probe passes run beside the calls
+//              (ProbeAlongside: a pass whenever the calls have taken as long
+//              as one, outside the timing): the share of what memory gave in
+//              the same minutes, on a host whose bandwidth moves
 //   KV_MB      K/V bytes one call reads
 //
 // BM_ExtendStep/seqs/context/d_model/heads/kv_heads/bf16_kv: the whole
@@ -33,6 +37,7 @@
 //   step_us       microseconds per call
 //   GBps          (KV bytes of every sequence + weight bytes once per call) / time
 //   of_probe      GBps / the probe's GB/s: the fraction of the bytes/bandwidth bound
+//   of_alongside  GBps / the GB/s of probe passes beside the calls (as above)
 //   KV_MB, weights_MB  what one call reads of each
 #include <omp.h>
 
@@ -136,7 +141,10 @@ class ReadProbe {
     for (int64_t i = 0; i < n; ++i) data_[static_cast<size_t>(i)] = static_cast<float>(i & 7);
   }
 
-  double Run() {
+  // GB/s of one pass.
+  double Run() { return static_cast<double>(bytes()) / PassSeconds() * 1e-9; }
+  // Seconds of one pass over bytes().
+  double PassSeconds() {
     const int64_t n = static_cast<int64_t>(data_.size());
     const float* data = data_.data();
     const auto start = std::chrono::steady_clock::now();
@@ -148,11 +156,10 @@ class ReadProbe {
       const int64_t begin = n * thread / threads;
       sum += SumFloats(data + begin, n * (thread + 1) / threads - begin);
     }
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     benchmark::DoNotOptimize(sum);
-    return static_cast<double>(n) * 4 / seconds * 1e-9;
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
+  int64_t bytes() const { return static_cast<int64_t>(data_.size() * sizeof(float)); }
 
  private:
   std::vector<float> data_;
@@ -163,10 +170,16 @@ double Median(std::vector<double> values) {
   return values[values.size() / 2];
 }
 
+// The probe the benchmarks share (its array stays allocated).
+ReadProbe& SharedProbe() {
+  static ReadProbe* const probe = new ReadProbe();
+  return *probe;
+}
+
 // The probe's best GB/s of 20 runs, measured once.
 double ProbeGbps() {
   static const double gbps = [] {
-    ReadProbe probe;
+    ReadProbe& probe = SharedProbe();
     probe.Run();  // first touch done in the constructor; one warm pass
     double best = 0;
     for (int i = 0; i < 20; ++i) best = std::max(best, probe.Run());
@@ -174,6 +187,47 @@ double ProbeGbps() {
   }();
   return gbps;
 }
+
+// Probe passes beside a benchmark's calls: one whenever the calls have taken
+// as long as a pass since the last, outside the benchmark's timing, so that
+// the probe reads in the same minutes as the calls. This host's bandwidth
+// moves by tens of percent from one minute to the next (docs/measurements.md,
+// "Decode kernels against the probe read beside them"): the calls' GB/s over
+// what the probe read in those minutes is the kernel's share of what memory
+// gave then, where of_probe compares it with the best the machine gave at
+// start-up.
+class ProbeAlongside {
+ public:
+  explicit ProbeAlongside(benchmark::State& state) : state_(state) {}
+  // After each timed call, with its seconds.
+  void Called(double seconds) {
+    since_pass_ += seconds;
+    if (since_pass_ >= last_pass_) {
+      state_.PauseTiming();
+      Pass();
+      state_.ResumeTiming();
+    }
+  }
+  // GB/s over the passes (after the benchmark's loop; one pass if none ran).
+  double Gbps() {
+    if (passes_ == 0) Pass();
+    return static_cast<double>(bytes_) / seconds_ * 1e-9;
+  }
+
+ private:
+  void Pass() {
+    ReadProbe& probe = SharedProbe();
+    last_pass_ = probe.PassSeconds();
+    seconds_ += last_pass_;
+    bytes_ += probe.bytes();
+    since_pass_ = 0.0;
+    ++passes_;
+  }
+
+  benchmark::State& state_;
+  double since_pass_ = 0.0, last_pass_ = 0.0, seconds_ = 0.0;
+  int64_t bytes_ = 0, passes_ = 0;
+};
 
 void BM_ReadProbe(benchmark::State& state) {
   ReadProbe probe;
@@ -237,15 +291,20 @@ void BM_PagedDecode(benchmark::State& state) {
     if (!PagedAttention(group).ok()) std::abort();  // warm-up, one pass over all
   }
   int64_t calls = 0;
-  const auto start = std::chrono::steady_clock::now();
+  double seconds = 0.0;
+  ProbeAlongside alongside(state);
   for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
     benchmark::DoNotOptimize(PagedAttention(items[static_cast<size_t>(calls++ % groups)]));
+    const double call_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    seconds += call_seconds;
+    alongside.Called(call_seconds);
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double gbps = static_cast<double>(calls * call_bytes) / seconds * 1e-9;
   state.counters["KV_GBps"] = gbps;
   state.counters["of_probe"] = gbps / ProbeGbps();
+  state.counters["of_alongside"] = gbps / alongside.Gbps();
   state.counters["KV_MB"] = static_cast<double>(call_bytes) * 1e-6;
   state.counters["rotated_MB"] = static_cast<double>(groups * call_bytes) * 1e-6;
 }
@@ -334,12 +393,16 @@ void BM_ExtendStep(benchmark::State& state) {
   }
   int64_t calls = 0;
   double seconds = 0.0;
+  ProbeAlongside alongside(state);
   for (auto _ : state) {
     std::vector<ExtendItem>& items = g.items[static_cast<size_t>(calls++) % g.items.size()];
     const auto start = std::chrono::steady_clock::now();
     step(items);
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double call_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    seconds += call_seconds;
     truncate(items);
+    alongside.Called(call_seconds);
   }
   const double per_call = seconds / static_cast<double>(calls);
   const double gbps = static_cast<double>(kv_bytes + weight_bytes) / per_call * 1e-9;
@@ -347,6 +410,7 @@ void BM_ExtendStep(benchmark::State& state) {
   state.counters["step_us"] = per_call * 1e6;
   state.counters["GBps"] = gbps;
   state.counters["of_probe"] = gbps / ProbeGbps();
+  state.counters["of_alongside"] = gbps / alongside.Gbps();
   state.counters["KV_MB"] = static_cast<double>(kv_bytes) * 1e-6;
   state.counters["weights_MB"] = static_cast<double>(weight_bytes) * 1e-6;
 }
