@@ -20,10 +20,14 @@
 //              this process before the benchmarks: a ceiling is what the
 //              machine can deliver; a run slowed by a neighbour on the shared
 //              core would lower the ceiling and flatter every fraction)
-//   of_alongside  KV_GBps / the GB/s of probe passes run beside the calls
+//   of_alongside  KV_GBps / the GB/s of probe passes run between the calls
 //              (ProbeAlongside: a pass whenever the calls have taken as long
-//              as one, outside the timing): the share of what memory gave in
-//              the same minutes, on a host whose bandwidth moves
+//              as one, outside the timing; their total bytes over their total
+//              seconds, a mean, not a best): the share of what memory gave in
+//              the same minutes, on a host whose bandwidth moves. A diagnostic
+//              beside of_probe, not a ceiling: it reads high when the passes
+//              do. The passes roughly double each row's wall time, and each
+//              empties the caches before the next call
 //   KV_MB      K/V bytes one call reads
 //
 // BM_ExtendStep/seqs/context/d_model/heads/kv_heads/bf16_kv: the whole
@@ -37,7 +41,7 @@
 //   step_us       microseconds per call
 //   GBps          (KV bytes of every sequence + weight bytes once per call) / time
 //   of_probe      GBps / the probe's GB/s: the fraction of the bytes/bandwidth bound
-//   of_alongside  GBps / the GB/s of probe passes beside the calls (as above)
+//   of_alongside  GBps / the GB/s of probe passes between the calls (as above)
 //   KV_MB, weights_MB  what one call reads of each
 #include <omp.h>
 
@@ -188,14 +192,15 @@ double ProbeGbps() {
   return gbps;
 }
 
-// Probe passes beside a benchmark's calls: one whenever the calls have taken
-// as long as a pass since the last, outside the benchmark's timing, so that
-// the probe reads in the same minutes as the calls. This host's bandwidth
-// moves by tens of percent from one minute to the next (docs/measurements.md,
-// "Decode kernels against the probe read beside them"): the calls' GB/s over
-// what the probe read in those minutes is the kernel's share of what memory
-// gave then, where of_probe compares it with the best the machine gave at
-// start-up.
+// Probe passes between a benchmark's calls: one whenever the calls have
+// taken as long as a pass since the last, outside the benchmark's timing, so
+// that the probe reads in the same minutes as the calls. A shared host's
+// bandwidth can move by tens of percent from one minute to the next
+// (docs/measurements.md, "Decode kernels against the probe read beside
+// them"): the calls' GB/s over what the passes read (total bytes over total
+// seconds) is the kernel's share of what memory gave then, a diagnostic
+// beside of_probe, which compares with the best the machine gave at start-up.
+// Each pass (4x L3) also empties the caches before the next call.
 class ProbeAlongside {
  public:
   explicit ProbeAlongside(benchmark::State& state) : state_(state) {}
@@ -230,7 +235,7 @@ class ProbeAlongside {
 };
 
 void BM_ReadProbe(benchmark::State& state) {
-  ReadProbe probe;
+  ReadProbe& probe = SharedProbe();
   probe.Run();
   std::vector<double> runs;
   for (auto _ : state) runs.push_back(probe.Run());

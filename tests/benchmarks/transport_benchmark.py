@@ -25,10 +25,12 @@ port and, for each request below, one at a time:
   - the loopback socket: the median time a TCP connection on 127.0.0.1 with
     warm buffers takes to carry the same request bytes one way and the
     response bytes back (one process, a thread at each end);
-  - the server's minor page faults per call (/proc/PID/stat around each Python
-    call, over --fault_rounds rounds: the timed ones and untimed ones after
-    them): their mean against the response's size in 4 KiB pages, and how
-    many calls faulted in more than 1% of those pages.
+  - the server's minor page faults per call (/proc/PID/stat at each Python
+    call's start, over max(--calls, --fault_rounds) rounds: the timed ones and
+    untimed ones after them): their mean against the response's size in 4 KiB
+    pages, and how many calls faulted in more than 1% of those pages. The
+    default 150 rounds make the Python part about seven times as long as 20
+    (the maps rows about a minute and a half each on a 2-vCPU machine).
 
 The maps request runs four times: FP32 on the wire, then BF16 (output_dtype),
 which halves the bytes, each as one Attend response and streamed (AttendStream:
@@ -159,14 +161,16 @@ def python_ways(client, stub, pb, batch, seq, maps, dtype, streamed):
 def python_calls(ways, calls, pid, warm_up_calls, fault_rounds):
     """{way: (median round trip ms, median of each call's round trip less its
     compute ms, median compute ms)}, the response's bytes, and the server's
-    minor faults in each call: after `warm_up_calls` of each way, the ways
+    minor faults of each call: after `warm_up_calls` of each way, the ways
     taking turns call by call (a slow spell of the machine hits them all; the
     server's threads each reach a steady state first: its allocator then
     reuses the buffers of earlier calls), `calls` timed rounds, and untimed ones
-    after them up to `fault_rounds` rounds for the faults (a response's pages
-    faulted in afresh once in a hundred calls or so, as the allocator's cache
-    of freed extents is split and merged, is 13 faults a call on average over
-    60 calls and 2 over 450: the mean needs the longer count)."""
+    after them up to max(calls, fault_rounds) rounds for the faults. A call's
+    faults are those from its start to the next call's start (what the server
+    does after answering counts too). Now and then one call faults in a whole
+    buffer of fresh pages (docs/measurements.md, "The server's page faults,
+    counted over 450 calls"): over 60 calls one such call read as 13 faults a
+    call, so the mean needs the longer count."""
     for call in ways.values():
         for _ in range(warm_up_calls):
             call()
@@ -174,20 +178,21 @@ def python_calls(ways, calls, pid, warm_up_calls, fault_rounds):
     transports = {way: [] for way in ways}
     computes = {way: [] for way in ways}
     size = 0
-    faults = []
+    starts = []  # the server's fault count at each call's start, and after the last
     for round_index in range(max(calls, fault_rounds)):
         for way, call in ways.items():
-            faults_before = minor_faults(pid)
+            starts.append(minor_faults(pid))
             t0 = time.perf_counter()
             compute, got = call()
             trip = time.perf_counter() - t0
-            faults.append(minor_faults(pid) - faults_before)
             if round_index >= calls:
                 continue
             trips[way].append(trip)
             transports[way].append(trip - compute)
             computes[way].append(compute)
             size = max(size, got)
+    starts.append(minor_faults(pid))
+    faults = [after - before for before, after in zip(starts, starts[1:])]
     return ({way: (statistics.median(trips[way]) * 1e3, statistics.median(transports[way]) * 1e3,
                    statistics.median(computes[way]) * 1e3) for way in ways}, size, faults)
 
@@ -240,10 +245,11 @@ def main():
                 client = attnserve.Client(server.target, timeout=600, max_receive_message_bytes=1 << 30)
                 print(f"CPU: {cpu_model()}; {args.calls} calls per request and way, one at a time, the Python "
                       "ways taking turns; medians; transport = round trip - the server's compute "
-                      "(Python: each call's; C++: attnctl's); ratio = transport / socket")
+                      "(Python: each call's; C++: attnctl's); ratio = transport / socket; faults: the "
+                      f"server's, mean over the Python ways' {max(args.calls, args.fault_rounds)} rounds")
                 print(f"{'request':26} {'bytes':>9} {'socket':>8} {'compute':>8} | {'stubs':>8} {'ratio':>5} | "
                       f"{'pkg/pb':>8} {'ratio':>5} | {'package':>8} {'ratio':>5} | {'C++':>8} {'ratio':>5} | "
-                      f"{'faults/call':>11} {'% of pages':>10} {'calls > 1%':>10}")
+                      f"{'faults/call':>11} {'% of pages':>10} {'calls > 1%':>12}")
                 for name, batch, seq, maps, dtype, streamed in REQUESTS:
                     if args.only and not re.search(args.only, name):
                         continue
@@ -261,7 +267,7 @@ def main():
                     faults = statistics.mean(call_faults)
                     over = sum(1 for f in call_faults if f > pages / 100)
                     print(f"{name:26} {(req_bytes + resp_bytes) / 1e6:8.1f}M {sock:7.2f}ms {compute:7.2f}ms | "
-                          f"{columns} | {cc_transport:7.2f}ms {cc_transport / sock:5.2f} | {faults:11.0f} "
+                          f"{columns} | {cc_transport:7.2f}ms {cc_transport / sock:5.2f} | {faults:11.1f} "
                           f"{100 * faults / pages:9.2f}% {over:4d} of {len(call_faults):<4d}", flush=True)
                 client.close()
         finally:
