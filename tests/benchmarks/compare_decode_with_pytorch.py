@@ -27,8 +27,11 @@ session: at least --single_steps):
 
 Columns: tokens/s, ms per step, the fraction of the bandwidth bound ((KV bytes
 of every session + the layer's weight bytes once) / the read probe's GB/s: the
-best BM_ReadProbe run of tests/benchmarks/decode_attention_benchmark in each
-round, a ceiling) and each peer's ms/step over attnserve FP32's.
+best of tests/benchmarks/decode_attention_benchmark's probes, run before each
+peer's run in every round, a ceiling), the median over the rounds of each run's
+fraction of the bound at the probe run just before it (on a host whose
+bandwidth moves from one minute to the next: the share of what memory gave
+then), and each peer's ms/step over attnserve FP32's.
 
 Before timing, the peers are checked to compute the same thing: sessions
 prefilled with fresh random hidden states, then one step; attnserve's step
@@ -452,19 +455,32 @@ def main():
     probes = []
     for b in batches:  # warm: the server's primitives for both shapes
         attnctl_decode(attnctl, server.target, b, min(args.context, 64), 2, "fp32")
+    # Each peer's run also against a probe run just before it: on a host whose
+    # bandwidth moves from one minute to the next, the share of what memory
+    # gave then (the "beside it" column) beside the share of the best it gave.
+    beside = {(b, p): [] for b in batches for p in peers}
+
+    def measure(b, peer, run):
+        probe = probe_gbps(benchmark, args.threads)
+        probes.append(probe)
+        m = run()
+        ms[(b, peer)].append(m)
+        element = 2 if peer == "attnserve BF16 KV" else 4
+        beside[(b, peer)].append(bound_ms(b, args.context, element, probe) / m)
+
     for _ in range(args.rounds):
-        probes.append(probe_gbps(benchmark, args.threads))
         for b in batches:
             steps = args.steps if b > 1 else max(args.steps, args.single_steps)
             for kv in ("fp32", "bf16"):
-                r = attnctl_decode(attnctl, server.target, b, args.context, steps, kv)
-                ms[(b, f"attnserve {kv.upper()} KV")].append(1e3 * b / r["tokens_per_second"])
-            ms[(b, "PyTorch, preallocated")].append(
-                run_torch("prealloc", b, args.context, steps, args.threads))
-            ms[(b, "PyTorch, torch.cat")].append(
-                run_torch("cat", b, args.context, steps, args.threads))
-            ms[(b, "resend to Attend")].append(
-                attnctl_resend(attnctl, server.target, b, args.context, args.resend_calls))
+                measure(b, f"attnserve {kv.upper()} KV", lambda: 1e3 * b / attnctl_decode(
+                    attnctl, server.target, b, args.context, steps, kv)["tokens_per_second"])
+            measure(b, "PyTorch, preallocated",
+                    lambda: run_torch("prealloc", b, args.context, steps, args.threads))
+            measure(b, "PyTorch, torch.cat",
+                    lambda: run_torch("cat", b, args.context, steps, args.threads))
+            measure(b, "resend to Attend",
+                    lambda: attnctl_resend(attnctl, server.target, b, args.context,
+                                           args.resend_calls))
     gbps = max(probes)
 
     wire = None
@@ -491,7 +507,8 @@ def main():
     server.stop()
     print(f"CPU: {cpu_model()}; {args.threads} threads (server --compute_threads, "
           f"torch.set_num_threads); medians of {args.rounds} alternating rounds; "
-          f"read probe {gbps:.1f} GB/s (best of the rounds); load average "
+          f"read probe {gbps:.1f} GB/s (best of the {len(probes)} run before each peer's "
+          f"runs); load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print()
     print(f"Same computation: each peer's first step ({min(args.sessions, 2)} sessions at "
@@ -500,7 +517,7 @@ def main():
                 [(n, f"{e:.2e}", f"{t:.0e}", "yes" if e <= t else "NO") for n, e, t in check_rows])
     print()
     header = ("sessions", "context", "peer", "tokens/s", "ms/step", "of bandwidth bound",
-              "ms/step / attnserve FP32 KV's")
+              "of the bound, probe beside it", "ms/step / attnserve FP32 KV's")
     rows = []
     for b in batches:
         ours = statistics.median(ms[(b, "attnserve FP32 KV")])
@@ -509,6 +526,7 @@ def main():
             element = 2 if p == "attnserve BF16 KV" else 4
             rows.append((str(b), str(args.context), p, f"{1e3 * b / m:.1f}", f"{m:.3f}",
                          f"{100 * bound_ms(b, args.context, element, gbps) / m:.1f}%",
+                         f"{100 * statistics.median(beside[(b, p)]):.1f}%",
                          f"{m / ours:.2f}x"))
     print_table(header, rows)
     if wire:
