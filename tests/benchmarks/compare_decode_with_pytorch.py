@@ -457,7 +457,8 @@ def main():
         attnctl_decode(attnctl, server.target, b, min(args.context, 64), 2, "fp32")
     # Each peer's run also against a probe run just before it: on a host whose
     # bandwidth moves from one minute to the next, the share of what memory
-    # gave then (the "beside it" column) beside the share of the best it gave.
+    # gave then (the "probe just before" column) beside the share of the best
+    # it gave.
     beside = {(b, p): [] for b in batches for p in peers}
 
     def measure(b, peer, run):
@@ -517,7 +518,7 @@ def main():
                 [(n, f"{e:.2e}", f"{t:.0e}", "yes" if e <= t else "NO") for n, e, t in check_rows])
     print()
     header = ("sessions", "context", "peer", "tokens/s", "ms/step", "of bandwidth bound",
-              "of the bound, probe beside it", "ms/step / attnserve FP32 KV's")
+              "of the bound, probe just before", "ms/step / attnserve FP32 KV's")
     rows = []
     for b in batches:
         ours = statistics.median(ms[(b, "attnserve FP32 KV")])
