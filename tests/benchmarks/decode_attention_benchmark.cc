@@ -21,7 +21,7 @@
 //              machine can deliver; a run slowed by a neighbour on the shared
 //              core would lower the ceiling and flatter every fraction)
 //   of_alongside  KV_GBps / the GB/s of probe passes run between the calls
-//              (ProbeAlongside: a pass whenever the calls have taken as long
+//              (TimedCalls: a pass whenever the calls have taken as long
 //              as one, outside the timing; their total bytes over their total
 //              seconds, a mean, not a best): the share of what memory gave in
 //              the same minutes, on a host whose bandwidth moves. A diagnostic
@@ -192,46 +192,57 @@ double ProbeGbps() {
   return gbps;
 }
 
-// Probe passes between a benchmark's calls: one whenever the calls have
-// taken as long as a pass since the last, outside the benchmark's timing, so
-// that the probe reads in the same minutes as the calls. A shared host's
-// bandwidth can move by tens of percent from one minute to the next
-// (docs/measurements.md, "Decode kernels against the probe read beside
-// them"): the calls' GB/s over what the passes read (total bytes over total
-// seconds) is the kernel's share of what memory gave then, a diagnostic
-// beside of_probe, which compares with the best the machine gave at start-up.
-// Each pass (4x L3) also empties the caches before the next call.
-class ProbeAlongside {
+// A benchmark's calls, timed one by one, with probe passes between them: one
+// whenever the calls have taken as long as a pass since the last, outside the
+// benchmark's timing, so that the probe reads in the same minutes as the
+// calls. A shared host's bandwidth can move by tens of percent from one
+// minute to the next (docs/measurements.md, "Decode kernels against the probe
+// read beside them"): the calls' GB/s over what the passes read (total bytes
+// over total seconds) is the kernel's share of what memory gave then, a
+// diagnostic beside of_probe, which compares with the best the machine gave
+// at start-up. Each pass (4x L3) also empties the caches before the next call.
+class TimedCalls {
  public:
-  explicit ProbeAlongside(benchmark::State& state) : state_(state) {}
-  // After each timed call, with its seconds.
-  void Called(double seconds) {
-    since_pass_ += seconds;
+  explicit TimedCalls(benchmark::State& state) : state_(state) {}
+  // Runs call() timed, then a probe pass when one is due.
+  template <typename Call>
+  void Run(const Call& call) {
+    const auto start = std::chrono::steady_clock::now();
+    call();
+    const double call_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++calls_;
+    seconds_ += call_seconds;
+    since_pass_ += call_seconds;
     if (since_pass_ >= last_pass_) {
       state_.PauseTiming();
       Pass();
       state_.ResumeTiming();
     }
   }
-  // GB/s over the passes (after the benchmark's loop; one pass if none ran).
-  double Gbps() {
+  int64_t calls() const { return calls_; }
+  // Seconds of the calls alone.
+  double seconds() const { return seconds_; }
+  // GB/s over the probe passes (after the benchmark's loop; one pass if none
+  // ran).
+  double ProbeGbps() {
     if (passes_ == 0) Pass();
-    return static_cast<double>(bytes_) / seconds_ * 1e-9;
+    return static_cast<double>(probe_bytes_) / probe_seconds_ * 1e-9;
   }
 
  private:
   void Pass() {
     ReadProbe& probe = SharedProbe();
     last_pass_ = probe.PassSeconds();
-    seconds_ += last_pass_;
-    bytes_ += probe.bytes();
+    probe_seconds_ += last_pass_;
+    probe_bytes_ += probe.bytes();
     since_pass_ = 0.0;
     ++passes_;
   }
 
   benchmark::State& state_;
-  double since_pass_ = 0.0, last_pass_ = 0.0, seconds_ = 0.0;
-  int64_t bytes_ = 0, passes_ = 0;
+  int64_t calls_ = 0, passes_ = 0, probe_bytes_ = 0;
+  double seconds_ = 0.0, since_pass_ = 0.0, last_pass_ = 0.0, probe_seconds_ = 0.0;
 };
 
 void BM_ReadProbe(benchmark::State& state) {
@@ -295,21 +306,15 @@ void BM_PagedDecode(benchmark::State& state) {
   for (const auto& group : items) {
     if (!PagedAttention(group).ok()) std::abort();  // warm-up, one pass over all
   }
-  int64_t calls = 0;
-  double seconds = 0.0;
-  ProbeAlongside alongside(state);
+  TimedCalls timed(state);
   for (auto _ : state) {
-    const auto start = std::chrono::steady_clock::now();
-    benchmark::DoNotOptimize(PagedAttention(items[static_cast<size_t>(calls++ % groups)]));
-    const double call_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    seconds += call_seconds;
-    alongside.Called(call_seconds);
+    const auto& group = items[static_cast<size_t>(timed.calls() % groups)];
+    timed.Run([&] { benchmark::DoNotOptimize(PagedAttention(group)); });
   }
-  const double gbps = static_cast<double>(calls * call_bytes) / seconds * 1e-9;
+  const double gbps = static_cast<double>(timed.calls() * call_bytes) / timed.seconds() * 1e-9;
   state.counters["KV_GBps"] = gbps;
   state.counters["of_probe"] = gbps / ProbeGbps();
-  state.counters["of_alongside"] = gbps / alongside.Gbps();
+  state.counters["of_alongside"] = gbps / timed.ProbeGbps();
   state.counters["KV_MB"] = static_cast<double>(call_bytes) * 1e-6;
   state.counters["rotated_MB"] = static_cast<double>(groups * call_bytes) * 1e-6;
 }
@@ -396,26 +401,19 @@ void BM_ExtendStep(benchmark::State& state) {
     step(items);
     truncate(items);
   }
-  int64_t calls = 0;
-  double seconds = 0.0;
-  ProbeAlongside alongside(state);
+  TimedCalls timed(state);
   for (auto _ : state) {
-    std::vector<ExtendItem>& items = g.items[static_cast<size_t>(calls++) % g.items.size()];
-    const auto start = std::chrono::steady_clock::now();
-    step(items);
-    const double call_seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    seconds += call_seconds;
+    std::vector<ExtendItem>& items = g.items[static_cast<size_t>(timed.calls()) % g.items.size()];
+    timed.Run([&] { step(items); });
     truncate(items);
-    alongside.Called(call_seconds);
   }
-  const double per_call = seconds / static_cast<double>(calls);
+  const double per_call = timed.seconds() / static_cast<double>(timed.calls());
   const double gbps = static_cast<double>(kv_bytes + weight_bytes) / per_call * 1e-9;
   state.counters["tokens_per_s"] = static_cast<double>(seqs) / per_call;
   state.counters["step_us"] = per_call * 1e6;
   state.counters["GBps"] = gbps;
   state.counters["of_probe"] = gbps / ProbeGbps();
-  state.counters["of_alongside"] = gbps / alongside.Gbps();
+  state.counters["of_alongside"] = gbps / timed.ProbeGbps();
   state.counters["KV_MB"] = static_cast<double>(kv_bytes) * 1e-6;
   state.counters["weights_MB"] = static_cast<double>(weight_bytes) * 1e-6;
 }
