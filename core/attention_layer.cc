@@ -219,21 +219,26 @@ absl::Status AttentionLayer::Impl::Project(Pass& pass) const {
   char* const projected = workspace.data<char>(Scratch::kProjections);
   Projected* const qkv = pass.qkv;
   if (cross) {
-    const int64_t kv = rows * q_width;
+    const int64_t q_stride = ProjectionRowStride(q_width, projected_element);
+    const int64_t kv_stride = ProjectionRowStride(kv_width, projected_element);
+    const int64_t kv = rows * q_stride;
     ATTNSERVE_RETURN_IF_ERROR(internal::Linear(workspace, rows, d, q_width, w_in.q_stride, bf16, x,
-                                               w_in.q, b_qkv_.data(), projected, projected_bf16));
+                                               w_in.q, b_qkv_.data(), projected, q_stride,
+                                               projected_bf16));
     ATTNSERVE_RETURN_IF_ERROR(internal::Linear(
         workspace, kv_rows, context_dim, kv_width, w_in.kv_stride, bf16, c, w_in.kv,
-        b_qkv_.data() + q_width, projected + kv * projected_element, projected_bf16));
-    qkv[0] = {0, q_width};
-    qkv[1] = {kv, kv_width};
-    qkv[2] = {kv + config_.kv_width(), kv_width};
+        b_qkv_.data() + q_width, projected + kv * projected_element, kv_stride, projected_bf16));
+    qkv[0] = {0, q_stride};
+    qkv[1] = {kv, kv_stride};
+    qkv[2] = {kv + config_.kv_width(), kv_stride};
   } else {
     // Fused (Validate checked context_dim == d_model).
-    ATTNSERVE_RETURN_IF_ERROR(ProjectQkv(workspace, rows, bf16, x, projected, projected_bf16));
-    qkv[0] = {0, n_width};
-    qkv[1] = {q_width, n_width};
-    qkv[2] = {q_width + config_.kv_width(), n_width};
+    const int64_t stride = ProjectionRowStride(n_width, projected_element);
+    ATTNSERVE_RETURN_IF_ERROR(
+        ProjectQkv(workspace, rows, bf16, x, projected, stride, projected_bf16));
+    qkv[0] = {0, stride};
+    qkv[1] = {q_width, stride};
+    qkv[2] = {q_width + config_.kv_width(), stride};
   }
   if (config_.rotary.rotary_dim > 0) {
     // Queries at position_offsets[b] + i. Keys: the same positions in
@@ -346,11 +351,12 @@ absl::Status AttentionLayer::Impl::ProjectOutput(const Pass& pass, absl::Span<fl
 }
 
 absl::Status AttentionLayer::Impl::ProjectQkv(WorkspaceState& workspace, int64_t rows, bool bf16,
-                                              const void* x, void* qkv, bool qkv_bf16) const {
+                                              const void* x, void* qkv, int64_t qkv_stride,
+                                              bool qkv_bf16) const {
   const int64_t n_width = config_.q_width() + 2 * config_.kv_width();
   const InputWeights w_in = GetInputWeights(bf16);
   return internal::Linear(workspace, rows, config_.d_model, n_width, n_width, bf16, x, w_in.q,
-                          b_qkv_.data(), qkv, qkv_bf16);
+                          b_qkv_.data(), qkv, qkv_stride, qkv_bf16);
 }
 
 absl::Status AttentionLayer::Impl::ProjectContext(WorkspaceState& workspace, int64_t rows,
@@ -359,7 +365,7 @@ absl::Status AttentionLayer::Impl::ProjectContext(WorkspaceState& workspace, int
   if (bf16) MakeBf16Weights();
   const void* const w_o = bf16 ? static_cast<const void*>(w_o_bf16_.data()) : w_o_.data();
   return internal::Linear(workspace, rows, config_.q_width(), config_.d_model, config_.d_model,
-                          bf16, context, w_o, b_o_.data(), out, /*y_bf16=*/false);
+                          bf16, context, w_o, b_o_.data(), out, config_.d_model, /*y_bf16=*/false);
 }
 
 template <typename T>

@@ -54,10 +54,11 @@ class AttentionLayer::Impl {
  private:
   // Self-attention's fused input projection, shared by both routes:
   //   QKV [rows, N] = X [rows, d_model] W_qkv + b_qkv,  N = (Hq + 2 Hkv) hd,
-  // X FP32 or (bf16) BF16, QKV written FP32 or (qkv_bf16) BF16. The layer
-  // must be fused (context_dim == d_model).
+  // X FP32 or (bf16) BF16, QKV written FP32 or (qkv_bf16) BF16 with rows
+  // qkv_stride >= N elements apart. The layer must be fused (context_dim ==
+  // d_model).
   absl::Status ProjectQkv(internal::WorkspaceState& workspace, int64_t rows, bool bf16,
-                          const void* x, void* qkv, bool qkv_bf16) const;
+                          const void* x, void* qkv, int64_t qkv_stride, bool qkv_bf16) const;
   // The output projection, shared by both routes:
   //   out [rows, d_model] = context [rows, Hq hd] W_o + b_o,
   // context FP32 or (bf16) BF16, out FP32.

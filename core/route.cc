@@ -157,8 +157,10 @@ void SizeLayer(const HeadConfig& config, const RouteRequest& request, Route& rou
   }
   const int64_t projected = route.projections_bf16 ? 2 : 4;
   if (request.cross_attention) {
-    const std::optional<int64_t> q = CheckedProduct({rows, q_width});
-    const std::optional<int64_t> kv = CheckedProduct({kv_rows, kv_width});
+    const std::optional<int64_t> q =
+        CheckedProduct({rows, ProjectionRowStride(q_width, projected)});
+    const std::optional<int64_t> kv =
+        CheckedProduct({kv_rows, ProjectionRowStride(kv_width, projected)});
     const std::optional<int64_t> sum = q && kv ? CheckedAdd(*q, *kv) : std::nullopt;
     if (sum) {
       size.Set(Scratch::kProjections, {*sum}, projected);
@@ -166,7 +168,8 @@ void SizeLayer(const HeadConfig& config, const RouteRequest& request, Route& rou
       size.Overflow();
     }
   } else {
-    size.Set(Scratch::kProjections, {rows, q_width + kv_width}, projected);
+    size.Set(Scratch::kProjections, {rows, ProjectionRowStride(q_width + kv_width, projected)},
+             projected);
   }
   if (config.rotary.rotary_dim > 0) {
     // cos and sin of the queries' rows, and in cross-attention of the
@@ -245,6 +248,13 @@ int64_t Route::scratch_bytes() const {
 std::string Route::kernel_path() const {
   return absl::StrCat(PrecisionName(precision), "/",
                       paged ? "paged" : blocked ? "blocked" : "materialized");
+}
+
+int64_t ProjectionRowStride(int64_t width, int64_t element_bytes) {
+  constexpr int64_t kLine = 64;
+  int64_t lines = (width * element_bytes + kLine - 1) / kLine;
+  if (lines % 2 == 0) ++lines;
+  return lines * kLine / element_bytes;
 }
 
 std::vector<std::string> KernelPathNames() {

@@ -107,6 +107,13 @@ struct Route {
   std::string kernel_path() const;
 };
 
+// Elements per row of a projection the attention reads in place
+// (kProjections): `width` rounded up to whole 64-byte lines, and one line more
+// where that count is even. Rows a multiple of 4 KiB apart (12 KiB for FP32
+// QKV at D=1024) all fall into the same L1 sets, and the blocked kernels read
+// a strip's query rows and a key block's value rows at that stride.
+int64_t ProjectionRowStride(int64_t width, int64_t element_bytes);
+
 // Every kernel_path() a route can have on this CPU (BF16 ones only where
 // Bf16Supported(): elsewhere BF16 requests run FP32), for metrics that exist
 // from start-up.

@@ -440,6 +440,7 @@ absl::Status AttentionLayer::Impl::ProjectNewTokens(const ExtendStep& step,
   }
   ATTNSERVE_RETURN_IF_ERROR(ProjectQkv(workspace, step.rows, bf16, x,
                                        workspace.buffer(Scratch::kProjections).data(),
+                                       config_.q_width() + 2 * config_.kv_width(),
                                        /*qkv_bf16=*/false));
   const int64_t half = config_.rotary.rotary_dim / 2;
   float* cos = nullptr;

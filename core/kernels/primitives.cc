@@ -41,13 +41,13 @@ memory Memory(const WorkspaceState& workspace, const memory::desc& desc, const v
 
 absl::Status Linear(WorkspaceState& workspace, int64_t rows, int64_t in, int64_t out,
                     int64_t w_stride, bool bf16, const void* x, const void* w, const float* b,
-                    void* y, bool y_bf16) {
+                    void* y, int64_t y_stride, bool y_bf16) {
   const memory::desc x_desc({rows, in}, OperandType(bf16), Tag::ab);
   const memory::desc w_desc({in, out}, OperandType(bf16), memory::dims{w_stride, 1});
   const memory::desc b_desc({1, out}, memory::data_type::f32, Tag::ab);
-  const memory::desc y_desc({rows, out}, OperandType(y_bf16), Tag::ab);
+  const memory::desc y_desc({rows, out}, OperandType(y_bf16), memory::dims{y_stride, 1});
   const Step step = workspace.primitives.Get<dnnl::matmul>(
-      {PrimitiveCache::kLinear, rows, in, out, w_stride, bf16, y_bf16}, [&] {
+      {PrimitiveCache::kLinear, rows, in, out, w_stride, y_stride, bf16, y_bf16}, [&] {
         return dnnl::matmul::primitive_desc(dnnl::matmul::desc(x_desc, w_desc, b_desc, y_desc),
                                             UserScratchpad(), workspace.engine);
       });

@@ -87,11 +87,12 @@ dnnl::memory Memory(const WorkspaceState& workspace, const dnnl::memory::desc& d
                     const void* data);
 
 // y [rows, out] = x [rows, in] w [in, out] + b [out], row-major, w with a row
-// stride of w_stride >= out elements (a column block of a wider matrix); x and
-// w are FP32 or (bf16) BF16, b FP32, y FP32 or (y_bf16) BF16.
+// stride of w_stride >= out elements (a column block of a wider matrix) and y
+// with one of y_stride >= out; x and w are FP32 or (bf16) BF16, b FP32, y
+// FP32 or (y_bf16) BF16.
 absl::Status Linear(WorkspaceState& workspace, int64_t rows, int64_t in, int64_t out,
                     int64_t w_stride, bool bf16, const void* x, const void* w, const float* b,
-                    void* y, bool y_bf16);
+                    void* y, int64_t y_stride, bool y_bf16);
 
 // to[i] = FloatToBf16(from[i]) for i < n, on the OpenMP threads.
 void ConvertToBf16(const float* from, int64_t n, Bf16* to);

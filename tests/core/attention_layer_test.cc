@@ -393,6 +393,24 @@ TEST_P(AttentionLayerScenarios, RouteScratchIsWhatTheForwardReserves) {
   }
 }
 
+// The projections' rows are whole 64-byte lines, an odd number of them (so
+// that rows read at that stride spread over every L1 set), at most two lines
+// past the width.
+TEST(ProjectionRowStride, IsAnOddNumberOfLinesJustPastTheWidth) {
+  for (const int64_t element_bytes : {2, 4}) {
+    for (int64_t width = 1; width <= 5000; ++width) {
+      SCOPED_TRACE(absl::StrCat(width, " elements of ", element_bytes, " bytes"));
+      const int64_t stride = ProjectionRowStride(width, element_bytes);
+      const int64_t bytes = stride * element_bytes;
+      EXPECT_GE(stride, width);
+      EXPECT_EQ(bytes % 64, 0);
+      EXPECT_EQ(bytes / 64 % 2, 1);
+      EXPECT_LT(bytes - width * element_bytes, 128);
+    }
+  }
+  EXPECT_EQ(ProjectionRowStride(3 * 1024, 4), 3088);  // D=1024 QKV: 193 lines, not 192
+}
+
 using Kind = ExplicitMask::Kind;
 using Maps = AttentionMapMode;
 
