@@ -297,8 +297,16 @@ absl::Time SessionManager::SharersLastUseLocked(
 
 bool SessionManager::EvictOneLocked(const Session* keep, Why why) {
   std::vector<const Session*> idle;
+  const absl::Time now = clock_();
   for (const auto& [id, session] : sessions_) {
-    if (session.get() != keep && session->steps_in_flight == 0) idle.push_back(session.get());
+    if (session.get() == keep || session->steps_in_flight != 0) continue;
+    if (now - session->last_used > session->idle_ttl) {
+      // Expired already: it goes before any session its caller may still use.
+      RemoveLocked(session->id, Why::kExpired);
+      ++expiries_;
+      return true;
+    }
+    idle.push_back(session.get());
   }
   if (idle.empty()) return false;
   const auto by_last_use = [](const Session* a, const Session* b) {

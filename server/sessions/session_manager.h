@@ -315,9 +315,11 @@ class SessionManager {
   // Removes a session from the table (its memory goes with its last lease),
   // remembering why.
   void RemoveLocked(const std::string& id, Why why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Evicts the least recently used idle session other than `keep` (for
-  // memory, a session whose every block others also hold counts as used when
-  // the latest of them was); false when there is none.
+  // Makes room by one session other than `keep`: one idle past its TTL goes
+  // first, as the expiry it is (the upkeep would end it at its next look);
+  // otherwise the least recently used idle session is evicted (for memory, a
+  // session whose every block others also hold counts as used when the latest
+  // of them was). False when no session is idle.
   bool EvictOneLocked(const Session* keep, Why why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether a block of the idle `session` has no other holder (a fork, a
   // waiting read's snapshot).

@@ -371,6 +371,44 @@ TEST_F(SessionManagerTest, IdleSessionsExpireAtTheirTtlButNotWithAStepInFlight) 
   EXPECT_EQ(manager->stats().pool.bytes_in_use, 0);
 }
 
+// Room wanted, for memory or for --max_sessions: a session idle past its TTL
+// goes first, as an expiry, though another idle one was used longer ago.
+TEST_F(SessionManagerTest, ASessionPastItsTtlGoesBeforeTheLeastRecentlyUsedOne) {
+  SessionSpec short_lived = Spec(1);
+  short_lived.idle_ttl = absl::Seconds(10);
+  {
+    auto manager = Make({.max_sessions = 2});
+    const std::string oldest = manager->Open(Spec(1), "")->id;  // the default TTL
+    clock_.Advance(absl::Seconds(1));
+    const std::string expired = manager->Open(short_lived, "")->id;
+    clock_.Advance(absl::Seconds(11));
+    ASSERT_TRUE(manager->Open(Spec(1), "").ok());
+    EXPECT_TRUE(manager->Get(oldest, "").ok());
+    const absl::Status gone = manager->Get(expired, "").status();
+    EXPECT_TRUE(absl::StrContains(gone.message(), "expired")) << gone;
+    EXPECT_EQ(manager->stats().expiries, 1);
+    EXPECT_EQ(manager->stats().evictions_for_sessions, 0);
+  }
+  {
+    // Room for two sessions of 8 tokens (as in AFullCacheEvicts... above).
+    auto manager = Make({.kv_cache_bytes = 7 * kBlockBytes});
+    const std::string oldest = manager->Open(Spec(1), "")->id;
+    Extend(*manager, oldest, 0, 0, 8);
+    clock_.Advance(absl::Seconds(1));
+    const std::string expired = manager->Open(short_lived, "")->id;
+    Extend(*manager, expired, 0, 0, 8);
+    clock_.Advance(absl::Seconds(11));
+    const std::string newcomer = manager->Open(Spec(1), "")->id;
+    Extend(*manager, newcomer, 0, 0, 8);  // needs room
+    EXPECT_TRUE(manager->Get(oldest, "").ok());
+    const absl::Status gone = manager->Get(expired, "").status();
+    EXPECT_TRUE(absl::StrContains(gone.message(), "expired")) << gone;
+    EXPECT_EQ(manager->stats().expiries, 1);
+    EXPECT_EQ(manager->stats().evictions_for_memory, 0);
+    EXPECT_LE(manager->stats().pool.bytes_held, 7 * kBlockBytes);
+  }
+}
+
 TEST_F(SessionManagerTest, AForkSharesEveryBlockAndCopiesOnlyTheLastPartialOneToDiverge) {
   auto manager = Make();
   const std::string parent = manager->Open(Spec(1), "")->id;
