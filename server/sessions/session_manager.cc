@@ -51,6 +51,9 @@ struct Session {
   std::vector<SessionLayer> layers;
   absl::Time last_used;
   int steps_in_flight = 0;
+
+  // Idle (no step in flight) for longer than its TTL at `now`.
+  bool ExpiredAt(absl::Time now) const { return steps_in_flight == 0 && now - last_used > idle_ttl; }
 };
 
 namespace {
@@ -235,7 +238,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindLocked(absl::string
     }
   }
   std::shared_ptr<Session> session = it->second;
-  if (session->steps_in_flight == 0 && clock_() - session->last_used > session->idle_ttl) {
+  if (session->ExpiredAt(clock_())) {
     RemoveLocked(session->id, Why::kExpired);
     ++expiries_;
     return absl::NotFoundError(absl::StrCat("session ", id, ": expired (idle past its TTL)"));
@@ -300,7 +303,7 @@ bool SessionManager::EvictOneLocked(const Session* keep, Why why) {
   const absl::Time now = clock_();
   for (const auto& [id, session] : sessions_) {
     if (session.get() == keep || session->steps_in_flight != 0) continue;
-    if (now - session->last_used > session->idle_ttl) {
+    if (session->ExpiredAt(now)) {
       // Expired already: it goes before any session its caller may still use.
       RemoveLocked(session->id, Why::kExpired);
       ++expiries_;
@@ -828,7 +831,7 @@ int SessionManager::ExpireIdle() {
   absl::MutexLock lock(&mu_);
   const absl::Time now = clock_();
   for (const auto& [id, session] : sessions_) {
-    if (session->steps_in_flight == 0 && now - session->last_used > session->idle_ttl) {
+    if (session->ExpiredAt(now)) {
       expired.push_back(session);
     }
   }
