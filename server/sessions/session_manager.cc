@@ -53,7 +53,9 @@ struct Session {
   int steps_in_flight = 0;
 
   // Idle (no step in flight) for longer than its TTL at `now`.
-  bool ExpiredAt(absl::Time now) const { return steps_in_flight == 0 && now - last_used > idle_ttl; }
+  bool ExpiredAt(absl::Time now) const {
+    return steps_in_flight == 0 && now - last_used > idle_ttl;
+  }
 };
 
 namespace {
