@@ -32,6 +32,13 @@ port and, for each request below, one at a time:
     default 150 rounds make the Python part about seven times as long as 20
     (the maps rows about a minute and a half each on a 2-vCPU machine).
 
+The Python ways share one process, whose allocator the package's first Client
+sets to keep freed buffers (attnserve/_heap.py; ATTNSERVE_KEEP_FREED_BUFFERS=0
+in the environment measures them without it). The header also prints what the
+first touch of a fresh page costs on this machine (a fresh 8 MiB mapping
+written a byte a page, less the same loop over the warm pages): the price of
+every buffer an allocator hands back to the system and maps again.
+
 The maps request runs four times: FP32 on the wire, then BF16 (output_dtype),
 which halves the bytes, each as one Attend response and streamed (AttendStream:
 the response, then the maps in chunks of at most 1 MiB, put back in place by
@@ -75,6 +82,24 @@ REQUESTS = [("B=8 S=128", 8, 128, "none", "fp32", False),
             ("  BF16 on the wire", 4, 512, "per-head", "bf16", False),
             ("  BF16, streamed", 4, 512, "per-head", "bf16", True)]
 
+
+def first_touch_us_per_page(size=8 << 20, rounds=3):
+    """Median over `rounds` fresh anonymous mappings of `size` bytes: the time
+    to write one byte in each 4 KiB page, less the same writes once the pages
+    are there, per page (us)."""
+    import mmap
+    costs = []
+    for _ in range(rounds):
+        with mmap.mmap(-1, size) as m:
+            t0 = time.perf_counter()
+            for offset in range(0, size, 4096):
+                m[offset] = 1
+            t1 = time.perf_counter()
+            for offset in range(0, size, 4096):
+                m[offset] = 2
+            t2 = time.perf_counter()
+        costs.append(((t1 - t0) - (t2 - t1)) / (size // 4096) * 1e6)
+    return statistics.median(costs)
 
 def socket_round_trip_ms(request_bytes, response_bytes, calls):
     """Median ms for request_bytes one way and response_bytes back over a
@@ -243,6 +268,8 @@ def main():
                 wait_serving(health_pb2_grpc.HealthStub(channel), health_pb2)
                 stub = attention_pb2_grpc.AttentionServiceStub(channel)
                 client = attnserve.Client(server.target, timeout=600, max_receive_message_bytes=1 << 30)
+                print(f"first touch of a fresh page: {first_touch_us_per_page():.2f} us; the package's allocator "
+                      f"setting: {attnserve._heap.keep_freed_buffers()}")
                 print(f"CPU: {cpu_model()}; {args.calls} calls per request and way, one at a time, the Python "
                       "ways taking turns; medians; transport = round trip - the server's compute "
                       "(Python: each call's; C++: attnctl's); ratio = transport / socket; faults: the "

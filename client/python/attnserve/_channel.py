@@ -1,9 +1,12 @@
 """Channel set-up shared by the blocking and the asyncio client: TLS
-credentials, the bearer token's metadata and message-size options."""
+credentials, the bearer token's metadata and message-size options, and the
+process's allocator set to reuse message buffers (_heap)."""
 import dataclasses
 from typing import Optional, Union
 
 import grpc
+
+from . import _heap
 
 DEFAULT_MAX_RECEIVE_MESSAGE_BYTES = 256 << 20
 
@@ -51,7 +54,9 @@ def _credentials(tls):
 
 
 def make_channel(module, target, tls, options, max_receive_message_bytes):
-    """A channel of `module` (grpc or grpc.aio) to target."""
+    """A channel of `module` (grpc or grpc.aio) to target; the first one also
+    sets the process's allocator to keep freed message buffers (_heap)."""
+    _heap.keep_freed_buffers()
     credentials, tls_options = _credentials(tls)
     options = [("grpc.max_receive_message_length", max_receive_message_bytes),
                ("grpc.max_send_message_length", -1), *tls_options, *(options or [])]

@@ -86,6 +86,41 @@ class WithoutServer(unittest.TestCase):
         self.assertTrue(os.path.exists(os.path.join(os.path.dirname(attnserve.v1.attention_pb2.__file__),
                                                     "attention_pb2.pyi")))
 
+    def test_a_client_keeps_freed_buffers_for_reuse(self):
+        """The first Client sets glibc's allocator to keep freed blocks
+        (attnserve/_heap.py): 24 MB allocated, touched and freed again and
+        again faults its pages in once, not on every round. Each case runs in
+        a fresh process (the setting is the process's); the opt-out shows the
+        refaults the setting removes."""
+        script = (
+            "import resource, sys, numpy as np, attnserve\n"
+            "client = attnserve.Client('127.0.0.1:1')  # no call: the channel connects lazily\n"
+            "from attnserve import _heap\n"
+            "faults = []\n"
+            "for _ in range(6):\n"
+            "    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+            "    a = np.ones(12 << 20, np.uint8); b = np.ones(12 << 20, np.uint8); del a, b\n"
+            "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)\n"
+            "print(_heap.keep_freed_buffers(), max(faults[2:]), sep='|')\n")
+
+        def run(**env):
+            done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                                  env={**os.environ, **env})
+            self.assertEqual(done.returncode, 0, done.stderr)
+            state, faults = done.stdout.strip().split("|")
+            return state, int(faults)
+
+        pages = (24 << 20) // 4096
+        state, faults = run()
+        self.assertEqual(state, "kept")
+        self.assertLess(faults, pages // 20, "freed blocks were given back and faulted in again")
+        state, faults = run(ATTNSERVE_KEEP_FREED_BUFFERS="0")
+        self.assertEqual(state, "ATTNSERVE_KEEP_FREED_BUFFERS=0")
+        self.assertGreater(faults, pages // 10, "glibc's defaults no longer give such blocks back: "
+                           "the setting may no longer be needed")
+        state, _ = run(GLIBC_TUNABLES="glibc.malloc.trim_threshold=1000000")
+        self.assertEqual(state, "GLIBC_TUNABLES sets malloc")
+
     def test_bf16_rounding_matches_an_independent_rounding(self):
         rng = np.random.default_rng()
         values = np.concatenate([
