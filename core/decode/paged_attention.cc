@@ -22,6 +22,7 @@
 #include "core/decode/layer_kv_cache.h"
 #include "core/decode/paged_attention_plan.h"
 #include "core/head_config.h"
+#include "core/kernels/block_kernels.h"
 #include "core/kernels/online_softmax.h"
 #include "core/status_macros.h"
 #include "core/validation.h"
@@ -39,6 +40,10 @@ constexpr int64_t kUnitsPerThread = 4;
 constexpr int64_t kMinSplitKeys = 256;
 // Keys that share one online-softmax step (whole blocks, at least one).
 constexpr int64_t kSpanKeys = 128;
+// Tiles of at least this many new rows (a prefill's chunk; not a decode
+// step's single row, whatever its group) run on the strip kernels
+// (ProcessSpanStrips).
+constexpr int64_t kStripNewRows = 8;
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 // An item's sizes, resolved once.
@@ -81,18 +86,25 @@ struct Merge {
 };
 
 // One thread's online-softmax state of a tile of rows, and the scores of a
-// span of keys ([rows, span_width]).
+// span of keys ([rows, stride]: the span's width rounded up to whole key
+// tiles, and one tile more, which the strip kernels write past a short
+// block's keys). The strip kernels' buffers: the tile's query rows, a packed
+// key block, and a block's BF16 rows widened.
 struct TileState {
   std::vector<float> m, l, acc, scores, alpha;
   std::vector<int64_t> limits;
+  int64_t stride = 0;
+  std::vector<float> q_rows, packed, widened;
   void Reset(int64_t rows, int64_t head_dim, int64_t span_width) {
     m.assign(static_cast<size_t>(rows), kMinusInf);
     l.assign(static_cast<size_t>(rows), 0.0f);
     acc.assign(static_cast<size_t>(rows * head_dim), 0.0f);
     alpha.resize(static_cast<size_t>(rows));
     limits.resize(static_cast<size_t>(rows));
-    if (scores.size() < static_cast<size_t>(rows * span_width)) {
-      scores.resize(static_cast<size_t>(rows * span_width));
+    stride = (span_width + internal::kKeyTile - 1) / internal::kKeyTile * internal::kKeyTile +
+             internal::kKeyTile;
+    if (scores.size() < static_cast<size_t>(rows * stride)) {
+      scores.resize(static_cast<size_t>(rows * stride));
     }
   }
 };
@@ -262,7 +274,7 @@ void ProcessSpanByBlock(const ItemView& view, int64_t g, int64_t j0, int64_t j1,
       const int64_t r = (i - i0) * view.group + hl;
       const int64_t h = g * view.group + hl;
       state.limits[static_cast<size_t>(r)] = visible;
-      float* s = state.scores.data() + r * width;
+      float* s = state.scores.data() + r * state.stride;
       const float* q = item.q.data() + view.q_row(i, h);
       for (int64_t a = j0; a < j0 + visible; a = (a / bt + 1) * bt) {
         BlockScores(view, g, a, std::min(j0 + visible, (a / bt + 1) * bt), q, s + (a - j0));
@@ -273,12 +285,12 @@ void ProcessSpanByBlock(const ItemView& view, int64_t g, int64_t j0, int64_t j1,
       }
     }
   }
-  internal::OnlineSoftmaxStrip(state.scores.data(), width, rows, state.limits.data(), width,
+  internal::OnlineSoftmaxStrip(state.scores.data(), state.stride, rows, state.limits.data(), width,
                                item.scale, state.m.data(), state.l.data(), state.alpha.data(),
                                nullptr);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = state.limits[static_cast<size_t>(r)];
-    const float* p = state.scores.data() + r * width;
+    const float* p = state.scores.data() + r * state.stride;
     float* acc = state.acc.data() + r * view.head_dim;
     float alpha = state.alpha[static_cast<size_t>(r)];
     for (int64_t a = j0; a < j0 + visible; a = (a / bt + 1) * bt) {
@@ -341,17 +353,17 @@ void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_
       state.limits[static_cast<size_t>(r0 + hl)] = visible;
     }
     if (visible == 0) continue;
-    float* s = state.scores.data() + r0 * width;
+    float* s = state.scores.data() + r0 * state.stride;
     internal::DecodeGroupScores(item.q.data() + view.q_row(i, g * view.group), view.group, k,
-                                visible, hd, s, width);
+                                visible, hd, s, state.stride);
     if (!item.attention_map.empty()) {
       for (int64_t hl = 0; hl < view.group; ++hl) {
         std::memcpy(item.attention_map.data() + view.map_row(i, g * view.group + hl) + j0,
-                    s + hl * width, static_cast<size_t>(visible) * sizeof(float));
+                    s + hl * state.stride, static_cast<size_t>(visible) * sizeof(float));
       }
     }
   }
-  internal::OnlineSoftmaxStrip(state.scores.data(), width, rows, state.limits.data(), width,
+  internal::OnlineSoftmaxStrip(state.scores.data(), state.stride, rows, state.limits.data(), width,
                                item.scale, state.m.data(), state.l.data(), state.alpha.data(),
                                nullptr);
   const internal::BlockRows<T> v =
@@ -362,8 +374,104 @@ void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_
     float* acc = state.acc.data() + r0 * hd;
     const float* alpha = state.alpha.data() + r0;
     if (visible == 0) continue;  // no key of the span: the rows keep their state
-    internal::DecodeGroupValues(state.scores.data() + r0 * width, width, view.group, v, visible,
-                                hd, alpha, acc);
+    internal::DecodeGroupValues(state.scores.data() + r0 * state.stride, state.stride, view.group,
+                                v, visible, hd, alpha, acc);
+  }
+}
+
+// The rows of one KV head of a block as FP32: FP32 rows where they are, BF16
+// ones widened into `widened` ([keys, head_dim]).
+const float* BlockRowsFp32(const float* rows, int64_t, int64_t, std::vector<float>&) {
+  return rows;
+}
+const float* BlockRowsFp32(const Bf16* rows, int64_t keys, int64_t head_dim,
+                           std::vector<float>& widened) {
+  widened.resize(static_cast<size_t>(keys * head_dim));
+  for (int64_t e = 0; e < keys * head_dim; ++e) {
+    widened[static_cast<size_t>(e)] = Bfloat16ToFloat(rows[e]);
+  }
+  return widened.data();
+}
+
+// A tile of at least kStripNewRows new rows (a prefill's chunk) on the
+// blocked path's own kernels (core/kernels/block_kernels.h) instead of one
+// row at a time: each block's K rows packed once for the tile (K^T in tiles
+// of 16 keys; BF16 rows widened first), the scores of kStripRows query rows
+// at a time against them, so that every packed key is loaded once for a
+// strip of rows, then P V a strip of rows at a time over the block's V rows
+// (BF16 rows widened). FP32 throughout, as the row kernels, with the same
+// online-softmax step; raw scores to the map. j0 is a block's first key.
+template <typename T>
+void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t i0,
+                       int64_t i1, int64_t width, TileState& state) {
+  constexpr int64_t kStrip = internal::kStripRows;
+  const PagedAttentionItem& item = *view.item;
+  const int64_t bt = view.block_tokens;
+  const int64_t hd = view.head_dim;
+  const int64_t rows = (i1 - i0) * view.group;
+  // The tile's query rows, contiguous [rows, hd] (row r = (i - i0) G + hl).
+  state.q_rows.resize(static_cast<size_t>(rows * hd));
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t visible = std::max<int64_t>(0, std::min(j1, view.first + i + 1) - j0);
+    const int64_t r0 = (i - i0) * view.group;
+    for (int64_t hl = 0; hl < view.group; ++hl) {
+      state.limits[static_cast<size_t>(r0 + hl)] = visible;
+    }
+    std::memcpy(state.q_rows.data() + r0 * hd, item.q.data() + view.q_row(i, g * view.group),
+                static_cast<size_t>(view.group * hd) * sizeof(float));
+  }
+  // The most keys of block [a, a + keys) any row of strip [r0, r0 + kStrip) sees.
+  auto strip_keys = [&](int64_t r0, int64_t a, int64_t keys) {
+    int64_t most = 0;
+    for (int64_t r = r0; r < std::min(rows, r0 + kStrip); ++r) {
+      most = std::max(most, state.limits[static_cast<size_t>(r)] - (a - j0));
+    }
+    return std::clamp<int64_t>(most, 0, keys);
+  };
+  for (int64_t a = j0; a < j1; a += bt) {
+    const int64_t keys = std::min(j1, a + bt) - a;
+    const T* k = reinterpret_cast<const T*>(view.cache->key_rows(a / bt, static_cast<int>(g)));
+    const int64_t tiles = (keys + internal::kKeyTile - 1) / internal::kKeyTile;
+    state.packed.resize(static_cast<size_t>(internal::PackedBlockElements(keys, hd)));
+    internal::PackKeyBlock(BlockRowsFp32(k, keys, hd, state.widened), hd,
+                           tiles * internal::kKeyTile, keys, hd, /*bf16=*/false,
+                           state.packed.data());
+    for (int64_t r0 = 0; r0 < rows; r0 += kStrip) {
+      if (strip_keys(r0, a, keys) == 0) continue;
+      internal::BlockScores(/*bf16=*/false, state.q_rows.data() + r0 * hd, hd,
+                            std::min(kStrip, rows - r0), state.packed.data(), tiles, hd,
+                            state.scores.data() + r0 * state.stride + (a - j0), state.stride);
+    }
+  }
+  if (!item.attention_map.empty()) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = state.limits[static_cast<size_t>(r)];
+      if (visible == 0) continue;
+      const int64_t i = i0 + r / view.group;
+      const int64_t h = g * view.group + r % view.group;
+      std::memcpy(item.attention_map.data() + view.map_row(i, h) + j0,
+                  state.scores.data() + r * state.stride, static_cast<size_t>(visible) * sizeof(float));
+    }
+  }
+  internal::OnlineSoftmaxStrip(state.scores.data(), state.stride, rows, state.limits.data(), width,
+                               item.scale, state.m.data(), state.l.data(), state.alpha.data(),
+                               nullptr);
+  // alpha scales a row's accumulator once, at the span's first block that
+  // reaches it (a row no key of the span reaches has alpha 1).
+  static constexpr float kOnes[kStrip] = {1, 1, 1, 1, 1, 1, 1, 1};
+  for (int64_t r0 = 0; r0 < rows; r0 += kStrip) {
+    bool scaled = false;
+    for (int64_t a = j0; a < j1; a += bt) {
+      const int64_t keys = strip_keys(r0, a, std::min(j1, a + bt) - a);
+      if (keys == 0) continue;
+      const T* v = reinterpret_cast<const T*>(view.cache->value_rows(a / bt, static_cast<int>(g)));
+      internal::BlockValuesFp32(state.scores.data() + r0 * state.stride + (a - j0), state.stride,
+                                std::min(kStrip, rows - r0), keys,
+                                BlockRowsFp32(v, keys, hd, state.widened), hd, hd,
+                                scaled ? kOnes : state.alpha.data() + r0, /*first=*/false,
+                                state.acc.data() + r0 * hd, hd);
+      scaled = true;
+    }
   }
 }
 
@@ -402,13 +510,19 @@ void RunUnit(const ItemView& view, const Unit& unit, TileState& state, float* pa
   const int64_t span = std::max<int64_t>(1, kSpanKeys / bt) * bt;
   for (int64_t i0 = 0; i0 < view.n; i0 += tile) {
     const int64_t i1 = std::min(view.n, i0 + tile);
+    const bool strips = i1 - i0 >= kStripNewRows &&
+                        internal::OwnBlockKernelsAvailable(/*bf16=*/false, view.head_dim);
     state.Reset((i1 - i0) * view.group, view.head_dim, span);
     // The tile's last row sees keys before first + i1.
     const int64_t key_end = std::min(unit.key_end, view.first + i1);
     for (int64_t j0 = unit.key_begin; j0 < key_end; j0 += span) {
       const int64_t j1 = std::min(key_end, j0 + span);
       const int64_t next_end = std::min(key_end, j1 + span);
-      if (view.bf16) {
+      if (strips && view.bf16) {
+        ProcessSpanStrips<Bf16>(view, unit.kv_head, j0, j1, i0, i1, span, state);
+      } else if (strips) {
+        ProcessSpanStrips<float>(view, unit.kv_head, j0, j1, i0, i1, span, state);
+      } else if (view.bf16) {
         ProcessSpan<Bf16>(view, unit.kv_head, j0, j1, next_end, i0, i1, span, state);
       } else {
         ProcessSpanByBlock(view, unit.kv_head, j0, j1, i0, i1, span, state);

@@ -183,6 +183,31 @@ TEST_P(PagedAttentionShapes, StepByStepMatchesFullCausalAttentionSoFar) {
   }
 }
 
+// Long prefill chunks: tiles of 8 or more new rows run on the strip kernels
+// (ProcessSpanStrips; head_dims that are multiples of 16, on AVX-512 CPUs),
+// over several spans and strips, a chunk of a fresh sequence and chunks over a
+// cached prefix, with a head mask, maps on some; then a decode step.
+TEST_P(PagedAttentionShapes, LongPrefillChunksMatchReference) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  std::unique_ptr<KvBlockPool> pool = MakePool(GetParam().block_tokens);
+  Sequence sequence(pool.get(), GetParam());
+  std::uniform_real_distribution<float> gate(0.0f, 2.0f);
+  for (int h = 0; h < GetParam().heads; ++h) sequence.head_mask.push_back(gate(rng));
+  const struct {
+    int64_t n;
+    bool map;
+  } steps[] = {{300, false}, {77, true}, {9, false}, {1, true}};
+  for (const auto& step : steps) {
+    sequence.Step(step.n, step.map, rng);
+    const PagedAttentionItem item = sequence.Item();
+    ASSERT_THAT(PagedAttention({&item, 1}), IsOk());
+    sequence.ExpectMatchesReference();
+    if (HasFailure()) return;
+  }
+}
+
 TEST_P(PagedAttentionShapes, SequenceOfLengthOneAttendsToItself) {
   const uint64_t seed = FreshSeed();
   SCOPED_TRACE(SeedTrace(seed));
