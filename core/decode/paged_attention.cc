@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -420,10 +421,10 @@ void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, 
     std::memcpy(state.q_rows.data() + r0 * hd, item.q.data() + view.q_row(i, g * view.group),
                 static_cast<size_t>(view.group * hd) * sizeof(float));
   }
-  // The most keys of block [a, a + keys) any row of strip [r0, r0 + kStrip) sees.
-  auto strip_keys = [&](int64_t r0, int64_t a, int64_t keys) {
+  // The most keys of block [a, a + keys) any of rows [r0, r1) sees.
+  auto keys_seen = [&](int64_t r0, int64_t r1, int64_t a, int64_t keys) {
     int64_t most = 0;
-    for (int64_t r = r0; r < std::min(rows, r0 + kStrip); ++r) {
+    for (int64_t r = r0; r < r1; ++r) {
       most = std::max(most, state.limits[static_cast<size_t>(r)] - (a - j0));
     }
     return std::clamp<int64_t>(most, 0, keys);
@@ -437,7 +438,7 @@ void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, 
                            tiles * internal::kKeyTile, keys, hd, /*bf16=*/false,
                            state.packed.data());
     for (int64_t r0 = 0; r0 < rows; r0 += kStrip) {
-      if (strip_keys(r0, a, keys) == 0) continue;
+      if (keys_seen(r0, std::min(rows, r0 + kStrip), a, keys) == 0) continue;
       internal::BlockScores(/*bf16=*/false, state.q_rows.data() + r0 * hd, hd,
                             std::min(kStrip, rows - r0), state.packed.data(), tiles, hd,
                             state.scores.data() + r0 * state.stride + (a - j0), state.stride);
@@ -450,27 +451,38 @@ void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, 
       const int64_t i = i0 + r / view.group;
       const int64_t h = g * view.group + r % view.group;
       std::memcpy(item.attention_map.data() + view.map_row(i, h) + j0,
-                  state.scores.data() + r * state.stride, static_cast<size_t>(visible) * sizeof(float));
+                  state.scores.data() + r * state.stride,
+                  static_cast<size_t>(visible) * sizeof(float));
     }
   }
   internal::OnlineSoftmaxStrip(state.scores.data(), state.stride, rows, state.limits.data(), width,
                                item.scale, state.m.data(), state.l.data(), state.alpha.data(),
                                nullptr);
-  // alpha scales a row's accumulator once, at the span's first block that
-  // reaches it (a row no key of the span reaches has alpha 1).
-  static constexpr float kOnes[kStrip] = {1, 1, 1, 1, 1, 1, 1, 1};
-  for (int64_t r0 = 0; r0 < rows; r0 += kStrip) {
-    bool scaled = false;
-    for (int64_t a = j0; a < j1; a += bt) {
-      const int64_t keys = strip_keys(r0, a, std::min(j1, a + bt) - a);
-      if (keys == 0) continue;
-      const T* v = reinterpret_cast<const T*>(view.cache->value_rows(a / bt, static_cast<int>(g)));
+  // alpha scales a strip's accumulators once, at the span's first block that
+  // reaches the strip (a row no key of the span reaches has alpha 1).
+  static constexpr std::array<float, kStrip> kOnes = [] {
+    std::array<float, kStrip> ones{};
+    ones.fill(1.0f);
+    return ones;
+  }();
+  // Bit k: strip k was scaled. A tile on this path has at most kTileRows rows
+  // (kStripNewRows new rows or more means a group of at most kTileRows / 8).
+  static_assert(kTileRows <= 32 * kStrip);
+  uint32_t scaled = 0;
+  for (int64_t a = j0; a < j1; a += bt) {
+    const int64_t keys = std::min(j1, a + bt) - a;
+    if (keys_seen(0, rows, a, keys) == 0) continue;
+    const T* v = reinterpret_cast<const T*>(view.cache->value_rows(a / bt, static_cast<int>(g)));
+    const float* v_rows = BlockRowsFp32(v, keys, hd, state.widened);
+    for (int64_t r0 = 0; r0 < rows; r0 += kStrip) {
+      const int64_t seen = keys_seen(r0, std::min(rows, r0 + kStrip), a, keys);
+      if (seen == 0) continue;
+      const uint32_t bit = uint32_t{1} << (r0 / kStrip);
       internal::BlockValuesFp32(state.scores.data() + r0 * state.stride + (a - j0), state.stride,
-                                std::min(kStrip, rows - r0), keys,
-                                BlockRowsFp32(v, keys, hd, state.widened), hd, hd,
-                                scaled ? kOnes : state.alpha.data() + r0, /*first=*/false,
-                                state.acc.data() + r0 * hd, hd);
-      scaled = true;
+                                std::min(kStrip, rows - r0), seen, v_rows, hd, hd,
+                                (scaled & bit) != 0 ? kOnes.data() : state.alpha.data() + r0,
+                                /*first=*/false, state.acc.data() + r0 * hd, hd);
+      scaled |= bit;
     }
   }
 }
