@@ -42,7 +42,9 @@ struct PagedAttentionItem {
 // -- and, when there are fewer of them than a few per thread, long contexts
 // split into key ranges whose partial softmax states are merged afterwards
 // (flash-decoding). Online softmax with FP32 accumulation; BF16 K/V widened
-// as it is read.
+// as it is read. Decode rows run on the row kernels (decode_kernels.h); tiles
+// of 8 or more new rows (prefill chunks) on the blocked path's strip kernels
+// (core/kernels/block_kernels.h), each block's keys packed once per tile.
 //
 // INVALID_ARGUMENT naming the field ("items[i].q", ...) when a cache is null,
 // num_heads is not a positive multiple of the cache's num_kv_heads (at most
