@@ -394,6 +394,20 @@ const float* BlockRowsFp32(const Bf16* rows, int64_t keys, int64_t head_dim,
   return widened.data();
 }
 
+// The query rows of the tile's new rows [i0, i1) and KV head g, contiguous
+// in state.q_rows ([rows, hd], row r = (i - i0) G + hl), for the strip
+// kernels: gathered once per tile, read by each of its spans.
+void GatherTileQueries(const ItemView& view, int64_t g, int64_t i0, int64_t i1, TileState& state) {
+  const int64_t hd = view.head_dim;
+  const int64_t row = view.group * hd;
+  state.q_rows.resize(static_cast<size_t>((i1 - i0) * row));
+  for (int64_t i = i0; i < i1; ++i) {
+    std::memcpy(state.q_rows.data() + (i - i0) * row,
+                view.item->q.data() + view.q_row(i, g * view.group),
+                static_cast<size_t>(row) * sizeof(float));
+  }
+}
+
 // A tile of at least kStripNewRows new rows (a prefill's chunk) on the
 // blocked path's own kernels (core/kernels/block_kernels.h) instead of one
 // row at a time: each block's K rows packed once for the tile (K^T in tiles
@@ -401,7 +415,8 @@ const float* BlockRowsFp32(const Bf16* rows, int64_t keys, int64_t head_dim,
 // at a time against them, so that every packed key is loaded once for a
 // strip of rows, then P V a strip of rows at a time over the block's V rows
 // (BF16 rows widened). FP32 throughout, as the row kernels, with the same
-// online-softmax step; raw scores to the map. j0 is a block's first key.
+// online-softmax step; raw scores to the map. j0 is a block's first key;
+// the tile's query rows are in state.q_rows (GatherTileQueries).
 template <typename T>
 void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t i0,
                        int64_t i1, int64_t width, TileState& state) {
@@ -410,16 +425,12 @@ void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, 
   const int64_t bt = view.block_tokens;
   const int64_t hd = view.head_dim;
   const int64_t rows = (i1 - i0) * view.group;
-  // The tile's query rows, contiguous [rows, hd] (row r = (i - i0) G + hl).
-  state.q_rows.resize(static_cast<size_t>(rows * hd));
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t visible = std::max<int64_t>(0, std::min(j1, view.first + i + 1) - j0);
     const int64_t r0 = (i - i0) * view.group;
     for (int64_t hl = 0; hl < view.group; ++hl) {
       state.limits[static_cast<size_t>(r0 + hl)] = visible;
     }
-    std::memcpy(state.q_rows.data() + r0 * hd, item.q.data() + view.q_row(i, g * view.group),
-                static_cast<size_t>(view.group * hd) * sizeof(float));
   }
   // The most keys of block [a, a + keys) any of rows [r0, r1) sees.
   auto keys_seen = [&](int64_t r0, int64_t r1, int64_t a, int64_t keys) {
@@ -525,6 +536,7 @@ void RunUnit(const ItemView& view, const Unit& unit, TileState& state, float* pa
     const bool strips = i1 - i0 >= kStripNewRows &&
                         internal::OwnBlockKernelsAvailable(/*bf16=*/false, view.head_dim);
     state.Reset((i1 - i0) * view.group, view.head_dim, span);
+    if (strips) GatherTileQueries(view, unit.kv_head, i0, i1, state);
     // The tile's last row sees keys before first + i1.
     const int64_t key_end = std::min(unit.key_end, view.first + i1);
     for (int64_t j0 = unit.key_begin; j0 < key_end; j0 += span) {

@@ -53,6 +53,7 @@ the faults. The CPU model goes on top: compare figures of one run only.
 """
 import argparse
 import json
+import mmap
 import os
 import re
 import socket
@@ -87,7 +88,6 @@ def first_touch_us_per_page(size=8 << 20, rounds=3):
     """Median over `rounds` fresh anonymous mappings of `size` bytes: the time
     to write one byte in each 4 KiB page, less the same writes once the pages
     are there, per page (us)."""
-    import mmap
     costs = []
     for _ in range(rounds):
         with mmap.mmap(-1, size) as m:
@@ -100,6 +100,7 @@ def first_touch_us_per_page(size=8 << 20, rounds=3):
             t2 = time.perf_counter()
         costs.append(((t1 - t0) - (t2 - t1)) / (size // 4096) * 1e6)
     return statistics.median(costs)
+
 
 def socket_round_trip_ms(request_bytes, response_bytes, calls):
     """Median ms for request_bytes one way and response_bytes back over a
