@@ -499,11 +499,12 @@ ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void GroupScoresPa
   };
   for (int64_t j0 = 0; j0 < keys; j0 += k.block_rows) {
     const T* block = k.blocks[j0 / k.block_rows];
+    const T* next = prefetch ? NextBlock(k, j0) : nullptr;
     const int64_t n = std::min(k.block_rows, keys - j0);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-      if (prefetch) {
-        for (int r = 0; r < 4; ++r) PrefetchNextRow(k, j0 + j + r, head_dim);
+      if (next) {
+        for (int r = 0; r < 4; ++r) PrefetchRow(k, next, j0, j + r, head_dim);
       }
       __m512 t[4][kHeads];
 #pragma GCC unroll 4
@@ -515,8 +516,8 @@ ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void GroupScoresPa
     }
     if (j < n) {
       const int64_t count = n - j;
-      if (prefetch) {
-        for (int64_t r = 0; r < count; ++r) PrefetchNextRow(k, j0 + j + r, head_dim);
+      if (next) {
+        for (int64_t r = 0; r < count; ++r) PrefetchRow(k, next, j0, j + r, head_dim);
       }
       __m512 t[4][kHeads];
 #pragma GCC unroll 4
@@ -568,20 +569,21 @@ ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void GroupValuesPa
   };
   for (int64_t j0 = 0; j0 < keys; j0 += v.block_rows) {
     const T* block = v.blocks[j0 / v.block_rows];
+    const T* next = prefetch ? NextBlock(v, j0) : nullptr;
     const int64_t n = std::min(v.block_rows, keys - j0);
     int64_t j = 0;
     if constexpr (kParity == 2) {
       for (; j + 2 <= n; j += 2) {
-        if (prefetch) {
-          PrefetchNextRow(v, j0 + j, head_dim);
-          PrefetchNextRow(v, j0 + j + 1, head_dim);
+        if (next) {
+          PrefetchRow(v, next, j0, j, head_dim);
+          PrefetchRow(v, next, j0, j + 1, head_dim);
         }
         add(block + j * head_dim, j0 + j, a[0]);
         add(block + (j + 1) * head_dim, j0 + j + 1, a[kParity - 1]);
       }
     }
     for (; j < n; ++j) {
-      if (prefetch) PrefetchNextRow(v, j0 + j, head_dim);
+      if (next) PrefetchRow(v, next, j0, j, head_dim);
       add(block + j * head_dim, j0 + j, a[0]);
     }
   }
@@ -711,6 +713,129 @@ ATTNSERVE_TARGET_AVX512 void GroupValuesAvx512(const float* p, int64_t p_stride,
     GroupValuesBy(rows, p, p_stride, group, v, keys, head_dim, alpha, acc);
   });
 }
+
+// Group scores of BF16 K rows by VDPBF16PS, which multiplies BF16 pairs
+// exactly and sums them in FP32: each query row is split once into BF16
+// pairs hi (the row rounded) and lo (the rest, rounded), and q . k = hi . k +
+// lo . k holds q to 16 significant bits (an error of at most 2^-18 of the sum
+// of |q_d k_d|, below the FP32 kernels' test tolerance of 1e-5 of it); the K
+// rows are used as stored, never widened. At head_dim 64 a key and head take
+// four VDPBF16PS where the widening kernels take four FMAs and, per key, four
+// shifts or masks. The passes and the prefetch are GroupScoresPass's.
+template <int kPairs>
+struct SplitBf16Query {
+  __m512bh hi[kPairs], lo[kPairs];
+};
+
+// BF16 values of 16 floats, as the low halves of 16 words widened back.
+ATTNSERVE_TARGET_AVX512_BF16 inline __m512 WidenedBack(__m256bh x) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(x)), 16));
+}
+
+template <int kPairs>
+ATTNSERVE_TARGET_AVX512_BF16 __attribute__((always_inline)) inline void SplitQueryRow(
+    const float* q, SplitBf16Query<kPairs>& out) {
+#pragma GCC unroll 4
+  for (int c = 0; c < kPairs; ++c) {
+    __m256bh hi[2], lo[2];
+    for (int half = 0; half < 2; ++half) {
+      const __m512 x = _mm512_loadu_ps(q + 32 * c + 16 * half);
+      hi[half] = _mm512_cvtneps_pbh(x);
+      lo[half] = _mm512_cvtneps_pbh(_mm512_sub_ps(x, WidenedBack(hi[half])));
+    }
+    // Dimensions 32c ... 32c + 31 in order, as a K row's 32 BF16 values.
+    out.hi[c] = reinterpret_cast<__m512bh>(_mm512_inserti64x4(
+        _mm512_castsi256_si512(reinterpret_cast<__m256i>(hi[0])), reinterpret_cast<__m256i>(hi[1]),
+        1));
+    out.lo[c] = reinterpret_cast<__m512bh>(_mm512_inserti64x4(
+        _mm512_castsi256_si512(reinterpret_cast<__m256i>(lo[0])), reinterpret_cast<__m256i>(lo[1]),
+        1));
+  }
+}
+
+template <int kHeads, int kPairs>
+ATTNSERVE_TARGET_AVX512_BF16 __attribute__((always_inline)) inline void GroupScoresDpPass(
+    const float* q, BlockRows<Bf16> k, int64_t keys, int64_t head_dim, float* s, int64_t s_stride,
+    bool prefetch) {
+  SplitBf16Query<kPairs> qs[kHeads];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) SplitQueryRow(q + h * head_dim, qs[h]);
+  auto dot = [&](const Bf16* row, __m512* t) ATTNSERVE_TARGET_AVX512_BF16 {
+    __m512bh w[kPairs];
+#pragma GCC unroll 4
+    for (int c = 0; c < kPairs; ++c) {
+      w[c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(row + 32 * c));
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      __m512 x = _mm512_dpbf16_ps(_mm512_setzero_ps(), qs[h].hi[0], w[0]);
+      x = _mm512_dpbf16_ps(x, qs[h].lo[0], w[0]);
+#pragma GCC unroll 4
+      for (int c = 1; c < kPairs; ++c) {
+        x = _mm512_dpbf16_ps(x, qs[h].hi[c], w[c]);
+        x = _mm512_dpbf16_ps(x, qs[h].lo[c], w[c]);
+      }
+      t[h] = x;
+    }
+  };
+  for (int64_t j0 = 0; j0 < keys; j0 += k.block_rows) {
+    const Bf16* block = k.blocks[j0 / k.block_rows];
+    const Bf16* next = prefetch ? NextBlock(k, j0) : nullptr;
+    const int64_t n = std::min(k.block_rows, keys - j0);
+    for (int64_t j = 0; j < n; j += 4) {
+      const int64_t count = std::min<int64_t>(4, n - j);
+      if (next) {
+        for (int64_t r = 0; r < count; ++r) PrefetchRow(k, next, j0, j + r, head_dim);
+      }
+      __m512 t[4][kHeads];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) {
+        if (r < count) {
+          dot(block + (j + r) * head_dim, t[r]);
+        } else {
+          for (int h = 0; h < kHeads; ++h) t[r][h] = _mm512_setzero_ps();
+        }
+      }
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeads; ++h) {
+        _mm_mask_storeu_ps(s + h * s_stride + j0 + j, static_cast<__mmask8>(FirstLanes(count)),
+                           LaneSums4(t[0][h], t[1][h], t[2][h], t[3][h]));
+      }
+    }
+  }
+}
+
+// Two heads a pass (the split query rows, eight sums and the K row in the 32
+// registers up to head_dim 128), the first pass prefetching.
+template <int kPairs>
+ATTNSERVE_TARGET_AVX512_BF16 void GroupScoresDp(const float* q, int64_t group, BlockRows<Bf16> k,
+                                                int64_t keys, int64_t head_dim, float* s,
+                                                int64_t s_stride) {
+  int64_t h = 0;
+  for (; h + 2 <= group; h += 2) {
+    GroupScoresDpPass<2, kPairs>(q + h * head_dim, k, keys, head_dim, s + h * s_stride, s_stride,
+                                 h == 0);
+  }
+  if (h < group) {
+    GroupScoresDpPass<1, kPairs>(q + h * head_dim, k, keys, head_dim, s + h * s_stride, s_stride,
+                                 h == 0);
+  }
+}
+
+// True (and done) when the VDPBF16PS kernel takes this head_dim.
+ATTNSERVE_TARGET_AVX512_BF16 bool GroupScoresBf16Dp(const float* q, int64_t group,
+                                                    BlockRows<Bf16> k, int64_t keys,
+                                                    int64_t head_dim, float* s,
+                                                    int64_t s_stride) {
+  switch (head_dim) {
+    case 32: GroupScoresDp<1>(q, group, k, keys, head_dim, s, s_stride); return true;
+    case 64: GroupScoresDp<2>(q, group, k, keys, head_dim, s, s_stride); return true;
+    case 96: GroupScoresDp<3>(q, group, k, keys, head_dim, s, s_stride); return true;
+    case 128: GroupScoresDp<4>(q, group, k, keys, head_dim, s, s_stride); return true;
+    default: return false;
+  }
+}
 #endif  // ATTNSERVE_X86_INTRINSICS
 
 // The portable versions, vectorized by the compiler.
@@ -736,11 +861,17 @@ void PortableValues(const float* p, const Bf16* v, int64_t keys, int64_t head_di
   Values(p, v, keys, head_dim, alpha, acc);
 }
 
+// kAvx512 and kAvx512Bf16 share the AVX-512 kernels (kAvx512Bf16 differs in
+// GroupScoresOn only).
+bool IsAvx512(DecodeKernel kernel) {
+  return kernel == DecodeKernel::kAvx512 || kernel == DecodeKernel::kAvx512Bf16;
+}
+
 template <typename T>
 void ScoresOn(DecodeKernel kernel, const float* q, const T* k, int64_t keys, int64_t head_dim,
               float* s) {
 #if defined(ATTNSERVE_X86_INTRINSICS)
-  if (kernel == DecodeKernel::kAvx512 && head_dim <= kMaxAvx512HeadDim) {
+  if (IsAvx512(kernel) && head_dim <= kMaxAvx512HeadDim) {
     if constexpr (std::is_same_v<T, Bf16>) {
       if (ScoresBf16Pairs(q, k, keys, head_dim, s)) return;
     }
@@ -756,7 +887,7 @@ template <typename T>
 void ValuesOn(DecodeKernel kernel, const float* p, const T* v, int64_t keys, int64_t head_dim,
               float alpha, float* acc) {
 #if defined(ATTNSERVE_X86_INTRINSICS)
-  if (kernel == DecodeKernel::kAvx512 && head_dim <= kMaxAvx512HeadDim) {
+  if (IsAvx512(kernel) && head_dim <= kMaxAvx512HeadDim) {
     return ValuesAvx512(p, v, keys, head_dim, alpha, acc);
   }
   if (kernel != DecodeKernel::kPortable) return ValuesAvx2(p, v, keys, head_dim, alpha, acc);
@@ -771,7 +902,12 @@ template <typename T>
 void GroupScoresOn(DecodeKernel kernel, const float* q, int64_t group, BlockRows<T> k,
                    int64_t keys, int64_t head_dim, float* s, int64_t s_stride) {
 #if defined(ATTNSERVE_X86_INTRINSICS)
-  if (kernel == DecodeKernel::kAvx512 && head_dim <= kMaxAvx512HeadDim) {
+  if (kernel == DecodeKernel::kAvx512Bf16 && head_dim <= kMaxAvx512HeadDim) {
+    if constexpr (std::is_same_v<T, Bf16>) {
+      if (GroupScoresBf16Dp(q, group, k, keys, head_dim, s, s_stride)) return;
+    }
+  }
+  if (IsAvx512(kernel) && head_dim <= kMaxAvx512HeadDim) {
     return GroupScoresAvx512(q, group, k, keys, head_dim, s, s_stride);
   }
 #endif
@@ -789,7 +925,7 @@ void GroupValuesOn(DecodeKernel kernel, const float* p, int64_t p_stride, int64_
                    BlockRows<T> v, int64_t keys, int64_t head_dim, const float* alpha,
                    float* acc) {
 #if defined(ATTNSERVE_X86_INTRINSICS)
-  if (kernel == DecodeKernel::kAvx512 && head_dim <= kMaxAvx512HeadDim) {
+  if (IsAvx512(kernel) && head_dim <= kMaxAvx512HeadDim) {
     return GroupValuesAvx512(p, p_stride, group, v, keys, head_dim, alpha, acc);
   }
 #endif
@@ -809,6 +945,7 @@ void GroupValuesOn(DecodeKernel kernel, const float* p, int64_t p_stride, int64_
 
 DecodeKernel BestKernel() {
 #if defined(ATTNSERVE_X86_INTRINSICS)
+  if (CpuHasAvx512Bf16()) return DecodeKernel::kAvx512Bf16;
   if (CpuHasAvx512()) return DecodeKernel::kAvx512;
   if (CpuHasAvx2Fma()) return DecodeKernel::kAvx2;
 #endif
@@ -827,6 +964,8 @@ bool DecodeKernelRuns(DecodeKernel kernel) {
     case DecodeKernel::kAvx512:
       // Its rows past kMaxAvx512HeadDim run the AVX2 kernels.
       return CpuHasAvx512() && CpuHasAvx2Fma();
+    case DecodeKernel::kAvx512Bf16:
+      return CpuHasAvx512Bf16() && CpuHasAvx2Fma();
 #endif
     default:
       return false;

@@ -41,14 +41,30 @@ struct BlockRows {
   int64_t next_keys = 0;
 };
 
+// The block of rows.next_blocks that the keys from j0 (a block's first key)
+// pair with, or nullptr when the next span has no keys there. The kernels
+// look it up once a block: a division per row measured in the profiles.
+template <typename T>
+inline const T* NextBlock(const BlockRows<T>& rows, int64_t j0) {
+  return j0 < rows.next_keys ? rows.next_blocks[j0 / rows.block_rows] : nullptr;
+}
+
+// Prefetches row j of `next` (NextBlock(rows, j0)), key j0 + j of the next
+// span, if it has that key, towards L2.
+template <typename T>
+inline void PrefetchRow(const BlockRows<T>& rows, const T* next, int64_t j0, int64_t j,
+                        int64_t head_dim) {
+  if (j0 + j >= rows.next_keys) return;
+  const char* row = reinterpret_cast<const char*>(next + j * head_dim);
+  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+}
+
 // Prefetches row j of rows.next_blocks (if j < rows.next_keys), towards L2.
 template <typename T>
 inline void PrefetchNextRow(const BlockRows<T>& rows, int64_t j, int64_t head_dim) {
-  if (j >= rows.next_keys) return;
-  const char* row = reinterpret_cast<const char*>(rows.next_blocks[j / rows.block_rows] +
-                                                  (j % rows.block_rows) * head_dim);
-  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+  const int64_t j0 = j - j % rows.block_rows;
+  if (const T* next = NextBlock(rows, j0)) PrefetchRow(rows, next, j0, j - j0, head_dim);
 }
 
 // The G (`group`) query heads that share one KV head, over `keys` keys of it:
@@ -70,9 +86,11 @@ void DecodeGroupValues(const float* p, int64_t p_stride, int64_t group, BlockRow
                        int64_t keys, int64_t head_dim, const float* alpha, float* acc);
 
 // The implementations, for tests: DecodeScores and DecodeValues run the first
-// of kAvx512, kAvx2, kPortable that runs here (by the CPU's features: AVX-512
-// F/BW/DQ/VL; AVX2 and FMA).
-enum class DecodeKernel { kPortable, kAvx2, kAvx512 };
+// of kAvx512Bf16, kAvx512, kAvx2, kPortable that runs here (by the CPU's
+// features: AVX-512 F/BW/DQ/VL and AVX512_BF16; AVX-512 F/BW/DQ/VL; AVX2 and
+// FMA). kAvx512Bf16 is kAvx512 but for the group scores of BF16 rows (head_dim
+// a multiple of 32), which take VDPBF16PS instead of widening the rows.
+enum class DecodeKernel { kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 bool DecodeKernelRuns(DecodeKernel kernel);
 void DecodeScoresOn(DecodeKernel kernel, const float* q, const float* k, int64_t keys,
                     int64_t head_dim, float* s);

@@ -29,6 +29,8 @@
 //              do. The passes roughly double each row's wall time, and each
 //              empties the caches before the next call
 //   KV_MB      K/V bytes one call reads
+// BM_PagedDecodeInCache/...: one session's step called again on the same
+// cache, whose KV stays in L3: the arithmetic's own time (KV_GBps only).
 //
 // BM_ExtendStep/seqs/context/d_model/heads/kv_heads/bf16_kv: the whole
 // in-process decode step, AttentionLayer::Extend with one new token per
@@ -276,13 +278,16 @@ void Fill(LayerKvCache& cache, int64_t context, uint32_t seed) {
   }
 }
 
-void BM_PagedDecode(benchmark::State& state) {
+// One decode step of `seqs` sequences over groups of caches: rotated so that
+// their KV is >= 4x L3 (from memory), or one group called again and again
+// (in_cache: its KV stays in the caches, the arithmetic's own time).
+void PagedDecode(benchmark::State& state, bool in_cache) {
   const int64_t seqs = state.range(0), context = state.range(1);
   const int heads = static_cast<int>(state.range(2)), kv_heads = static_cast<int>(state.range(3));
   const KvLayout layout{kv_heads, 64, state.range(4) ? KvPrecision::kBf16 : KvPrecision::kFp32};
   const int64_t call_bytes = seqs * context * layout.token_bytes();
-  // Groups of `seqs` sequences, rotated so that their KV is >= 4x L3.
-  const int64_t groups = std::max<int64_t>(2, (4 * L3Bytes() + call_bytes - 1) / call_bytes);
+  const int64_t groups =
+      in_cache ? 1 : std::max<int64_t>(2, (4 * L3Bytes() + call_bytes - 1) / call_bytes);
   const int block_tokens = 32;
   const int64_t blocks = groups * seqs * ((context + block_tokens - 1) / block_tokens);
   std::unique_ptr<KvBlockPool> pool =
@@ -306,6 +311,13 @@ void BM_PagedDecode(benchmark::State& state) {
   for (const auto& group : items) {
     if (!PagedAttention(group).ok()) std::abort();  // warm-up, one pass over all
   }
+  if (in_cache) {
+    for (auto _ : state) benchmark::DoNotOptimize(PagedAttention(items[0]));
+    state.counters["KV_GBps"] = benchmark::Counter(static_cast<double>(call_bytes) * 1e-9,
+                                                   benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["KV_MB"] = static_cast<double>(call_bytes) * 1e-6;
+    return;
+  }
   TimedCalls timed(state);
   for (auto _ : state) {
     const auto& group = items[static_cast<size_t>(timed.calls() % groups)];
@@ -318,6 +330,9 @@ void BM_PagedDecode(benchmark::State& state) {
   state.counters["KV_MB"] = static_cast<double>(call_bytes) * 1e-6;
   state.counters["rotated_MB"] = static_cast<double>(groups * call_bytes) * 1e-6;
 }
+
+void BM_PagedDecode(benchmark::State& state) { PagedDecode(state, /*in_cache=*/false); }
+void BM_PagedDecodeInCache(benchmark::State& state) { PagedDecode(state, /*in_cache=*/true); }
 
 void Scenarios(benchmark::internal::Benchmark* b) {
   b->ArgNames({"seqs", "context", "heads", "kv_heads", "bf16"});
@@ -332,6 +347,23 @@ void Scenarios(benchmark::internal::Benchmark* b) {
   }
 }
 BENCHMARK(BM_PagedDecode)->Apply(Scenarios)->Unit(benchmark::kMicrosecond)->UseRealTime();
+
+// One session's KV called again and again, small enough to stay in L3 (4-17
+// MB against the L3 printed above; the MHA row at context 2048, half the
+// context of BM_PagedDecode's): the time is the arithmetic's and the caches',
+// not memory's, what a step would take if memory were free. A kernel cannot
+// read memory faster than it computes: KV_GBps here bounds of_probe above.
+void InCacheScenarios(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"seqs", "context", "heads", "kv_heads", "bf16"});
+  for (int bf16 : {0, 1}) {
+    b->Args({1, 2048, 16, 16, bf16});
+    b->Args({1, 4096, 16, 4, bf16});
+  }
+}
+BENCHMARK(BM_PagedDecodeInCache)
+    ->Apply(InCacheScenarios)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 
 // Groups of `seqs` caches of `context` - 1 tokens, rotated so that their KV
 // is >= 4x L3, with each group's items (one new token each) over shared

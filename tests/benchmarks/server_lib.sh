@@ -12,11 +12,11 @@ start_server() {
   env ${SERVER_ENV:-} "$BUILD/server/attnserve" --listen_address=127.0.0.1:0 --metrics_address= "$@" >"$log" 2>&1 &
   PID=$!
   for _ in $(seq 100); do
-    grep -q SERVING "$log" && break
+    grep -q "attnserve: SERVING" "$log" && break
     sleep 0.1
   done
   PORT="$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$log" | head -1)"
-  if [[ -z "$PORT" ]] || ! grep -q SERVING "$log"; then
+  if [[ -z "$PORT" ]] || ! grep -q "attnserve: SERVING" "$log"; then
     cat "$log" >&2
     rm -f "$log"
     kill "$PID" 2>/dev/null || true

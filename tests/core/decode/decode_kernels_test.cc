@@ -33,7 +33,8 @@ constexpr double kTolerance = 1e-5;
 
 std::vector<DecodeKernel> Kernels() {
   std::vector<DecodeKernel> kernels;
-  for (DecodeKernel kernel : {DecodeKernel::kPortable, DecodeKernel::kAvx2, DecodeKernel::kAvx512}) {
+  for (DecodeKernel kernel : {DecodeKernel::kPortable, DecodeKernel::kAvx2, DecodeKernel::kAvx512,
+                              DecodeKernel::kAvx512Bf16}) {
     if (DecodeKernelRuns(kernel)) kernels.push_back(kernel);
   }
   return kernels;
@@ -44,9 +45,10 @@ TEST(DecodeKernels, EachKernelRunsWhereTheCpuHasItsInstructions) {
   const std::set<std::string> flags = ::attnserve::testing::CpuInfoFlags();
   const bool avx2 = flags.count("avx2") && flags.count("fma");
   EXPECT_EQ(DecodeKernelRuns(DecodeKernel::kAvx2), avx2);
-  EXPECT_EQ(DecodeKernelRuns(DecodeKernel::kAvx512),
-            avx2 && flags.count("avx512f") && flags.count("avx512bw") && flags.count("avx512dq") &&
-                flags.count("avx512vl"));
+  const bool avx512 = avx2 && flags.count("avx512f") && flags.count("avx512bw") &&
+                     flags.count("avx512dq") && flags.count("avx512vl");
+  EXPECT_EQ(DecodeKernelRuns(DecodeKernel::kAvx512), avx512);
+  EXPECT_EQ(DecodeKernelRuns(DecodeKernel::kAvx512Bf16), avx512 && flags.count("avx512_bf16"));
 }
 
 // k and v rows [keys, head_dim] in FP32 and as BF16 (the BF16 ones widened
