@@ -475,28 +475,14 @@ ATTNSERVE_TARGET_AVX512 inline __m128 LaneSums4(__m512 t0, __m512 t1, __m512 t2,
   return _mm_add_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
 }
 
-// Scores of kHeads query rows (q rows of head_dim floats) over the keys,
-// four keys at a time: each K row loaded and widened once, its products with
-// every head's query row, and the four keys' sums reduced together per head.
-template <int kHeads, typename Rows, typename T>
-ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void GroupScoresPass(
-    const Rows& rows, const float* q, BlockRows<T> k, int64_t keys, int64_t head_dim, float* s,
-    int64_t s_stride, bool prefetch) {
-  constexpr int kV = Rows::kVectors;
-  __m512 qv[kHeads][kV];
-#pragma GCC unroll 4
-  for (int h = 0; h < kHeads; ++h) rows.Floats(q + h * head_dim, qv[h]);
-  auto dot = [&](const T* row, __m512* t) ATTNSERVE_TARGET_AVX512 {
-    __m512 w[kV];
-    rows.Row(row, w);
-#pragma GCC unroll 4
-    for (int h = 0; h < kHeads; ++h) {
-      __m512 x = _mm512_mul_ps(qv[h][0], w[0]);
-#pragma GCC unroll 8
-      for (int c = 1; c < kV; ++c) x = _mm512_fmadd_ps(qv[h][c], w[c], x);
-      t[h] = x;
-    }
-  };
+// The loop over the keys of the group scores passes: `dot(row, t)` puts a K
+// row's products with the pass's kHeads query rows in t[0 .. kHeads), each a
+// vector to be summed; four keys' vectors are reduced together per head into
+// s. With `prefetch`, the next span's rows are prefetched as these are read.
+template <int kHeads, typename T, typename Dot>
+ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void ScoreKeysByFour(
+    BlockRows<T> k, int64_t keys, int64_t head_dim, float* s, int64_t s_stride, bool prefetch,
+    const Dot& dot) {
   for (int64_t j0 = 0; j0 < keys; j0 += k.block_rows) {
     const T* block = k.blocks[j0 / k.block_rows];
     const T* next = prefetch ? NextBlock(k, j0) : nullptr;
@@ -535,6 +521,31 @@ ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void GroupScoresPa
       }
     }
   }
+}
+
+// Scores of kHeads query rows (q rows of head_dim floats) over the keys,
+// four keys at a time: each K row loaded and widened once, its products with
+// every head's query row, and the four keys' sums reduced together per head.
+template <int kHeads, typename Rows, typename T>
+ATTNSERVE_TARGET_AVX512 __attribute__((always_inline)) inline void GroupScoresPass(
+    const Rows& rows, const float* q, BlockRows<T> k, int64_t keys, int64_t head_dim, float* s,
+    int64_t s_stride, bool prefetch) {
+  constexpr int kV = Rows::kVectors;
+  __m512 qv[kHeads][kV];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) rows.Floats(q + h * head_dim, qv[h]);
+  auto dot = [&](const T* row, __m512* t) ATTNSERVE_TARGET_AVX512 {
+    __m512 w[kV];
+    rows.Row(row, w);
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      __m512 x = _mm512_mul_ps(qv[h][0], w[0]);
+#pragma GCC unroll 8
+      for (int c = 1; c < kV; ++c) x = _mm512_fmadd_ps(qv[h][c], w[c], x);
+      t[h] = x;
+    }
+  };
+  ScoreKeysByFour<kHeads>(k, keys, head_dim, s, s_stride, prefetch, dot);
 }
 
 // acc [h] = acc [h] * alpha [h] + p [h] x V for kHeads rows, the accumulator
@@ -721,7 +732,7 @@ ATTNSERVE_TARGET_AVX512 void GroupValuesAvx512(const float* p, int64_t p_stride,
 // of |q_d k_d|, below the FP32 kernels' test tolerance of 1e-5 of it); the K
 // rows are used as stored, never widened. At head_dim 64 a key and head take
 // four VDPBF16PS where the widening kernels take four FMAs and, per key, four
-// shifts or masks. The passes and the prefetch are GroupScoresPass's.
+// shifts or masks. The key loop and the prefetch are ScoreKeysByFour's.
 template <int kPairs>
 struct SplitBf16Query {
   __m512bh hi[kPairs], lo[kPairs];
@@ -779,31 +790,7 @@ ATTNSERVE_TARGET_AVX512_BF16 __attribute__((always_inline)) inline void GroupSco
       t[h] = x;
     }
   };
-  for (int64_t j0 = 0; j0 < keys; j0 += k.block_rows) {
-    const Bf16* block = k.blocks[j0 / k.block_rows];
-    const Bf16* next = prefetch ? NextBlock(k, j0) : nullptr;
-    const int64_t n = std::min(k.block_rows, keys - j0);
-    for (int64_t j = 0; j < n; j += 4) {
-      const int64_t count = std::min<int64_t>(4, n - j);
-      if (next) {
-        for (int64_t r = 0; r < count; ++r) PrefetchRow(k, next, j0, j + r, head_dim);
-      }
-      __m512 t[4][kHeads];
-#pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
-        if (r < count) {
-          dot(block + (j + r) * head_dim, t[r]);
-        } else {
-          for (int h = 0; h < kHeads; ++h) t[r][h] = _mm512_setzero_ps();
-        }
-      }
-#pragma GCC unroll 4
-      for (int h = 0; h < kHeads; ++h) {
-        _mm_mask_storeu_ps(s + h * s_stride + j0 + j, static_cast<__mmask8>(FirstLanes(count)),
-                           LaneSums4(t[0][h], t[1][h], t[2][h], t[3][h]));
-      }
-    }
-  }
+  ScoreKeysByFour<kHeads>(k, keys, head_dim, s, s_stride, prefetch, dot);
 }
 
 // Two heads a pass (the split query rows, eight sums and the K row in the 32
