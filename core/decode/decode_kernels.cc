@@ -728,9 +728,10 @@ ATTNSERVE_TARGET_AVX512 void GroupValuesAvx512(const float* p, int64_t p_stride,
 // Group scores of BF16 K rows by VDPBF16PS, which multiplies BF16 pairs
 // exactly and sums them in FP32: each query row is split once into BF16
 // pairs hi (the row rounded) and lo (the rest, rounded), and q . k = hi . k +
-// lo . k holds q to 16 significant bits (an error of at most 2^-18 of the sum
-// of |q_d k_d|, below the FP32 kernels' test tolerance of 1e-5 of it); the K
-// rows are used as stored, never widened. At head_dim 64 a key and head take
+// lo . k holds q to 16 significant bits (each q_d within 2^-16 of itself:
+// 1/256 of the rounding the BF16 K rows already carry; the decode kernels'
+// test holds it to 1e-5 of the sum of |q_d k_d| against double precision, as
+// the FP32 kernels); the K rows are used as stored, never widened. At head_dim 64 a key and head take
 // four VDPBF16PS where the widening kernels take four FMAs and, per key, four
 // shifts or masks. The key loop and the prefetch are ScoreKeysByFour's.
 template <int kPairs>

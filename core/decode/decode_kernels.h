@@ -69,9 +69,10 @@ inline void PrefetchNextRow(const BlockRows<T>& rows, int64_t j, int64_t head_di
 
 // The G (`group`) query heads that share one KV head, over `keys` keys of it:
 // s [r, keys] (row r at s + r * s_stride) = K x q [r] (q rows [group,
-// head_dim] contiguous), unscaled. Each K row is read, and a BF16 one widened,
-// once for several heads (as many as the registers hold), and the call spans
-// blocks (no per-block dispatch). Thread-safe (writes only s).
+// head_dim] contiguous), unscaled. Each K row is read, and a BF16 one widened
+// (or, with AVX512_BF16, multiplied as stored by VDPBF16PS), once for several
+// heads (as many as the registers hold), and the call spans blocks (no
+// per-block dispatch). Thread-safe (writes only s).
 void DecodeGroupScores(const float* q, int64_t group, BlockRows<float> k, int64_t keys,
                        int64_t head_dim, float* s, int64_t s_stride);
 void DecodeGroupScores(const float* q, int64_t group, BlockRows<Bf16> k, int64_t keys,
