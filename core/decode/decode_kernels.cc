@@ -728,12 +728,17 @@ ATTNSERVE_TARGET_AVX512 void GroupValuesAvx512(const float* p, int64_t p_stride,
 // Group scores of BF16 K rows by VDPBF16PS, which multiplies BF16 pairs
 // exactly and sums them in FP32: each query row is split once into BF16
 // pairs hi (the row rounded) and lo (the rest, rounded), and q . k = hi . k +
-// lo . k holds q to 16 significant bits (each q_d within 2^-16 of itself:
-// 1/256 of the rounding the BF16 K rows already carry; the decode kernels'
-// test holds it to 1e-5 of the sum of |q_d k_d| against double precision, as
-// the FP32 kernels); the K rows are used as stored, never widened. At head_dim 64 a key and head take
-// four VDPBF16PS where the widening kernels take four FMAs and, per key, four
-// shifts or masks. The key loop and the prefetch are ScoreKeysByFour's.
+// lo . k holds q to 16 significant bits (hi + lo within 2^-17 of q_d,
+// relative: 1/512 of the rounding the BF16 K rows already carry; the decode
+// kernels' test holds the scores to 1e-5 of the sum of |q_d k_d| against
+// double precision, as the FP32 kernels). The BF16 instructions flush
+// subnormals (a q_d under 2^-126 counts as 0, its lo part under about
+// 2^-118), and a q_d at or past BF16's largest finite value (3.39e38) would
+// score NaN: neither reaches a query row of a finite layer here. The K rows
+// are used as stored, never widened. At head_dim 64 a key and head take four
+// VDPBF16PS where the widening kernels take a multiply and three FMAs and,
+// per key, four shifts or masks. The key loop and the prefetch are
+// ScoreKeysByFour's.
 template <int kPairs>
 struct SplitBf16Query {
   __m512bh hi[kPairs], lo[kPairs];
@@ -795,11 +800,13 @@ ATTNSERVE_TARGET_AVX512_BF16 __attribute__((always_inline)) inline void GroupSco
 }
 
 // Two heads a pass (the split query rows, eight sums and the K row in the 32
-// registers up to head_dim 128), the first pass prefetching.
+// registers up to head_dim 128), the first pass prefetching. Flattened: the
+// passes' `dot` lambdas carry the BF16 target, which ScoreKeysByFour (AVX-512
+// only) cannot inline by itself; everything is inlined here instead.
 template <int kPairs>
-ATTNSERVE_TARGET_AVX512_BF16 void GroupScoresDp(const float* q, int64_t group, BlockRows<Bf16> k,
-                                                int64_t keys, int64_t head_dim, float* s,
-                                                int64_t s_stride) {
+ATTNSERVE_TARGET_AVX512_BF16 __attribute__((flatten)) void GroupScoresDp(
+    const float* q, int64_t group, BlockRows<Bf16> k, int64_t keys, int64_t head_dim, float* s,
+    int64_t s_stride) {
   int64_t h = 0;
   for (; h + 2 <= group; h += 2) {
     GroupScoresDpPass<2, kPairs>(q + h * head_dim, k, keys, head_dim, s + h * s_stride, s_stride,

@@ -3,9 +3,10 @@
 
 // Private to core/: the row loops of the decode attention
 // (core/decode/paged_attention.h) over one KV head's rows of one cache block,
-// FP32 accumulation, BF16 rows widened as they are read. Two
-// implementations, the first that runs on this CPU chosen once by its
-// features: AVX-512 intrinsics (scores sixteen keys at a time, each key's
+// FP32 accumulation, BF16 rows widened as they are read (but the group scores'
+// on CPUs with AVX512_BF16: VDPBF16PS against the query rows split into BF16
+// hi + lo). The first implementation that runs on this CPU is chosen once by
+// its features: AVX-512 intrinsics (scores sixteen keys at a time, each key's
 // products reduced together; P V with two accumulator rows in registers, for
 // head_dim up to 128, longer rows as AVX2), AVX2+FMA intrinsics (scores eight
 // keys at a time with independent accumulators; P V with the accumulator row

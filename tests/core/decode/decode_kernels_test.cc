@@ -1,10 +1,12 @@
-// Each implementation of the decode row loops that runs here (AVX2+FMA
-// intrinsics, portable) against double precision, over head_dims and key
-// counts around the vector widths (tails of dimensions and of keys).
-// Tolerance: |error| <= 1e-5 * the sum of the terms' magnitudes (sum_d
-// |q_d k_jd| for a score, |alpha acc_d| + sum_j |p_j v_jd| for a value), the
-// scale of FP32 summation error (about n 2^-24 of it for n <= 131 terms); a
-// bound relative to the result alone fails on sums that cancel.
+// Each implementation of the decode row loops that runs here (AVX-512 with
+// and without AVX512_BF16, AVX2+FMA intrinsics, portable) against double
+// precision, over head_dims and key counts around the vector widths (tails of
+// dimensions and of keys). Tolerance: |error| <= 1e-5 * the sum of the terms'
+// magnitudes (sum_d |q_d k_jd| for a score, |alpha acc_d| + sum_j |p_j v_jd|
+// for a value), the scale of FP32 summation error (about n 2^-24 of it for n
+// <= 131 terms), which also holds the VDPBF16PS scores of BF16 rows (their
+// query rows split into BF16 hi + lo: within 2^-17 of each q_d, plus the
+// summation); a bound relative to the result alone fails on sums that cancel.
 #include "core/decode/decode_kernels.h"
 
 #include <algorithm>
@@ -228,6 +230,35 @@ TEST(DecodeKernels, GroupKernelsMatchDoublePrecision) {
       }
     }
   }
+}
+
+// Where the CPU has AVX512_BF16, kAvx512Bf16's group scores of BF16 rows are
+// not kAvx512's widening kernel under another name: the two sum in different
+// orders, so over 64 random scores some differ in their last bits (each
+// within the tolerance above, which the test before checks), while the FP32
+// rows' scores, which both take through the same kernel, agree bit for bit.
+TEST(DecodeKernels, Avx512Bf16TakesItsOwnPathForBf16GroupScores) {
+  if (!DecodeKernelRuns(DecodeKernel::kAvx512Bf16)) {
+    GTEST_SKIP() << "this CPU has no AVX512_BF16";
+  }
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  constexpr int64_t kHd = 64, kGroup = 4, kKeys = 16;
+  const Rows k(static_cast<size_t>(kKeys * kHd), rng);
+  const std::vector<float> q = RandomNormal(static_cast<size_t>(kGroup * kHd), rng);
+  auto scores = [&](DecodeKernel kernel, auto* rows) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(rows)>>;
+    const T* blocks[] = {rows};
+    std::vector<float> s(static_cast<size_t>(kGroup * kKeys));
+    DecodeGroupScoresOn(kernel, q.data(), kGroup, BlockRows<T>{blocks, kKeys, nullptr, 0}, kKeys,
+                        kHd, s.data(), kKeys);
+    return s;
+  };
+  EXPECT_NE(scores(DecodeKernel::kAvx512Bf16, k.bf16.data()),
+            scores(DecodeKernel::kAvx512, k.bf16.data()));
+  EXPECT_EQ(scores(DecodeKernel::kAvx512Bf16, k.fp32.data()),
+            scores(DecodeKernel::kAvx512, k.fp32.data()));
 }
 
 }  // namespace
