@@ -170,12 +170,17 @@ ATTNSERVE_TARGET_AVX2_FMA void ValuesAvx2(const float* p, const T* v, int64_t ke
 // masked loads of its last 16 dimensions; longer rows take the AVX2 kernels.
 constexpr int64_t kMaxAvx512HeadDim = 128;
 
+// 16 BF16 values (their bits) widened to floats: each shifted into the high
+// half of its 32-bit lane.
+ATTNSERVE_TARGET_AVX512 inline __m512 Widen16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 ATTNSERVE_TARGET_AVX512 inline __m512 Load16(__mmask16 mask, const float* p) {
   return _mm512_maskz_loadu_ps(mask, p);
 }
 ATTNSERVE_TARGET_AVX512 inline __m512 Load16(__mmask16 mask, const Bf16* p) {
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return Widen16(_mm256_maskz_loadu_epi16(mask, p));
 }
 
 // Lane i of the result = the sum of t[i]'s 16 lanes: a tree of unpacks and
@@ -206,8 +211,7 @@ ATTNSERVE_TARGET_AVX512 inline __m512 LaneSums16(const __m512* t) {
 
 ATTNSERVE_TARGET_AVX512 inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
 ATTNSERVE_TARGET_AVX512 inline __m512 Load16(const Bf16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return Widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // Row chunk c of kChunks (16 dimensions each), the last one `last` masked
@@ -744,11 +748,6 @@ struct SplitBf16Query {
   __m512bh hi[kPairs], lo[kPairs];
 };
 
-// BF16 values of 16 floats, as the low halves of 16 words widened back.
-ATTNSERVE_TARGET_AVX512_BF16 inline __m512 WidenedBack(__m256bh x) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(x)), 16));
-}
 
 template <int kPairs>
 ATTNSERVE_TARGET_AVX512_BF16 __attribute__((always_inline)) inline void SplitQueryRow(
@@ -759,7 +758,7 @@ ATTNSERVE_TARGET_AVX512_BF16 __attribute__((always_inline)) inline void SplitQue
     for (int half = 0; half < 2; ++half) {
       const __m512 x = _mm512_loadu_ps(q + 32 * c + 16 * half);
       hi[half] = _mm512_cvtneps_pbh(x);
-      lo[half] = _mm512_cvtneps_pbh(_mm512_sub_ps(x, WidenedBack(hi[half])));
+      lo[half] = _mm512_cvtneps_pbh(_mm512_sub_ps(x, Widen16(reinterpret_cast<__m256i>(hi[half]))));
     }
     // Dimensions 32c ... 32c + 31 in order, as a K row's 32 BF16 values.
     out.hi[c] = reinterpret_cast<__m512bh>(_mm512_inserti64x4(
