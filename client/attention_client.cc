@@ -355,10 +355,16 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const v1::AttendReque
 }
 
 absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const WireRequest& request) const {
+  v1::AttendResponse response;
+  if (absl::Status status = Attend(request, &response); !status.ok()) return status;
+  return response;
+}
+
+absl::Status AttentionClient::Attend(const WireRequest& request,
+                                     v1::AttendResponse* response) const {
   grpc::ClientContext context;
   PrepareCall(options_, context);
   const grpc::ByteBuffer bytes = request.Bytes();
-  v1::AttendResponse response;
   // The request as bytes: gRPC takes the ByteBuffer's slices as they are (no
   // copy). Waited for on this thread, on a queue of the call's own, as the
   // generated stub's blocking calls do.
@@ -367,7 +373,9 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const WireRequest& re
   std::unique_ptr<grpc::ClientAsyncResponseReader<v1::AttendResponse>> call =
       attend_bytes_stub_->PrepareUnaryCall(&context, AttendMethod(), bytes, &queue);
   call->StartCall();
-  call->Finish(&response, &status, /*tag=*/&status);
+  // gRPC parses into the message as it is (protobuf's parse clears it
+  // first, which keeps its strings' capacity).
+  call->Finish(response, &status, /*tag=*/&status);
   void* tag = nullptr;
   bool ok = false;
   // Finish's tag always comes back, ok, once the call has ended.
@@ -382,7 +390,7 @@ absl::StatusOr<v1::AttendResponse> AttentionClient::Attend(const WireRequest& re
     return ExplainMessageSizeError(FromGrpc(status), request.size(),
                                    options_.max_receive_message_bytes);
   }
-  return response;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::Session> AttentionClient::OpenSession(

@@ -459,9 +459,16 @@ int RunAttend(const AttentionClient& client) {
   // tensors without copying them (WireRequest).
   std::optional<WireRequest> wire;
   if (!stream_maps) wire.emplace(v1::AttendRequest(call->request));
+  // Each call's answer is read into the last one's memory (Attend(const
+  // WireRequest&, AttendResponse*)).
+  if (!stream_maps) response.emplace();
   for (int64_t i = 0; i < repeat; ++i) {
     const auto start = std::chrono::steady_clock::now();
-    response = stream_maps ? client.AttendStream(call->request, &chunks) : client.Attend(*wire);
+    if (stream_maps) {
+      response = client.AttendStream(call->request, &chunks);
+    } else if (absl::Status status = client.Attend(*wire, &*response); !status.ok()) {
+      response = status;
+    }
     latencies_ms.push_back(
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
             .count());

@@ -3,7 +3,7 @@
 
   tests/benchmarks/transport_benchmark.py --server build/server/attnserve \\
       --attnctl build/client/attnctl --proto_dir proto [--calls 20] [--only REGEX] \\
-      [--fault_rounds 150]
+      [--fault_rounds 150] [--grpc_floor build/tests/benchmarks/grpc_floor]
 
 Starts attnserve (the built-in model, d_model 768, 12 heads) on a free loopback
 port and, for each request below, one at a time:
@@ -25,6 +25,16 @@ port and, for each request below, one at a time:
   - the loopback socket: the median time a TCP connection on 127.0.0.1 with
     warm buffers takes to carry the same request bytes one way and the
     response bytes back (one process, a thread at each end);
+  - gRPC's floor: the round trip of the same bytes through gRPC alone, a
+    grpc_floor server (tests/benchmarks/grpc_floor.cc; --grpc_floor) answering
+    from one buffer made at start, called by its C++ client (attnctl's call
+    style and allocator) and by grpcio with raw bytes: no message built,
+    parsed, validated or computed. The part of our transport above it is ours
+    (copies, parses, hand-offs); the part below it is gRPC's on this machine.
+    And "held": the same floor when the server holds each answer for the
+    request's compute time (the median of the stubs' calls) with two threads
+    reading memory meanwhile, as attnserve's compute does: what a call that
+    waits for a compute costs at least, wake-ups and cold caches included;
   - the server's minor page faults per call (/proc/PID/stat at each Python
     call's start, over max(--calls, --fault_rounds) rounds: the timed ones and
     untimed ones after them): their mean against the response's size in 4 KiB
@@ -223,6 +233,63 @@ def python_calls(ways, calls, pid, warm_up_calls, fault_rounds):
                    statistics.median(computes[way]) * 1e3) for way in ways}, size, faults)
 
 
+class GrpcFloor:
+    """gRPC's own cost of carrying a request's and a response's bytes: a
+    grpc_floor server (tests/benchmarks/grpc_floor.cc: it answers from one
+    buffer made at start, never reading the request), called by grpc_floor's
+    own C++ client and by grpcio with raw bytes (no message built or parsed on
+    either end). What any gRPC service's transport costs at least here."""
+
+    METHOD = "/attnserve.floor.Floor/Carry"
+
+    def __init__(self, binary):
+        self.binary = binary
+        self.proc = subprocess.Popen([binary, "serve"], stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        found = re.search(r"port (\d+)", line)
+        if not found:
+            self.proc.kill()
+            raise RuntimeError(f"grpc_floor serve did not say its port: {line!r}")
+        self.target = f"127.0.0.1:{found.group(1)}"
+
+    def cc_ms(self, request_bytes, response_bytes, calls, hold_ms=0.0):
+        """grpc_floor call: the median round trip, one call at a time on one
+        connection, after attnctl's number of warm-up calls; with hold_ms, the
+        server holds each answer that long with both cores reading memory (as
+        a compute would), and the figure is the round trip less the hold."""
+        done = subprocess.run([self.binary, "call", f"--target={self.target}",
+                               f"--request_bytes={request_bytes}", f"--response_bytes={response_bytes}",
+                               f"--calls={calls}", f"--warm_up_calls={WARM_UP_CALLS}",
+                               f"--hold_us={round(hold_ms * 1e3)}", "--hold_mode=busy"],
+                              capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"grpc_floor call failed: {done.stderr[-500:]}")
+        return json.loads(done.stdout)["median_ms"]
+
+    def python_ms(self, grpc, request_bytes, response_bytes, calls, warm_up_calls, hold_ms=0.0):
+        """The same from grpcio in this process (the package's allocator
+        setting applies to it as to the Python ways): bytes in, bytes out."""
+        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+        payload = b"q" * request_bytes
+        metadata = (("response-bytes", str(response_bytes)), ("hold-us", str(round(hold_ms * 1e3))),
+                    ("hold-mode", "busy"))
+        times = []
+        with grpc.insecure_channel(self.target, options=options) as channel:
+            call = channel.unary_unary(self.METHOD)
+            for i in range(warm_up_calls + calls):
+                t0 = time.perf_counter()
+                got = call(payload, metadata=metadata, timeout=600)
+                if i >= warm_up_calls:
+                    times.append(time.perf_counter() - t0 - hold_ms * 1e-3)
+                if len(got) != response_bytes:
+                    raise RuntimeError(f"grpc_floor answered {len(got)} bytes, not {response_bytes}")
+        return statistics.median(times) * 1e3
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
 def attnctl_calls(attnctl, target, batch, seq, maps, dtype, streamed, calls):
     """(median round trip ms, that minus the median of each call's round trip
     less its compute) from attnctl attend --repeat (--stream_maps: through
@@ -251,7 +318,15 @@ def main():
     parser.add_argument("--warm_up_calls", type=int, default=WARM_UP_CALLS,
                         help="uncounted calls of each Python way before the counted ones (the server's "
                         "allocator reaches its steady state over the first few dozen calls of a size)")
+    parser.add_argument("--grpc_floor", default="",
+                        help="the grpc_floor binary (default: beside --attnctl's build, "
+                        "tests/benchmarks/grpc_floor; the floor columns are left out when there is none)")
     args = parser.parse_args()
+    floor_binary = args.grpc_floor or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(args.attnctl))), "tests", "benchmarks", "grpc_floor")
+    if args.grpc_floor and not os.access(floor_binary, os.X_OK):
+        parser.error(f"--grpc_floor: {floor_binary} is not an executable")
+    floor = GrpcFloor(floor_binary) if os.access(floor_binary, os.X_OK) else None
     with tempfile.TemporaryDirectory() as stubs:
         generate_stubs(stubs, args.proto_dir)
         import grpc
@@ -274,8 +349,13 @@ def main():
                 print(f"CPU: {cpu_model()}; {args.calls} calls per request and way, one at a time, the Python "
                       "ways taking turns; medians; transport = round trip - the server's compute "
                       "(Python: each call's; C++: attnctl's); ratio = transport / socket; faults: the "
-                      f"server's, mean over the Python ways' {max(args.calls, args.fault_rounds)} rounds")
-                print(f"{'request':26} {'bytes':>9} {'socket':>8} {'compute':>8} | {'stubs':>8} {'ratio':>5} | "
+                      f"server's, mean over the Python ways' {max(args.calls, args.fault_rounds)} rounds; "
+                      "gRPC floor: grpc_floor's round trip for the same bytes (C++ and grpcio, no message "
+                      "built or parsed), ratio to the socket; held: the same with the answer held for the "
+                      "request's compute, both cores reading memory meanwhile (round trip less the hold)")
+                print(f"{'request':26} {'bytes':>9} {'socket':>8} | {'floor C++':>9} {'ratio':>5} | "
+                      f"{'held':>8} {'ratio':>5} | {'floor py':>8} {'ratio':>5} | {'held':>8} {'ratio':>5} | "
+                      f"{'compute':>8} | {'stubs':>8} {'ratio':>5} | "
                       f"{'pkg/pb':>8} {'ratio':>5} | {'package':>8} {'ratio':>5} | {'C++':>8} {'ratio':>5} | "
                       f"{'faults/call':>11} {'% of pages':>10} {'calls > 1%':>12}")
                 for name, batch, seq, maps, dtype, streamed in REQUESTS:
@@ -288,18 +368,29 @@ def main():
                     cc_trip, cc_compute = attnctl_calls(args.attnctl, server.target, batch, seq, maps,
                                                         dtype, streamed, args.calls)
                     compute = measured["stubs"][2]
+                    floor_columns = " | ".join(["        -     -"] * 4)
+                    if floor:
+                        floors = [floor.cc_ms(req_bytes, resp_bytes, args.calls),
+                                  floor.cc_ms(req_bytes, resp_bytes, args.calls, hold_ms=compute),
+                                  floor.python_ms(grpc, req_bytes, resp_bytes, args.calls, args.warm_up_calls),
+                                  floor.python_ms(grpc, req_bytes, resp_bytes, args.calls, args.warm_up_calls,
+                                                  hold_ms=compute)]
+                        floor_columns = " | ".join(f"{ms:7.2f}ms {ms / sock:5.2f}" for ms in floors)
                     columns = " | ".join(f"{measured[way][1]:7.2f}ms {measured[way][1] / sock:5.2f}"
                                          for way in ("stubs", "package via protobuf", "package"))
                     cc_transport = cc_trip - cc_compute
                     pages = resp_bytes / PAGE
                     faults = statistics.mean(call_faults)
                     over = sum(1 for f in call_faults if f > pages / 100)
-                    print(f"{name:26} {(req_bytes + resp_bytes) / 1e6:8.1f}M {sock:7.2f}ms {compute:7.2f}ms | "
+                    print(f"{name:26} {(req_bytes + resp_bytes) / 1e6:8.1f}M {sock:7.2f}ms | {floor_columns} | "
+                          f"{compute:7.2f}ms | "
                           f"{columns} | {cc_transport:7.2f}ms {cc_transport / sock:5.2f} | {faults:11.1f} "
                           f"{100 * faults / pages:9.2f}% {over:4d} of {len(call_faults):<4d}", flush=True)
                 client.close()
         finally:
             server.stop()
+            if floor:
+                floor.stop()
     return 0
 
 
