@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -95,8 +96,7 @@ absl::Status KvBlockPool::AllocateBlocks(const KvLayout& layout, int64_t count,
     fresh_bytes = *bytes;
     bytes_held_ += fresh_bytes;  // reserved while the memory is allocated
     for (int64_t i = fresh; i < count; ++i) {
-      const int32_t id = free_ids.back();
-      free_ids.pop_back();
+      const int32_t id = PopLowestFreeLocked(free_lists_[layout_index]);
       records_[id].references = 1;
       blocks.push_back(KvBlockHandle{id, records_[id].data});
     }
@@ -154,7 +154,7 @@ void KvBlockPool::Release(absl::Span<const KvBlockHandle> blocks) {
     if (--record.references == 1) --shared_blocks_;
     if (record.references > 0) continue;
     LayoutFreeList& list = free_lists_[record.layout_index];
-    list.free_ids.push_back(block.id);
+    PushFreeLocked(list, block.id);
     bytes_in_use_ -= list.block_bytes;
     --blocks_in_use_;
     ++free_blocks_;
@@ -231,6 +231,24 @@ bool KvBlockPool::MakeRoomLocked(int64_t bytes, int keep, std::vector<BlockMemor
     }
   }
   return true;
+}
+
+auto KvBlockPool::LowestOnTopLocked() const {
+  return [this](int32_t a, int32_t b) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return std::greater<const std::byte*>()(records_[a].data, records_[b].data);
+  };
+}
+
+void KvBlockPool::PushFreeLocked(LayoutFreeList& list, int32_t id) {
+  list.free_ids.push_back(id);
+  std::push_heap(list.free_ids.begin(), list.free_ids.end(), LowestOnTopLocked());
+}
+
+int32_t KvBlockPool::PopLowestFreeLocked(LayoutFreeList& list) {
+  std::pop_heap(list.free_ids.begin(), list.free_ids.end(), LowestOnTopLocked());
+  const int32_t id = list.free_ids.back();
+  list.free_ids.pop_back();
+  return id;
 }
 
 KvBlockHandle KvBlockPool::AddRecordLocked(std::byte* data, int layout_index) {
