@@ -38,7 +38,10 @@
 // calls): the projections, RoPE, the append, the paged attention over
 // `context` cached tokens and the output projection. Each cache holds
 // context - 1 tokens before the call and is truncated back after it (outside
-// the timed call). Counters:
+// the timed call). interleaved: 0, each cache's blocks filled one cache after
+// another (one run of memory each); 1, the caches filled a block's tokens at
+// a time, taking turns, so that their blocks alternate in memory as those of
+// sessions decoding in step do. Counters:
 //   tokens_per_s  new tokens per second (seqs per call)
 //   step_us       microseconds per call
 //   GBps          (KV bytes of every sequence + weight bytes once per call) / time
@@ -74,6 +77,9 @@
 
 namespace attnserve::core {
 namespace {
+
+// Tokens a KV block holds here: the server's default (--kv_block_tokens).
+constexpr int kBenchBlockTokens = 32;
 
 // Bytes of the last-level (L3) cache from sysfs; 32 MiB when unreadable.
 int64_t L3Bytes() {
@@ -288,7 +294,7 @@ void PagedDecode(benchmark::State& state, bool in_cache) {
   const int64_t call_bytes = seqs * context * layout.token_bytes();
   const int64_t groups =
       in_cache ? 1 : std::max<int64_t>(2, (4 * L3Bytes() + call_bytes - 1) / call_bytes);
-  const int block_tokens = 32;
+  const int block_tokens = kBenchBlockTokens;
   const int64_t blocks = groups * seqs * ((context + block_tokens - 1) / block_tokens);
   std::unique_ptr<KvBlockPool> pool =
       KvBlockPool::Create({blocks * KvBlockBytes(layout, block_tokens), block_tokens}).value();
@@ -375,11 +381,16 @@ struct ExtendGroups {
   std::vector<std::vector<ExtendItem>> items;
 };
 
+// `fill_tokens`: each group's caches are filled that many tokens at a time,
+// taking turns (0: each cache whole, one after another). With one block's
+// tokens a turn the caches' blocks alternate in memory, as sessions decoding
+// in step leave the blocks they grow by.
 ExtendGroups MakeExtendGroups(const HeadConfig& config, int64_t seqs, int64_t context,
-                              const KvLayout& layout, int64_t call_kv_bytes) {
+                              const KvLayout& layout, int64_t call_kv_bytes,
+                              int64_t fill_tokens = 0) {
   ExtendGroups g;
   const int64_t groups = std::max<int64_t>(2, (4 * L3Bytes() + call_kv_bytes - 1) / call_kv_bytes);
-  const int block_tokens = 32;
+  const int block_tokens = kBenchBlockTokens;
   const int64_t blocks = groups * seqs * ((context + block_tokens - 1) / block_tokens);
   g.pool = KvBlockPool::Create({blocks * KvBlockBytes(layout, block_tokens), block_tokens}).value();
   const size_t d = static_cast<size_t>(config.d_model);
@@ -388,11 +399,20 @@ ExtendGroups MakeExtendGroups(const HeadConfig& config, int64_t seqs, int64_t co
   g.output.resize(g.hidden.size());
   for (int64_t group = 0; group < groups; ++group) {
     g.items.emplace_back();
+    const size_t first = g.caches.size();
     for (int64_t s = 0; s < seqs; ++s) {
       g.caches.push_back(LayerKvCache::Create(g.pool.get(), layout).value());
-      Fill(*g.caches.back(), context - 1, static_cast<uint32_t>(group * seqs + s));
+    }
+    const int64_t turn = fill_tokens > 0 ? fill_tokens : context - 1;
+    for (int64_t done = 0; done < context - 1; done += turn) {
+      for (int64_t s = 0; s < seqs; ++s) {
+        Fill(*g.caches[first + static_cast<size_t>(s)], std::min(turn, context - 1 - done),
+             static_cast<uint32_t>(group * seqs + s));
+      }
+    }
+    for (int64_t s = 0; s < seqs; ++s) {
       ExtendItem item;
-      item.cache = g.caches.back().get();
+      item.cache = g.caches[first + static_cast<size_t>(s)].get();
       item.hidden_states = absl::MakeConstSpan(g.hidden.data() + s * d, d);
       item.first_position = context - 1;
       item.output = absl::MakeSpan(g.output.data() + s * d, d);
@@ -419,7 +439,8 @@ void BM_ExtendStep(benchmark::State& state) {
   const int64_t weight_bytes =
       4 * (config.d_model * (config.q_width() + 2 * config.kv_width()) +
            config.q_width() * config.d_model);
-  ExtendGroups g = MakeExtendGroups(config, seqs, context, layout, kv_bytes);
+  ExtendGroups g = MakeExtendGroups(config, seqs, context, layout, kv_bytes,
+                                    state.range(6) ? kBenchBlockTokens : 0);
   const std::unique_ptr<Workspace> workspace = Workspace::Create().value();
   auto step = [&](std::vector<ExtendItem>& items) {
     if (!layer->Extend(absl::MakeSpan(items), {}, workspace.get()).ok()) std::abort();
@@ -451,12 +472,15 @@ void BM_ExtendStep(benchmark::State& state) {
 }
 
 void ExtendScenarios(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"seqs", "context", "d_model", "heads", "kv_heads", "bf16_kv"});
+  b->ArgNames({"seqs", "context", "d_model", "heads", "kv_heads", "bf16_kv", "interleaved"});
   for (int bf16 : {0, 1}) {
-    b->Args({1, 4096, 1024, 16, 16, bf16});
-    b->Args({1, 4096, 1024, 16, 4, bf16});
-    b->Args({1, 2048, 768, 12, 12, bf16});  // one session of the built-in model's shape
-    b->Args({32, 2048, 768, 12, 12, bf16});
+    b->Args({1, 4096, 1024, 16, 16, bf16, 0});
+    b->Args({1, 4096, 1024, 16, 4, bf16, 0});
+    b->Args({1, 2048, 768, 12, 12, bf16, 0});  // one session of the built-in model's shape
+    b->Args({32, 2048, 768, 12, 12, bf16, 0});
+    // The same sessions with their blocks alternating in memory, as a server's
+    // sessions decoding in step leave the blocks they grow by.
+    b->Args({32, 2048, 768, 12, 12, bf16, 1});
   }
 }
 BENCHMARK(BM_ExtendStep)->Apply(ExtendScenarios)->Unit(benchmark::kMicrosecond)->UseRealTime();
