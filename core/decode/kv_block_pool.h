@@ -149,7 +149,7 @@ class KvBlockPool {
   // memory: a sequence's blocks then follow one another upwards in memory as
   // blocks fresh from the slabs do, whatever order blocks were released in.
   // (Handed out last-released first, the blocks of sessions closed in a row
-  // came back in descending order and their decode steps ran 12-30% slower:
+  // came back in descending order and their decode steps ran 12-23% slower:
   // docs/measurements.md, "The KV pool hands out its lowest free block".)
   void PushFreeLocked(LayoutFreeList& list, int32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The heap's order: the block lowest in memory on top.

@@ -65,8 +65,10 @@ constexpr char kUsage[] = R"(grpc_floor: gRPC's own cost of carrying bytes over 
 Usage: grpc_floor serve [--listen_address=127.0.0.1:0] [--int_arg=...]
          prints "grpc_floor: port N" once it serves; stops on SIGTERM/SIGINT.
        grpc_floor call --target=127.0.0.1:N --request_bytes=B --response_bytes=B
-         [--calls=20] [--warm_up_calls=5] [--int_arg=...]
-         prints one line of JSON: the calls' median and minimum round trip, ms.
+         [--calls=20] [--warm_up_calls=5] [--hold_us=0 [--hold_mode=busy|sleep]]
+         [--int_arg=...]
+         prints one line of JSON: the calls' median and minimum round trip, ms
+         (less the hold).
 )";
 
 constexpr char kMethod[] = "/attnserve.floor.Floor/Carry";
@@ -221,9 +223,11 @@ int Call() {
   const int64_t hold_us = absl::GetFlag(FLAGS_hold_us);
   const std::string hold_mode = absl::GetFlag(FLAGS_hold_mode);
   if (absl::GetFlag(FLAGS_target).empty() || request_bytes < 0 || response_bytes < 0 ||
-      calls < 1 || warm_up < 0) {
+      calls < 1 || warm_up < 0 || hold_us < 0 || (hold_mode != "busy" && hold_mode != "sleep")) {
     return attnserve::cli::UsageError(
-        "grpc_floor", "call needs --target, byte counts >= 0, --calls >= 1, --warm_up_calls >= 0");
+        "grpc_floor",
+        "call needs --target, byte counts >= 0, --calls >= 1, --warm_up_calls >= 0, "
+        "--hold_us >= 0 and --hold_mode busy or sleep");
   }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(-1);

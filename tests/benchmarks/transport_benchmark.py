@@ -56,8 +56,9 @@ the client as they arrive; Python with harness.attend_stream and the package's
 MapAssembler, C++ with attnctl
 attend --stream_maps --repeat).
 
-Prints per request: bytes (request + response), socket ms, the server's
-compute (median of the stubs' calls), then for each Python way and for C++
+Prints per request: bytes (request + response), socket ms, gRPC's floor from
+C++ and from grpcio, each at once and held (ms and ratio to the socket), the
+server's compute (median of the stubs' calls), then for each Python way and for C++
 the transport ms (round trip minus compute) and its ratio to the socket, and
 the faults. The CPU model goes on top: compare figures of one run only.
 """
