@@ -748,7 +748,8 @@ struct SplitBf16Query {
   __m512bh hi[kPairs], lo[kPairs];
 };
 
-
+// Splits q (kPairs x 32 floats) into out: hi = q rounded to BF16, lo = the
+// rest (q - hi) rounded to BF16.
 template <int kPairs>
 ATTNSERVE_TARGET_AVX512_BF16 __attribute__((always_inline)) inline void SplitQueryRow(
     const float* q, SplitBf16Query<kPairs>& out) {
@@ -758,7 +759,8 @@ ATTNSERVE_TARGET_AVX512_BF16 __attribute__((always_inline)) inline void SplitQue
     for (int half = 0; half < 2; ++half) {
       const __m512 x = _mm512_loadu_ps(q + 32 * c + 16 * half);
       hi[half] = _mm512_cvtneps_pbh(x);
-      lo[half] = _mm512_cvtneps_pbh(_mm512_sub_ps(x, Widen16(reinterpret_cast<__m256i>(hi[half]))));
+      const __m512 rounded = Widen16(reinterpret_cast<__m256i>(hi[half]));
+      lo[half] = _mm512_cvtneps_pbh(_mm512_sub_ps(x, rounded));
     }
     // Dimensions 32c ... 32c + 31 in order, as a K row's 32 BF16 values.
     out.hi[c] = reinterpret_cast<__m512bh>(_mm512_inserti64x4(
