@@ -265,7 +265,8 @@ absl::Status AppendNewTokens(const HeadConfig& config, ExtendStep& step,
     const size_t size = static_cast<size_t>(item.n * width);
     const absl::Status appended =
         item.item->cache->Append(absl::MakeConstSpan(k + item.row * width, size),
-                                 absl::MakeConstSpan(v + item.row * width, size), item.n);
+                                 absl::MakeConstSpan(v + item.row * width, size), item.n,
+                                 item.item->blocks_ahead);
     if (appended.ok()) {
       item.appended = true;
     } else if (absl::IsResourceExhausted(appended)) {

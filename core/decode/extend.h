@@ -44,6 +44,10 @@ struct ExtendItem {
   // buffer of [num_heads, n, L] floats for the call (callers budget it).
   absl::Span<float> head_entropy;
   absl::Span<float> head_max_weight;
+  // Whether the cache may take a run of blocks ahead of its tokens when it
+  // grows (LayerKvCache::Append); kNone: only the blocks the new tokens need
+  // (a caller whose memory budget has no room for more).
+  LayerKvCache::BlocksAhead blocks_ahead = LayerKvCache::BlocksAhead::kTake;
   // Set by Extend: OK when the item ran; otherwise why it did not --
   // INVALID_ARGUMENT naming "items[i].<field>" (validation, before anything
   // ran), RESOURCE_EXHAUSTED when the pool refused its blocks (nothing was

@@ -1,5 +1,6 @@
 #include "core/decode/layer_kv_cache.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -49,10 +50,13 @@ LayerKvCache::LayerKvCache(KvBlockPool* pool, const KvLayout& layout)
       block_tokens_(pool->block_tokens()),
       head_rows_bytes_(int64_t{block_tokens_} * layout.head_dim * layout.element_bytes()) {}
 
-LayerKvCache::~LayerKvCache() { pool_->Release(blocks_); }
+LayerKvCache::~LayerKvCache() {
+  pool_->Release(blocks_);
+  pool_->Release(ahead_);
+}
 
 absl::Status LayerKvCache::Append(absl::Span<const float> k, absl::Span<const float> v,
-                                  int64_t n) {
+                                  int64_t n, BlocksAhead ahead) {
   if (n < 0) return absl::InvalidArgumentError(absl::StrCat("n: must be >= 0, got ", n));
   const int64_t row = int64_t{layout_.num_kv_heads} * layout_.head_dim;
   ATTNSERVE_RETURN_IF_ERROR(CheckRows("k", k, n, row));
@@ -60,27 +64,58 @@ absl::Status LayerKvCache::Append(absl::Span<const float> k, absl::Span<const fl
   if (n == 0) return absl::OkStatus();
 
   const int64_t new_length = length_ + n;
-  const int64_t blocks_needed = (new_length + block_tokens_ - 1) / block_tokens_;
-  const int64_t in_last = length_ % block_tokens_;
-  // A partial last block that a fork shares is copied before it is written.
-  // Its count cannot rise concurrently (only a cache holding it can share it,
-  // and this one is ours); if it falls meanwhile, the copy is merely spare.
-  const bool copy_last = in_last > 0 && pool_->ReferenceCount(blocks_.back()) > 1;
-  const int64_t fresh =
-      blocks_needed - static_cast<int64_t>(blocks_.size()) + (copy_last ? 1 : 0);
-  std::vector<KvBlockHandle> taken;
-  ATTNSERVE_RETURN_IF_ERROR(pool_->AllocateBlocks(layout_, fresh, taken));
+  const bool copy_last = CopiesLastBlock();
+  const int64_t needed = BlocksNeeded(n, copy_last);
+  const int64_t fresh = needed - std::min(needed, static_cast<int64_t>(ahead_.size()));
+  if (fresh > 0) {
+    std::vector<KvBlockHandle> taken;
+    const int64_t run = RunFor(fresh, ahead);
+    absl::Status status = pool_->AllocateBlocks(layout_, run, taken);
+    if (absl::IsResourceExhausted(status) && run > fresh) {
+      status = pool_->AllocateBlocks(layout_, fresh, taken);  // no room to run ahead
+    }
+    ATTNSERVE_RETURN_IF_ERROR(status);
+    taken_ += static_cast<int64_t>(taken.size());
+    ahead_.insert(ahead_.end(), taken.begin(), taken.end());
+  }
 
-  auto next = taken.begin();
+  // The blocks ahead, in order, become the copy of the last block (if it is
+  // shared) and the new blocks of the table.
+  const auto used = ahead_.begin() + needed;
+  auto next = ahead_.begin();
   if (copy_last) {
-    CopyRows(blocks_.back(), *next, in_last);
+    CopyRows(blocks_.back(), *next, length_ % block_tokens_);
     pool_->Release(blocks_.back());
     blocks_.back() = *next++;
   }
-  blocks_.insert(blocks_.end(), next, taken.end());
+  blocks_.insert(blocks_.end(), next, used);
+  ahead_.erase(ahead_.begin(), used);
   WriteRows(k.data(), v.data(), n);
   length_ = new_length;
   return absl::OkStatus();
+}
+
+bool LayerKvCache::CopiesLastBlock() const {
+  // Its count cannot rise concurrently (only a cache holding it can share it,
+  // and this one is ours); if it falls meanwhile, the copy is merely spare.
+  return length_ % block_tokens_ > 0 && pool_->ReferenceCount(blocks_.back()) > 1;
+}
+
+int64_t LayerKvCache::BlocksNeeded(int64_t n, bool copy_last) const {
+  const int64_t blocks_needed = (length_ + n + block_tokens_ - 1) / block_tokens_;
+  return blocks_needed - static_cast<int64_t>(blocks_.size()) + (copy_last ? 1 : 0);
+}
+
+int64_t LayerKvCache::RunFor(int64_t fresh, BlocksAhead ahead) const {
+  if (fresh != 1 || ahead == BlocksAhead::kNone) return fresh;
+  return std::clamp<int64_t>(taken_ / 4, 1, kMaxRunBlocks);
+}
+
+int64_t LayerKvCache::BlocksToTake(int64_t n, BlocksAhead ahead) const {
+  if (n <= 0) return 0;
+  const int64_t needed = BlocksNeeded(n, CopiesLastBlock());
+  const int64_t fresh = needed - std::min(needed, static_cast<int64_t>(ahead_.size()));
+  return fresh > 0 ? RunFor(fresh, ahead) : 0;
 }
 
 absl::Status LayerKvCache::Truncate(int64_t length) {
@@ -91,6 +126,8 @@ absl::Status LayerKvCache::Truncate(int64_t length) {
   const size_t keep = static_cast<size_t>((length + block_tokens_ - 1) / block_tokens_);
   pool_->Release(absl::MakeConstSpan(blocks_).subspan(keep));
   blocks_.resize(keep);
+  pool_->Release(ahead_);
+  ahead_.clear();
   length_ = length;
   if (length < latest_query_length_) {
     latest_query_.clear();

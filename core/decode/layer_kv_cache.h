@@ -21,6 +21,18 @@ namespace attnserve::core {
 // (copy on write): a block whose reference count is above 1 is never written;
 // Append copies it first.
 //
+// Blocks in runs: a cache that grows a block at a time (a decode step's one
+// token crossing a block boundary) takes a run of blocks at once and keeps
+// those it does not need yet ahead of its tokens, so its blocks lie one after
+// another in memory while other caches grow in turn beside it. Blocks whose
+// rows alternate in memory with other sequences' made a 32-session decode
+// step up to a third slower (docs/measurements.md). The run grows with what
+// the cache has taken itself (a quarter of it, at most kMaxRunBlocks): a
+// fresh fork takes one block, not a run; a cache holds at most
+// kMaxRunBlocks - 1 blocks ahead, and at most a quarter of those it took.
+// Blocks ahead are the pool's in use (its budget counts them); Truncate and
+// the destructor give them back.
+//
 // Not thread-safe: one owner at a time (different caches may be used from
 // different threads, also caches that share blocks: the pool is
 // thread-safe). The pool must outlive the cache.
@@ -35,22 +47,37 @@ class LayerKvCache {
   LayerKvCache(const LayerKvCache&) = delete;
   LayerKvCache& operator=(const LayerKvCache&) = delete;
 
+  // The longest run of blocks an Append takes at once.
+  static constexpr int64_t kMaxRunBlocks = 8;
+  // Whether an Append may take a run of blocks ahead of its tokens.
+  enum class BlocksAhead { kTake, kNone };
+
   // Appends n >= 0 tokens:
   //   k, v: [n, num_kv_heads, head_dim] FP32 row-major
   // (rounded to BF16, to nearest even, when the layout is BF16), taking
-  // blocks from the pool as needed and copying a shared last block first.
+  // blocks from the pool as needed (those held ahead first; with kTake, a
+  // run when it must take one block and the pool has room for it) and
+  // copying a shared last block first.
   // All or nothing: INVALID_ARGUMENT when n < 0 or a span's size is not
   // n * num_kv_heads * head_dim; RESOURCE_EXHAUSTED when the pool refuses the
   // blocks; the cache is unchanged on either.
-  absl::Status Append(absl::Span<const float> k, absl::Span<const float> v, int64_t n);
+  absl::Status Append(absl::Span<const float> k, absl::Span<const float> v, int64_t n,
+                      BlocksAhead ahead = BlocksAhead::kTake);
 
-  // Keeps the first `length` tokens and releases the blocks past them; the
-  // latest query goes when the token it belongs to does (length below it).
+  // The blocks Append(n, ahead) would take from the pool now (a copy of a
+  // shared last block and a run's blocks ahead included; 0 when the blocks
+  // held ahead cover the n tokens). n >= 0.
+  int64_t BlocksToTake(int64_t n, BlocksAhead ahead) const;
+
+  // Keeps the first `length` tokens and releases the blocks past them (and
+  // those held ahead); the latest query goes when the token it belongs to
+  // does (length below it).
   // INVALID_ARGUMENT (nothing changed) unless 0 <= length <= length().
   absl::Status Truncate(int64_t length);
 
   // A new cache with the same tokens (and latest query), sharing every block
-  // (reference counts incremented, nothing copied); either may then append
+  // of the table (reference counts incremented, nothing copied; none ahead);
+  // either may then append
   // without changing the other's rows. Cannot fail.
   std::unique_ptr<LayerKvCache> Fork() const;
 
@@ -76,6 +103,13 @@ class LayerKvCache {
   KvBlockPool* pool() const { return pool_; }
   // The block table: ceil(length / block_tokens) blocks, in token order.
   absl::Span<const KvBlockHandle> blocks() const { return blocks_; }
+  // Blocks taken ahead of the tokens (unshared, holding no rows), the next
+  // first.
+  absl::Span<const KvBlockHandle> blocks_ahead() const { return ahead_; }
+  // Every block the cache holds a reference to: the table and those ahead.
+  int64_t blocks_held() const {
+    return static_cast<int64_t>(blocks_.size() + ahead_.size());
+  }
 
   // The K (and V) rows of `kv_head` in block `block` (both in range):
   // [block_tokens, head_dim] in the layout's precision (float or Bf16), of
@@ -108,7 +142,22 @@ class LayerKvCache {
   // kv_head times (KvKeyRowsOffset, KvValueRowsOffset).
   const int64_t head_rows_bytes_;
 
+  // Whether the next append must copy the last block first: it is partly
+  // filled and a fork shares it.
+  bool CopiesLastBlock() const;
+  // Blocks appending n tokens puts into the table, a copy of the last
+  // included (from those ahead or the pool).
+  int64_t BlocksNeeded(int64_t n, bool copy_last) const;
+  // How many blocks Append takes for `fresh` blocks it needs: with kTake, a
+  // run when fresh is 1 and the cache has taken enough itself.
+  int64_t RunFor(int64_t fresh, BlocksAhead ahead) const;
+
   std::vector<KvBlockHandle> blocks_;
+  // Taken ahead, in the order the pool gave them (lowest in memory first);
+  // Append uses the front first.
+  std::vector<KvBlockHandle> ahead_;
+  // Blocks this cache took from the pool itself (not shared by a fork).
+  int64_t taken_ = 0;
   int64_t length_ = 0;
   // The latest query and the length the cache had when it was kept (0:
   // none); it is the last token's while that length is length_.

@@ -386,6 +386,7 @@ void RunGroup(ChunkGroup& group, SessionManager& sessions, const ComputeContext&
     ExtendStepPlan& step = member.plan->steps[static_cast<size_t>(chunk.step)];
     core::ExtendItem& item = items[k];
     item.cache = step.lease->cache();
+    item.blocks_ahead = step.lease->blocks_ahead();
     item.hidden_states = step.input->values().subspan(
         static_cast<size_t>(step.done * d_model), static_cast<size_t>(chunk.tokens * d_model));
     item.first_position = step.lease->first_position() + step.done;

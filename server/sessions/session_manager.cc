@@ -103,11 +103,6 @@ void FollowLatestQueryBytes(SessionLayer& layer, int64_t& stored_bytes) {
   layer.query_bytes = layer.cache->latest_query_bytes();
 }
 
-// Blocks a layer of `length` tokens takes.
-int64_t BlocksFor(int64_t length, int block_tokens) {
-  return (length + block_tokens - 1) / block_tokens;
-}
-
 }  // namespace
 
 StepLease::StepLease(StepLease&& other) noexcept { *this = std::move(other); }
@@ -127,6 +122,7 @@ StepLease& StepLease::operator=(StepLease&& other) noexcept {
     reserved_bytes_ = other.reserved_bytes_;
     kv_bytes_ = other.kv_bytes_;
     unused_kv_bytes_ = other.unused_kv_bytes_;
+    blocks_ahead_ = other.blocks_ahead_;
     replay_ = other.replay_;
     ended_ = other.ended_;
     other.session_ = nullptr;
@@ -259,7 +255,9 @@ void SessionManager::RemoveLocked(const std::string& id, Why why) {
 
 bool SessionManager::FreesKvBlockLocked(const Session& session) const {
   for (const SessionLayer& layer : session.layers) {
-    if (pool_->AnyUnshared(layer.cache->blocks())) return true;
+    if (!layer.cache->blocks_ahead().empty() || pool_->AnyUnshared(layer.cache->blocks())) {
+      return true;
+    }
   }
   return false;
 }
@@ -557,7 +555,7 @@ absl::StatusOr<SessionInfo> SessionManager::Fork(absl::string_view id, absl::str
     to.cache = from.cache->Fork();
     to.block_bytes = from.block_bytes;
     to.length = from.length;
-    to.blocks = from.blocks;
+    to.blocks = to.cache->blocks_held();  // the table's: a fork takes none ahead
     to.query_bytes = from.query_bytes;
     stored_bytes_ += to.query_bytes;
   }
@@ -594,7 +592,7 @@ absl::StatusOr<SessionInfo> SessionManager::Truncate(absl::string_view id,
     SessionLayer& s = session.layers[static_cast<size_t>(l)];
     if (absl::Status truncated = s.cache->Truncate(length); !truncated.ok()) return truncated;
     s.length = length;
-    s.blocks = static_cast<int64_t>(s.cache->blocks().size());
+    s.blocks = s.cache->blocks_held();
     s.last_expected = -1;
     stored_bytes_ -= static_cast<int64_t>(s.last_output.size());
     s.last_output.clear();
@@ -702,6 +700,7 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
   bool replay = false;
   int64_t reserved = 0;
   int64_t reserved_kv = 0;  // of `reserved`, for KV blocks
+  core::LayerKvCache::BlocksAhead blocks_ahead = core::LayerKvCache::BlocksAhead::kNone;
   if (expected_length != target.length) {
     const bool retry = expected_length == target.last_expected &&
                        new_tokens == target.last_tokens && fingerprint == target.last_fingerprint &&
@@ -718,27 +717,35 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
           "session ", session->id, ": layer ", layer, " holds ", target.length, " tokens; ",
           new_tokens, " more pass its max_tokens of ", session->max_tokens));
     }
-    // Blocks for the new tokens, and a copy of a shared last block.
-    const core::LayerKvCache& cache = *target.cache;
-    const int block_tokens = cache.block_tokens();
-    int64_t blocks = BlocksFor(target.length + new_tokens, block_tokens) - target.blocks;
-    if (target.length % block_tokens != 0 &&
-        pool_->ReferenceCount(cache.blocks().back()) > 1) {
-      ++blocks;
-    }
-    const int64_t kv_bytes = blocks * target.block_bytes;
+    // Blocks for the new tokens (and a copy of a shared last block), and a
+    // run ahead of them when the cache would take one and there is room for
+    // it without evicting and within the owner's quota.
+    using BlocksAhead = core::LayerKvCache::BlocksAhead;
+    const int64_t needed = target.cache->BlocksToTake(new_tokens, BlocksAhead::kNone);
+    const int64_t run = target.cache->BlocksToTake(new_tokens, BlocksAhead::kTake);
     // And room for the answer kept for a retry.
     const int64_t answer = new_tokens * target.model->layer->config().d_model * 4;
     // And for the latest query it keeps.
     const int64_t query = target.model->layer->config().q_width() * 4;
-    const int64_t bytes = kv_bytes + (answer <= kMaxStoredOutputBytes ? answer : 0) + query;
-    if (limits_.max_kv_bytes_per_owner > 0) {
-      const OwnerKvBytes held = OwnerBytesLocked(owner);
-      if (held.total() + kv_bytes > limits_.max_kv_bytes_per_owner) {
+    const int64_t other_bytes = (answer <= kMaxStoredOutputBytes ? answer : 0) + query;
+    const std::optional<OwnerKvBytes> held =
+        limits_.max_kv_bytes_per_owner > 0 ? std::optional(OwnerBytesLocked(owner))
+                                           : std::nullopt;
+    const int64_t run_bytes = run * target.block_bytes;
+    if (run > needed && (!held || held->total() + run_bytes <= limits_.max_kv_bytes_per_owner) &&
+        pool_->stats().bytes_in_use + reserved_bytes_ + stored_bytes_ + run_bytes + other_bytes <=
+            limits_.kv_cache_bytes) {
+      blocks_ahead = BlocksAhead::kTake;
+    }
+    const int64_t kv_bytes =
+        (blocks_ahead == BlocksAhead::kTake ? run : needed) * target.block_bytes;
+    const int64_t bytes = kv_bytes + other_bytes;
+    if (held) {
+      if (held->total() + kv_bytes > limits_.max_kv_bytes_per_owner) {
         return absl::ResourceExhaustedError(absl::StrCat(
-            "this caller's sessions hold ", held.sessions, " bytes of KV cache",
-            held.waiting_reads > 0
-                ? absl::StrCat(" and its waiting GetLatestAttention reads ", held.waiting_reads,
+            "this caller's sessions hold ", held->sessions, " bytes of KV cache",
+            held->waiting_reads > 0
+                ? absl::StrCat(" and its waiting GetLatestAttention reads ", held->waiting_reads,
                                " more (until they end)")
                 : "",
             "; ", kv_bytes,
@@ -770,6 +777,7 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
   lease.replay_ = replay;
   lease.reserved_bytes_ = reserved;
   lease.kv_bytes_ = reserved_kv;
+  lease.blocks_ahead_ = blocks_ahead;
   lease.unused_kv_bytes_ = reserved_kv;
   lease.first_position_ = session->first_position + expected_length;
   target.step_in_flight = true;
@@ -785,7 +793,7 @@ void SessionManager::NoteAppended(StepLease& lease) {
   // Blocks the step's appends took beyond those the layer held when it began
   // (a copied shared last block stays reserved: at most one block over).
   const int64_t taken =
-      std::max<int64_t>(0, static_cast<int64_t>(layer.cache->blocks().size()) - layer.blocks) *
+      std::max<int64_t>(0, layer.cache->blocks_held() - layer.blocks) *
       layer.block_bytes;
   const int64_t still_needed = std::max<int64_t>(0, lease.kv_bytes_ - taken);
   const int64_t give_back = lease.unused_kv_bytes_ - still_needed;
@@ -813,7 +821,7 @@ void SessionManager::EndStepOf(StepLease& lease, const absl::Status& status, std
   const auto live = sessions_.find(session.id);
   const bool removed = live == sessions_.end() || live->second.get() != &session;
   layer.length = layer.cache->length();
-  layer.blocks = static_cast<int64_t>(layer.cache->blocks().size());
+  layer.blocks = layer.cache->blocks_held();
   if (!removed) FollowLatestQueryBytes(layer, stored_bytes_);  // a removed session's went with it
   if (status.ok() && !removed) {  // a closed session keeps no answer
     stored_bytes_ -= static_cast<int64_t>(layer.last_output.size());

@@ -147,6 +147,9 @@ class StepLease {
 
   // The layer's cache, for the compute executor to extend; null for a replay.
   core::LayerKvCache* cache() const;
+  // Whether the step's appends may take a run of blocks ahead (BeginStep
+  // reserved room for it; ExtendItem::blocks_ahead).
+  core::LayerKvCache::BlocksAhead blocks_ahead() const { return blocks_ahead_; }
   const Model& model() const;
   // The RoPE position of the step's first new token.
   int64_t first_position() const { return first_position_; }
@@ -170,6 +173,7 @@ class StepLease {
   // still kept for blocks it has not taken (NoteAppended gives back the rest).
   int64_t kv_bytes_ = 0;
   int64_t unused_kv_bytes_ = 0;
+  core::LayerKvCache::BlocksAhead blocks_ahead_ = core::LayerKvCache::BlocksAhead::kNone;
   bool replay_ = false;
   bool ended_ = false;
 };

@@ -301,6 +301,138 @@ TEST(LayerKvCache, TheLatestQueryFollowsItsToken) {
   EXPECT_EQ(fork->latest_query().size(), 4u);
 }
 
+// How many neighbours in the cache's block table do not lie one block apart
+// in memory.
+int64_t BreaksInMemory(const LayerKvCache& cache) {
+  const int64_t block_bytes = KvBlockBytes(cache.layout(), cache.block_tokens());
+  int64_t breaks = 0;
+  for (size_t b = 1; b < cache.blocks().size(); ++b) {
+    if (cache.blocks()[b].data - cache.blocks()[b - 1].data != block_bytes) ++breaks;
+  }
+  return breaks;
+}
+
+// Two caches growing a block at a time in turns, as sessions decoding in step
+// do: with runs, each cache's blocks lie mostly one after another (runs of
+// kMaxRunBlocks once it has taken 32 blocks); one block at a time, they
+// alternate with the other cache's at every block.
+TEST(LayerKvCache, CachesGrowingInTurnsTakeRunsThatLieOneAfterAnother) {
+  for (const LayerKvCache::BlocksAhead ahead :
+       {LayerKvCache::BlocksAhead::kTake, LayerKvCache::BlocksAhead::kNone}) {
+    const bool runs = ahead == LayerKvCache::BlocksAhead::kTake;
+    SCOPED_TRACE(runs ? "runs" : "one block at a time");
+    std::mt19937_64 rng(FreshSeed());
+    std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 2 * (64 + 8));
+    std::vector<std::unique_ptr<LayerKvCache>> caches;
+    std::vector<SequenceHistory> histories;
+    for (int c = 0; c < 2; ++c) {
+      caches.push_back(LayerKvCache::Create(pool.get(), kFp32).value());
+      histories.push_back(HistoryOf(kFp32));
+    }
+    const size_t row = static_cast<size_t>(kFp32.num_kv_heads * kFp32.head_dim);
+    for (int64_t token = 0; token < 64 * kBlockTokens; ++token) {
+      for (size_t c = 0; c < caches.size(); ++c) {
+        LayerKvCache& cache = *caches[c];
+        const std::vector<float> k = RandomNormal(row, rng), v = RandomNormal(row, rng);
+        const int64_t blocks_before = cache.blocks_held();
+        const int64_t expected = cache.BlocksToTake(1, ahead);
+        ASSERT_THAT(cache.Append(k, v, 1, ahead), IsOk());
+        histories[c].Append(k, v);
+        ASSERT_EQ(cache.blocks_held() - blocks_before, expected) << "token " << token;
+        ASSERT_LE(static_cast<int64_t>(cache.blocks_ahead().size()),
+                  LayerKvCache::kMaxRunBlocks - 1);
+        ASSERT_LE(4 * static_cast<int64_t>(cache.blocks_ahead().size()),
+                  static_cast<int64_t>(cache.blocks().size()));
+        if (!runs) {
+          ASSERT_TRUE(cache.blocks_ahead().empty());
+        }
+      }
+      ASSERT_EQ(pool->stats().blocks_in_use, caches[0]->blocks_held() + caches[1]->blocks_held());
+    }
+    for (size_t c = 0; c < caches.size(); ++c) {
+      ExpectHolds(*caches[c], histories[c]);
+      if (runs) {
+        // Runs as the cache grows: 8 of 1 block, then of 2, 2, 3, 3, 4, 5, 6,
+        // 8, 8, 8 and 8 (a quarter of what it took): 18 breaks at most.
+        EXPECT_LE(BreaksInMemory(*caches[c]), 18) << "cache " << c;
+      } else {
+        EXPECT_EQ(BreaksInMemory(*caches[c]), 63) << "cache " << c;
+      }
+    }
+  }
+}
+
+TEST(LayerKvCache, AForkGrowsByOneBlockAndItsParentByARunAhead) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kBf16, 64 + 8 + 1);
+  std::unique_ptr<LayerKvCache> parent = LayerKvCache::Create(pool.get(), kBf16).value();
+  SequenceHistory history = HistoryOf(kBf16);
+  ASSERT_THAT(AppendRandom(*parent, history, 64 * kBlockTokens, rng), IsOk());  // 64 blocks
+  EXPECT_TRUE(parent->blocks_ahead().empty());
+  std::unique_ptr<LayerKvCache> child = parent->Fork();
+  SequenceHistory child_history = history;
+
+  // The fork has taken nothing itself: its first new block comes alone.
+  using BlocksAhead = LayerKvCache::BlocksAhead;
+  EXPECT_EQ(child->BlocksToTake(1, BlocksAhead::kTake), 1);
+  ASSERT_THAT(AppendRandom(*child, child_history, 1, rng), IsOk());
+  EXPECT_EQ(child->blocks_held(), 65);
+  EXPECT_TRUE(child->blocks_ahead().empty());
+  EXPECT_EQ(pool->stats().blocks_in_use, 65);
+
+  // The parent took 64: a run of 8, 7 of them ahead, lying after its new block.
+  EXPECT_EQ(parent->BlocksToTake(1, BlocksAhead::kNone), 1);
+  EXPECT_EQ(parent->BlocksToTake(1, BlocksAhead::kTake), 8);
+  ASSERT_THAT(AppendRandom(*parent, history, 1, rng), IsOk());
+  ASSERT_EQ(parent->blocks_ahead().size(), 7u);
+  EXPECT_EQ(parent->blocks_ahead().front().data - parent->blocks().back().data,
+            KvBlockBytes(kBf16, kBlockTokens));
+  EXPECT_EQ(pool->stats().blocks_in_use, 65 + 8);
+  // The next 7 blocks' tokens come from those ahead.
+  EXPECT_EQ(parent->BlocksToTake(7 * kBlockTokens, BlocksAhead::kTake), 0);
+  ASSERT_THAT(AppendRandom(*parent, history, 7 * kBlockTokens, rng), IsOk());
+  EXPECT_TRUE(parent->blocks_ahead().empty());
+  EXPECT_EQ(pool->stats().blocks_in_use, 65 + 8);
+  EXPECT_EQ(BreaksInMemory(*parent), 1);  // the fork's block lies between
+  ExpectHolds(*parent, history);
+  ExpectHolds(*child, child_history);
+}
+
+TEST(LayerKvCache, ARunThePoolHasNoRoomForShrinksToTheBlockNeeded) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 33);
+  std::unique_ptr<LayerKvCache> cache = LayerKvCache::Create(pool.get(), kFp32).value();
+  SequenceHistory history = HistoryOf(kFp32);
+  ASSERT_THAT(AppendRandom(*cache, history, 32 * kBlockTokens, rng), IsOk());
+  EXPECT_EQ(cache->BlocksToTake(1, LayerKvCache::BlocksAhead::kTake), 8);
+  ASSERT_THAT(AppendRandom(*cache, history, 1, rng), IsOk());
+  EXPECT_EQ(cache->blocks_held(), 33);
+  EXPECT_TRUE(cache->blocks_ahead().empty());
+  ExpectHolds(*cache, history);
+}
+
+TEST(LayerKvCache, TruncateAndTheDestructorGiveBackTheBlocksAhead) {
+  std::mt19937_64 rng(FreshSeed());
+  std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 64);
+  {
+    std::unique_ptr<LayerKvCache> cache = LayerKvCache::Create(pool.get(), kFp32).value();
+    SequenceHistory history = HistoryOf(kFp32);
+    ASSERT_THAT(AppendRandom(*cache, history, 16 * kBlockTokens, rng), IsOk());
+    ASSERT_THAT(AppendRandom(*cache, history, 1, rng), IsOk());  // a run of 4
+    ASSERT_EQ(cache->blocks_ahead().size(), 3u);
+    EXPECT_EQ(pool->stats().blocks_in_use, 20);
+    ASSERT_THAT(cache->Truncate(16 * kBlockTokens + 1), IsOk());  // nothing past the length
+    EXPECT_TRUE(cache->blocks_ahead().empty());
+    EXPECT_EQ(pool->stats().blocks_in_use, 17);
+    // It has taken 20: a run of 5.
+    ASSERT_THAT(AppendRandom(*cache, history, kBlockTokens, rng), IsOk());
+    ASSERT_EQ(cache->blocks_ahead().size(), 4u);
+    EXPECT_EQ(pool->stats().blocks_in_use, 22);
+    ExpectHolds(*cache, history);
+  }
+  EXPECT_EQ(pool->stats().blocks_in_use, 0);
+}
+
 TEST(LayerKvCache, DestructorReleasesItsBlocks) {
   std::mt19937_64 rng(FreshSeed());
   std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(kFp32, 8);

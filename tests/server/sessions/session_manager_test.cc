@@ -84,7 +84,7 @@ class SessionManagerTest : public ::testing::Test {
   static void Step(SessionManager& manager, StepLease lease, int64_t n, std::string output) {
     ASSERT_NE(lease.cache(), nullptr);
     const std::vector<float> rows(static_cast<size_t>(n * 2 * 16), 0.5f);
-    ASSERT_TRUE(lease.cache()->Append(rows, rows, n).ok());
+    ASSERT_TRUE(lease.cache()->Append(rows, rows, n, lease.blocks_ahead()).ok());
     manager.EndStep(std::move(lease), absl::OkStatus(), std::move(output));
   }
 
@@ -281,6 +281,42 @@ TEST_F(SessionManagerTest, AFullCacheEvictsTheLeastRecentlyUsedIdleSession) {
   // Nobody else learns why an id is gone.
   EXPECT_TRUE(absl::StrContains(manager->Get(old_id, "mallory").status().message(),
                                 "unknown session"));
+}
+
+// A step that crosses into a new block takes a run of blocks ahead (its
+// cache took 16 blocks: a run of 4) where the cache has room for the run as
+// well; where it has room for the block it needs only, it takes that one and
+// evicts nobody for the rest.
+TEST_F(SessionManagerTest, AStepTakesARunOfBlocksAheadOnlyWhereThereIsRoomWithoutEvicting) {
+  using BlocksAhead = core::LayerKvCache::BlocksAhead;
+  for (const bool room : {true, false}) {
+    SCOPED_TRACE(room ? "room for the run" : "room for one block");
+    // Held before the step: 17 blocks and under 1 KiB of stored answers. The
+    // step reserves its blocks, 256 bytes for its answer and 256 for its query.
+    auto manager = Make({.kv_cache_bytes = 17 * kBlockBytes + 512 + (room ? 5 : 2) * kBlockBytes});
+    const std::string idle = manager->Open(Spec(1), "")->id;
+    Extend(*manager, idle, 0, 0, 4);
+    clock_.Advance(absl::Seconds(1));
+    const std::string id = manager->Open(Spec(1), "")->id;
+    for (int64_t length = 0; length < 64; length += 8) Extend(*manager, id, 0, length, 8);
+    ASSERT_EQ(manager->stats().pool.blocks_in_use, 17);
+    ASSERT_LT(manager->stats().stored_bytes, 1024);
+    absl::StatusOr<StepLease> step = manager->BeginStep(id, "", 0, 64, 1, 7);
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_EQ(step->blocks_ahead(), room ? BlocksAhead::kTake : BlocksAhead::kNone);
+    Step(*manager, *std::move(step), 1, "decode");
+    EXPECT_EQ(manager->Get(id, "")->kv_blocks, room ? 20 : 17);
+    EXPECT_EQ(manager->stats().pool.blocks_in_use, room ? 21 : 18);
+    EXPECT_EQ(manager->stats().reserved_bytes, 0);
+    EXPECT_EQ(manager->stats().evictions_for_memory, 0);
+    EXPECT_TRUE(manager->Get(idle, "").ok());
+    if (room) {  // the next three blocks' tokens take nothing more from the pool
+      for (int64_t length = 65; length < 65 + 12; length += 4) Extend(*manager, id, 0, length, 4);
+      EXPECT_EQ(manager->Get(id, "")->kv_blocks, 20);
+      EXPECT_EQ(manager->stats().pool.blocks_in_use, 21);
+      EXPECT_EQ(manager->stats().evictions_for_memory, 0);
+    }
+  }
 }
 
 // Room for 8 KiB here. A step of 8 tokens needs 4352 bytes: 2 KiB of blocks,
