@@ -277,6 +277,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Create(const ServerOptio
                                      .kv_budget_bytes = budget,
                                      .kv_blocks = stats.pool.blocks_in_use,
                                      .kv_shared_blocks = stats.pool.shared_blocks,
+                                     .kv_blocks_ahead = stats.blocks_ahead,
                                      .evictions_for_memory = stats.evictions_for_memory,
                                      .evictions_for_sessions = stats.evictions_for_sessions,
                                      .expiries = stats.expiries});

@@ -367,6 +367,10 @@ absl::StatusOr<std::unique_ptr<Metrics>> Metrics::Create(const MetricsOptions& o
   m->kv_shared_blocks_ = gauge("attnserve_kv_cache_shared_blocks",
                                "KV cache blocks in use by more than one session (forks share "
                                "their parent's blocks until one of them writes).");
+  m->kv_blocks_ahead_ = gauge("attnserve_kv_cache_ahead_blocks",
+                              "KV cache blocks in use held ahead of sessions' tokens (a session "
+                              "growing by a block takes a run of them, so that its blocks lie "
+                              "together in memory).");
   auto& evictions = prometheus::BuildCounter()
                         .Name("attnserve_session_evictions_total")
                         .Help("Idle sessions evicted, least recently used first: for the KV "
@@ -577,6 +581,7 @@ void Metrics::SetSessionGauges(const SessionGauges& gauges) {
   kv_budget_->Set(static_cast<double>(gauges.kv_budget_bytes));
   kv_blocks_->Set(static_cast<double>(gauges.kv_blocks));
   kv_shared_blocks_->Set(static_cast<double>(gauges.kv_shared_blocks));
+  kv_blocks_ahead_->Set(static_cast<double>(gauges.kv_blocks_ahead));
   absl::MutexLock lock(&mu_);
   const auto add = [](prometheus::Counter* counter, int64_t now, int64_t before) {
     if (now > before) counter->Increment(static_cast<double>(now - before));

@@ -173,12 +173,14 @@ class Metrics {
     int64_t kv_budget_bytes = 0;  // --kv_cache_bytes
     int64_t kv_blocks = 0;
     int64_t kv_shared_blocks = 0;  // in use by more than one session (forks)
+    int64_t kv_blocks_ahead = 0;   // in use, held ahead of sessions' tokens
     int64_t evictions_for_memory = 0;
     int64_t evictions_for_sessions = 0;
     int64_t expiries = 0;
   };
   // attnserve_sessions, attnserve_kv_cache_{used,held,budget}_bytes,
   // attnserve_kv_cache_blocks, attnserve_kv_cache_shared_blocks,
+  // attnserve_kv_cache_ahead_blocks,
   // attnserve_session_evictions_total{reason},
   // attnserve_session_expiries_total. Called from one thread.
   void SetSessionGauges(const SessionGauges& gauges);
@@ -225,6 +227,7 @@ class Metrics {
   prometheus::Gauge* kv_held_ = nullptr;
   prometheus::Gauge* kv_budget_ = nullptr;
   prometheus::Gauge* kv_blocks_ = nullptr;
+  prometheus::Gauge* kv_blocks_ahead_ = nullptr;
   prometheus::Gauge* kv_shared_blocks_ = nullptr;
   std::vector<prometheus::Counter*> session_evictions_;  // memory, sessions
   prometheus::Counter* session_expiries_ = nullptr;

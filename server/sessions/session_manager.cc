@@ -27,7 +27,8 @@ struct SessionLayer {
   // Mirrors of the cache, updated when it changes (outside a step) and when
   // a step ends.
   int64_t length = 0;
-  int64_t blocks = 0;
+  int64_t blocks = 0;  // held: the table's and those ahead of the tokens
+  int64_t blocks_ahead = 0;
   bool step_in_flight = false;
   // The last step, for a retry: its expected length, token count and output
   // (empty: nothing to replay).
@@ -593,6 +594,7 @@ absl::StatusOr<SessionInfo> SessionManager::Truncate(absl::string_view id,
     if (absl::Status truncated = s.cache->Truncate(length); !truncated.ok()) return truncated;
     s.length = length;
     s.blocks = s.cache->blocks_held();
+    s.blocks_ahead = static_cast<int64_t>(s.cache->blocks_ahead().size());
     s.last_expected = -1;
     stored_bytes_ -= static_cast<int64_t>(s.last_output.size());
     s.last_output.clear();
@@ -822,6 +824,7 @@ void SessionManager::EndStepOf(StepLease& lease, const absl::Status& status, std
   const bool removed = live == sessions_.end() || live->second.get() != &session;
   layer.length = layer.cache->length();
   layer.blocks = layer.cache->blocks_held();
+  layer.blocks_ahead = static_cast<int64_t>(layer.cache->blocks_ahead().size());
   if (!removed) FollowLatestQueryBytes(layer, stored_bytes_);  // a removed session's went with it
   if (status.ok() && !removed) {  // a closed session keeps no answer
     stored_bytes_ -= static_cast<int64_t>(layer.last_output.size());
@@ -854,8 +857,13 @@ int SessionManager::ExpireIdle() {
 
 SessionStats SessionManager::stats() const {
   absl::MutexLock lock(&mu_);
+  int64_t blocks_ahead = 0;
+  for (const auto& [id, session] : sessions_) {
+    for (const SessionLayer& layer : session->layers) blocks_ahead += layer.blocks_ahead;
+  }
   return {.sessions = static_cast<int64_t>(sessions_.size()),
           .pool = pool_->stats(),
+          .blocks_ahead = blocks_ahead,
           .kv_budget_bytes = limits_.kv_cache_bytes,
           .reserved_bytes = reserved_bytes_,
           .stored_bytes = stored_bytes_,

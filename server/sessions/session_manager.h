@@ -111,6 +111,9 @@ struct LatestSnapshot {
 struct SessionStats {
   int64_t sessions = 0;
   core::KvBlockPoolStats pool;
+  // Of the pool's blocks in use: those sessions hold ahead of their tokens
+  // (core::LayerKvCache takes growth blocks in runs), as of their last step.
+  int64_t blocks_ahead = 0;
   int64_t kv_budget_bytes = 0;
   int64_t reserved_bytes = 0;  // promised to steps in flight
   int64_t stored_bytes = 0;    // answers kept for retries, latest queries

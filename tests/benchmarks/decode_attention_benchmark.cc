@@ -40,8 +40,9 @@
 // context - 1 tokens before the call and is truncated back after it (outside
 // the timed call). interleaved: 0, each cache's blocks filled one cache after
 // another (one run of memory each); 1, the caches filled a block's tokens at
-// a time, taking turns, so that their blocks alternate in memory as those of
-// sessions decoding in step do. Counters:
+// a time, taking turns, as sessions decoding in step grow (their caches take
+// runs of blocks as LayerKvCache does for any caller; one block at a time,
+// their blocks alternated in memory). Counters:
 //   tokens_per_s  new tokens per second (seqs per call)
 //   step_us       microseconds per call
 //   GBps          (KV bytes of every sequence + weight bytes once per call) / time

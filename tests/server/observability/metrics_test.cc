@@ -705,6 +705,7 @@ TEST_F(MetricsServerTest, SeriesOfTheBuiltinModelExistBeforeAnyRequest) {
   EXPECT_EQ(exposition.Count("attnserve_decode_batch_tokens", {{"model", "default"}}), 0);
   EXPECT_EQ(exposition.Value("attnserve_kv_cache_read_bytes_total", {{"model", "default"}}), 0);
   EXPECT_EQ(exposition.Value("attnserve_kv_cache_shared_blocks"), 0);
+  EXPECT_EQ(exposition.Value("attnserve_kv_cache_ahead_blocks"), 0);
   for (const char* process : {"process_cpu_seconds_total", "process_resident_memory_bytes",
                               "process_virtual_memory_bytes", "process_open_fds", "process_max_fds",
                               "process_start_time_seconds", "process_threads"}) {

@@ -307,6 +307,7 @@ TEST_F(SessionManagerTest, AStepTakesARunOfBlocksAheadOnlyWhereThereIsRoomWithou
     Step(*manager, *std::move(step), 1, "decode");
     EXPECT_EQ(manager->Get(id, "")->kv_blocks, room ? 20 : 17);
     EXPECT_EQ(manager->stats().pool.blocks_in_use, room ? 21 : 18);
+    EXPECT_EQ(manager->stats().blocks_ahead, room ? 3 : 0);
     EXPECT_EQ(manager->stats().reserved_bytes, 0);
     EXPECT_EQ(manager->stats().evictions_for_memory, 0);
     EXPECT_TRUE(manager->Get(idle, "").ok());
@@ -314,6 +315,7 @@ TEST_F(SessionManagerTest, AStepTakesARunOfBlocksAheadOnlyWhereThereIsRoomWithou
       for (int64_t length = 65; length < 65 + 12; length += 4) Extend(*manager, id, 0, length, 4);
       EXPECT_EQ(manager->Get(id, "")->kv_blocks, 20);
       EXPECT_EQ(manager->stats().pool.blocks_in_use, 21);
+      EXPECT_EQ(manager->stats().blocks_ahead, 0);
       EXPECT_EQ(manager->stats().evictions_for_memory, 0);
     }
   }
