@@ -77,8 +77,7 @@ class LayerKvCache {
 
   // A new cache with the same tokens (and latest query), sharing every block
   // of the table (reference counts incremented, nothing copied; none ahead);
-  // either may then append
-  // without changing the other's rows. Cannot fail.
+  // either may then append without changing the other's rows. Cannot fail.
   std::unique_ptr<LayerKvCache> Fork() const;
 
   // The query of the cache's last token as its step's attention used it
@@ -153,8 +152,8 @@ class LayerKvCache {
   int64_t RunFor(int64_t fresh, BlocksAhead ahead) const;
 
   std::vector<KvBlockHandle> blocks_;
-  // Taken ahead, in the order the pool gave them (lowest in memory first);
-  // Append uses the front first.
+  // Taken ahead, in the order the pool gave them; Append uses the front
+  // first.
   std::vector<KvBlockHandle> ahead_;
   // Blocks this cache took from the pool itself (not shared by a fork).
   int64_t taken_ = 0;

@@ -730,11 +730,10 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
     // And for the latest query it keeps.
     const int64_t query = target.model->layer->config().q_width() * 4;
     const int64_t other_bytes = (answer <= kMaxStoredOutputBytes ? answer : 0) + query;
-    const std::optional<OwnerKvBytes> held =
-        limits_.max_kv_bytes_per_owner > 0 ? std::optional(OwnerBytesLocked(owner))
-                                           : std::nullopt;
+    const bool quota = limits_.max_kv_bytes_per_owner > 0;
+    const OwnerKvBytes held = quota ? OwnerBytesLocked(owner) : OwnerKvBytes{};
     const int64_t run_bytes = run * target.block_bytes;
-    if (run > needed && (!held || held->total() + run_bytes <= limits_.max_kv_bytes_per_owner) &&
+    if (run > needed && (!quota || held.total() + run_bytes <= limits_.max_kv_bytes_per_owner) &&
         pool_->stats().bytes_in_use + reserved_bytes_ + stored_bytes_ + run_bytes + other_bytes <=
             limits_.kv_cache_bytes) {
       blocks_ahead = BlocksAhead::kTake;
@@ -742,12 +741,12 @@ absl::StatusOr<StepLease> SessionManager::BeginStep(absl::string_view id, absl::
     const int64_t kv_bytes =
         (blocks_ahead == BlocksAhead::kTake ? run : needed) * target.block_bytes;
     const int64_t bytes = kv_bytes + other_bytes;
-    if (held) {
-      if (held->total() + kv_bytes > limits_.max_kv_bytes_per_owner) {
+    if (quota) {
+      if (held.total() + kv_bytes > limits_.max_kv_bytes_per_owner) {
         return absl::ResourceExhaustedError(absl::StrCat(
-            "this caller's sessions hold ", held->sessions, " bytes of KV cache",
-            held->waiting_reads > 0
-                ? absl::StrCat(" and its waiting GetLatestAttention reads ", held->waiting_reads,
+            "this caller's sessions hold ", held.sessions, " bytes of KV cache",
+            held.waiting_reads > 0
+                ? absl::StrCat(" and its waiting GetLatestAttention reads ", held.waiting_reads,
                                " more (until they end)")
                 : "",
             "; ", kv_bytes,
