@@ -1,11 +1,14 @@
 #include "core/kernels/primitives.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "core/fork_grain.h"
+#include "core/kernels/row_linear.h"
 #include "core/kernels/workspace_state.h"
 #include "core/status_macros.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -42,6 +45,13 @@ memory Memory(const WorkspaceState& workspace, const memory::desc& desc, const v
 absl::Status Linear(WorkspaceState& workspace, int64_t rows, int64_t in, int64_t out,
                     int64_t w_stride, bool bf16, const void* x, const void* w, const float* b,
                     void* y, int64_t y_stride, bool y_bf16) {
+  if (rows == 1 && !bf16 && !y_bf16 && RowLinearTakes(in, out)) {
+    ATTNSERVE_RETURN_IF_ERROR(workspace.scratchpad.Reserve(
+        static_cast<int64_t>(omp_get_max_threads() - 1) * out * static_cast<int64_t>(sizeof(float))));
+    RowLinear(static_cast<const float*>(x), in, out, static_cast<const float*>(w), w_stride, b,
+              static_cast<float*>(y), workspace.scratchpad.floats());
+    return absl::OkStatus();
+  }
   const memory::desc x_desc({rows, in}, OperandType(bf16), Tag::ab);
   const memory::desc w_desc({in, out}, OperandType(bf16), memory::dims{w_stride, 1});
   const memory::desc b_desc({1, out}, memory::data_type::f32, Tag::ab);

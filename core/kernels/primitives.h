@@ -89,7 +89,8 @@ dnnl::memory Memory(const WorkspaceState& workspace, const dnnl::memory::desc& d
 // y [rows, out] = x [rows, in] w [in, out] + b [out], row-major, w with a row
 // stride of w_stride >= out elements (a column block of a wider matrix) and y
 // with one of y_stride >= out; x and w are FP32 or (bf16) BF16, b FP32, y
-// FP32 or (y_bf16) BF16.
+// FP32 or (y_bf16) BF16. One FP32 row through large weights runs RowLinear
+// (core/kernels/row_linear.h), the rest oneDNN's matmul.
 absl::Status Linear(WorkspaceState& workspace, int64_t rows, int64_t in, int64_t out,
                     int64_t w_stride, bool bf16, const void* x, const void* w, const float* b,
                     void* y, int64_t y_stride, bool y_bf16);
