@@ -46,8 +46,9 @@ absl::Status Linear(WorkspaceState& workspace, int64_t rows, int64_t in, int64_t
                     int64_t w_stride, bool bf16, const void* x, const void* w, const float* b,
                     void* y, int64_t y_stride, bool y_bf16) {
   if (rows == 1 && !bf16 && !y_bf16 && RowLinearTakes(in, out)) {
-    ATTNSERVE_RETURN_IF_ERROR(workspace.scratchpad.Reserve(
-        static_cast<int64_t>(omp_get_max_threads() - 1) * out * static_cast<int64_t>(sizeof(float))));
+    const int64_t partials = static_cast<int64_t>(omp_get_max_threads() - 1) * out;
+    ATTNSERVE_RETURN_IF_ERROR(
+        workspace.scratchpad.Reserve(partials * static_cast<int64_t>(sizeof(float))));
     RowLinear(static_cast<const float*>(x), in, out, static_cast<const float*>(w), w_stride, b,
               static_cast<float*>(y), workspace.scratchpad.floats());
     return absl::OkStatus();

@@ -228,6 +228,9 @@ std::vector<Shape> Shapes() {
     shapes.push_back({"Mqa8to1PartialRope" + p, Config(64, 8, 1, 16, 8), 7, precision});
     shapes.push_back({"Gqa4to2Hd64PartialRope" + p, Config(128, 4, 2, 64, 32), 32, precision});
   }
+  // Q, K and V weights of over 1 MiB: a one-token step's projection runs
+  // RowLinear (core/kernels/row_linear.h) where the CPU has AVX-512.
+  shapes.push_back({"Mha6D384Fp32Kv", Config(384, 6, 6, 0, 64), 16, KvPrecision::kFp32});
   return shapes;
 }
 
