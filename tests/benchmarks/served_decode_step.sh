@@ -2,8 +2,8 @@
 # One served decode run as compare_decode_with_pytorch.py starts the server:
 # a fresh attnserve on a free loopback port, 32 sessions prefilled with
 # CONTEXT tokens (2048 unless given), then `attnctl bench --decode` for STEPS
-# steps (a long decode: a short CONTEXT and many STEPS); prints attnctl's JSON summary
-# (tokens_per_second, server_compute_ms, step_ms, ...). Extra server flags go
+# steps (a long decode: a short CONTEXT and many STEPS); prints attnctl's JSON
+# summary (tokens_per_second, server_compute_ms, step_ms, ...). Extra server flags go
 # in SERVER_ARGS (e.g. SERVER_ARGS=--openmp_spin_us=20), its environment in
 # SERVER_ENV (server_lib.sh).
 #
