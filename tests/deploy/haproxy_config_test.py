@@ -300,7 +300,7 @@ class CallsInFlightPerAddress(unittest.TestCase):
                     held = 0
                     while held < limit:
                         if attacker.poll() is not None:
-                            self.fail(f"the attacker ended first: {attacker.communicate()}")
+                            self.fail(f"the attacker ended first: {attacker.communicate()}\n{proxy.log_text()}")
                         self.assertLess(time.monotonic(), deadline, "the attacker's calls never reached the replica")
                         time.sleep(0.1)
                         held = proxy.server_counter("haproxy_server_current_sessions").get("replica1", 0)

@@ -163,14 +163,26 @@ class HAProxy:
                 totals[series["server"]] = totals.get(series["server"], 0) + value
         return totals
 
+    def checks_passed(self):
+        """{server name: True when its last health check passed (L7OK)}.
+        HAProxy counts a server UP from start-up, before its first check
+        has ended: this tells a replica UP by a check from one UP by
+        default."""
+        passed = {}
+        for name, labels, value in self.metrics():
+            if (name == "haproxy_server_check_status" and labels.get("proxy") == BACKEND
+                    and value == 1):
+                passed[labels["server"]] = labels.get("state") == "L7OK"
+        return passed
+
     def wait_replicas_up(self, count, timeout=60):
-        """Waits until `count` replicas pass their health checks."""
+        """Waits until `count` replicas are UP with a passed health check."""
         deadline = time.monotonic() + timeout
         states = {}
         while time.monotonic() < deadline:
             assert self.running(), f"haproxy exited: {self.log_text()}"
-            states = self.server_states()
-            if sum(states.values()) >= count:
+            states, passed = self.server_states(), self.checks_passed()
+            if sum(up and passed.get(name, False) for name, up in states.items()) >= count:
                 return states
             time.sleep(0.1)
         raise AssertionError(f"{count} replicas never UP in haproxy: {states}\n{self.log_text()}")
