@@ -66,25 +66,43 @@ struct ItemView {
   int64_t map_row(int64_t i, int64_t h) const { return (h * n + i) * length; }
 };
 
-// Keys [key_begin, key_end) of one (item, KV head): all of them (partial < 0:
-// the unit writes out and maps), or one split whose softmax state goes to the
-// partial states at `partial` floats ([G n] rows of m, l, acc[head_dim]).
+// Keys [key_begin, key_end) of KV heads [kv_begin, kv_end) of one item: all
+// of them (partial < 0: the unit writes out and maps), or one split whose
+// softmax states go to the partial states at `partial` floats (PartialRow).
+// A decode item's unit holds all its KV heads and reads a span of keys in
+// every one of them before the next span: the span's blocks, which hold every
+// KV head's rows, are read from one end to the other (reading one KV head's
+// rows through all blocks first read memory at 0.6-0.7 of the rate of reading
+// it in order; docs/measurements.md, "Decode reads a span in every KV head").
+// A prefill chunk's unit holds one KV head: its rows are read once per tile
+// of new rows, and the heads spread the causal work over the threads.
 struct Unit {
   int64_t item = 0;
-  int64_t kv_head = 0;
+  int64_t kv_begin = 0;
+  int64_t kv_end = 0;
   int64_t key_begin = 0;
   int64_t key_end = 0;
   int64_t partial = -1;
   int64_t merge = -1;  // the Merge of its splits (a split unit)
 };
 
-// The splits of one (item, KV head) to merge: units [first_unit, first_unit + splits).
+// The splits of one (item, KV heads) to merge: units [first_unit, first_unit + splits).
 struct Merge {
   int64_t item = 0;
-  int64_t kv_head = 0;
+  int64_t kv_begin = 0;
+  int64_t kv_end = 0;
   int64_t first_unit = 0;
   int64_t splits = 0;
 };
+
+// The floats, from a split unit's `partial`, of the softmax state (m, l,
+// acc [head_dim]) of new row i and query head h (of KV head g in [kv_begin,
+// kv_end)).
+int64_t PartialRow(const Unit& unit, int64_t group, int64_t head_dim, int64_t i, int64_t h) {
+  const int64_t first_head = unit.kv_begin * group;
+  const int64_t heads = (unit.kv_end - unit.kv_begin) * group;
+  return unit.partial + (i * heads + h - first_head) * (head_dim + 2);
+}
 
 // One thread's online-softmax state of a tile of rows, and the scores of a
 // span of keys ([rows, stride]: the span's width rounded up to whole key
@@ -176,19 +194,25 @@ ItemView ViewOf(const PagedAttentionItem& item) {
   return view;
 }
 
-// Keys per split: unlimited when the (item, KV head) pairs already give every
-// thread a few units; otherwise the keys of all pairs spread over that many
-// units, and at least kMinSplitKeys.
+// The KV heads one unit of the item holds (Unit): all of them for decode
+// rows, one for a prefill chunk.
+int64_t KvHeadsPerUnit(const ItemView& view) {
+  return view.n >= kStripNewRows ? 1 : view.heads / view.group;
+}
+
+// Keys per split: unlimited when the items' units already give every thread a
+// few; otherwise the keys of all units spread over that many, and at least
+// kMinSplitKeys.
 int64_t SplitKeys(absl::Span<const ItemView> views, int64_t threads) {
   constexpr int64_t kNoSplit = std::numeric_limits<int64_t>::max();
-  int64_t pairs = 0, keys = 0;
+  int64_t units = 0, keys = 0;
   for (const ItemView& view : views) {
-    const int64_t kv_heads = view.heads / view.group;
-    pairs += kv_heads;
-    keys += kv_heads * view.length;
+    const int64_t per_item = view.heads / view.group / KvHeadsPerUnit(view);
+    units += per_item;
+    keys += per_item * view.length;
   }
   const int64_t target = threads * kUnitsPerThread;
-  if (threads <= 1 || pairs >= target) return kNoSplit;
+  if (threads <= 1 || units >= target) return kNoSplit;
   return std::max(kMinSplitKeys, (keys + target - 1) / target);
 }
 
@@ -210,17 +234,18 @@ int64_t PlanUnits(absl::Span<const ItemView> views, int64_t threads, std::vector
     const int64_t item = static_cast<int64_t>(index);
     const int64_t chunk = SplitChunk(view, split_keys);
     const int64_t splits = (view.length + chunk - 1) / chunk;
-    for (int64_t g = 0; g < view.heads / view.group; ++g) {
+    const int64_t per_unit = KvHeadsPerUnit(view);
+    for (int64_t g = 0; g < view.heads / view.group; g += per_unit) {
       if (splits == 1) {
-        units.push_back(Unit{item, g, 0, view.length, -1});
+        units.push_back(Unit{item, g, g + per_unit, 0, view.length, -1});
         continue;
       }
       const int64_t merge = static_cast<int64_t>(merges.size());
-      merges.push_back(Merge{item, g, static_cast<int64_t>(units.size()), splits});
+      merges.push_back(Merge{item, g, g + per_unit, static_cast<int64_t>(units.size()), splits});
       for (int64_t s = 0; s < splits; ++s) {
-        units.push_back(Unit{item, g, s * chunk, std::min(view.length, (s + 1) * chunk),
-                             partial_floats, merge});
-        partial_floats += view.group * view.n * (view.head_dim + 2);
+        units.push_back(Unit{item, g, g + per_unit, s * chunk,
+                             std::min(view.length, (s + 1) * chunk), partial_floats, merge});
+        partial_floats += per_unit * view.group * view.n * (view.head_dim + 2);
       }
     }
   }
@@ -315,16 +340,25 @@ void SpanBlocks(const ItemView& view, int64_t g, int64_t j0, int64_t j1, bool va
   }
 }
 
-// The rows of keys [j0, j1) in `blocks`, and those of the unit's next span
-// [j1, next_end) in `next` (prefetched as the span's rows are read).
+// Keys [begin, end) of KV head kv_head (begin a block's first key): the span
+// a unit reads next (none when begin >= end).
+struct NextSpan {
+  int64_t kv_head = 0;
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+// The rows of keys [j0, j1) of KV head g in `blocks`, and those of the span
+// the unit reads next in `next_blocks` (prefetched as the span's rows are
+// read).
 template <typename T>
 internal::BlockRows<T> SpanRows(const ItemView& view, int64_t g, int64_t j0, int64_t j1,
-                                int64_t next_end, bool values, const T** blocks,
-                                const T** next) {
+                                const NextSpan& next, bool values, const T** blocks,
+                                const T** next_blocks) {
   SpanBlocks(view, g, j0, j1, values, blocks);
-  if (next_end > j1) SpanBlocks(view, g, j1, next_end, values, next);
-  return internal::BlockRows<T>{blocks, view.block_tokens, next,
-                                std::max<int64_t>(0, next_end - j1)};
+  if (next.end > next.begin) SpanBlocks(view, next.kv_head, next.begin, next.end, values, next_blocks);
+  return internal::BlockRows<T>{blocks, view.block_tokens, next_blocks,
+                                std::max<int64_t>(0, next.end - next.begin)};
 }
 
 // Keys [j0, j1) (token positions, a span of whole blocks but at its end, j0 a
@@ -336,7 +370,7 @@ internal::BlockRows<T> SpanRows(const ItemView& view, int64_t g, int64_t j0, int
 // step and one kernel call: their fixed costs are paid per span, not per
 // block.
 template <typename T>
-void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t next_end,
+void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, const NextSpan& next_span,
                  int64_t i0, int64_t i1, int64_t width, TileState& state) {
   const PagedAttentionItem& item = *view.item;
   const int64_t rows = (i1 - i0) * view.group;
@@ -345,7 +379,7 @@ void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_
   const T* blocks[kSpanKeys];
   const T* next[kSpanKeys];
   const internal::BlockRows<T> k =
-      SpanRows(view, g, j0, j1, next_end, /*values=*/false, blocks, next);
+      SpanRows(view, g, j0, j1, next_span, /*values=*/false, blocks, next);
   for (int64_t i = i0; i < i1; ++i) {
     // The G rows of new row i see the same keys.
     const int64_t visible = std::max<int64_t>(0, std::min(j1, view.first + i + 1) - j0);
@@ -368,7 +402,7 @@ void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_
                                item.scale, state.m.data(), state.l.data(), state.alpha.data(),
                                nullptr);
   const internal::BlockRows<T> v =
-      SpanRows(view, g, j0, j1, next_end, /*values=*/true, blocks, next);
+      SpanRows(view, g, j0, j1, next_span, /*values=*/true, blocks, next);
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t r0 = (i - i0) * view.group;
     const int64_t visible = state.limits[static_cast<size_t>(r0)];
@@ -498,19 +532,19 @@ void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, 
   }
 }
 
-// The tile's rows done: out (and map rows) for a whole unit, its softmax
-// state for a split.
-void FinishTile(const ItemView& view, const Unit& unit, int64_t i0, int64_t i1,
+// The tile's rows of KV head g done: out (and map rows) for a whole unit,
+// their softmax states for a split.
+void FinishTile(const ItemView& view, const Unit& unit, int64_t g, int64_t i0, int64_t i1,
                 const TileState& state, float* partials) {
   const PagedAttentionItem& item = *view.item;
   const int64_t hd = view.head_dim;
   for (int64_t i = i0; i < i1; ++i) {
     for (int64_t hl = 0; hl < view.group; ++hl) {
       const int64_t r = (i - i0) * view.group + hl;
-      const int64_t h = unit.kv_head * view.group + hl;
+      const int64_t h = g * view.group + hl;
       const float* acc = state.acc.data() + r * hd;
       if (unit.partial >= 0) {
-        float* to = partials + unit.partial + (i * view.group + hl) * (hd + 2);
+        float* to = partials + PartialRow(unit, view.group, hd, i, h);
         to[0] = state.m[r];
         to[1] = state.l[r];
         std::memcpy(to + 2, acc, static_cast<size_t>(hd) * sizeof(float));
@@ -526,37 +560,54 @@ void FinishTile(const ItemView& view, const Unit& unit, int64_t i0, int64_t i1,
   }
 }
 
-void RunUnit(const ItemView& view, const Unit& unit, TileState& state, float* partials) {
+// Runs a unit: tile by tile of new rows, span by span of keys, in each span
+// KV head by KV head (states[g - unit.kv_begin] holds KV head g's tile).
+void RunUnit(const ItemView& view, const Unit& unit, std::vector<TileState>& states,
+             float* partials) {
   const int64_t tile = std::max<int64_t>(1, kTileRows / view.group);
   const int64_t bt = view.block_tokens;
   // Whole blocks per span (unit.key_begin is a block's first key).
   const int64_t span = std::max<int64_t>(1, kSpanKeys / bt) * bt;
+  if (states.size() < static_cast<size_t>(unit.kv_end - unit.kv_begin)) {
+    states.resize(static_cast<size_t>(unit.kv_end - unit.kv_begin));
+  }
   for (int64_t i0 = 0; i0 < view.n; i0 += tile) {
     const int64_t i1 = std::min(view.n, i0 + tile);
     const bool strips = i1 - i0 >= kStripNewRows &&
                         internal::OwnBlockKernelsAvailable(/*bf16=*/false, view.head_dim);
-    state.Reset((i1 - i0) * view.group, view.head_dim, span);
-    if (strips) GatherTileQueries(view, unit.kv_head, i0, i1, state);
+    for (int64_t g = unit.kv_begin; g < unit.kv_end; ++g) {
+      TileState& state = states[static_cast<size_t>(g - unit.kv_begin)];
+      state.Reset((i1 - i0) * view.group, view.head_dim, span);
+      if (strips) GatherTileQueries(view, g, i0, i1, state);
+    }
     // The tile's last row sees keys before first + i1.
     const int64_t key_end = std::min(unit.key_end, view.first + i1);
     for (int64_t j0 = unit.key_begin; j0 < key_end; j0 += span) {
       const int64_t j1 = std::min(key_end, j0 + span);
-      const int64_t next_end = std::min(key_end, j1 + span);
-      if (strips && view.bf16) {
-        ProcessSpanStrips<Bf16>(view, unit.kv_head, j0, j1, i0, i1, span, state);
-      } else if (strips) {
-        ProcessSpanStrips<float>(view, unit.kv_head, j0, j1, i0, i1, span, state);
-      } else if (view.bf16) {
-        ProcessSpan<Bf16>(view, unit.kv_head, j0, j1, next_end, i0, i1, span, state);
-      } else {
-        ProcessSpanByBlock(view, unit.kv_head, j0, j1, i0, i1, span, state);
+      for (int64_t g = unit.kv_begin; g < unit.kv_end; ++g) {
+        TileState& state = states[static_cast<size_t>(g - unit.kv_begin)];
+        if (strips && view.bf16) {
+          ProcessSpanStrips<Bf16>(view, g, j0, j1, i0, i1, span, state);
+        } else if (strips) {
+          ProcessSpanStrips<float>(view, g, j0, j1, i0, i1, span, state);
+        } else if (view.bf16) {
+          // Next: this span in the next KV head, or the next span in the first.
+          const NextSpan next = g + 1 < unit.kv_end
+                                    ? NextSpan{g + 1, j0, j1}
+                                    : NextSpan{unit.kv_begin, j1, std::min(key_end, j1 + span)};
+          ProcessSpan<Bf16>(view, g, j0, j1, next, i0, i1, span, state);
+        } else {
+          ProcessSpanByBlock(view, g, j0, j1, i0, i1, span, state);
+        }
       }
     }
-    FinishTile(view, unit, i0, i1, state, partials);
+    for (int64_t g = unit.kv_begin; g < unit.kv_end; ++g) {
+      FinishTile(view, unit, g, i0, i1, states[static_cast<size_t>(g - unit.kv_begin)], partials);
+    }
   }
 }
 
-// Merges the splits' softmax states of one (item, KV head) into out (and
+// Merges the splits' softmax states of one (item, KV heads) into out (and
 // normalizes its map rows, which hold every split's raw scores):
 //   M = max_s m_s, w_s = exp(scale (m_s - M)), l = sum_s w_s l_s,
 //   out = head_mask[h] sum_s w_s acc_s / l.
@@ -566,10 +617,10 @@ void MergeSplits(const ItemView& view, const Merge& merge, absl::Span<const Unit
   const int64_t hd = view.head_dim;
   acc.resize(static_cast<size_t>(hd));
   for (int64_t i = 0; i < view.n; ++i) {
-    for (int64_t hl = 0; hl < view.group; ++hl) {
-      const int64_t offset = (i * view.group + hl) * (hd + 2);
+    for (int64_t h = merge.kv_begin * view.group; h < merge.kv_end * view.group; ++h) {
       auto state_of = [&](int64_t s) {
-        return partials + units[static_cast<size_t>(merge.first_unit + s)].partial + offset;
+        const Unit& unit = units[static_cast<size_t>(merge.first_unit + s)];
+        return partials + PartialRow(unit, view.group, hd, i, h);
       };
       float m = kMinusInf;
       for (int64_t s = 0; s < merge.splits; ++s) m = std::max(m, state_of(s)[0]);
@@ -582,7 +633,6 @@ void MergeSplits(const ItemView& view, const Merge& merge, absl::Span<const Unit
         l += w * state[1];
         for (int64_t d = 0; d < hd; ++d) acc[static_cast<size_t>(d)] += w * state[2 + d];
       }
-      const int64_t h = merge.kv_head * view.group + hl;
       internal::ScaleInto(acc.data(), hd, view.gate(h) / l, item.out.data() + view.q_row(i, h));
       if (!item.attention_map.empty()) {
         NormalizeMapRow(item.attention_map.data() + view.map_row(i, h), view.first + i + 1,
@@ -624,7 +674,7 @@ absl::Status PagedAttention(absl::Span<const PagedAttentionItem> items) {
   const int64_t partial_floats = PlanUnits(views, threads, units, merges);
   std::vector<float> partials(static_cast<size_t>(partial_floats));
   const int64_t unit_count = static_cast<int64_t>(units.size());
-  // The thread that finishes the last split of an (item, KV head) merges them
+  // The thread that finishes the last split of a merge merges them
   // at once: no barrier between the splits and the merges. Under the server's
   // PASSIVE wait each barrier is a futex sleep and wake-up, ~80 us on a
   // 2-vCPU virtual machine (docs/measurements.md, "Decode steps: copies that
@@ -637,17 +687,18 @@ absl::Status PagedAttention(absl::Span<const PagedAttentionItem> items) {
   }
 #pragma omp parallel if (unit_count > 1)
   {
-    TileState state;
+    std::vector<TileState> states;
+    std::vector<float> merged;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t u = 0; u < unit_count; ++u) {
       const Unit& unit = units[static_cast<size_t>(u)];
       const ItemView& view = views[static_cast<size_t>(unit.item)];
-      RunUnit(view, unit, state, partials.data());
+      RunUnit(view, unit, states, partials.data());
       if (unit.merge >= 0 &&
           splits_left[static_cast<size_t>(unit.merge)].fetch_sub(1, std::memory_order_acq_rel) ==
               1) {
         MergeSplits(view, merges[static_cast<size_t>(unit.merge)], units, partials.data(),
-                    state.acc);
+                    merged);
       }
     }
   }

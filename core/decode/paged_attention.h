@@ -36,12 +36,14 @@ struct PagedAttentionItem {
   absl::Span<const float> head_mask;
 };
 
-// Runs the items on the calling thread's OpenMP threads: units of (item, KV
-// head) -- the G query heads and n new rows of a group together, so that each
-// K/V row is read once per call (per 32 / G new rows in long prefill chunks)
-// -- and, when there are fewer of them than a few per thread, long contexts
-// split into key ranges whose partial softmax states are merged afterwards
-// (flash-decoding). Online softmax with FP32 accumulation; BF16 K/V widened
+// Runs the items on the calling thread's OpenMP threads, in units: a decode
+// item's (fewer than 8 new rows) all its KV heads, a span of keys in every
+// KV head before the next span (the span's cache blocks read from one end to
+// the other); a prefill chunk's one KV head each. The G query heads and n new
+// rows of a group go together, so that each K/V row is read once per call
+// (per 32 / G new rows in long prefill chunks). When there are fewer units
+// than a few per thread, long contexts are split into key ranges whose
+// partial softmax states are merged afterwards (flash-decoding). Online softmax with FP32 accumulation; BF16 K/V widened
 // as it is read. Decode rows run on the row kernels (decode_kernels.h); tiles
 // of 8 or more new rows (prefill chunks) on the blocked path's strip kernels
 // (core/kernels/block_kernels.h), each block's keys packed once per tile.

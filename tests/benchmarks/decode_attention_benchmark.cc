@@ -11,6 +11,8 @@
 // BM_ReadProbe: a large-array sum on all OpenMP threads (GB/s), the ceiling
 // (independent accumulators in the CPU's widest vectors: bounded by memory,
 // not by the adds).
+// BM_ReadProbeByHead/chunk_kib: the same array read in chunks, the order of
+// one KV head's rows through a cache's blocks (of_probe against the probe).
 // BM_PagedDecode/seqs/context/heads/kv_heads/bf16: one decode step (n = 1 new
 // query row per sequence, head_dim 64) of a micro-batch of `seqs` sequences.
 // Counters:
@@ -173,6 +175,7 @@ class ReadProbe {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   int64_t bytes() const { return static_cast<int64_t>(data_.size() * sizeof(float)); }
+  const float* data() const { return data_.data(); }
 
  private:
   std::vector<float> data_;
@@ -262,6 +265,53 @@ void BM_ReadProbe(benchmark::State& state) {
   state.counters["GBps"] = Median(runs);
 }
 BENCHMARK(BM_ReadProbe)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// The probe's array read as the KV cache's blocks would be read one KV head
+// at a time: each thread's part taken as 256 KiB blocks (16 KV heads' K and
+// V rows of 8 KiB: 32 FP32 tokens of head_dim 64), chunk c of every block,
+// then chunk c + 1 (chunk_kib each). of_probe: GB/s over the start-up
+// probe's. A memory-system fact the decode's order rests on (PagedAttention
+// reads a span of blocks in every KV head before the next span).
+void BM_ReadProbeByHead(benchmark::State& state) {
+  constexpr int64_t kBlockBytes = 256 << 10;
+  const int64_t chunk_floats = state.range(0) * 1024 / 4;
+  const int64_t block_floats = kBlockBytes / 4;
+  ReadProbe& probe = SharedProbe();
+  const float* data = probe.data();
+  const int64_t n = probe.bytes() / 4;
+  std::vector<double> runs;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    float sum = 0.0f;
+    int64_t floats = 0;
+#pragma omp parallel reduction(+ : sum, floats)
+    {
+      const int64_t threads = omp_get_num_threads();
+      const int64_t thread = omp_get_thread_num();
+      const int64_t begin = n * thread / threads / block_floats * block_floats;
+      const int64_t blocks = (n * (thread + 1) / threads - begin) / block_floats;
+      for (int64_t c = 0; c < block_floats; c += chunk_floats) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          sum += SumFloats(data + begin + b * block_floats + c, chunk_floats);
+        }
+      }
+      floats += blocks * block_floats;
+    }
+    benchmark::DoNotOptimize(sum);
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    runs.push_back(static_cast<double>(floats) * 4 / seconds * 1e-9);
+  }
+  state.counters["GBps"] = Median(runs);
+  state.counters["of_probe"] = Median(runs) / ProbeGbps();
+}
+BENCHMARK(BM_ReadProbeByHead)
+    ->ArgName("chunk_kib")
+    ->Arg(4)
+    ->Arg(8)
+    ->Arg(16)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 // Fills a cache with `context` tokens of cheap pseudo-random K/V (the values
 // do not matter to the bandwidth; they are finite and varied).
