@@ -3,10 +3,12 @@
 // from the same K/V (BF16 caches: from the BF16-rounded K/V).
 //
 // Tolerances, as max |error| / max |expected| over a step's output (and over
-// its maps): 1e-5 for FP32 caches, and for BF16 caches against the rounded
-// reference (the kernel widens BF16 exactly and computes as in FP32); a BF16
-// cache against the unrounded reference within kBf16Tolerance (2e-2; K and V
-// rounding alone moves it about 2^-9 relative). Map rows sum to 1 within 1e-5.
+// its maps): 1e-5 for FP32 caches; 3e-5 for BF16 caches against the rounded
+// reference (with AVX512_BF16 the scores of BF16 keys multiply a query split
+// into BF16 hi + lo, 16 significant bits instead of FP32's 24: seed
+// 7358742316852768724 gave 1.02e-5 at 4 threads); a BF16 cache against the
+// unrounded reference within kBf16Tolerance (2e-2; K and V rounding alone
+// moves it about 2^-9 relative). Map rows sum to 1 within 1e-5.
 #include "core/decode/paged_attention.h"
 
 #include <omp.h>
@@ -48,6 +50,7 @@ using ::attnserve::testing::SequenceHistory;
 using ::attnserve::testing::StatusIs;
 
 constexpr double kTolerance = 1e-5;
+constexpr double kBf16RoundedTolerance = 3e-5;
 constexpr double kBf16UnroundedTolerance = ::attnserve::testing::kBf16Tolerance;
 
 struct Shape {
@@ -116,12 +119,13 @@ struct Sequence {
   void ExpectMatchesReference() const {
     SCOPED_TRACE(absl::StrCat(shape.name, ", length ", history.length(), ", new ", new_tokens));
     const DecodeReference expected = Reference(shape.bf16());
-    EXPECT_LE(MaxAbsErrorRelative(out, expected.out), kTolerance);
+    const double tolerance = shape.bf16() ? kBf16RoundedTolerance : kTolerance;
+    EXPECT_LE(MaxAbsErrorRelative(out, expected.out), tolerance);
     if (shape.bf16()) {
       EXPECT_LE(MaxAbsErrorRelative(out, Reference(false).out), kBf16UnroundedTolerance);
     }
     if (map.empty()) return;
-    EXPECT_LE(MaxAbsErrorRelative(map, expected.maps), kTolerance);
+    EXPECT_LE(MaxAbsErrorRelative(map, expected.maps), tolerance);
     if (head_mask.empty()) {
       EXPECT_LE(MaxRowSumError(map, history.length()), kTolerance);
       return;
