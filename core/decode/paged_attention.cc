@@ -72,7 +72,7 @@ struct ItemView {
 // A decode item's unit holds all its KV heads and reads a span of keys in
 // every one of them before the next span: the span's blocks, which hold every
 // KV head's rows, are read from one end to the other (reading one KV head's
-// rows through all blocks first read memory at 0.6-0.7 of the rate of reading
+// rows through all blocks first read memory at 0.55-0.93 of the rate of reading
 // it in order; docs/measurements.md, "Decode reads a span in every KV head").
 // A prefill chunk's unit holds one KV head: its rows are read once per tile
 // of new rows, and the heads spread the causal work over the threads.
