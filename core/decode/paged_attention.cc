@@ -356,7 +356,9 @@ internal::BlockRows<T> SpanRows(const ItemView& view, int64_t g, int64_t j0, int
                                 const NextSpan& next, bool values, const T** blocks,
                                 const T** next_blocks) {
   SpanBlocks(view, g, j0, j1, values, blocks);
-  if (next.end > next.begin) SpanBlocks(view, next.kv_head, next.begin, next.end, values, next_blocks);
+  if (next.end > next.begin) {
+    SpanBlocks(view, next.kv_head, next.begin, next.end, values, next_blocks);
+  }
   return internal::BlockRows<T>{blocks, view.block_tokens, next_blocks,
                                 std::max<int64_t>(0, next.end - next.begin)};
 }

@@ -43,9 +43,10 @@ struct PagedAttentionItem {
 // rows of a group go together, so that each K/V row is read once per call
 // (per 32 / G new rows in long prefill chunks). When there are fewer units
 // than a few per thread, long contexts are split into key ranges whose
-// partial softmax states are merged afterwards (flash-decoding). Online softmax with FP32 accumulation; BF16 K/V widened
-// as it is read. Decode rows run on the row kernels (decode_kernels.h); tiles
-// of 8 or more new rows (prefill chunks) on the blocked path's strip kernels
+// partial softmax states are merged afterwards (flash-decoding). Online
+// softmax with FP32 accumulation; BF16 K/V widened as it is read. Decode rows
+// run on the row kernels (decode_kernels.h); tiles of 8 or more new rows
+// (prefill chunks) on the blocked path's strip kernels
 // (core/kernels/block_kernels.h), each block's keys packed once per tile.
 //
 // INVALID_ARGUMENT naming the field ("items[i].q", ...) when a cache is null,
