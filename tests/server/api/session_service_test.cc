@@ -556,6 +556,44 @@ TEST_F(SessionServiceTest, TheMetricsShowTheSessionsAndTheirKvCache) {
             1);
 }
 
+// A decode step that needs a fresh block takes a run of them (a quarter of
+// the blocks the layer has taken: 2 after 8) and keeps the rest ahead of its
+// tokens: they count in the session's kv_blocks, in the bytes used and in the
+// gauge of blocks ahead.
+TEST_F(SessionServiceTest, AStepNeedingAFreshBlockTakesARunAndTheBlocksAheadAreCounted) {
+  std::mt19937_64 rng(std::random_device{}());
+  const std::string id = Open();
+  constexpr double kBlockBytes = 196608;  // 32 tokens of 12 heads x 64, K and V, FP32
+  const auto scrape = [this] { return server_->MetricsText(); };
+  v1::ExtendRequest prefill;
+  *prefill.add_steps() = Step(id, 0, RandomRows(256, rng));  // 8 blocks, exactly
+  ASSERT_EQ(Extend(prefill).results(0).code(), 0);
+  ASSERT_TRUE(testing::WaitForSample(scrape, "attnserve_kv_cache_used_bytes", 8 * kBlockBytes));
+  EXPECT_EQ(testing::SampleValue(scrape(), "attnserve_kv_cache_ahead_blocks"), 0);
+  v1::ExtendRequest step;
+  *step.add_steps() = Step(id, 256, RandomRows(1, rng));  // token 257: block 9 and one ahead
+  ASSERT_EQ(Extend(step).results(0).code(), 0);
+  ASSERT_TRUE(testing::WaitForSample(scrape, "attnserve_kv_cache_used_bytes", 10 * kBlockBytes));
+  EXPECT_EQ(testing::SampleValue(scrape(), "attnserve_kv_cache_ahead_blocks"), 1);
+  v1::GetSessionRequest get;
+  get.set_session_id(id);
+  v1::Session session;
+  ASSERT_TRUE(Call(&v1::AttentionService::Stub::GetSession, get, &session).ok());
+  EXPECT_EQ(session.layer_lengths(0), 257);
+  EXPECT_EQ(session.kv_blocks(), 10);
+  EXPECT_EQ(session.kv_bytes(), 10 * kBlockBytes);
+  // 31 tokens fill block 9; token 289 goes into the block ahead: nothing more
+  // is taken.
+  v1::ExtendRequest fill;
+  *fill.add_steps() = Step(id, 257, RandomRows(31, rng));
+  ASSERT_EQ(Extend(fill).results(0).code(), 0);
+  v1::ExtendRequest next;
+  *next.add_steps() = Step(id, 288, RandomRows(1, rng));
+  ASSERT_EQ(Extend(next).results(0).code(), 0);
+  ASSERT_TRUE(testing::WaitForSample(scrape, "attnserve_kv_cache_ahead_blocks", 0));
+  EXPECT_EQ(testing::SampleValue(scrape(), "attnserve_kv_cache_used_bytes"), 10 * kBlockBytes);
+}
+
 TEST_F(SessionServiceTest, TheStepMetricsFollowTheStepsTheirTokensAndTheKvTheyRead) {
   std::mt19937_64 rng(std::random_device{}());
   const std::string a = Open(), b = Open();
