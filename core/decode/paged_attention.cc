@@ -676,8 +676,8 @@ absl::Status PagedAttention(absl::Span<const PagedAttentionItem> items) {
   const int64_t partial_floats = PlanUnits(views, threads, units, merges);
   std::vector<float> partials(static_cast<size_t>(partial_floats));
   const int64_t unit_count = static_cast<int64_t>(units.size());
-  // The thread that finishes the last split of a merge merges them
-  // at once: no barrier between the splits and the merges. Under the server's
+  // The thread that finishes the last split of a merge merges the splits at
+  // once: no barrier between the splits and the merges. Under the server's
   // PASSIVE wait each barrier is a futex sleep and wake-up, ~80 us on a
   // 2-vCPU virtual machine (docs/measurements.md, "Decode steps: copies that
   // forked"). The splits' partial states, and the raw scores they write into
