@@ -3,9 +3,9 @@
 # a fresh attnserve on a free loopback port, 32 sessions prefilled with
 # CONTEXT tokens (2048 unless given), then `attnctl bench --decode` for STEPS
 # steps (a long decode: a short CONTEXT and many STEPS); prints attnctl's JSON
-# summary (tokens_per_second, server_compute_ms, step_ms, ...). Extra server flags go
-# in SERVER_ARGS (e.g. SERVER_ARGS=--openmp_spin_us=20), its environment in
-# SERVER_ENV (server_lib.sh).
+# summary (tokens_per_second, server_compute_ms, step_ms, ...). Extra server
+# flags go in SERVER_ARGS (e.g. SERVER_ARGS=--openmp_spin_us=20), its
+# environment in SERVER_ENV (server_lib.sh).
 #
 #   tests/benchmarks/served_decode_step.sh BUILD_DIR fp32|bf16 [STEPS] [CONTEXT]
 set -euo pipefail
