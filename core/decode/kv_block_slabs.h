@@ -53,20 +53,24 @@ class KvBlockSlabs {
   // Blocks per slab.
   int64_t slab_blocks() const { return slab_blocks_; }
 
-  // Memory for one block (contents undefined; slabs start at a page, so a
-  // block is aligned to the largest power of two dividing block_bytes, up to
-  // the page size), or nullptr when the system maps no more memory.
+  // Memory for one block, its pages resident (contents undefined; slabs
+  // start at a page, so a block is aligned to the largest power of two
+  // dividing block_bytes, up to the page size), or nullptr when the system
+  // maps no more memory.
   std::byte* Allocate();
   // Gives back a block this object allocated (anything else stops the
   // process: a pool's broken invariant).
   void Free(std::byte* block);
 
   // Bytes mapped from the system (whole slabs; a slot's pages are resident
-  // from when its block is first written until it is freed).
+  // from when its block is allocated until it is freed).
   int64_t mapped_bytes() const;
   int64_t slab_count() const;
 
  private:
+  // Allocate's slot, its pages as the slot left them.
+  std::byte* AllocateSlot();
+
   struct Slab {
     int64_t mapping_bytes = 0;
     std::vector<int32_t> free_slots;  // a min-heap (std::greater): front() is the lowest

@@ -148,6 +148,47 @@ TEST(KvBlockSlabsDeathTest, TouchingAFreedBlockIsCaughtUnderAddressSanitizer) {
 
 // The pool's blocks of one layout come from its slabs: a sequence's blocks
 // taken one after another are adjacent, and Trim gives their pages back.
+// Whether this kernel populates pages on request (MADV_POPULATE_WRITE, Linux
+// 5.14); without it a block's pages fault in as they are written.
+bool KernelPopulatesPages() {
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  void* probe = mmap(nullptr, static_cast<size_t>(page), PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (probe == MAP_FAILED) return false;
+  const bool populates = madvise(probe, static_cast<size_t>(page), MADV_POPULATE_WRITE) == 0;
+  munmap(probe, static_cast<size_t>(page));
+  return populates;
+}
+
+// A block's pages are resident when it is handed out, before anything writes
+// it (no page fault at each page's first write), also a slot's whose pages a
+// freed block gave back; the neighbouring free slot's whole pages stay given
+// back. Blocks of 64 bytes more than 48 pages, so that they share pages at
+// their ends.
+TEST(KvBlockSlabs, AHandedOutBlocksPagesAreResidentBeforeItIsWritten) {
+  if (!KernelPopulatesPages()) GTEST_SKIP() << "this kernel has no MADV_POPULATE_WRITE";
+  constexpr int64_t kOddBlockBytes = kBlockBytes + 64;
+  KvBlockSlabs slabs(kOddBlockBytes);
+  std::byte* first = slabs.Allocate();
+  std::byte* second = slabs.Allocate();
+  std::byte* third = slabs.Allocate();
+  bool any = false;
+  for (std::byte* block : {first, second, third}) {
+    EXPECT_TRUE(PagesResident(block, kOddBlockBytes, &any)) << "block " << block - first;
+  }
+  slabs.Free(second);
+  slabs.Free(third);
+  PagesResident(second, kOddBlockBytes, &any);
+  ASSERT_FALSE(any) << "the freed block's pages are still resident";
+  ASSERT_EQ(slabs.Allocate(), second);
+  EXPECT_TRUE(PagesResident(second, kOddBlockBytes, &any));
+  PagesResident(third, kOddBlockBytes, &any);
+  EXPECT_FALSE(any) << "populating a block made its free neighbour's pages resident";
+  slabs.Free(first);
+  slabs.Free(second);
+  EXPECT_EQ(slabs.slab_count(), 0);
+}
+
 TEST(KvBlockSlabs, ThePoolsBlocksOfOneLayoutAreAdjacentAndTrimReleasesTheirPages) {
   const KvLayout layout{12, 64, KvPrecision::kFp32};
   ASSERT_EQ(KvBlockBytes(layout, 32), kBlockBytes);
