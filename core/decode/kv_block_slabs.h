@@ -11,10 +11,12 @@
 // So blocks come from slabs: regions of about kSlabTargetBytes mapped from
 // the system, cut into slots one block apart. A slab's lowest free slot is
 // handed out first, so the blocks a sequence takes one after another lie one
-// after another. Freeing a block gives its whole pages back to the system at
-// once (MADV_DONTNEED; the slot stays mapped for the next block), and a slab
-// with no block left is unmapped: the memory resident is the blocks held (and
-// at most one page more each), which is what the pool's budget counts.
+// after another. A block's pages are made resident in one call when it is
+// handed out (not faulted in one by one as its rows are written). Freeing a
+// block gives its whole pages back to the system at once (MADV_DONTNEED; the
+// slot stays mapped for the next block), and a slab with no block left is
+// unmapped: the memory resident is the blocks held (and at most one page more
+// each), which is what the pool's budget counts.
 //
 // Not advised into huge pages (MADV_HUGEPAGE): with that advice the kernel's
 // khugepaged fills a 2 MiB range back in, freed blocks and all, as soon as one

@@ -146,8 +146,6 @@ TEST(KvBlockSlabsDeathTest, TouchingAFreedBlockIsCaughtUnderAddressSanitizer) {
 }
 #endif
 
-// The pool's blocks of one layout come from its slabs: a sequence's blocks
-// taken one after another are adjacent, and Trim gives their pages back.
 // Whether this kernel populates pages on request (MADV_POPULATE_WRITE, Linux
 // 5.14); without it a block's pages fault in as they are written.
 bool KernelPopulatesPages() {
@@ -189,6 +187,8 @@ TEST(KvBlockSlabs, AHandedOutBlocksPagesAreResidentBeforeItIsWritten) {
   EXPECT_EQ(slabs.slab_count(), 0);
 }
 
+// The pool's blocks of one layout come from its slabs: a sequence's blocks
+// taken one after another are adjacent, and Trim gives their pages back.
 TEST(KvBlockSlabs, ThePoolsBlocksOfOneLayoutAreAdjacentAndTrimReleasesTheirPages) {
   const KvLayout layout{12, 64, KvPrecision::kFp32};
   ASSERT_EQ(KvBlockBytes(layout, 32), kBlockBytes);
