@@ -53,9 +53,9 @@ void ReleasePages(std::byte* block, int64_t bytes) {
 // Makes the pages under [block, block + bytes) resident now, in one call
 // into the kernel (MADV_POPULATE_WRITE, Linux 5.14), instead of one page
 // fault at each page's first write: on the virtual machine measured, a fault
-// took 13 us and a page populated 1 us, and a decode step that crossed a page
-// in every session's block took hundreds of faults (docs/measurements.md,
-// "A block's pages come in one call"). A hint: on a kernel without it, the
+// took 12-13 us and a page populated about 1 us, and a decode step that
+// crossed a page in every session's block took hundreds of faults
+// (docs/measurements.md, "A block's pages come in one call"). A hint: on a kernel without it, the
 // pages fault in as they are written. The pages at the ends may be shared
 // with the neighbouring slots, which ReleasePages never gives back anyway.
 void PopulatePages(std::byte* block, int64_t bytes) {

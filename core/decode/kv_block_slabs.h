@@ -12,7 +12,8 @@
 // the system, cut into slots one block apart. A slab's lowest free slot is
 // handed out first, so the blocks a sequence takes one after another lie one
 // after another. A block's pages are made resident in one call when it is
-// handed out (not faulted in one by one as its rows are written). Freeing a
+// handed out, where the kernel can (MADV_POPULATE_WRITE, Linux 5.14), not
+// faulted in one by one as its rows are written. Freeing a
 // block gives its whole pages back to the system at once (MADV_DONTNEED; the
 // slot stays mapped for the next block), and a slab with no block left is
 // unmapped: the memory resident is the blocks held (and at most one page more
@@ -55,17 +56,18 @@ class KvBlockSlabs {
   // Blocks per slab.
   int64_t slab_blocks() const { return slab_blocks_; }
 
-  // Memory for one block, its pages resident (contents undefined; slabs
-  // start at a page, so a block is aligned to the largest power of two
-  // dividing block_bytes, up to the page size), or nullptr when the system
-  // maps no more memory.
+  // Memory for one block, its pages made resident where the kernel can
+  // (contents undefined; slabs start at a page, so a block is aligned to the
+  // largest power of two dividing block_bytes, up to the page size), or
+  // nullptr when the system maps no more memory.
   std::byte* Allocate();
   // Gives back a block this object allocated (anything else stops the
   // process: a pool's broken invariant).
   void Free(std::byte* block);
 
   // Bytes mapped from the system (whole slabs; a slot's pages are resident
-  // from when its block is allocated until it is freed).
+  // from when its block is allocated -- on a kernel without
+  // MADV_POPULATE_WRITE, first written -- until it is freed).
   int64_t mapped_bytes() const;
   int64_t slab_count() const;
 
