@@ -166,6 +166,10 @@ void LayerKvCache::WriteRows(const float* k, const float* v, int64_t n) {
   const int64_t head_dim = layout_.head_dim;
   const int64_t element_bytes = layout_.element_bytes();
   const bool bf16 = layout_.precision == KvPrecision::kBf16;
+  // A prefill chunk's rows on the OpenMP threads: the first write to a
+  // fresh block's pages is most of their cost on the virtual machine
+  // measured, and it scales with threads; a decode step's few rows on this one.
+#pragma omp parallel for schedule(static) if (n * layout_.token_bytes() >= kParallelWriteBytes)
   for (int64_t t = 0; t < n; ++t) {
     const int64_t position = length_ + t;
     const int64_t block = position / block_tokens_;

@@ -49,6 +49,9 @@ class LayerKvCache {
 
   // The longest run of blocks an Append takes at once.
   static constexpr int64_t kMaxRunBlocks = 8;
+  // An Append of at least this many bytes of rows writes them on the OpenMP
+  // threads (a prefill chunk's), a smaller one on the calling thread.
+  static constexpr int64_t kParallelWriteBytes = int64_t{1} << 20;
   // Whether an Append may take a run of blocks ahead of its tokens.
   enum class BlocksAhead { kTake, kNone };
 

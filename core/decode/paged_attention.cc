@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -107,13 +108,12 @@ int64_t PartialRow(const Unit& unit, int64_t group, int64_t head_dim, int64_t i,
 // One thread's online-softmax state of a tile of rows, and the scores of a
 // span of keys ([rows, stride]: the span's width rounded up to whole key
 // tiles, and one tile more, which the strip kernels write past a short
-// block's keys). The strip kernels' buffers: the tile's query rows, a packed
-// key block, and a block's BF16 rows widened.
+// block's keys), and the tile's query rows for the strip kernels.
 struct TileState {
   std::vector<float> m, l, acc, scores, alpha;
   std::vector<int64_t> limits;
   int64_t stride = 0;
-  std::vector<float> q_rows, packed, widened;
+  std::vector<float> q_rows;
   void Reset(int64_t rows, int64_t head_dim, int64_t span_width) {
     m.assign(static_cast<size_t>(rows), kMinusInf);
     l.assign(static_cast<size_t>(rows), 0.0f);
@@ -430,6 +430,90 @@ const float* BlockRowsFp32(const Bf16* rows, int64_t keys, int64_t head_dim,
   return widened.data();
 }
 
+// One thread's blocks of one KV head of a strip unit as the strip kernels
+// read them -- K packed (K^T in tiles of 16 keys, BF16 rows widened first),
+// BF16 V rows widened -- made the first time a tile of the unit reads a
+// block and read as they are by its later tiles: a prefill chunk of n new
+// rows reads each block of its context in up to n / kTileRows tiles, and
+// packing K per tile took 8% of an FP32 prefill's CPU time, widening BF16 V
+// per tile about 6% of a BF16 one's (docs/measurements.md, "A prefill chunk
+// packs its keys once"). A block is
+// made with every key of it the unit sees (a tile that sees fewer reads the
+// same rows: the softmax ignores a row's scores past its visible keys, and
+// P V reads only the keys seen). At most one KV head's K (and BF16 V) rows of
+// one sequence, as FP32.
+struct StripBlocks {
+  const ItemView* view = nullptr;
+  int64_t kv_head = -1;
+  int64_t first_block = 0;
+  int64_t key_end = 0;  // the unit's keys end here: a block holds keys up to it
+  int64_t key_elements = 0, value_elements = 0;  // of one block
+  std::vector<char> keys_made, values_made;      // of each block
+  std::vector<float> keys, values, widened;
+
+  // Forgets the blocks of the unit before, and makes room for the blocks of
+  // keys [key_begin, end) (key_begin a block's first) of KV head g.
+  void Reset(const ItemView& v, int64_t g, int64_t key_begin, int64_t end) {
+    view = &v;
+    kv_head = g;
+    first_block = key_begin / v.block_tokens;
+    key_end = end;
+    const auto blocks = static_cast<size_t>((end - key_begin + v.block_tokens - 1) / v.block_tokens);
+    key_elements = internal::PackedBlockElements(v.block_tokens, v.head_dim);
+    value_elements = v.bf16 ? v.block_tokens * v.head_dim : 0;
+    keys_made.assign(blocks, 0);
+    values_made.assign(blocks, 0);
+    if (keys.size() < blocks * static_cast<size_t>(key_elements)) {
+      keys.resize(blocks * static_cast<size_t>(key_elements));
+    }
+    if (values.size() < blocks * static_cast<size_t>(value_elements)) {
+      values.resize(blocks * static_cast<size_t>(value_elements));
+    }
+  }
+
+  // Block `block`'s K packed (of the KV head and unit of the last Reset).
+  template <typename T>
+  const float* Keys(int64_t block) {
+    const ItemView& v = *view;
+    const auto b = static_cast<size_t>(block - first_block);
+    float* const to = keys.data() + b * static_cast<size_t>(key_elements);
+    if (!keys_made[b]) {
+      const int64_t n = KeysOf(block);
+      const int64_t tiles = (n + internal::kKeyTile - 1) / internal::kKeyTile;
+      const T* k = reinterpret_cast<const T*>(v.cache->key_rows(block, static_cast<int>(kv_head)));
+      internal::PackKeyBlock(BlockRowsFp32(k, n, v.head_dim, widened), v.head_dim,
+                             tiles * internal::kKeyTile, n, v.head_dim, /*bf16=*/false, to);
+      keys_made[b] = 1;
+    }
+    return to;
+  }
+
+  // Block `block`'s V rows as FP32: where they are (FP32 caches), or widened.
+  template <typename T>
+  const float* Values(int64_t block) {
+    const ItemView& v = *view;
+    const T* rows = reinterpret_cast<const T*>(v.cache->value_rows(block, static_cast<int>(kv_head)));
+    if constexpr (std::is_same_v<T, float>) {
+      return rows;
+    } else {
+      const auto b = static_cast<size_t>(block - first_block);
+      float* const to = values.data() + b * static_cast<size_t>(value_elements);
+      if (!values_made[b]) {
+        const int64_t n = KeysOf(block) * v.head_dim;
+        for (int64_t e = 0; e < n; ++e) to[e] = Bfloat16ToFloat(rows[e]);
+        values_made[b] = 1;
+      }
+      return to;
+    }
+  }
+
+ private:
+  // The keys of `block` the unit sees.
+  int64_t KeysOf(int64_t block) const {
+    return std::min<int64_t>(view->block_tokens, key_end - block * view->block_tokens);
+  }
+};
+
 // The query rows of the tile's new rows [i0, i1) and KV head g, contiguous
 // in state.q_rows ([rows, hd], row r = (i - i0) G + hl), for the strip
 // kernels: gathered once per tile, read by each of its spans.
@@ -446,8 +530,8 @@ void GatherTileQueries(const ItemView& view, int64_t g, int64_t i0, int64_t i1, 
 
 // A tile of at least kStripNewRows new rows (a prefill's chunk) on the
 // blocked path's own kernels (core/kernels/block_kernels.h) instead of one
-// row at a time: each block's K rows packed once for the tile (K^T in tiles
-// of 16 keys; BF16 rows widened first), the scores of kStripRows query rows
+// row at a time: each block's K rows packed once for the unit (StripBlocks:
+// K^T in tiles of 16 keys; BF16 rows widened first), the scores of kStripRows query rows
 // at a time against them, so that every packed key is loaded once for a
 // strip of rows, then P V a strip of rows at a time over the block's V rows
 // (BF16 rows widened). FP32 throughout, as the row kernels, with the same
@@ -455,7 +539,7 @@ void GatherTileQueries(const ItemView& view, int64_t g, int64_t i0, int64_t i1, 
 // the tile's query rows are in state.q_rows (GatherTileQueries).
 template <typename T>
 void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t i0,
-                       int64_t i1, int64_t width, TileState& state) {
+                       int64_t i1, int64_t width, TileState& state, StripBlocks& blocks) {
   constexpr int64_t kStrip = internal::kStripRows;
   const PagedAttentionItem& item = *view.item;
   const int64_t bt = view.block_tokens;
@@ -478,16 +562,12 @@ void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, 
   };
   for (int64_t a = j0; a < j1; a += bt) {
     const int64_t keys = std::min(j1, a + bt) - a;
-    const T* k = reinterpret_cast<const T*>(view.cache->key_rows(a / bt, static_cast<int>(g)));
     const int64_t tiles = (keys + internal::kKeyTile - 1) / internal::kKeyTile;
-    state.packed.resize(static_cast<size_t>(internal::PackedBlockElements(keys, hd)));
-    internal::PackKeyBlock(BlockRowsFp32(k, keys, hd, state.widened), hd,
-                           tiles * internal::kKeyTile, keys, hd, /*bf16=*/false,
-                           state.packed.data());
+    const float* const packed = blocks.Keys<T>(a / bt);
     for (int64_t r0 = 0; r0 < rows; r0 += kStrip) {
       if (keys_seen(r0, std::min(rows, r0 + kStrip), a, keys) == 0) continue;
       internal::BlockScores(/*bf16=*/false, state.q_rows.data() + r0 * hd, hd,
-                            std::min(kStrip, rows - r0), state.packed.data(), tiles, hd,
+                            std::min(kStrip, rows - r0), packed, tiles, hd,
                             state.scores.data() + r0 * state.stride + (a - j0), state.stride);
     }
   }
@@ -519,8 +599,7 @@ void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, 
   for (int64_t a = j0; a < j1; a += bt) {
     const int64_t keys = std::min(j1, a + bt) - a;
     if (keys_seen(0, rows, a, keys) == 0) continue;
-    const T* v = reinterpret_cast<const T*>(view.cache->value_rows(a / bt, static_cast<int>(g)));
-    const float* v_rows = BlockRowsFp32(v, keys, hd, state.widened);
+    const float* v_rows = blocks.Values<T>(a / bt);
     for (int64_t r0 = 0; r0 < rows; r0 += kStrip) {
       const int64_t seen = keys_seen(r0, std::min(rows, r0 + kStrip), a, keys);
       if (seen == 0) continue;
@@ -565,7 +644,7 @@ void FinishTile(const ItemView& view, const Unit& unit, int64_t g, int64_t i0, i
 // Runs a unit: tile by tile of new rows, span by span of keys, in each span
 // KV head by KV head (states[g - unit.kv_begin] holds KV head g's tile).
 void RunUnit(const ItemView& view, const Unit& unit, std::vector<TileState>& states,
-             float* partials) {
+             StripBlocks& blocks, float* partials) {
   const int64_t tile = std::max<int64_t>(1, kTileRows / view.group);
   const int64_t bt = view.block_tokens;
   // Whole blocks per span (unit.key_begin is a block's first key).
@@ -573,10 +652,13 @@ void RunUnit(const ItemView& view, const Unit& unit, std::vector<TileState>& sta
   if (states.size() < static_cast<size_t>(unit.kv_end - unit.kv_begin)) {
     states.resize(static_cast<size_t>(unit.kv_end - unit.kv_begin));
   }
+  // A unit of kStripNewRows new rows or more holds one KV head (KvHeadsPerUnit).
+  const bool strip_unit = view.n >= kStripNewRows &&
+                          internal::OwnBlockKernelsAvailable(/*bf16=*/false, view.head_dim);
+  if (strip_unit) blocks.Reset(view, unit.kv_begin, unit.key_begin, unit.key_end);
   for (int64_t i0 = 0; i0 < view.n; i0 += tile) {
     const int64_t i1 = std::min(view.n, i0 + tile);
-    const bool strips = i1 - i0 >= kStripNewRows &&
-                        internal::OwnBlockKernelsAvailable(/*bf16=*/false, view.head_dim);
+    const bool strips = strip_unit && i1 - i0 >= kStripNewRows;
     for (int64_t g = unit.kv_begin; g < unit.kv_end; ++g) {
       TileState& state = states[static_cast<size_t>(g - unit.kv_begin)];
       state.Reset((i1 - i0) * view.group, view.head_dim, span);
@@ -589,9 +671,9 @@ void RunUnit(const ItemView& view, const Unit& unit, std::vector<TileState>& sta
       for (int64_t g = unit.kv_begin; g < unit.kv_end; ++g) {
         TileState& state = states[static_cast<size_t>(g - unit.kv_begin)];
         if (strips && view.bf16) {
-          ProcessSpanStrips<Bf16>(view, g, j0, j1, i0, i1, span, state);
+          ProcessSpanStrips<Bf16>(view, g, j0, j1, i0, i1, span, state, blocks);
         } else if (strips) {
-          ProcessSpanStrips<float>(view, g, j0, j1, i0, i1, span, state);
+          ProcessSpanStrips<float>(view, g, j0, j1, i0, i1, span, state, blocks);
         } else if (view.bf16) {
           // Next: this span in the next KV head, or the next span in the first.
           const NextSpan next = g + 1 < unit.kv_end
@@ -690,12 +772,13 @@ absl::Status PagedAttention(absl::Span<const PagedAttentionItem> items) {
 #pragma omp parallel if (unit_count > 1)
   {
     std::vector<TileState> states;
+    StripBlocks blocks;
     std::vector<float> merged;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t u = 0; u < unit_count; ++u) {
       const Unit& unit = units[static_cast<size_t>(u)];
       const ItemView& view = views[static_cast<size_t>(unit.item)];
-      RunUnit(view, unit, states, partials.data());
+      RunUnit(view, unit, states, blocks, partials.data());
       if (unit.merge >= 0 &&
           splits_left[static_cast<size_t>(unit.merge)].fetch_sub(1, std::memory_order_acq_rel) ==
               1) {

@@ -51,7 +51,34 @@
 //   of_probe      GBps / the probe's GB/s: the fraction of the bytes/bandwidth bound
 //   of_alongside  GBps / the GB/s of probe passes between the calls (as above)
 //   KV_MB, weights_MB  what one call reads of each
+//
+// BM_Append/seqs/tokens/bf16_kv: LayerKvCache::Append alone, as a served
+// step makes it: `tokens` new tokens (12 KV heads, head_dim 64) appended to
+// each of `seqs` caches in turn, the caches growing to 2048 tokens and then
+// truncated to empty (outside the timing), so that the calls take blocks as
+// they run out, pages populated as a server's fresh blocks are. tokens 1: a
+// decode step's appends; 512: a prefill chunk's. Counters:
+//   ns_per_row  nanoseconds per K or V row of one KV head written
+//   write_GBps  cache bytes written per second
+//
+// BM_FreshPages/huge: what memory the process has not touched costs here, as
+// the KV pool's blocks get it: 64 MiB freshly mapped (2 MiB-aligned; huge 1:
+// advised MADV_HUGEPAGE), made resident with MADV_POPULATE_WRITE as the pool
+// does, then written twice. Counters:
+//   populate_us_per_page  the populate call per 4 KiB page
+//   first_GBps, second_GBps  the first and the second write after it (on a
+//              machine where populating maps the pages for the process, the two
+//              are alike)//
+// BM_Prefill/seqs/tokens/chunk/bf16_kv: a micro-batch's prefill in process,
+// as `attnctl bench --decode` sends it to a server: `seqs` empty caches (the
+// built-in model's shape: d_model 768, 12 heads, head_dim 64, no RoPE), each
+// Extend call one chunk of `chunk` tokens for every sequence, until each
+// holds `tokens`; then the caches are truncated to empty (outside the
+// timing), so that every prefill takes fresh blocks. Counters:
+//   tokens_per_s  prefilled tokens per second (seqs * tokens per prefill)
+//   prefill_ms    milliseconds per prefill
 #include <omp.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <chrono>
@@ -523,6 +550,136 @@ void BM_ExtendStep(benchmark::State& state) {
   state.counters["KV_MB"] = static_cast<double>(kv_bytes) * 1e-6;
   state.counters["weights_MB"] = static_cast<double>(weight_bytes) * 1e-6;
 }
+
+void BM_Append(benchmark::State& state) {
+  constexpr int64_t kContext = 2048;
+  const int64_t seqs = state.range(0), tokens = state.range(1);
+  const KvLayout layout{12, 64, state.range(2) ? KvPrecision::kBf16 : KvPrecision::kFp32};
+  const int64_t blocks_each =
+      (kContext + kBenchBlockTokens - 1) / kBenchBlockTokens + LayerKvCache::kMaxRunBlocks;
+  const std::unique_ptr<KvBlockPool> pool =
+      KvBlockPool::Create(
+          {seqs * blocks_each * KvBlockBytes(layout, kBenchBlockTokens), kBenchBlockTokens})
+          .value();
+  std::vector<std::unique_ptr<LayerKvCache>> caches;
+  for (int64_t s = 0; s < seqs; ++s) caches.push_back(LayerKvCache::Create(pool.get(), layout).value());
+  const int64_t row = int64_t{layout.num_kv_heads} * layout.head_dim;
+  std::vector<float> k(static_cast<size_t>(tokens * row)), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<float>(i % 29) * 0.01f;
+    v[i] = static_cast<float>(i % 31) * 0.01f;
+  }
+  TimedCalls timed(state);
+  for (auto _ : state) {
+    if (caches.front()->length() + tokens > kContext) {
+      state.PauseTiming();
+      for (auto& cache : caches) {
+        if (!cache->Truncate(0).ok()) std::abort();
+      }
+      state.ResumeTiming();
+    }
+    timed.Run([&] {
+      for (auto& cache : caches) {
+        if (!cache->Append(k, v, tokens).ok()) std::abort();
+      }
+    });
+  }
+  const double per_call = timed.seconds() / static_cast<double>(timed.calls());
+  const double rows = static_cast<double>(seqs * tokens * 2 * layout.num_kv_heads);
+  state.counters["ns_per_row"] = per_call / rows * 1e9;
+  state.counters["write_GBps"] =
+      rows * static_cast<double>(layout.head_dim * layout.element_bytes()) / per_call * 1e-9;
+}
+BENCHMARK(BM_Append)
+    ->ArgNames({"seqs", "tokens", "bf16_kv"})
+    ->ArgsProduct({{32}, {1, 512}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+
+void BM_FreshPages(benchmark::State& state) {
+  constexpr size_t kBytes = size_t{64} << 20, kAlign = size_t{2} << 20;
+  double populate = 0, first = 0, second = 0;
+  int64_t rounds = 0;
+  for (auto _ : state) {
+    void* mapped = mmap(nullptr, kBytes + kAlign, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mapped == MAP_FAILED) std::abort();
+    auto* data = reinterpret_cast<char*>(
+        (reinterpret_cast<uintptr_t>(mapped) + kAlign - 1) / kAlign * kAlign);
+    if (state.range(0) != 0) madvise(data, kBytes, MADV_HUGEPAGE);
+    const auto t0 = std::chrono::steady_clock::now();
+    madvise(data, kBytes, MADV_POPULATE_WRITE);
+    const auto t1 = std::chrono::steady_clock::now();
+    std::memset(data, 1, kBytes);
+    const auto t2 = std::chrono::steady_clock::now();
+    std::memset(data, 2, kBytes);
+    const auto t3 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(data[kBytes - 1]);
+    munmap(mapped, kBytes + kAlign);
+    populate += std::chrono::duration<double>(t1 - t0).count();
+    first += std::chrono::duration<double>(t2 - t1).count();
+    second += std::chrono::duration<double>(t3 - t2).count();
+    ++rounds;
+  }
+  const double bytes = static_cast<double>(kBytes) * static_cast<double>(rounds);
+  state.counters["populate_us_per_page"] = populate / (bytes / 4096) * 1e6;
+  state.counters["first_GBps"] = bytes / first * 1e-9;
+  state.counters["second_GBps"] = bytes / second * 1e-9;
+}
+BENCHMARK(BM_FreshPages)->ArgName("huge")->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+void BM_Prefill(benchmark::State& state) {
+  const int64_t seqs = state.range(0), tokens = state.range(1), chunk = state.range(2);
+  HeadConfig requested;
+  requested.d_model = 768;
+  requested.num_heads = 12;
+  requested.head_dim = 64;
+  const HeadConfig config = ResolveHeadConfig(requested).value();
+  const std::unique_ptr<AttentionLayer> layer =
+      AttentionLayer::Create(config, SeededWeights(config, 7)).value();
+  const KvLayout layout{static_cast<int>(config.num_kv_heads), 64,
+                        state.range(3) ? KvPrecision::kBf16 : KvPrecision::kFp32};
+  const int64_t blocks_each =
+      (tokens + kBenchBlockTokens - 1) / kBenchBlockTokens + LayerKvCache::kMaxRunBlocks;
+  const std::unique_ptr<KvBlockPool> pool =
+      KvBlockPool::Create(
+          {seqs * blocks_each * KvBlockBytes(layout, kBenchBlockTokens), kBenchBlockTokens})
+          .value();
+  std::vector<std::unique_ptr<LayerKvCache>> caches;
+  for (int64_t s = 0; s < seqs; ++s) caches.push_back(LayerKvCache::Create(pool.get(), layout).value());
+  const size_t rows = static_cast<size_t>(chunk * config.d_model);
+  std::vector<float> hidden(static_cast<size_t>(seqs) * rows), output(hidden.size());
+  for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = static_cast<float>(i % 23) * 0.02f - 0.2f;
+  std::vector<ExtendItem> items(static_cast<size_t>(seqs));
+  for (int64_t s = 0; s < seqs; ++s) {
+    ExtendItem& item = items[static_cast<size_t>(s)];
+    item.cache = caches[static_cast<size_t>(s)].get();
+    item.hidden_states = absl::MakeConstSpan(hidden.data() + s * rows, rows);
+    item.output = absl::MakeSpan(output.data() + s * rows, rows);
+  }
+  const std::unique_ptr<Workspace> workspace = Workspace::Create().value();
+  TimedCalls timed(state);
+  for (auto _ : state) {
+    timed.Run([&] {
+      for (int64_t done = 0; done < tokens; done += chunk) {
+        if (!layer->Extend(absl::MakeSpan(items), {}, workspace.get()).ok()) std::abort();
+      }
+    });
+    state.PauseTiming();
+    for (auto& cache : caches) {
+      if (!cache->Truncate(0).ok()) std::abort();
+    }
+    state.ResumeTiming();
+  }
+  const double per_prefill = timed.seconds() / static_cast<double>(timed.calls());
+  state.counters["tokens_per_s"] = static_cast<double>(seqs * tokens) / per_prefill;
+  state.counters["prefill_ms"] = per_prefill * 1e3;
+}
+BENCHMARK(BM_Prefill)
+    ->ArgNames({"seqs", "tokens", "chunk", "bf16_kv"})
+    ->ArgsProduct({{8}, {2048}, {512}, {0, 1}})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 void ExtendScenarios(benchmark::internal::Benchmark* b) {
   b->ArgNames({"seqs", "context", "d_model", "heads", "kv_heads", "bf16_kv", "interleaved"});

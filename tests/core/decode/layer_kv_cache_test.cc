@@ -1,5 +1,7 @@
 #include "core/decode/layer_kv_cache.h"
 
+#include <omp.h>
+
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -103,6 +105,30 @@ TEST_P(LayerKvCachePrecisions, AppendedRowsLieWhereTheBlockAccessorsPoint) {
     ExpectHolds(*cache, history);
   }
   EXPECT_EQ(pool->stats().blocks_in_use, static_cast<int64_t>(cache->blocks().size()));
+}
+
+// An append of kParallelWriteBytes or more (a prefill chunk's) is written on
+// the OpenMP threads: from a length inside a block, across many blocks, on 1,
+// 2 and 4 threads, every row where the block accessors say and nothing else
+// changed; then a small append after it.
+TEST_P(LayerKvCachePrecisions, ALargeAppendWrittenOnTheThreadsLiesWhereASmallOneWould) {
+  const uint64_t seed = FreshSeed();
+  SCOPED_TRACE(SeedTrace(seed));
+  std::mt19937_64 rng(seed);
+  const int64_t large = LayerKvCache::kParallelWriteBytes / GetParam().token_bytes() + 37;
+  const int before = omp_get_max_threads();
+  for (int threads : {1, 2, 4}) {
+    SCOPED_TRACE(absl::StrCat(threads, " threads"));
+    omp_set_num_threads(threads);
+    std::unique_ptr<KvBlockPool> pool = PoolOfBlocks(GetParam(), large / kBlockTokens + 16);
+    std::unique_ptr<LayerKvCache> cache = LayerKvCache::Create(pool.get(), GetParam()).value();
+    SequenceHistory history = HistoryOf(GetParam());
+    for (int64_t n : {int64_t{5}, large, int64_t{3}}) {
+      ASSERT_THAT(AppendRandom(*cache, history, n, rng), IsOk());
+      ExpectHolds(*cache, history);
+    }
+  }
+  omp_set_num_threads(before);
 }
 
 INSTANTIATE_TEST_SUITE_P(Fp32AndBf16, LayerKvCachePrecisions, ::testing::Values(kFp32, kBf16),
