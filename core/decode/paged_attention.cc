@@ -437,11 +437,10 @@ const float* BlockRowsFp32(const Bf16* rows, int64_t keys, int64_t head_dim,
 // rows reads each block of its context in up to n / kTileRows tiles, and
 // packing K per tile took 8% of an FP32 prefill's CPU time, widening BF16 V
 // per tile about 6% of a BF16 one's (docs/measurements.md, "A prefill chunk
-// packs its keys once"). A block is
-// made with every key of it the unit sees (a tile that sees fewer reads the
-// same rows: the softmax ignores a row's scores past its visible keys, and
-// P V reads only the keys seen). At most one KV head's K (and BF16 V) rows of
-// one sequence, as FP32.
+// packs its keys once"). A block is made with every key of it the unit sees
+// (a tile that sees fewer reads the same rows: the softmax ignores a row's
+// scores past its visible keys, and P V reads only the keys seen). At most
+// one KV head's K (and BF16 V) rows of one sequence, as FP32.
 struct StripBlocks {
   const ItemView* view = nullptr;
   int64_t kv_head = -1;
@@ -458,7 +457,8 @@ struct StripBlocks {
     kv_head = g;
     first_block = key_begin / v.block_tokens;
     key_end = end;
-    const auto blocks = static_cast<size_t>((end - key_begin + v.block_tokens - 1) / v.block_tokens);
+    const auto blocks =
+        static_cast<size_t>((end - key_begin + v.block_tokens - 1) / v.block_tokens);
     key_elements = internal::PackedBlockElements(v.block_tokens, v.head_dim);
     value_elements = v.bf16 ? v.block_tokens * v.head_dim : 0;
     keys_made.assign(blocks, 0);
@@ -480,7 +480,8 @@ struct StripBlocks {
     if (!keys_made[b]) {
       const int64_t n = KeysOf(block);
       const int64_t tiles = (n + internal::kKeyTile - 1) / internal::kKeyTile;
-      const T* k = reinterpret_cast<const T*>(v.cache->key_rows(block, static_cast<int>(kv_head)));
+      const T* k =
+          reinterpret_cast<const T*>(v.cache->key_rows(block, static_cast<int>(kv_head)));
       internal::PackKeyBlock(BlockRowsFp32(k, n, v.head_dim, widened), v.head_dim,
                              tiles * internal::kKeyTile, n, v.head_dim, /*bf16=*/false, to);
       keys_made[b] = 1;
@@ -492,7 +493,8 @@ struct StripBlocks {
   template <typename T>
   const float* Values(int64_t block) {
     const ItemView& v = *view;
-    const T* rows = reinterpret_cast<const T*>(v.cache->value_rows(block, static_cast<int>(kv_head)));
+    const T* rows =
+        reinterpret_cast<const T*>(v.cache->value_rows(block, static_cast<int>(kv_head)));
     if constexpr (std::is_same_v<T, float>) {
       return rows;
     } else {
@@ -531,12 +533,13 @@ void GatherTileQueries(const ItemView& view, int64_t g, int64_t i0, int64_t i1, 
 // A tile of at least kStripNewRows new rows (a prefill's chunk) on the
 // blocked path's own kernels (core/kernels/block_kernels.h) instead of one
 // row at a time: each block's K rows packed once for the unit (StripBlocks:
-// K^T in tiles of 16 keys; BF16 rows widened first), the scores of kStripRows query rows
-// at a time against them, so that every packed key is loaded once for a
-// strip of rows, then P V a strip of rows at a time over the block's V rows
-// (BF16 rows widened). FP32 throughout, as the row kernels, with the same
-// online-softmax step; raw scores to the map. j0 is a block's first key;
-// the tile's query rows are in state.q_rows (GatherTileQueries).
+// K^T in tiles of 16 keys; BF16 rows widened first), the scores of
+// kStripRows query rows at a time against them, so that every packed key is
+// loaded once for a strip of rows, then P V a strip of rows at a time over
+// the block's V rows (BF16 rows widened once for the unit too). FP32
+// throughout, as the row kernels, with the same online-softmax step; raw
+// scores to the map. j0 is a block's first key; the tile's query rows are in
+// state.q_rows (GatherTileQueries).
 template <typename T>
 void ProcessSpanStrips(const ItemView& view, int64_t g, int64_t j0, int64_t j1, int64_t i0,
                        int64_t i1, int64_t width, TileState& state, StripBlocks& blocks) {

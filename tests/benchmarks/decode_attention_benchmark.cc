@@ -68,7 +68,8 @@
 //   populate_us_per_page  the populate call per 4 KiB page
 //   first_GBps, second_GBps  the first and the second write after it (on a
 //              machine where populating maps the pages for the process, the two
-//              are alike)//
+//              are alike)
+//
 // BM_Prefill/seqs/tokens/chunk/bf16_kv: a micro-batch's prefill in process,
 // as `attnctl bench --decode` sends it to a server: `seqs` empty caches (the
 // built-in model's shape: d_model 768, 12 heads, head_dim 64, no RoPE), each
@@ -562,7 +563,9 @@ void BM_Append(benchmark::State& state) {
           {seqs * blocks_each * KvBlockBytes(layout, kBenchBlockTokens), kBenchBlockTokens})
           .value();
   std::vector<std::unique_ptr<LayerKvCache>> caches;
-  for (int64_t s = 0; s < seqs; ++s) caches.push_back(LayerKvCache::Create(pool.get(), layout).value());
+  for (int64_t s = 0; s < seqs; ++s) {
+    caches.push_back(LayerKvCache::Create(pool.get(), layout).value());
+  }
   const int64_t row = int64_t{layout.num_kv_heads} * layout.head_dim;
   std::vector<float> k(static_cast<size_t>(tokens * row)), v(k.size());
   for (size_t i = 0; i < k.size(); ++i) {
@@ -626,7 +629,12 @@ void BM_FreshPages(benchmark::State& state) {
   state.counters["first_GBps"] = bytes / first * 1e-9;
   state.counters["second_GBps"] = bytes / second * 1e-9;
 }
-BENCHMARK(BM_FreshPages)->ArgName("huge")->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_FreshPages)
+    ->ArgName("huge")
+    ->Arg(0)
+    ->Arg(1)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 void BM_Prefill(benchmark::State& state) {
   const int64_t seqs = state.range(0), tokens = state.range(1), chunk = state.range(2);
@@ -646,7 +654,9 @@ void BM_Prefill(benchmark::State& state) {
           {seqs * blocks_each * KvBlockBytes(layout, kBenchBlockTokens), kBenchBlockTokens})
           .value();
   std::vector<std::unique_ptr<LayerKvCache>> caches;
-  for (int64_t s = 0; s < seqs; ++s) caches.push_back(LayerKvCache::Create(pool.get(), layout).value());
+  for (int64_t s = 0; s < seqs; ++s) {
+    caches.push_back(LayerKvCache::Create(pool.get(), layout).value());
+  }
   const size_t rows = static_cast<size_t>(chunk * config.d_model);
   std::vector<float> hidden(static_cast<size_t>(seqs) * rows), output(hidden.size());
   for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = static_cast<float>(i % 23) * 0.02f - 0.2f;
