@@ -552,20 +552,31 @@ void BM_ExtendStep(benchmark::State& state) {
   state.counters["weights_MB"] = static_cast<double>(weight_bytes) * 1e-6;
 }
 
+// `seqs` empty caches of `layout` on a pool with room for `tokens` tokens in
+// each and the blocks each may hold ahead.
+struct EmptyCaches {
+  std::unique_ptr<KvBlockPool> pool;
+  std::vector<std::unique_ptr<LayerKvCache>> caches;
+};
+EmptyCaches MakeEmptyCaches(const KvLayout& layout, int64_t seqs, int64_t tokens) {
+  EmptyCaches g;
+  const int64_t blocks_each =
+      (tokens + kBenchBlockTokens - 1) / kBenchBlockTokens + LayerKvCache::kMaxRunBlocks;
+  g.pool = KvBlockPool::Create(
+               {seqs * blocks_each * KvBlockBytes(layout, kBenchBlockTokens), kBenchBlockTokens})
+               .value();
+  for (int64_t s = 0; s < seqs; ++s) {
+    g.caches.push_back(LayerKvCache::Create(g.pool.get(), layout).value());
+  }
+  return g;
+}
+
 void BM_Append(benchmark::State& state) {
   constexpr int64_t kContext = 2048;
   const int64_t seqs = state.range(0), tokens = state.range(1);
   const KvLayout layout{12, 64, state.range(2) ? KvPrecision::kBf16 : KvPrecision::kFp32};
-  const int64_t blocks_each =
-      (kContext + kBenchBlockTokens - 1) / kBenchBlockTokens + LayerKvCache::kMaxRunBlocks;
-  const std::unique_ptr<KvBlockPool> pool =
-      KvBlockPool::Create(
-          {seqs * blocks_each * KvBlockBytes(layout, kBenchBlockTokens), kBenchBlockTokens})
-          .value();
-  std::vector<std::unique_ptr<LayerKvCache>> caches;
-  for (int64_t s = 0; s < seqs; ++s) {
-    caches.push_back(LayerKvCache::Create(pool.get(), layout).value());
-  }
+  const EmptyCaches g = MakeEmptyCaches(layout, seqs, kContext);
+  const auto& caches = g.caches;
   const int64_t row = int64_t{layout.num_kv_heads} * layout.head_dim;
   std::vector<float> k(static_cast<size_t>(tokens * row)), v(k.size());
   for (size_t i = 0; i < k.size(); ++i) {
@@ -647,16 +658,8 @@ void BM_Prefill(benchmark::State& state) {
       AttentionLayer::Create(config, SeededWeights(config, 7)).value();
   const KvLayout layout{static_cast<int>(config.num_kv_heads), 64,
                         state.range(3) ? KvPrecision::kBf16 : KvPrecision::kFp32};
-  const int64_t blocks_each =
-      (tokens + kBenchBlockTokens - 1) / kBenchBlockTokens + LayerKvCache::kMaxRunBlocks;
-  const std::unique_ptr<KvBlockPool> pool =
-      KvBlockPool::Create(
-          {seqs * blocks_each * KvBlockBytes(layout, kBenchBlockTokens), kBenchBlockTokens})
-          .value();
-  std::vector<std::unique_ptr<LayerKvCache>> caches;
-  for (int64_t s = 0; s < seqs; ++s) {
-    caches.push_back(LayerKvCache::Create(pool.get(), layout).value());
-  }
+  const EmptyCaches g = MakeEmptyCaches(layout, seqs, tokens);
+  const auto& caches = g.caches;
   const size_t rows = static_cast<size_t>(chunk * config.d_model);
   std::vector<float> hidden(static_cast<size_t>(seqs) * rows), output(hidden.size());
   for (size_t i = 0; i < hidden.size(); ++i) hidden[i] = static_cast<float>(i % 23) * 0.02f - 0.2f;
