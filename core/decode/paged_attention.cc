@@ -416,6 +416,11 @@ void ProcessSpan(const ItemView& view, int64_t g, int64_t j0, int64_t j1, const 
   }
 }
 
+// to [n] = the BF16 values rows [n] as FP32.
+void WidenRows(const Bf16* rows, int64_t n, float* to) {
+  for (int64_t e = 0; e < n; ++e) to[e] = Bfloat16ToFloat(rows[e]);
+}
+
 // The rows of one KV head of a block as FP32: FP32 rows where they are, BF16
 // ones widened into `widened` ([keys, head_dim]).
 const float* BlockRowsFp32(const float* rows, int64_t, int64_t, std::vector<float>&) {
@@ -424,9 +429,7 @@ const float* BlockRowsFp32(const float* rows, int64_t, int64_t, std::vector<floa
 const float* BlockRowsFp32(const Bf16* rows, int64_t keys, int64_t head_dim,
                            std::vector<float>& widened) {
   widened.resize(static_cast<size_t>(keys * head_dim));
-  for (int64_t e = 0; e < keys * head_dim; ++e) {
-    widened[static_cast<size_t>(e)] = Bfloat16ToFloat(rows[e]);
-  }
+  WidenRows(rows, keys * head_dim, widened.data());
   return widened.data();
 }
 
@@ -501,8 +504,7 @@ struct StripBlocks {
       const auto b = static_cast<size_t>(block - first_block);
       float* const to = values.data() + b * static_cast<size_t>(value_elements);
       if (!values_made[b]) {
-        const int64_t n = KeysOf(block) * v.head_dim;
-        for (int64_t e = 0; e < n; ++e) to[e] = Bfloat16ToFloat(rows[e]);
+        WidenRows(rows, KeysOf(block) * v.head_dim, to);
         values_made[b] = 1;
       }
       return to;
