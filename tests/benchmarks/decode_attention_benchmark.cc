@@ -13,6 +13,9 @@
 // not by the adds).
 // BM_ReadProbeByHead/chunk_kib: the same array read in chunks, the order of
 // one KV head's rows through a cache's blocks (of_probe against the probe).
+// BM_ReadProbeCall/kib: the probe's array read `kib` KiB a call (a fresh
+// slice each), timed as the decode calls are: what a call reading that many
+// bytes can reach here, its start and end included (of_probe as above).
 // BM_PagedDecode/seqs/context/heads/kv_heads/bf16: one decode step (n = 1 new
 // query row per sequence, head_dim 64) of a micro-batch of `seqs` sequences.
 // Counters:
@@ -339,6 +342,50 @@ BENCHMARK(BM_ReadProbeByHead)
     ->Arg(8)
     ->Arg(16)
     ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+// The probe's array read `kib` KiB per call, as a decode call reads its KV:
+// each call a fresh contiguous slice (the slices rotate through the array, so
+// each comes from memory), split over the OpenMP threads in one parallel
+// region, timed call by call with probe passes between them (TimedCalls) like
+// BM_PagedDecode's calls. What memory gives a call of that size here, its
+// start (waking the threads, the first misses of each thread's part) and end
+// (the threads finishing apart) included: the most a decode call reading as
+// many bytes could reach. of_probe: GB/s over the start-up probe's.
+void BM_ReadProbeCall(benchmark::State& state) {
+  const int64_t slice_floats = state.range(0) * 1024 / 4;
+  ReadProbe& probe = SharedProbe();
+  const float* data = probe.data();
+  const int64_t slices = probe.bytes() / 4 / slice_floats;
+  TimedCalls timed(state);
+  for (auto _ : state) {
+    const float* slice = data + timed.calls() % slices * slice_floats;
+    timed.Run([&] {
+      float sum = 0.0f;
+#pragma omp parallel reduction(+ : sum)
+      {
+        const int64_t threads = omp_get_num_threads();
+        const int64_t thread = omp_get_thread_num();
+        const int64_t begin = slice_floats * thread / threads;
+        sum += SumFloats(slice + begin, slice_floats * (thread + 1) / threads - begin);
+      }
+      benchmark::DoNotOptimize(sum);
+    });
+  }
+  const double gbps =
+      static_cast<double>(timed.calls() * slice_floats * 4) / timed.seconds() * 1e-9;
+  state.counters["GBps"] = gbps;
+  state.counters["of_probe"] = gbps / ProbeGbps();
+  state.counters["of_alongside"] = gbps / timed.ProbeGbps();
+}
+BENCHMARK(BM_ReadProbeCall)
+    ->ArgName("kib")
+    ->Arg(4 << 10)
+    ->Arg(8 << 10)
+    ->Arg(16 << 10)
+    ->Arg(32 << 10)
+    ->Arg(128 << 10)
+    ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();
 
 // Fills a cache with `context` tokens of cheap pseudo-random K/V (the values
