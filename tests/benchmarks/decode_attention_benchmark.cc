@@ -176,6 +176,19 @@ float SumFloats(const float* data, int64_t n) {
   return sum(data, n);
 }
 
+// Sums n floats on all OpenMP threads, each its own contiguous part.
+float SumFloatsOnThreads(const float* data, int64_t n) {
+  float sum = 0.0f;
+#pragma omp parallel reduction(+ : sum)
+  {
+    const int64_t threads = omp_get_num_threads();
+    const int64_t thread = omp_get_thread_num();
+    const int64_t begin = n * thread / threads;
+    sum += SumFloats(data + begin, n * (thread + 1) / threads - begin);
+  }
+  return sum;
+}
+
 // Sums a large array on all OpenMP threads, each its own contiguous part; the
 // array is 4x L3 and at least 256 MiB. Returns GB/s of one pass.
 class ReadProbe {
@@ -194,15 +207,7 @@ class ReadProbe {
     const int64_t n = static_cast<int64_t>(data_.size());
     const float* data = data_.data();
     const auto start = std::chrono::steady_clock::now();
-    float sum = 0.0f;
-#pragma omp parallel reduction(+ : sum)
-    {
-      const int64_t threads = omp_get_num_threads();
-      const int64_t thread = omp_get_thread_num();
-      const int64_t begin = n * thread / threads;
-      sum += SumFloats(data + begin, n * (thread + 1) / threads - begin);
-    }
-    benchmark::DoNotOptimize(sum);
+    benchmark::DoNotOptimize(SumFloatsOnThreads(data, n));
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   int64_t bytes() const { return static_cast<int64_t>(data_.size() * sizeof(float)); }
@@ -360,17 +365,7 @@ void BM_ReadProbeCall(benchmark::State& state) {
   TimedCalls timed(state);
   for (auto _ : state) {
     const float* slice = data + timed.calls() % slices * slice_floats;
-    timed.Run([&] {
-      float sum = 0.0f;
-#pragma omp parallel reduction(+ : sum)
-      {
-        const int64_t threads = omp_get_num_threads();
-        const int64_t thread = omp_get_thread_num();
-        const int64_t begin = slice_floats * thread / threads;
-        sum += SumFloats(slice + begin, slice_floats * (thread + 1) / threads - begin);
-      }
-      benchmark::DoNotOptimize(sum);
-    });
+    timed.Run([&] { benchmark::DoNotOptimize(SumFloatsOnThreads(slice, slice_floats)); });
   }
   const double gbps =
       static_cast<double>(timed.calls() * slice_floats * 4) / timed.seconds() * 1e-9;
