@@ -513,8 +513,9 @@ ExtendGroups MakeExtendGroups(const HeadConfig& config, int64_t seqs, int64_t co
   const int64_t groups = std::max<int64_t>(2, (4 * L3Bytes() + call_kv_bytes - 1) / call_kv_bytes);
   const int block_tokens = kBenchBlockTokens;
   // Room for the caches' tokens and for the blocks each may hold ahead.
-  const int64_t blocks = groups * seqs *
-                         ((context + block_tokens - 1) / block_tokens + LayerKvCache::kMaxRunBlocks);
+  const int64_t blocks =
+      groups * seqs *
+      ((context + block_tokens - 1) / block_tokens + LayerKvCache::kMaxRunBlocks);
   g.pool = KvBlockPool::Create({blocks * KvBlockBytes(layout, block_tokens), block_tokens}).value();
   const size_t d = static_cast<size_t>(config.d_model);
   g.hidden.resize(static_cast<size_t>(seqs) * d);
