@@ -351,7 +351,10 @@ TEST_F(ModelServiceTest, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails)
   }
   auto client = Client("");
   std::atomic<bool> stop{false};
-  std::atomic<int> stable_calls{0}, loads{0}, unloads{0};
+  // Loads that ended READY, and loads another thread's unload of the same
+  // name cut short (ABORTED): under a busy machine's slow loads every load
+  // may be cut short, so the churn counts both.
+  std::atomic<int> stable_calls{0}, loads{0}, aborted_loads{0}, unloads{0};
   std::thread requests([&] {
     while (!stop.load()) {
       absl::Status status;
@@ -368,8 +371,10 @@ TEST_F(ModelServiceTest, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails)
         absl::Status loaded = client->LoadModel(name).status();
         if (loaded.ok()) {
           ++loads;
+        } else if (absl::IsAborted(loaded)) {
+          ++aborted_loads;
         } else {
-          EXPECT_TRUE(absl::IsAlreadyExists(loaded) || absl::IsAborted(loaded)) << loaded;
+          EXPECT_TRUE(absl::IsAlreadyExists(loaded)) << loaded;
         }
         // Calls on a model being unloaded: its own answer, or a clean
         // NOT_FOUND/UNAVAILABLE.
@@ -394,11 +399,17 @@ TEST_F(ModelServiceTest, EightThreadsLoadAndUnloadWhileTheStableModelNeverFails)
   stop = true;
   requests.join();
   EXPECT_GT(stable_calls.load(), 0);
-  EXPECT_GT(loads.load(), 0);
+  EXPECT_GT(loads.load() + aborted_loads.load(), 0);
   EXPECT_GT(unloads.load(), 0);
   EXPECT_EQ(client->GetModel("stable")->state(), v1::MODEL_STATE_READY);
   absl::Status status;
   EXPECT_LE(answer_error(*client, "stable", stable_reference, &status), testing::kFp32Tolerance)
+      << status;
+  // After the churn a load no one cuts short ends READY (or m0 is still
+  // loaded from the churn's last load) and answers.
+  const absl::Status loaded = client->LoadModel("m0").status();
+  ASSERT_TRUE(loaded.ok() || absl::IsAlreadyExists(loaded)) << loaded;
+  EXPECT_LE(answer_error(*client, "m0", churn_references[0], &status), testing::kFp32Tolerance)
       << status;
 }
 
