@@ -58,8 +58,9 @@ void ReleasePages(std::byte* block, int64_t bytes) {
 // (docs/measurements.md, "A block's pages come in one call"). There the first
 // write to a populated page still cost 5.5-6.5 us (BM_FreshPages): populating
 // halves a fresh page's cost, it does not remove it. A hint: on a kernel
-// without it, the pages fault in as they are written. The pages at the ends may be shared
-// with the neighbouring slots, which ReleasePages never gives back anyway.
+// without it, the pages fault in as they are written. The pages at the ends
+// may be shared with the neighbouring slots, which ReleasePages never gives
+// back anyway.
 void PopulatePages(std::byte* block, int64_t bytes) {
   const int64_t page = PageBytes();
   const auto start = reinterpret_cast<uintptr_t>(block);

@@ -78,7 +78,11 @@
 // built-in model's shape: d_model 768, 12 heads, head_dim 64, no RoPE), each
 // Extend call one chunk of `chunk` tokens for every sequence, until each
 // holds `tokens`; then the caches are truncated to empty (outside the
-// timing), so that every prefill takes fresh blocks. Counters:
+// timing), so that every prefill takes fresh blocks. 32 sessions in chunks
+// of 256 are the rounds a server computes for `attnctl bench --decode
+// --sessions=32` at its default --prefill_chunk_tokens. The host's minutes
+// move these rows: compare one prefill at a time, alternated
+// (--benchmark_min_time=0). Counters:
 //   tokens_per_s  prefilled tokens per second (seqs * tokens per prefill)
 //   prefill_ms    milliseconds per prefill
 #include <omp.h>
@@ -733,7 +737,7 @@ void BM_Prefill(benchmark::State& state) {
 }
 BENCHMARK(BM_Prefill)
     ->ArgNames({"seqs", "tokens", "chunk", "bf16_kv"})
-    ->ArgsProduct({{8}, {2048}, {512}, {0, 1}})
+    ->ArgsProduct({{8, 32}, {2048}, {256, 512}, {0, 1}})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
